@@ -1,0 +1,354 @@
+"""RL losses that return a sum and a denominator, so means are exact anywhere.
+
+Every loss returns ``LossOutput(total, count, token_count, metrics)``:
+
+* ``total``: the aggregated loss *sum* of this micro-batch (a scalar);
+* ``count``: its denominator (tokens or sequences, by aggregation mode);
+* ``token_count``: the number of real response tokens;
+* ``metrics``: per-token *sums* (clip fraction, approx KL, entropy, ...).
+
+Summing outputs over micro-batches and hosts (``jax.tree.map(jnp.add, ...)``
+or a ``psum``) and dividing once (``finalize``) gives exactly the full-batch
+mean.  For gradients the same holds: the trainer computes the full batch's
+denominator first (``loss_denominator`` on every micro-batch, summed, psum'd
+across hosts) and differentiates ``total / global_count`` per micro-batch;
+the accumulated gradient is then the gradient of the full-batch mean.
+
+Aggregation modes (l = per-token loss, m = response mask, i = sequence):
+
+* ``token-mean``:             sum_i sum_t m l / sum_i sum_t m
+* ``seq-mean-token-sum``:     (1/N) sum_i sum_t m l
+* ``seq-mean-token-mean``:    (1/N) sum_i (sum_t m l / sum_t m)
+* ``seq-mean-token-sum-norm``: (1/N) sum_i sum_t m l / L   (Dr.GRPO, L fixed)
+
+with N the number of non-empty sequences.  The seq-mean modes stay exact
+across micro-batches because a sequence never straddles two micro-batches: its
+inner token mean is complete inside one, so ``total`` is a sum of whole
+per-sequence terms and ``count`` the number of sequences; summing both over
+micro-batches gives the full-batch sums.  An empty response (all-zero mask)
+adds nothing to either.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Any, Iterable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from distflow_jax.algos import kl as kl_lib
+
+_LOG_RATIO_CLAMP = 20.0
+
+
+class LossAggMode(enum.Enum):
+  TOKEN_MEAN = "token-mean"
+  SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
+  SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+  SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
+
+  @classmethod
+  def parse(cls, name: "str | LossAggMode") -> "LossAggMode":
+    if isinstance(name, cls):
+      return name
+    try:
+      return cls(name)
+    except ValueError:
+      valid = ", ".join(e.value for e in cls)
+      raise ValueError(f"unknown loss aggregation mode {name!r}; valid: {valid}"
+                       ) from None
+
+
+class RatioLevel(enum.Enum):
+  TOKEN = "token"        # PPO / GRPO / DAPO
+  SEQUENCE = "sequence"  # GSPO
+
+  @classmethod
+  def parse(cls, name: "str | RatioLevel") -> "RatioLevel":
+    if isinstance(name, cls):
+      return name
+    try:
+      return cls(name)
+    except ValueError:
+      valid = ", ".join(e.value for e in cls)
+      raise ValueError(f"unknown ratio level {name!r}; valid: {valid}") from None
+
+
+class LossOutput(NamedTuple):
+  total: jax.Array
+  count: jax.Array
+  token_count: jax.Array
+  metrics: dict[str, jax.Array]
+
+
+# --------------------------------------------------------------------------
+# Aggregation.
+
+
+def _check_same_shape(**arrays: jax.Array) -> None:
+  shapes = {k: tuple(v.shape) for k, v in arrays.items()}
+  if len(set(shapes.values())) != 1 or any(len(s) != 2 for s in shapes.values()):
+    detail = ", ".join(f"{k} {s}" for k, s in shapes.items())
+    raise ValueError(f"expected matching [B, T] shapes, got {detail}")
+
+
+def loss_denominator(response_mask_BxT: jax.Array,
+                     agg_mode: "str | LossAggMode" = LossAggMode.TOKEN_MEAN
+                     ) -> jax.Array:
+  """The ``count`` a loss over this mask would return (tokens or sequences)."""
+  mode = LossAggMode.parse(agg_mode)
+  m = response_mask_BxT.astype(jnp.float32)
+  if mode is LossAggMode.TOKEN_MEAN:
+    return jnp.sum(m)
+  return jnp.sum((jnp.sum(m, axis=1) > 0).astype(jnp.float32))
+
+
+def aggregate(loss_BxT: jax.Array, response_mask_BxT: jax.Array,
+              agg_mode: "str | LossAggMode" = LossAggMode.TOKEN_MEAN,
+              norm_length: float | None = None) -> tuple[jax.Array, jax.Array]:
+  """(total, count) of a per-token loss under ``agg_mode`` (module docstring)."""
+  mode = LossAggMode.parse(agg_mode)
+  m = response_mask_BxT.astype(jnp.float32)
+  # where(), not multiply: a NaN/inf on padding must not poison the sum.
+  lm = jnp.where(m > 0, loss_BxT.astype(jnp.float32), 0.0) * m
+  count = loss_denominator(m, mode)
+  if mode is LossAggMode.TOKEN_MEAN:
+    return jnp.sum(lm), count
+  if mode is LossAggMode.SEQ_MEAN_TOKEN_SUM:
+    return jnp.sum(lm), count
+  if mode is LossAggMode.SEQ_MEAN_TOKEN_MEAN:
+    per_seq = jnp.sum(lm, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
+    return jnp.sum(per_seq), count
+  if norm_length is None or norm_length <= 0:
+    raise ValueError(f"{mode.value} needs a positive norm_length (a fixed "
+                     f"length such as the max response length), got {norm_length}")
+  return jnp.sum(lm) / norm_length, count
+
+
+def _token_sum(x_BxT: jax.Array, m_BxT: jax.Array) -> jax.Array:
+  return jnp.sum(jnp.where(m_BxT > 0, x_BxT.astype(jnp.float32), 0.0))
+
+
+# --------------------------------------------------------------------------
+# Policy loss.
+
+
+def policy_loss(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,
+                advantages_BxT: jax.Array, response_mask_BxT: jax.Array, *,
+                clip_ratio_low: float = 0.2,
+                clip_ratio_high: float | None = None,
+                clip_ratio_c: float | None = None,
+                ratio_level: "str | RatioLevel" = RatioLevel.TOKEN,
+                agg_mode: "str | LossAggMode" = LossAggMode.TOKEN_MEAN,
+                norm_length: float | None = None) -> LossOutput:
+  """PPO clipped surrogate with clip-higher, dual-clip and GSPO ratios.
+
+  Per token, with rho the importance ratio and A the advantage:
+    l = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))
+  ``clip_ratio_high`` > ``clip_ratio_low`` is DAPO's clip-higher.  Dual clip
+  (Ye et al. 2020, ``clip_ratio_c`` = c > 1) bounds the loss of negative
+  advantages: l = min(l, -A c) where A < 0.
+
+  ``ratio_level='token'``: rho_t = pi(y_t) / pi_old(y_t).
+  ``ratio_level='sequence'`` (GSPO, Zheng et al. 2025, its token form):
+    log s_i   = (1/|y_i|) sum_t log(pi(y_t) / pi_old(y_t))
+    rho_{i,t} = sg(s_i) * pi(y_t) / sg(pi(y_t))
+  so every token of a sequence shares the value s_i while the gradient flows
+  per token; with a sequence advantage broadcast over tokens this is GSPO.
+
+  Metrics (token sums): ``pg_clipfrac`` (the clipped branch was taken),
+  ``pg_clipfrac_lower`` (the dual clip was taken), ``ppo_kl``
+  (log pi_old - log pi, k1), ``ratio``, ``pg_loss`` (the total again, so it
+  survives ``actor_loss``'s combination).
+  """
+  _check_same_shape(logprobs_BxT=logprobs_BxT, old_logprobs_BxT=old_logprobs_BxT,
+                    advantages_BxT=advantages_BxT,
+                    response_mask_BxT=response_mask_BxT)
+  eps_low = clip_ratio_low
+  eps_high = clip_ratio_low if clip_ratio_high is None else clip_ratio_high
+  if not (0 <= eps_low < 1) or eps_high < 0:
+    raise ValueError(f"clip ratios must satisfy 0 <= low < 1 and high >= 0, got "
+                     f"low={eps_low}, high={eps_high}")
+  if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+    raise ValueError(f"dual-clip clip_ratio_c must be > 1, got {clip_ratio_c}")
+  level = RatioLevel.parse(ratio_level)
+
+  m = response_mask_BxT.astype(jnp.float32)
+  logp = logprobs_BxT.astype(jnp.float32)
+  adv = advantages_BxT.astype(jnp.float32)
+  token_log_ratio = jnp.where(m > 0, logp - old_logprobs_BxT.astype(jnp.float32),
+                              0.0)
+  if level is RatioLevel.TOKEN:
+    log_ratio = token_log_ratio
+  else:
+    seq_log_ratio_B = (jnp.sum(token_log_ratio, axis=1)
+                       / jnp.maximum(jnp.sum(m, axis=1), 1.0))
+    log_ratio = (jax.lax.stop_gradient(seq_log_ratio_B)[:, None]
+                 + logp - jax.lax.stop_gradient(logp))
+  ratio = jnp.exp(jnp.clip(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+
+  unclipped = -adv * ratio
+  clipped = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+  loss = jnp.maximum(unclipped, clipped)
+  clip_taken = (clipped > unclipped).astype(jnp.float32)
+  if clip_ratio_c is not None:
+    bound = -adv * clip_ratio_c
+    dual_taken = ((adv < 0) & (loss > bound)).astype(jnp.float32)
+    loss = jnp.where(adv < 0, jnp.minimum(loss, bound), loss)
+  else:
+    dual_taken = jnp.zeros_like(loss)
+
+  total, count = aggregate(loss, m, agg_mode, norm_length)
+  metrics = {
+      "pg_loss": total,
+      "pg_clipfrac": _token_sum(clip_taken, m),
+      "pg_clipfrac_lower": _token_sum(dual_taken, m),
+      "ppo_kl": _token_sum(-token_log_ratio, m),
+      "ratio": _token_sum(ratio, m),
+  }
+  return LossOutput(total, count, jnp.sum(m), metrics)
+
+
+def kl_loss(logprobs_BxT: jax.Array, ref_logprobs_BxT: jax.Array,
+            response_mask_BxT: jax.Array, *,
+            estimator: "str | kl_lib.KLEstimator" = kl_lib.KLEstimator.K3,
+            agg_mode: "str | LossAggMode" = LossAggMode.TOKEN_MEAN,
+            norm_length: float | None = None) -> LossOutput:
+  """KL(pi || pi_ref) as a loss term, per-token estimator aggregated."""
+  _check_same_shape(logprobs_BxT=logprobs_BxT, ref_logprobs_BxT=ref_logprobs_BxT,
+                    response_mask_BxT=response_mask_BxT)
+  m = response_mask_BxT.astype(jnp.float32)
+  kl = kl_lib.kl_divergence(logprobs_BxT, ref_logprobs_BxT, estimator)
+  total, count = aggregate(kl, m, agg_mode, norm_length)
+  return LossOutput(total, count, jnp.sum(m), {"kl": _token_sum(kl, m)})
+
+
+def entropy_loss(entropy_BxT: jax.Array, response_mask_BxT: jax.Array, *,
+                 agg_mode: "str | LossAggMode" = LossAggMode.TOKEN_MEAN,
+                 norm_length: float | None = None) -> LossOutput:
+  """The aggregated entropy H (to be *subtracted*, times a coefficient)."""
+  _check_same_shape(entropy_BxT=entropy_BxT, response_mask_BxT=response_mask_BxT)
+  m = response_mask_BxT.astype(jnp.float32)
+  total, count = aggregate(entropy_BxT, m, agg_mode, norm_length)
+  return LossOutput(total, count, jnp.sum(m),
+                    {"entropy": _token_sum(entropy_BxT, m)})
+
+
+def actor_loss(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,
+               advantages_BxT: jax.Array, response_mask_BxT: jax.Array, *,
+               entropy_BxT: jax.Array | None = None, entropy_coef: float = 0.0,
+               ref_logprobs_BxT: jax.Array | None = None, kl_coef: float = 0.0,
+               kl_estimator: "str | kl_lib.KLEstimator" = kl_lib.KLEstimator.K3,
+               agg_mode: "str | LossAggMode" = LossAggMode.TOKEN_MEAN,
+               norm_length: float | None = None,
+               **policy_kwargs: Any) -> LossOutput:
+  """policy_loss - entropy_coef * H + kl_coef * KL, all under one agg mode.
+
+  The three terms share the mask and mode, hence the denominator, so a linear
+  combination of their totals is the total of the combined loss.
+  """
+  pg = policy_loss(logprobs_BxT, old_logprobs_BxT, advantages_BxT,
+                   response_mask_BxT, agg_mode=agg_mode, norm_length=norm_length,
+                   **policy_kwargs)
+  total, metrics = pg.total, dict(pg.metrics)
+  if entropy_BxT is not None:
+    ent = entropy_loss(entropy_BxT, response_mask_BxT, agg_mode=agg_mode,
+                       norm_length=norm_length)
+    total = total - entropy_coef * ent.total
+    metrics.update(ent.metrics)
+  elif entropy_coef:
+    raise ValueError(f"entropy_coef={entropy_coef} needs entropy_BxT")
+  if ref_logprobs_BxT is not None:
+    kl = kl_loss(logprobs_BxT, ref_logprobs_BxT, response_mask_BxT,
+                 estimator=kl_estimator, agg_mode=agg_mode,
+                 norm_length=norm_length)
+    total = total + kl_coef * kl.total
+    metrics.update(kl.metrics)
+  elif kl_coef:
+    raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs_BxT")
+  return LossOutput(total, pg.count, pg.token_count, metrics)
+
+
+# --------------------------------------------------------------------------
+# Value loss.
+
+
+def value_loss(values_BxT: jax.Array, old_values_BxT: jax.Array,
+               returns_BxT: jax.Array, response_mask_BxT: jax.Array, *,
+               clip_range: float | None = 0.2,
+               agg_mode: "str | LossAggMode" = LossAggMode.TOKEN_MEAN,
+               norm_length: float | None = None) -> LossOutput:
+  """Clipped value loss (PPO2):
+
+    V_clip = V_old + clip(V - V_old, -eps, eps)
+    l      = 0.5 * max((V - R)^2, (V_clip - R)^2)
+
+  ``clip_range=None`` gives the plain 0.5 (V - R)^2.  Metric ``vf_clipfrac``
+  counts tokens where the clipped branch was larger.
+  """
+  _check_same_shape(values_BxT=values_BxT, old_values_BxT=old_values_BxT,
+                    returns_BxT=returns_BxT, response_mask_BxT=response_mask_BxT)
+  m = response_mask_BxT.astype(jnp.float32)
+  v = values_BxT.astype(jnp.float32)
+  ret = returns_BxT.astype(jnp.float32)
+  unclipped = jnp.square(v - ret)
+  if clip_range is None:
+    loss, taken = 0.5 * unclipped, jnp.zeros_like(v)
+  else:
+    if clip_range <= 0:
+      raise ValueError(f"value clip_range must be > 0 or None, got {clip_range}")
+    old = old_values_BxT.astype(jnp.float32)
+    v_clip = old + jnp.clip(v - old, -clip_range, clip_range)
+    clipped = jnp.square(v_clip - ret)
+    loss = 0.5 * jnp.maximum(unclipped, clipped)
+    taken = (clipped > unclipped).astype(jnp.float32)
+  total, count = aggregate(loss, m, agg_mode, norm_length)
+  metrics = {"vf_loss": total, "vf_clipfrac": _token_sum(taken, m),
+             "vpred": _token_sum(v, m)}
+  return LossOutput(total, count, jnp.sum(m), metrics)
+
+
+# --------------------------------------------------------------------------
+# Host-side reduction.
+
+
+def combine(outputs: Iterable[LossOutput]) -> LossOutput:
+  """Sums loss outputs of micro-batches (or hosts) field by field."""
+  outputs = list(outputs)
+  if not outputs:
+    raise ValueError("combine() needs at least one LossOutput")
+  return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *outputs)
+
+
+class EmptyBatchError(ValueError):
+  """The batch holds no real response token: no update can be computed."""
+
+
+class NonFiniteLossError(FloatingPointError):
+  """The loss sum is NaN or infinite: the update must not be applied."""
+
+
+def finalize(out: LossOutput, where: str = "loss") -> dict[str, float]:
+  """Turns summed outputs into means on the host; refuses bad batches.
+
+  ``loss`` = total / count; loss-like metrics (``*_loss``) likewise; other
+  metrics are per-token means.  Raises ``EmptyBatchError`` when there is no
+  real token and ``NonFiniteLossError`` when the total is NaN/inf, naming
+  ``where`` (e.g. the DAG node), so a bad batch never becomes a silent update.
+  """
+  count = float(out.count)
+  tokens = float(out.token_count)
+  total = float(out.total)
+  if count <= 0 or tokens <= 0:
+    raise EmptyBatchError(
+        f"{where}: no real response tokens (count={count:g}, "
+        f"token_count={tokens:g}); every response in the batch is empty")
+  if not math.isfinite(total):
+    raise NonFiniteLossError(f"{where}: loss total is {total} over count "
+                             f"{count:g}; refusing to report or apply it")
+  result = {"loss": total / count, "count": count, "token_count": tokens}
+  for k, v in out.metrics.items():
+    result[k] = float(v) / (count if k.endswith("_loss") else tokens)
+  return result
