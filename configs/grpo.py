@@ -1,0 +1,54 @@
+"""GRPO in DistFlow's order: generate(n) -> reward -> advantage -> logprobs -> train.
+
+  distflow-jax plan  --config=configs/grpo.py:tiny
+  distflow-jax train --config=configs/grpo.py:tiny --config.actor.optimizer.lr=1e-5
+Variants: ``tiny`` (CPU, built-in task and model), ``qwen0.5b`` (a local
+Qwen2.5-0.5B-Instruct and GSM8K JSONL; set --config.model.path and
+--config.data.train).
+"""
+
+from distflow_jax.config import defaults
+
+DAG = [
+    dict(id="generate", fn="generate"),
+    dict(id="reward", fn="reward.math", deps=["generate"]),
+    dict(id="advantage", fn="advantage.grpo", deps=["reward"]),
+    dict(id="old_logprob", fn="logprob", deps=["generate"]),
+    dict(id="ref_logprob", fn="ref_logprob", deps=["generate"]),
+    dict(id="train_actor", fn="train.actor", deps=["advantage", "old_logprob", "ref_logprob"]),
+]
+
+
+def get_config(arg: str = "tiny"):
+  c = defaults.base()
+  c.name = f"grpo-{arg}"
+  c.dag = DAG
+  c.actor.kl.coef = 0.001
+  if arg == "tiny":
+    c.run_dir = "runs/grpo_tiny"
+    c.cluster.devices_per_process = 8
+    c.data.prompts_per_step = 8
+    c.rollout.n = 4
+    c.actor.optimizer.lr = 1e-4
+    c.actor.micro_batch_size = 4
+  elif arg == "qwen0.5b":
+    c.run_dir = "runs/grpo_qwen0.5b"
+    c.model.path = ""  # set --config.model.path=/path/to/Qwen2.5-0.5B-Instruct
+    c.model.dtype = "bfloat16"
+    c.model.max_seq_len = 1536
+    c.data.train = ""  # set --config.data.train=/path/to/gsm8k_train.jsonl
+    c.data.eval = ""
+    c.data.chat_template = True
+    c.data.max_prompt_len = 512
+    c.data.prompts_per_step = 64
+    c.rollout.n = 8
+    c.rollout.max_new_tokens = 1024
+    c.rollout.prefill_buckets = (128, 256, 512)
+    c.rollout.max_concurrent_decodes = 128
+    c.actor.optimizer.lr = 1e-6
+    c.actor.micro_batch_size = 4
+    c.actor.mini_batches = 4
+    c.trainer.total_steps = 500
+  else:
+    raise ValueError(f"unknown variant {arg!r} of grpo.py; valid: tiny, qwen0.5b")
+  return c

@@ -1,0 +1,104 @@
+"""The ``distflow-jax`` command: thin wrappers over the library.
+
+  distflow-jax plan   --config=configs/grpo.py:tiny [--process=N] [--num_processes=P]
+  distflow-jax launch -n 2 --devices-per-process 2 -- python prog.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from absl import flags
+
+from distflow_jax.config import loading
+from distflow_jax.dag.spec import DagError
+
+
+def _plan(argv: Sequence[str]) -> int:
+  from distflow_jax.config import checks
+  from distflow_jax.dag import FUNCTIONS, render
+
+  fv = flags.FlagValues()
+  loading.define_flags(fv)
+  flags.DEFINE_integer("process", None, "print only this process's portion", flag_values=fv)
+  flags.DEFINE_integer("num_processes", None, "plan for this many processes "
+                       "(default: config.cluster, else the running jax)", flag_values=fv)
+  flags.DEFINE_integer("devices_per_process", None, "plan for this many devices per process",
+                       flag_values=fv)
+  rest = loading.parse(fv, argv)
+  if rest:
+    raise loading.ConfigError(f"plan takes no positional arguments, got {rest}")
+  cfg = fv.config
+  topo = checks.topology(cfg, fv.num_processes, fv.devices_per_process)
+  plan = checks.plan_from_config(cfg, topo, FUNCTIONS)
+  if fv.process is not None and not 0 <= fv.process < topo.num_processes:
+    raise loading.ConfigError(f"--process={fv.process} is out of range: the plan has "
+                              f"{topo.num_processes} process(es)")
+  print(f"config: {cfg.name}")
+  print(render(plan, fv.process))
+  return 0
+
+
+def _launch(argv: Sequence[str]) -> int:
+  from distflow_jax import launcher
+
+  parser = argparse.ArgumentParser(
+      prog="distflow-jax launch",
+      description="Start N local jax.distributed processes running the same command.")
+  parser.add_argument("-n", "--num-processes", type=int, required=True)
+  parser.add_argument("--devices-per-process", type=int, default=1)
+  parser.add_argument("--timeout", type=float, default=24 * 3600.0,
+                      help="SIGKILL everything after this many seconds")
+  parser.add_argument("--grace", type=float, default=5.0,
+                      help="seconds between SIGTERM and SIGKILL when stopping peers")
+  parser.add_argument("command", nargs=argparse.REMAINDER)
+  args = parser.parse_args(list(argv))
+  command = list(args.command)
+  if command and command[0] == "--":
+    command = command[1:]
+  if not command:
+    parser.error("give the command after --, e.g. -- python -m distflow_jax.cli plan ...")
+  result = launcher.launch(args.num_processes, args.devices_per_process, command,
+                           timeout_s=args.timeout, grace_s=args.grace)
+  if not result.ok:
+    print(f"distflow-jax launch: {result.describe()}", file=sys.stderr)
+    if result.first_failure is not None:
+      rc = result.first_failure[1]
+      return rc if 0 < rc < 256 else 1
+    return 124
+  return 0
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+    "plan": _plan,
+    "launch": _launch,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if not argv or argv[0] in ("-h", "--help", "help"):
+    print(__doc__.strip())
+    print(f"\ncommands: {', '.join(COMMANDS)}")
+    return 0 if argv else 2
+  cmd, rest = argv[0], argv[1:]
+  if cmd not in COMMANDS:
+    from distflow_jax.dag.registry import unknown_name_message
+    print(f"distflow-jax: {unknown_name_message('command', cmd, COMMANDS)}", file=sys.stderr)
+    return 2
+  try:
+    return COMMANDS[cmd](rest)
+  except (loading.ConfigError, DagError) as e:
+    print(f"distflow-jax {cmd}: error: {e}", file=sys.stderr)
+    return 2
+
+
+def entry() -> None:
+  from distflow_jax import distributed
+  distributed.run_main(main)
+
+
+if __name__ == "__main__":
+  entry()

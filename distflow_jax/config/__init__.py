@@ -1,0 +1,1 @@
+"""Config loading (ml_collections files + command-line overrides) and checks."""

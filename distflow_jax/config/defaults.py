@@ -1,0 +1,108 @@
+"""The config schema: every key a user can set, with its default.
+
+Config files under configs/ start from ``base()`` and set what differs.  The
+config is locked after loading, so only keys defined here exist.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+
+def optimizer(lr: float) -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
+      name="adamw",          # adamw | adam | sgd
+      lr=lr,
+      weight_decay=0.0,
+      b1=0.9, b2=0.999, eps=1e-8,
+      schedule="constant",   # constant | cosine | linear
+      warmup_steps=0,
+      grad_clip=1.0,         # global-norm clip; 0 disables
+  ))
+
+
+def mesh(devices: str = "all", **axes: int) -> ml_collections.ConfigDict:
+  shape = {"data": 1, "fsdp": -1, "tensor": 1}
+  shape.update(axes)
+  return ml_collections.ConfigDict(dict(devices=devices, mesh=shape))
+
+
+def base() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.name = "run"
+  c.seed = 0
+  c.run_dir = "runs/default"
+  # Modules to import before the DAG is validated; they may register node functions.
+  c.plugins = ()
+  # 0 = take from the running jax (process count, local device count).
+  c.cluster = dict(num_processes=0, devices_per_process=0)
+
+  c.model = dict(
+      path="",               # local Hugging Face dir (config.json + safetensors); "" = built-in
+      preset="tiny",         # built-in architecture when path is ""
+      dtype="float32",
+      max_seq_len=256,
+  )
+  c.data = dict(
+      train="builtin:arithmetic",  # JSONL/Parquet path or builtin:<task>
+      eval="builtin:arithmetic",
+      prompt_key="prompt",
+      answer_key="answer",
+      chat_template=False,
+      max_prompt_len=64,
+      prompts_per_step=8,    # global, over all processes
+      shuffle_seed=0,
+      on_bad_row="skip",     # skip (counted and reported) | error
+      eval_size=128,
+  )
+  c.rollout = dict(
+      n=4,                   # samples per prompt (group size)
+      max_new_tokens=32,
+      temperature=1.0,
+      top_p=1.0,
+      top_k=0,               # 0 = off
+      max_concurrent_decodes=16,
+      prefill_buckets=(32, 64),
+      tensor_parallel=1,     # devices per rollout replica, inside one host
+  )
+  c.actor = dict(
+      optimizer=optimizer(1e-5),
+      micro_batch_size=8,
+      ppo_epochs=1,
+      mini_batches=1,
+      clip_ratio_low=0.2,
+      clip_ratio_high=0.2,   # > low = DAPO clip-higher
+      dual_clip=0.0,         # 0 = off, else the dual-clip constant c > 1
+      ratio_level="token",   # token | sequence (GSPO)
+      loss_agg="token-mean", # token-mean | seq-mean-token-sum | seq-mean-token-mean
+      entropy_coef=0.0,
+      kl=dict(coef=0.0, estimator="k3", in_reward=False, target=0.0, horizon=10000),
+  )
+  c.critic = dict(
+      optimizer=optimizer(1e-5),
+      micro_batch_size=8,
+      ppo_epochs=1,
+      value_clip=0.2,
+  )
+  c.reference = dict()
+  c.reward = dict(
+      weight=1.0,
+      correct=1.0,
+      wrong=0.0,
+      tolerance=1e-6,
+  )
+  c.algo = dict(
+      gamma=1.0,
+      lam=1.0,
+      norm_by_std=True,      # False = Dr.GRPO
+  )
+  c.placement = dict(actor=mesh(), reference=mesh(), critic=mesh(), reward=mesh())
+  c.trainer = dict(
+      total_steps=20,
+      eval_every=5,
+      save_every=10,
+      keep=3,
+  )
+  c.entry = ""               # "" = the single generate node
+  c.dag = []
+  return c

@@ -1,0 +1,98 @@
+"""Loads an ml_collections config file with ``--config.x=y`` overrides.
+
+``--config=configs/grpo.py:tiny`` calls ``get_config("tiny")`` in that file;
+the config is locked, so an override of a key that does not exist is refused.
+Failures come back as ``ConfigError`` with a one-line reason (the raw
+absl/ml_collections exceptions are long tracebacks that bury the culprit).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Sequence
+
+import ml_collections
+from absl import flags
+from ml_collections import config_flags
+
+
+class ConfigError(ValueError):
+  """A config, config file or override that cannot be used; names the key."""
+
+
+def configs_dir() -> str:
+  """The repository's configs/ folder (next to the package)."""
+  return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__)))), "configs")
+
+
+def resolve_config_path(spec: str) -> str:
+  """Accepts 'path/to/file.py[:arg]' or a built-in name such as 'grpo:tiny'."""
+  path, sep, arg = spec.partition(":")
+  if not path.endswith(".py") and not os.path.exists(path):
+    builtin = os.path.join(configs_dir(), path + ".py")
+    if os.path.exists(builtin):
+      path = builtin
+  if not os.path.exists(path):
+    avail = sorted(f[:-3] for f in os.listdir(configs_dir()) if f.endswith(".py")
+                   and not f.startswith("_")) if os.path.isdir(configs_dir()) else []
+    raise ConfigError(f"config file {path!r} not found; built-in configs: {avail}")
+  return path + sep + arg
+
+
+def define_flags(fv: flags.FlagValues, default: str | None = None) -> None:
+  config_flags.DEFINE_config_file("config", default, "ml_collections config file[:arg]",
+                                  flag_values=fv, lock_config=True)
+
+
+def parse(fv: flags.FlagValues, argv: Sequence[str]) -> list[str]:
+  """Parses argv into fv; returns the positional leftovers."""
+  argv = ["--config=" + resolve_config_path(a.split("=", 1)[1])
+          if a.startswith("--config=") else a for a in argv]
+  if "--config" in argv:
+    i = argv.index("--config")
+    if i + 1 < len(argv):
+      argv[i + 1] = resolve_config_path(argv[i + 1])
+  try:
+    rest = fv(["distflow-jax"] + list(argv))
+    cfg = fv["config"].value
+  except flags.UnrecognizedFlagError as e:
+    raise ConfigError(_unknown_flag(e, fv)) from None
+  except (flags.IllegalFlagValueError, flags.Error) as e:
+    raise ConfigError(str(e).splitlines()[0] if str(e) else repr(e)) from None
+  except (KeyError, AttributeError) as e:
+    raise ConfigError(_bad_override(e, argv)) from None
+  except OSError as e:
+    raise ConfigError(str(e)) from None
+  if cfg is None or not isinstance(cfg, ml_collections.ConfigDict):
+    raise ConfigError("no config given: pass --config=configs/grpo.py:tiny (or another file)")
+  return rest[1:]
+
+
+def load(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
+  """Loads ``spec`` with override strings like 'actor.optimizer.lr=1e-5'."""
+  fv = flags.FlagValues()
+  define_flags(fv)
+  parse(fv, [f"--config={spec}"] + [f"--config.{o}" for o in overrides])
+  return fv.config
+
+
+def _unknown_flag(e: Exception, fv: flags.FlagValues) -> str:
+  m = re.search(r"'([^']+)'", str(e))
+  name = m.group(1) if m else str(e)
+  if name.startswith("config."):
+    return f"unknown config key {name[len('config.'):]!r}"
+  close = difflib.get_close_matches(name, [n for n in fv if not n.startswith("config.")], n=3)
+  hint = f"; did you mean {' or '.join('--' + c for c in close)}?" if close else ""
+  return f"unknown flag --{name}{hint}"
+
+
+def _bad_override(e: Exception, argv: Sequence[str]) -> str:
+  msg = e.args[0] if e.args else repr(e)
+  msg = str(msg).strip("'\"")
+  key = next((a.split("=", 1)[0][2:] for a in argv if a.startswith("--config.")
+              and str(msg).split("\n")[0].strip("'\"") in a), None)
+  head = f"override --{key}: " if key else "config override: "
+  return head + "unknown key " + msg.replace("\n", " ")

@@ -1,0 +1,331 @@
+"""The planner: a validated DAG -> a sequential chain with a layout per node.
+
+Every process calls ``make_plan`` with the same config and topology and gets
+the same plan; it then keeps its own portion (``Plan.portion``).  Nothing is
+sent between processes to agree on it.
+
+Ordering.  A topological order is built greedily: among the ready nodes, one
+that runs in the layout the batch already has comes first (no data moves),
+then one that consumes what the last node just made (the chain follows the
+data), then the smallest logical depth, then declaration order.  For GRPO this
+yields DistFlow's order (rewards and group advantages before the batch is
+re-partitioned for the model passes); for PPO it yields generate, reward,
+old_logprob, ref_logprob, values, advantage, train_critic, train_actor.
+
+Layouts.  A layout is the ordered device list plus the data-parallel size
+over it; the batch is split into ``dp_size`` equal parts in device order.
+Two layouts with the same devices and DP size need no data movement (the
+fast path).  ``generate`` runs on per-host rollout replicas over the actor's
+devices (``tensor_parallel`` devices each, inside one host); model nodes run
+on their role's mesh (DP = data x fsdp); host-side COMPUTE nodes run where the
+batch is, except that a node needing whole prompt groups after a
+re-partition moves the batch back to the rollout layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from distflow_jax.dag.registry import Placement, Registry
+from distflow_jax.dag.spec import DagError, Node, Role
+from distflow_jax.dag.validate import Dag
+
+MESH_AXES = ("data", "fsdp", "tensor")
+DP_AXES = ("data", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+  num_processes: int
+  devices_per_process: int
+
+  def __post_init__(self):
+    if self.num_processes < 1 or self.devices_per_process < 1:
+      raise ValueError(f"topology needs >= 1 process and device, got {self}")
+
+  @property
+  def num_devices(self) -> int:
+    return self.num_processes * self.devices_per_process
+
+  def process_of(self, device: int) -> int:
+    return device // self.devices_per_process
+
+  def devices_of(self, process: int) -> tuple[int, ...]:
+    start = process * self.devices_per_process
+    return tuple(range(start, start + self.devices_per_process))
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleMesh:
+  role: Role
+  devices: tuple[int, ...]
+  axes: tuple[tuple[str, int], ...]  # (name, size) in MESH_AXES order
+
+  @property
+  def dp_size(self) -> int:
+    return _prod(s for a, s in self.axes if a in DP_AXES)
+
+  @property
+  def shape(self) -> dict[str, int]:
+    return dict(self.axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  name: str
+  devices: tuple[int, ...]
+  dp_size: int
+
+  def same_data_layout(self, other: "Layout") -> bool:
+    return self.devices == other.devices and self.dp_size == other.dp_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  index: int
+  node: Node
+  layout: Layout
+  move_in: str  # "entry" | "fast" | "repartition"
+  groups_intact: bool  # every prompt group on one host when the node runs
+
+
+@dataclasses.dataclass(frozen=True)
+class Edge:
+  src: str
+  dst: str
+  kind: str  # "fast" | "repartition"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  steps: tuple[Step, ...]
+  edges: tuple[Edge, ...]
+  topology: Topology
+  meshes: tuple[RoleMesh, ...]
+  rollout_tensor_parallel: int
+
+  def step(self, node_id: str) -> Step:
+    return next(s for s in self.steps if s.node.id == node_id)
+
+  @property
+  def order(self) -> list[str]:
+    return [s.node.id for s in self.steps]
+
+  def repartitions(self) -> list[tuple[str, str]]:
+    """Chain transitions where the batch is re-partitioned (one all-to-all each)."""
+    return [(self.steps[s.index - 1].node.id, s.node.id)
+            for s in self.steps if s.move_in == "repartition"]
+
+  def portion(self, process: int) -> list[tuple[Step, tuple[int, ...]]]:
+    """The steps this process takes part in, with its local devices for each."""
+    if not 0 <= process < self.topology.num_processes:
+      raise ValueError(f"process {process} out of range [0, {self.topology.num_processes})")
+    local = set(self.topology.devices_of(process))
+    out = []
+    for s in self.steps:
+      mine = tuple(d for d in s.layout.devices if d in local)
+      if mine:
+        out.append((s, mine))
+    return out
+
+
+def _prod(xs) -> int:
+  out = 1
+  for x in xs:
+    out *= x
+  return out
+
+
+def parse_devices(spec: Any, topo: Topology, where: str) -> tuple[int, ...]:
+  """'all' | 'a:b' (global device ids, b exclusive) | list of ids."""
+  n = topo.num_devices
+  if spec in (None, "all", ""):
+    return tuple(range(n))
+  if isinstance(spec, str):
+    try:
+      a, b = (int(x) if x else None for x in spec.split(":"))
+    except ValueError:
+      raise DagError(f"{where}: devices {spec!r} must be 'all', 'start:stop' or a list") from None
+    devs = tuple(range(n)[slice(a, b)])
+  elif isinstance(spec, Sequence):
+    devs = tuple(int(d) for d in spec)
+  else:
+    raise DagError(f"{where}: devices {spec!r} must be 'all', 'start:stop' or a list")
+  bad = [d for d in devs if not 0 <= d < n]
+  if not devs or bad or len(set(devs)) != len(devs):
+    raise DagError(f"{where}: devices {spec!r} select {list(devs)}, but valid ids are "
+                   f"0..{n - 1} ({topo.num_processes} processes x "
+                   f"{topo.devices_per_process} devices), each at most once")
+  return devs
+
+
+def role_mesh(role: Role, placement: Mapping[str, Any] | None, topo: Topology) -> RoleMesh:
+  where = f"placement.{role.value.lower()}"
+  placement = dict(placement or {})
+  unknown = sorted(set(placement) - {"devices", "mesh"})
+  if unknown:
+    raise DagError(f"{where}: unknown key(s) {unknown}; valid: devices, mesh")
+  devs = parse_devices(placement.get("devices", "all"), topo, where)
+  shape = dict(placement.get("mesh") or {"fsdp": -1})
+  bad = sorted(set(shape) - set(MESH_AXES))
+  if bad:
+    raise DagError(f"{where}.mesh: unknown axis {bad}; valid axes: {list(MESH_AXES)}")
+  sizes = {a: shape.get(a, 1) for a in MESH_AXES}
+  for a, s in sizes.items():
+    if not isinstance(s, int) or s == 0 or s < -1:
+      raise DagError(f"{where}.mesh.{a} = {s!r}: must be a positive int or -1 (fill)")
+  fills = [a for a, s in sizes.items() if s == -1]
+  if len(fills) > 1:
+    raise DagError(f"{where}.mesh: only one axis may be -1, got {fills}")
+  known = _prod(s for s in sizes.values() if s != -1)
+  if fills:
+    if len(devs) % known:
+      raise DagError(f"{where}.mesh {sizes}: {len(devs)} devices do not divide by {known}")
+    sizes[fills[0]] = len(devs) // known
+  if _prod(sizes.values()) != len(devs):
+    raise DagError(f"{where}.mesh {sizes} has {_prod(sizes.values())} devices but the role "
+                   f"has {len(devs)} ({topo.num_processes} processes x "
+                   f"{topo.devices_per_process} devices)")
+  return RoleMesh(role=role, devices=devs, axes=tuple((a, sizes[a]) for a in MESH_AXES))
+
+
+def rollout_layout(actor: RoleMesh, tp: int, topo: Topology) -> Layout:
+  if tp < 1:
+    raise DagError(f"rollout.tensor_parallel must be >= 1, got {tp}")
+  for p in range(topo.num_processes):
+    local = [d for d in actor.devices if topo.process_of(d) == p]
+    if len(local) % tp:
+      raise DagError(f"rollout.tensor_parallel={tp} does not divide the {len(local)} actor "
+                     f"devices of process {p}: a rollout replica must stay inside one host")
+  return Layout(name=f"rollout(actor, tp={tp})", devices=actor.devices,
+                dp_size=len(actor.devices) // tp)
+
+
+def make_plan(dag: Dag, registry: Registry, topo: Topology,
+              placement: Mapping[str, Any] | None = None,
+              rollout_tensor_parallel: int = 1) -> Plan:
+  placement = dict(placement or {})
+  valid_roles = {r.value.lower() for r in Role}
+  for key in placement:
+    if key not in valid_roles:
+      raise DagError(f"placement.{key}: unknown role; valid: {sorted(valid_roles)}")
+  used = sorted({n.role for n in dag.nodes if n.role is not None}, key=lambda r: r.value)
+  if any(registry.spec(n.fn).placement is Placement.ROLLOUT for n in dag.nodes):
+    used = sorted(set(used) | {Role.ACTOR}, key=lambda r: r.value)
+  meshes = {r: role_mesh(r, placement.get(r.value.lower()), topo) for r in used}
+  rollout = (rollout_layout(meshes[Role.ACTOR], rollout_tensor_parallel, topo)
+             if Role.ACTOR in meshes else None)
+
+  def layout_of(node: Node, current: Layout | None, intact: bool) -> Layout:
+    spec = registry.spec(node.fn)
+    if spec.placement is Placement.ROLLOUT:
+      return rollout
+    if spec.placement is Placement.ROLE_MESH:
+      m = meshes[node.role]
+      return Layout(name=f"mesh({node.role.value.lower()}, dp={m.dp_size})",
+                    devices=m.devices, dp_size=m.dp_size)
+    if current is None:
+      raise DagError(f"DAG node {node.id!r}: a host-side COMPUTE node cannot start the "
+                     f"workflow; it needs data from a model node")
+    if spec.needs_groups and not intact:
+      if rollout is None:
+        raise DagError(f"DAG node {node.id!r} needs whole prompt groups but nothing generates")
+      return rollout
+    return current
+
+  depth: dict[str, int] = {}
+  for n in _kahn(dag):
+    depth[n.id] = 1 + max((depth[d] for d in n.deps), default=-1)
+  decl = {n.id: i for i, n in enumerate(dag.nodes)}
+
+  steps: list[Step] = []
+  done: set[str] = set()
+  current: Layout | None = None
+  intact = True
+  while len(done) < len(dag.nodes):
+    ready = [n for n in dag.nodes if n.id not in done and all(d in done for d in n.deps)]
+
+    def key(n: Node):
+      lay = layout_of(n, current, intact)
+      stays = current is not None and lay.same_data_layout(current)
+      follows = bool(steps) and steps[-1].node.id in n.deps
+      return (0 if stays else 1, 0 if follows else 1, depth[n.id], decl[n.id])
+
+    node = min(ready, key=key)
+    lay = layout_of(node, current, intact)
+    if current is None:
+      move = "entry"
+    elif lay.same_data_layout(current):
+      move = "fast"
+    else:
+      move = "repartition"
+    if registry.spec(node.fn).placement is Placement.ROLLOUT:
+      intact = True  # fresh samples are generated group by group on one host
+    elif move == "repartition":
+      intact = lay is rollout
+    steps.append(Step(index=len(steps), node=node, layout=lay, move_in=move,
+                      groups_intact=intact))
+    done.add(node.id)
+    current = lay
+
+  by_id = {s.node.id: s for s in steps}
+  edges = tuple(
+      Edge(src=d, dst=n.id,
+           kind="fast" if by_id[d].layout.same_data_layout(by_id[n.id].layout) else "repartition")
+      for n in dag.nodes for d in n.deps)
+  return Plan(steps=tuple(steps), edges=edges, topology=topo,
+              meshes=tuple(meshes[r] for r in used),
+              rollout_tensor_parallel=rollout_tensor_parallel)
+
+
+def _kahn(dag: Dag) -> list[Node]:
+  done, out = set(), []
+  while len(out) < len(dag.nodes):
+    for n in dag.nodes:
+      if n.id not in done and all(d in done for d in n.deps):
+        done.add(n.id)
+        out.append(n)
+  return out
+
+
+def render(plan: Plan, process: int | None = None) -> str:
+  """Deterministic text form of the plan, for all processes or one."""
+  t = plan.topology
+  lines = [f"topology: {t.num_processes} process(es) x {t.devices_per_process} device(s) "
+           f"= {t.num_devices} devices"]
+  for m in plan.meshes:
+    shape = " x ".join(f"{a}={s}" for a, s in m.axes)
+    lines.append(f"mesh {m.role.value.lower():<9} devices {_span(m.devices)}  {shape}  "
+                 f"(dp={m.dp_size})")
+  lines.append(f"rollout: one replica per {plan.rollout_tensor_parallel} local actor "
+               f"device(s), inside each host")
+  lines.append("chain:")
+  w_node = max(len(s.node.describe()) for s in plan.steps)
+  w_deps = max(len(",".join(s.node.deps) or "-") for s in plan.steps)
+  w_lay = max(len(s.layout.name) for s in plan.steps)
+  for s in plan.steps:
+    deps = ",".join(s.node.deps) or "-"
+    lines.append(f"  {s.index}. {s.node.describe():<{w_node}}  deps={deps:<{w_deps}}  "
+                 f"layout={s.layout.name:<{w_lay}}  in={s.move_in}"
+                 + ("" if s.groups_intact else "  groups=split"))
+  reparts = plan.repartitions()
+  lines.append(f"re-partitions per step: {len(reparts)}"
+               + "".join(f"\n  {a} -> {b} (all-to-all)" for a, b in reparts))
+  lines.append("edges:")
+  for e in plan.edges:
+    lines.append(f"  {e.src} -> {e.dst}: {e.kind}")
+  procs = range(t.num_processes) if process is None else [process]
+  for p in procs:
+    lines.append(f"process {p} (devices {_span(t.devices_of(p))}):")
+    for s, devs in plan.portion(p):
+      lines.append(f"  {s.index}. {s.node.id:<16} on {_span(devs)}")
+  return "\n".join(lines)
+
+
+def _span(devs: Sequence[int]) -> str:
+  devs = list(devs)
+  if devs and devs == list(range(devs[0], devs[-1] + 1)):
+    return f"[{devs[0]}..{devs[-1]}]" if len(devs) > 1 else f"[{devs[0]}]"
+  return str(devs)

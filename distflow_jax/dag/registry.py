@@ -1,0 +1,161 @@
+"""The registry of node functions, one entry per name.
+
+A ``FunctionSpec`` says what a node function is allowed to be (node types and
+roles), where it runs (``placement``), which batch fields it needs and makes,
+and which config section its per-node overrides patch.  Implementations are
+bound to a name separately (``bind``) by the modules that define them, so the
+planner can validate and plan a workflow without importing model code.
+
+Users add functions without editing the package: a module listed in
+``config.plugins`` calls ``FUNCTIONS.register(FunctionSpec(...), impl)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+from collections.abc import Callable, Iterable
+
+from distflow_jax.dag.spec import DagError, NodeType, Role
+
+
+class Placement(enum.Enum):
+  # Per-host rollout replicas on the role's local devices (generation).
+  ROLLOUT = "rollout"
+  # The role's mesh; the batch is split over its data-parallel axes.
+  ROLE_MESH = "role_mesh"
+  # Host-side compute where the data already is (rewards, advantages).
+  INHERIT = "inherit"
+
+
+# Batch fields that several nodes may produce; consumers see their sum.
+SUMMED_FIELDS = frozenset({"rewards"})
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctionSpec:
+  name: str
+  types: frozenset[NodeType]
+  roles: frozenset[Role | None]
+  placement: Placement
+  section: str  # config section that per-node overrides patch
+  requires: frozenset[str] = frozenset()
+  produces: frozenset[str] = frozenset()
+  # Needs every sample of a prompt group on one host (group statistics).
+  needs_groups: bool = False
+  doc: str = ""
+
+  def implied_type(self) -> NodeType | None:
+    return next(iter(self.types)) if len(self.types) == 1 else None
+
+  def implied_role(self) -> Role | None | str:
+    if len(self.roles) == 1:
+      return next(iter(self.roles))
+    return None if None in self.roles else "ambiguous"
+
+
+class Registry:
+  """Name -> spec (+ optional implementation)."""
+
+  def __init__(self, what: str):
+    self._what = what
+    self._specs: dict[str, FunctionSpec] = {}
+    self._impls: dict[str, Callable] = {}
+
+  def register(self, spec: FunctionSpec, impl: Callable | None = None) -> None:
+    if spec.name in self._specs and self._specs[spec.name] != spec:
+      raise ValueError(f"{self._what} {spec.name!r} is already registered differently")
+    self._specs[spec.name] = spec
+    if impl is not None:
+      self.bind(spec.name, impl)
+
+  def bind(self, name: str, impl: Callable) -> None:
+    self.spec(name)  # must be registered first
+    self._impls[name] = impl
+
+  def names(self) -> list[str]:
+    return sorted(self._specs)
+
+  def __contains__(self, name: str) -> bool:
+    return name in self._specs
+
+  def spec(self, name: str) -> FunctionSpec:
+    try:
+      return self._specs[name]
+    except KeyError:
+      raise DagError(unknown_name_message(self._what, name, self._specs)) from None
+
+  def impl(self, name: str) -> Callable:
+    self.spec(name)
+    try:
+      return self._impls[name]
+    except KeyError:
+      raise DagError(f"{self._what} {name!r} is registered but has no implementation "
+                     f"bound; bound ones: {sorted(self._impls)}") from None
+
+
+def unknown_name_message(what: str, name: str, valid: Iterable[str]) -> str:
+  valid = sorted(valid)
+  close = difflib.get_close_matches(name, valid, n=3)
+  hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+  return f"unknown {what} {name!r}.{hint} Registered: {', '.join(valid)}"
+
+
+def _spec(name, types, roles, placement, section, requires=(), produces=(),
+          needs_groups=False, doc=""):
+  return FunctionSpec(name=name, types=frozenset(types), roles=frozenset(roles),
+                      placement=placement, section=section,
+                      requires=frozenset(requires), produces=frozenset(produces),
+                      needs_groups=needs_groups, doc=doc)
+
+
+_INF, _TRAIN, _COMP = NodeType.MODEL_INFERENCE, NodeType.MODEL_TRAIN, NodeType.COMPUTE
+_ROLLOUT_FIELDS = ("tokens", "rollout_logprobs")
+
+BUILTIN_SPECS = (
+    _spec("generate", [_INF], [Role.ACTOR], Placement.ROLLOUT, "rollout",
+          produces=_ROLLOUT_FIELDS, doc="n samples per prompt with the rollout engine"),
+    _spec("reward.math", [_COMP], [Role.REWARD, None], Placement.INHERIT, "reward",
+          requires=["tokens"], produces=["rewards"],
+          doc="rule verifier: final answer (#### / \\boxed{}) against the ground truth"),
+    _spec("reward.format", [_COMP], [Role.REWARD, None], Placement.INHERIT, "reward",
+          requires=["tokens"], produces=["rewards"], doc="rule reward for answer format"),
+    _spec("reward.model", [_INF], [Role.REWARD], Placement.ROLE_MESH, "reward",
+          requires=["tokens"], produces=["rewards"], doc="scalar-head reward model"),
+    _spec("logprob", [_INF], [Role.ACTOR], Placement.ROLE_MESH, "actor",
+          requires=["tokens"], produces=["old_logprobs"], doc="actor log-probs before update"),
+    _spec("ref_logprob", [_INF], [Role.REFERENCE], Placement.ROLE_MESH, "reference",
+          requires=["tokens"], produces=["ref_logprobs"], doc="frozen reference log-probs"),
+    _spec("values", [_INF], [Role.CRITIC], Placement.ROLE_MESH, "critic",
+          requires=["tokens"], produces=["values"], doc="critic values per token"),
+    _spec("advantage.gae", [_COMP], [None], Placement.INHERIT, "algo",
+          requires=["rewards", "values"], produces=["advantages", "returns"],
+          doc="GAE(gamma, lambda) per token"),
+    _spec("advantage.grpo", [_COMP], [None], Placement.INHERIT, "algo",
+          requires=["rewards"], produces=["advantages"], needs_groups=True,
+          doc="group-normalised outcome reward (Dr.GRPO: no std)"),
+    _spec("advantage.rloo", [_COMP], [None], Placement.INHERIT, "algo",
+          requires=["rewards"], produces=["advantages"], needs_groups=True,
+          doc="leave-one-out baseline"),
+    _spec("advantage.reinforce_pp", [_COMP], [None], Placement.INHERIT, "algo",
+          requires=["rewards"], produces=["advantages"],
+          doc="REINFORCE++: discounted return, whitened over the batch"),
+    _spec("advantage.reinforce_pp_baseline", [_COMP], [None], Placement.INHERIT, "algo",
+          requires=["rewards"], produces=["advantages"], needs_groups=True,
+          doc="REINFORCE++ with a group-mean baseline"),
+    _spec("train.actor", [_TRAIN], [Role.ACTOR], Placement.ROLE_MESH, "actor",
+          requires=["advantages", "tokens"], doc="policy-gradient update"),
+    _spec("train.critic", [_TRAIN], [Role.CRITIC], Placement.ROLE_MESH, "critic",
+          requires=["returns", "values"], doc="value regression update"),
+)
+
+
+def default_registry() -> Registry:
+  reg = Registry("node function")
+  for spec in BUILTIN_SPECS:
+    reg.register(spec)
+  return reg
+
+
+FUNCTIONS = default_registry()
