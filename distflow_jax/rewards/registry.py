@@ -1,0 +1,118 @@
+"""Reward functions by name, and a batch runner that never hides a failure.
+
+A reward function is ``fn(completion: str, ground_truth: str) -> float``.
+Built-ins: ``math`` (#### / \\boxed{} answer, exact numeric match), ``math_lenient``
+(also the last number in the text), ``math_string`` (exact string match),
+``format`` (ends with a ``#### <number>`` line).  ``register_reward`` adds
+more; ``weighted_reward`` builds a weighted sum of registered ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from distflow_jax.rewards import math_answer
+
+RewardFn = Callable[[str, str], float]
+
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+class RewardFunctionError(RuntimeError):
+  """A reward function raised or returned a non-finite / non-numeric score."""
+
+
+def register_reward(name: str, fn: RewardFn, *, overwrite: bool = False) -> RewardFn:
+  if not name or not isinstance(name, str):
+    raise ValueError(f"reward name must be a non-empty string, got {name!r}")
+  if name in _REGISTRY and not overwrite:
+    raise ValueError(f"reward {name!r} is already registered; pass overwrite=True "
+                     "to replace it")
+  if not callable(fn):
+    raise TypeError(f"reward {name!r} must be callable, got {type(fn).__name__}")
+  _REGISTRY[name] = fn
+  return fn
+
+
+def reward_names() -> list[str]:
+  return sorted(_REGISTRY)
+
+
+def get_reward(name: str) -> RewardFn:
+  try:
+    return _REGISTRY[name]
+  except KeyError:
+    raise ValueError(f"unknown reward function {name!r}; valid: "
+                     f"{', '.join(reward_names())}") from None
+
+
+def weighted_reward(weights: Mapping[str, float]) -> RewardFn:
+  """sum_k w_k * reward_k(completion, ground_truth) over registered names."""
+  if not weights:
+    raise ValueError("weighted_reward needs at least one {name: weight}")
+  fns = {name: get_reward(name) for name in weights}
+
+  def combined(completion: str, ground_truth: str) -> float:
+    return float(sum(w * fns[k](completion, ground_truth) for k, w in weights.items()))
+
+  combined.__name__ = "weighted(" + ",".join(f"{k}={w}" for k, w in weights.items()) + ")"
+  return combined
+
+
+def _fn_name(fn: Callable) -> str:
+  for name, registered in _REGISTRY.items():
+    if registered is fn:
+      return name
+  return getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
+
+
+def score_batch(reward: "str | RewardFn", completions: Sequence[str],
+                ground_truths: Sequence[str],
+                sample_ids: Sequence[Any] | None = None) -> np.ndarray:
+  """Scores a batch of completions: float32 [B].
+
+  A user function that raises, or returns something that is not a finite
+  number, stops the batch with ``RewardFunctionError`` naming the function
+  and the sample id (the cause is chained), never a silent zero.
+  """
+  fn = get_reward(reward) if isinstance(reward, str) else reward
+  name = _fn_name(fn)
+  n = len(completions)
+  if len(ground_truths) != n or (sample_ids is not None and len(sample_ids) != n):
+    raise ValueError(
+        f"reward {name!r}: {n} completions, {len(ground_truths)} ground truths"
+        + ("" if sample_ids is None else f", {len(sample_ids)} sample ids")
+        + "; they must match")
+  ids = list(range(n)) if sample_ids is None else list(sample_ids)
+  scores = np.empty(n, np.float32)
+  for i, (completion, truth) in enumerate(zip(completions, ground_truths)):
+    try:
+      value = fn(completion, truth)
+    except Exception as e:
+      raise RewardFunctionError(
+          f"reward function {name!r} raised on sample id {ids[i]!r}: "
+          f"{type(e).__name__}: {e}") from e
+    try:
+      value = float(value)
+    except (TypeError, ValueError):
+      raise RewardFunctionError(
+          f"reward function {name!r} returned {value!r} ({type(value).__name__}) "
+          f"for sample id {ids[i]!r}; it must return a float") from None
+    if not math.isfinite(value):
+      raise RewardFunctionError(
+          f"reward function {name!r} returned {value} for sample id {ids[i]!r}; "
+          "scores must be finite")
+    scores[i] = value
+  return scores
+
+
+register_reward("math", math_answer.math_reward)
+register_reward("math_lenient", functools.partial(math_answer.math_reward,
+                                                  last_number_fallback=True))
+register_reward("math_string", functools.partial(math_answer.math_reward,
+                                                 numeric=False))
+register_reward("format", math_answer.format_reward)
