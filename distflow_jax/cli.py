@@ -21,7 +21,6 @@ def _plan(argv: Sequence[str]) -> int:
   from distflow_jax.dag import FUNCTIONS, render
 
   fv = flags.FlagValues()
-  loading.define_flags(fv)
   flags.DEFINE_integer("process", None, "print only this process's portion", flag_values=fv)
   flags.DEFINE_integer("num_processes", None, "plan for this many processes "
                        "(default: config.cluster, else the running jax)", flag_values=fv)

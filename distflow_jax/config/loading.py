@@ -42,26 +42,28 @@ def resolve_config_path(spec: str) -> str:
   return path + sep + arg
 
 
-def define_flags(fv: flags.FlagValues, default: str | None = None) -> None:
-  config_flags.DEFINE_config_file("config", default, "ml_collections config file[:arg]",
-                                  flag_values=fv, lock_config=True)
-
-
 def parse(fv: flags.FlagValues, argv: Sequence[str]) -> list[str]:
-  """Parses argv into fv; returns the positional leftovers."""
+  """Defines --config on fv, parses argv into it; returns positional leftovers.
+
+  config_flags discovers ``--config.x`` overrides from the argument list given
+  at definition time, so the flag is defined here, with the real argv.
+  """
   argv = ["--config=" + resolve_config_path(a.split("=", 1)[1])
           if a.startswith("--config=") else a for a in argv]
   if "--config" in argv:
     i = argv.index("--config")
     if i + 1 < len(argv):
       argv[i + 1] = resolve_config_path(argv[i + 1])
+  full = ["distflow-jax"] + list(argv)
+  config_flags.DEFINE_config_file("config", None, "ml_collections config file[:arg]",
+                                  flag_values=fv, lock_config=True, sys_argv=full)
   try:
-    rest = fv(["distflow-jax"] + list(argv))
+    rest = fv(full)
     cfg = fv["config"].value
   except flags.UnrecognizedFlagError as e:
     raise ConfigError(_unknown_flag(e, fv)) from None
   except (flags.IllegalFlagValueError, flags.Error) as e:
-    raise ConfigError(str(e).splitlines()[0] if str(e) else repr(e)) from None
+    raise ConfigError(_first_and_last_line(str(e) or repr(e))) from None
   except (KeyError, AttributeError) as e:
     raise ConfigError(_bad_override(e, argv)) from None
   except OSError as e:
@@ -74,7 +76,6 @@ def parse(fv: flags.FlagValues, argv: Sequence[str]) -> list[str]:
 def load(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
   """Loads ``spec`` with override strings like 'actor.optimizer.lr=1e-5'."""
   fv = flags.FlagValues()
-  define_flags(fv)
   parse(fv, [f"--config={spec}"] + [f"--config.{o}" for o in overrides])
   return fv.config
 
@@ -96,3 +97,11 @@ def _bad_override(e: Exception, argv: Sequence[str]) -> str:
               and str(msg).split("\n")[0].strip("'\"") in a), None)
   head = f"override --{key}: " if key else "config override: "
   return head + "unknown key " + msg.replace("\n", " ")
+
+
+def _first_and_last_line(msg: str) -> str:
+  """A config file that raised: keep the flag and the exception, drop the traceback."""
+  lines = [l for l in msg.splitlines() if l.strip()]
+  if len(lines) <= 1:
+    return msg
+  return f"{lines[0].rstrip(':')}: {lines[-1].strip()}"

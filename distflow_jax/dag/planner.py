@@ -148,7 +148,12 @@ def parse_devices(spec: Any, topo: Topology, where: str) -> tuple[int, ...]:
       a, b = (int(x) if x else None for x in spec.split(":"))
     except ValueError:
       raise DagError(f"{where}: devices {spec!r} must be 'all', 'start:stop' or a list") from None
-    devs = tuple(range(n)[slice(a, b)])
+    a = 0 if a is None else a
+    b = n if b is None else b
+    if not 0 <= a < b <= n:
+      raise DagError(f"{where}: devices {spec!r} is not a range inside 0:{n} "
+                     f"({topo.num_processes} processes x {topo.devices_per_process} devices)")
+    devs = tuple(range(a, b))
   elif isinstance(spec, Sequence):
     devs = tuple(int(d) for d in spec)
   else:

@@ -45,7 +45,7 @@ class Node:
   deps: tuple[str, ...] = ()
   # Per-node overrides of the function's config section (read-only).
   overrides: Mapping[str, Any] = dataclasses.field(
-      default_factory=lambda: MappingProxyType({}))
+      default_factory=lambda: MappingProxyType({}), hash=False)
 
   def describe(self) -> str:
     role = self.role.value if self.role else "-"

@@ -1,0 +1,67 @@
+"""The local launcher with real jax.distributed processes."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from distflow_jax import launcher
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.mark.timeout(120)
+def test_cross_process_all_to_all_2x2():
+  result = launcher.launch(2, 2, [sys.executable, "tests/mp/all_to_all.py"], timeout_s=100,
+                           out=None)
+  assert result.ok, result.describe() + "\n" + "\n".join(sum(result.outputs, []))
+  for i in range(2):
+    assert f"OK process {i}/2 devices=4" in result.outputs[i]
+
+
+@pytest.mark.timeout(120)
+def test_failing_child_stops_the_others_and_is_named():
+  start = time.monotonic()
+  result = launcher.launch(2, 2, [sys.executable, "tests/mp/exit_code.py", "3"],
+                           timeout_s=100, out=None)
+  elapsed = time.monotonic() - start
+  assert not result.ok
+  assert result.first_failure == (1, 3)
+  assert "process 1 exited with code 3" in result.describe()
+  assert elapsed < 30, elapsed
+  assert all(rc is not None for rc in result.returncodes)  # nobody left running
+
+
+@pytest.mark.timeout(60)
+def test_deadline_kills_a_hung_run():
+  result = launcher.launch(2, 1, [sys.executable, "-c", "import time; time.sleep(600)"],
+                           timeout_s=2, grace_s=1, out=None)
+  assert result.timed_out and not result.ok
+  assert all(rc is not None for rc in result.returncodes)
+
+
+@pytest.mark.timeout(120)
+def test_cli_launch_prefixes_lines_and_propagates_exit_code():
+  proc = subprocess.run(
+      [sys.executable, "-m", "distflow_jax.cli", "launch", "-n", "2",
+       "--devices-per-process", "2", "--", sys.executable, "tests/mp/exit_code.py", "3"],
+      capture_output=True, text=True, timeout=100)
+  assert proc.returncode == 3, proc.stdout + proc.stderr
+  assert "process 1 exited with code 3" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_child_env_sets_device_count_and_coordinator():
+  env = launcher.child_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --foo"},
+                           coordinator="127.0.0.1:1", num_processes=3, process_id=2,
+                           devices_per_process=2)
+  assert env["XLA_FLAGS"].split() == ["--foo", "--xla_force_host_platform_device_count=2"]
+  assert env["DISTFLOW_PROCESS_ID"] == "2" and env["DISTFLOW_NUM_PROCESSES"] == "3"
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="num_processes"):
+    launcher.launch(0, 1, ["true"])
+  with pytest.raises(ValueError, match="command"):
+    launcher.launch(1, 1, [])
