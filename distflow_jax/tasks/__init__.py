@@ -1,0 +1,1 @@
+"""Built-in verifiable tasks (dataset generators) for the default run."""

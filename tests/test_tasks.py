@@ -1,0 +1,125 @@
+"""The built-in arithmetic task: determinism, disjoint splits, correct answers."""
+
+import ast
+import operator
+import re
+
+import pytest
+
+from distflow_jax import rewards
+from distflow_jax.tasks import arithmetic as ar
+
+_EXPR_RE = re.compile(r"^What is (.+)\?$")
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def _eval_expr(expr: str) -> int:
+  """Independent reference: Python's own parser and precedence."""
+  def ev(node):
+    if isinstance(node, ast.BinOp):
+      return _BINOPS[type(node.op)](ev(node.left), ev(node.right))
+    assert isinstance(node, ast.Constant) and isinstance(node.value, int)
+    return node.value
+  return ev(ast.parse(expr, mode="eval").body)
+
+
+def test_worked_answer_hand_example():
+  assert ar.worked_answer([12, 7, 3], ["+", "*"]) == "7 * 3 = 21\n12 + 21 = 33\n#### 33"
+  assert ar.worked_answer([9, 4, 2], ["-", "+"]) == "9 - 4 = 5\n5 + 2 = 7\n#### 7"
+  assert ar.worked_answer([2, 3, 4], ["*", "*"]) == "2 * 3 = 6\n6 * 4 = 24\n#### 24"
+  with pytest.raises(ValueError, match="3 operands need 2 operators, got 1"):
+    ar.worked_answer([1, 2, 3], ["+"])
+
+
+def test_records_are_correct_and_well_formed():
+  recs = ar.generate(ar.preset("medium"), "train", 400, seed=3)
+  assert len(recs) == 400
+  n_ops = set()
+  for r in recs:
+    assert set(r) == {"prompt", "answer", "data_source"}
+    assert r["data_source"] == "arithmetic"
+    expr = _EXPR_RE.match(r["prompt"]).group(1)
+    want = _eval_expr(expr)
+    assert ar.final_answer(r) == want
+    assert want >= 0
+    # Every worked step is itself right, and the answer verifies as correct.
+    for line in r["answer"].splitlines()[:-1]:
+      lhs, rhs = line.split(" = ")
+      assert _eval_expr(lhs) == int(rhs)
+    assert rewards.math_reward(r["answer"], r["answer"]) == 1.0
+    assert rewards.format_reward(r["answer"]) == 1.0
+    assert rewards.math_reward(f"#### {want + 1}", r["answer"]) == 0.0
+    nums = [int(x) for x in re.findall(r"\d+", expr)]
+    n_ops.add(len(nums))
+    assert all(1 <= x <= 20 for x in nums)
+    for a, b in re.findall(r"(\d+) \* (?=(\d+))", expr):
+      assert int(a) <= 9 and int(b) <= 9
+  assert n_ops == {2, 3}
+
+
+def test_deterministic_by_seed_and_unique():
+  cfg = ar.preset("medium")
+  a = ar.generate(cfg, "train", 200, seed=7)
+  assert a == ar.generate(cfg, "train", 200, seed=7)
+  assert a != ar.generate(cfg, "train", 200, seed=8)
+  assert len({r["prompt"] for r in a}) == 200
+
+
+@pytest.mark.parametrize("name", ["easy", "medium"])
+def test_train_and_eval_are_disjoint(name):
+  cfg = ar.preset(name)
+  n_eval = 12 if name == "easy" else 300
+  n_train = 100 if name == "easy" else 3000
+  train = [r for s in (0, 1) for r in ar.generate(cfg, "train", n_train, seed=s)]
+  evals = [r for s in (0, 5) for r in ar.generate(cfg, "eval", n_eval, seed=s)]
+  assert not {r["prompt"] for r in train} & {r["prompt"] for r in evals}
+  assert not {r["answer"] for r in train} & {r["answer"] for r in evals}
+
+
+def test_word_problems_stay_disjoint_and_correct():
+  cfg = ar.ArithmeticConfig(word_problem_prob=1.0)
+  train = ar.generate(cfg, "train", 1000, seed=0)
+  evals = ar.generate(cfg, "eval", 200, seed=0)
+  words = [r for r in train if not r["prompt"].startswith("What is")]
+  assert len(words) > 500
+  # Splits go by worked answer, which spells out the expression: disjoint
+  # answers mean disjoint questions whatever the wording.
+  assert not {r["answer"] for r in train} & {r["answer"] for r in evals}
+  r = ar.generate(cfg, "train", 1, seed=0)[0]
+  assert r["prompt"].endswith("have now?")
+
+
+def test_word_problem_text_hand_example():
+  import random
+  text = ar.word_problem([3, 4, 5, 2], ["*", "+", "-"], random.Random(0))
+  name, item = re.match(r"^(\w+) has 3 boxes with 4 (\w+)s in each\.", text).groups()
+  assert text == (f"{name} has 3 boxes with 4 {item}s in each. {name} gets 5 more. "
+                  f"{name} gives away 2. How many {item}s does {name} have now?")
+  assert ar.word_problem([2, 3, 4], ["*", "*"], random.Random(0)) is None
+
+
+def test_small_space_and_bad_inputs():
+  tiny = ar.ArithmeticConfig(max_operands=2, max_value=2, operators=("+",))
+  with pytest.raises(ValueError, match="distinct eval questions"):
+    ar.generate(tiny, "eval", 50, seed=0)
+  with pytest.raises(ValueError, match="unknown split 'test'; valid: train, eval"):
+    ar.generate(tiny, "test", 1, seed=0)
+  with pytest.raises(ValueError, match=r"unknown \['/'\]; valid: \+, -, \*"):
+    ar.ArithmeticConfig(operators=("+", "/"))
+  with pytest.raises(ValueError, match="min_operands"):
+    ar.ArithmeticConfig(min_operands=3, max_operands=2)
+  with pytest.raises(ValueError, match="unknown arithmetic preset 'x'; valid: easy"):
+    ar.preset("x")
+
+
+def test_jsonl_roundtrip_and_sft(tmp_path):
+  recs = ar.generate(ar.preset("easy"), "eval", 10, seed=0)
+  path = str(tmp_path / "sub" / "eval.jsonl")
+  ar.write_jsonl(recs, path)
+  assert ar.read_jsonl(path) == recs
+  sft = ar.sft_examples(recs)
+  assert sft[0] == {"prompt": recs[0]["prompt"], "completion": recs[0]["answer"]}
+  ar.main(["--out", str(tmp_path / "cli"), "--preset", "easy", "--train", "20",
+           "--eval", "5"])
+  assert len(ar.read_jsonl(str(tmp_path / "cli" / "train.jsonl"))) == 20
+  assert len(ar.read_jsonl(str(tmp_path / "cli" / "eval.jsonl"))) == 5
