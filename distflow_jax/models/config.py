@@ -1,0 +1,181 @@
+"""Model configuration for the Llama / Qwen2 / Qwen3 decoder family.
+
+`ModelConfig` is a frozen, validated dataclass.  `ModelConfig.tiny(vocab)` is
+the built-in preset used by the default run and the tests;
+`ModelConfig.from_hf_dict(d)` / `cfg.to_hf_dict()` convert to and from a
+Hugging Face `config.json` dictionary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+ARCHS = ("llama", "qwen2", "qwen3")
+DTYPES = ("float32", "bfloat16", "float16")
+
+# HF `architectures` / `model_type` names -> our arch.
+_HF_ARCH = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_HF_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCH_TO_HF = {v: k for k, v in _HF_ARCH.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shape and numerics of a decoder-only transformer.
+
+  `qkv_bias` is Qwen2's bias on the q/k/v projections; `qk_norm` is Qwen3's
+  per-head RMSNorm of queries and keys before RoPE.  `dtype` is used for the
+  parameters and the activations (RMSNorm, softmax and log-probs always run in
+  float32).
+  """
+  arch: str = "llama"
+  vocab_size: int = 128
+  hidden_size: int = 128
+  intermediate_size: int = 384
+  num_layers: int = 2
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 32
+  rope_theta: float = 10000.0
+  rms_norm_eps: float = 1e-6
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  tie_embeddings: bool = True
+  max_position_embeddings: int = 2048
+  dtype: str = "float32"
+
+  def __post_init__(self):
+    if self.arch not in ARCHS:
+      raise ValueError(f"ModelConfig.arch={self.arch!r} is unknown; valid: {ARCHS}")
+    if self.dtype not in DTYPES:
+      raise ValueError(f"ModelConfig.dtype={self.dtype!r} is unknown; valid: {DTYPES}")
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                 "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"ModelConfig.{name}={value!r} must be a positive int")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"ModelConfig.num_heads={self.num_heads} must be a multiple of "
+          f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
+    if self.head_dim % 2:
+      raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
+    if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
+      raise ValueError("ModelConfig.rope_theta and rms_norm_eps must be > 0, got "
+                       f"{self.rope_theta}, {self.rms_norm_eps}")
+
+  @property
+  def jnp_dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.dtype)
+
+  @property
+  def num_params(self) -> int:
+    """Exact parameter count (embeddings counted once when tied)."""
+    d, f, dh = self.hidden_size, self.intermediate_size, self.head_dim
+    q, kv = self.num_heads * dh, self.num_kv_heads * dh
+    attn = d * q + 2 * d * kv + q * d
+    if self.qkv_bias:
+      attn += q + 2 * kv
+    if self.qk_norm:
+      attn += 2 * dh
+    layer = attn + 3 * d * f + 2 * d
+    emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+    return self.num_layers * layer + emb + d
+
+  def replace(self, **changes: Any) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+  @classmethod
+  def tiny(cls, vocab_size: int = 128, arch: str = "qwen2") -> "ModelConfig":
+    """The built-in tiny model (~0.9 M params at vocab 128): d=192, 3 layers, GQA 4:2."""
+    return cls(arch=arch, vocab_size=vocab_size, hidden_size=192, intermediate_size=512,
+               num_layers=3, num_heads=4, num_kv_heads=2, head_dim=48,
+               rope_theta=10000.0, rms_norm_eps=1e-6, qkv_bias=arch == "qwen2",
+               qk_norm=arch == "qwen3", tie_embeddings=True,
+               max_position_embeddings=1024, dtype="float32")
+
+  @classmethod
+  def from_hf_dict(cls, d: dict[str, Any], dtype: str | None = None) -> "ModelConfig":
+    """Builds a config from a Hugging Face `config.json` dictionary.
+
+    Raises ValueError naming the architecture when it is not Llama / Qwen2 /
+    Qwen3, or naming the option when it asks for something not implemented
+    (RoPE scaling, sliding window, biases other than Qwen2's).
+    """
+    archs = d.get("architectures") or []
+    arch = next((_HF_ARCH[a] for a in archs if a in _HF_ARCH), None)
+    if arch is None:
+      arch = _HF_MODEL_TYPE.get(d.get("model_type", ""))
+    if arch is None:
+      raise ValueError(
+          f"unknown architecture: architectures={archs}, model_type={d.get('model_type')!r}; "
+          f"supported: {sorted(_HF_ARCH)} (model_type {sorted(_HF_MODEL_TYPE)})")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+      raise ValueError(f"{arch}: RoPE scaling {rope_type!r} is not supported (only 'default')")
+    if d.get("use_sliding_window"):
+      raise ValueError(f"{arch}: use_sliding_window=True is not supported")
+    if d.get("mlp_bias"):
+      raise ValueError(f"{arch}: mlp_bias=True is not supported")
+    if arch != "qwen2" and d.get("attention_bias"):
+      raise ValueError(f"{arch}: attention_bias=True is not supported")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+      raise ValueError(f"{arch}: hidden_act={act!r} is not supported (only 'silu')")
+    num_heads = d["num_attention_heads"]
+    hidden = d["hidden_size"]
+    hf_dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
+    if dtype is None:
+      dtype = hf_dtype if hf_dtype in DTYPES else "float32"
+    return cls(
+        arch=arch, vocab_size=d["vocab_size"], hidden_size=hidden,
+        intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
+        num_heads=num_heads, num_kv_heads=d.get("num_key_value_heads") or num_heads,
+        head_dim=d.get("head_dim") or hidden // num_heads,
+        rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+        tie_embeddings=bool(d.get("tie_word_embeddings", arch != "llama")),
+        max_position_embeddings=d.get("max_position_embeddings", 2048), dtype=dtype)
+
+  def to_hf_dict(self, bos_token_id: int | None = None,
+                 eos_token_id: int | None = None) -> dict[str, Any]:
+    """The Hugging Face `config.json` dictionary for this config."""
+    d: dict[str, Any] = {
+        "architectures": [_ARCH_TO_HF[self.arch]],
+        "model_type": self.arch,
+        "vocab_size": self.vocab_size,
+        "hidden_size": self.hidden_size,
+        "intermediate_size": self.intermediate_size,
+        "num_hidden_layers": self.num_layers,
+        "num_attention_heads": self.num_heads,
+        "num_key_value_heads": self.num_kv_heads,
+        "head_dim": self.head_dim,
+        "hidden_act": "silu",
+        "rope_theta": self.rope_theta,
+        "rms_norm_eps": self.rms_norm_eps,
+        "tie_word_embeddings": self.tie_embeddings,
+        "max_position_embeddings": self.max_position_embeddings,
+        "torch_dtype": self.dtype,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+    }
+    if self.arch == "llama":
+      d.update(attention_bias=False, mlp_bias=False)
+    if self.arch == "qwen2":
+      d.update(use_sliding_window=False)
+    if self.arch == "qwen3":
+      d.update(attention_bias=False, use_sliding_window=False)
+    if bos_token_id is not None:
+      d["bos_token_id"] = bos_token_id
+    if eos_token_id is not None:
+      d["eos_token_id"] = eos_token_id
+    return d

@@ -1,0 +1,283 @@
+"""Decoder-only transformer (Llama / Qwen2 / Qwen3) in Flax NNX, with a KV cache.
+
+Masking is done with explicit positions, never by token index, so left
+padding, right padding and per-row lengths are all the same case:
+
+* `positions_BxT` (int32) is the RoPE position of every token;
+* `mask_BxT` (bool) says which tokens are real; a padding token is never
+  attended to (its key position is stored as -1);
+* a query at position p attends to every real key at position <= p.
+
+Pure functional use (inside `jax.jit`, `lax.while_loop`, `lax.scan`):
+
+    graphdef, params = nnx.split(model)
+    logits_BxTxV, cache = forward(graphdef, params, tokens_BxT, positions_BxT, mask_BxT)
+
+KV cache (an explicit pytree, never module state).  `KVCache.k`/`v` are
+`[layers, B, S, Hkv, Dh]` and `KVCache.pos` is `[B, S]` (-1 = empty slot).
+A call with a cache writes the T new tokens of row b at slots
+`cache_index_B[b] + t` (writes past S are dropped) and attends over all S
+slots, so every row of a decode batch can sit at its own length:
+
+    cache = init_cache(cfg, batch=B, max_len=S)
+    # prefill a padded prompt of length T (true length n_B), right padded:
+    mask = jnp.arange(T)[None] < n_B[:, None]
+    logits, cache = forward(g, p, prompt_BxT, positions_from_mask(mask), mask,
+                            cache, jnp.zeros((B,), jnp.int32))
+    # decode one token per row; row b's next token sits at slot/position n_B[b]:
+    logits, cache = forward(g, p, tok_Bx1, n_B[:, None], jnp.ones((B, 1), bool),
+                            cache, n_B)
+
+With left padding use the same calls: the pads get position -1 in the cache,
+so the only rule is that the slot `cache_index_B` must be past the prompt's
+last slot.  `cache_insert` copies one row of a (prefill) cache into a slot
+of a (decode) cache, for continuous batching.
+
+`return_hidden=True` returns the final-normed hidden states `[B, T, D]`
+instead of logits; pair it with `Transformer.unembed_matrix()` and
+`heads.token_logprobs_and_entropy` so the `[B, T, V]` logits are never
+materialised at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax import struct
+
+from distflow_jax.models.config import ModelConfig
+
+# Finite so that a query with no visible key (a padding row) gives a uniform
+# softmax instead of NaNs that would poison gradients.
+_MASK_VALUE = -1e30
+_INIT = nnx.initializers.normal(0.02)
+
+
+@struct.dataclass
+class KVCache:
+  """Per-layer keys/values `[L, B, S, Hkv, Dh]` and key positions `[B, S]` (-1 = empty)."""
+  k: jax.Array
+  v: jax.Array
+  pos: jax.Array
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[2]
+
+  @property
+  def batch(self) -> int:
+    return self.k.shape[1]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+  """An empty cache for `batch` rows of `max_len` slots."""
+  shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  dtype = dtype or cfg.jnp_dtype
+  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                 pos=jnp.full((batch, max_len), -1, jnp.int32))
+
+
+def cache_insert(dst: KVCache, src: KVCache, src_row: jax.Array | int,
+                 dst_row: jax.Array | int) -> KVCache:
+  """Copies row `src_row` of `src` into row `dst_row` of `dst` (slots past src's length emptied).
+
+  `src.max_len` must be <= `dst.max_len`.  Jittable with traced rows.
+  """
+  s_src, s_dst = src.max_len, dst.max_len
+  if s_src > s_dst:
+    raise ValueError(f"cache_insert: source has {s_src} slots, more than destination's {s_dst}")
+  pad = s_dst - s_src
+  k = jnp.pad(src.k[:, src_row], ((0, 0), (0, pad), (0, 0), (0, 0)))
+  v = jnp.pad(src.v[:, src_row], ((0, 0), (0, pad), (0, 0), (0, 0)))
+  pos = jnp.pad(src.pos[src_row], (0, pad), constant_values=-1)
+  return KVCache(k=dst.k.at[:, dst_row].set(k.astype(dst.k.dtype)),
+                 v=dst.v.at[:, dst_row].set(v.astype(dst.v.dtype)),
+                 pos=dst.pos.at[dst_row].set(pos))
+
+
+def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
+  """Positions 0, 1, ... over the real tokens of each row (pads get their neighbour's)."""
+  return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def rope(x_BxTxHxDh: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding, HF "rotate half" layout (first half / second half pairs)."""
+  dh = x_BxTxHxDh.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+  angles_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
+  cos = jnp.cos(angles_BxTxF)[:, :, None, :]
+  sin = jnp.sin(angles_BxTxF)[:, :, None, :]
+  x = x_BxTxHxDh.astype(jnp.float32)
+  x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxHxDh.dtype)
+
+
+class _CacheWriter:
+  """Scatters each layer's new k/v into the stacked cache in place (one row/slot per token)."""
+
+  def __init__(self, cache: KVCache, cache_index_B: jax.Array, t: int):
+    b = cache.batch
+    self.k, self.v, self.layer = cache.k, cache.v, 0
+    self.rows_Bx1 = jnp.arange(b)[:, None]
+    self.slots_BxT = (jnp.asarray(cache_index_B, jnp.int32).reshape(b, 1)
+                      + jnp.arange(t, dtype=jnp.int32))
+    self._old_pos = cache.pos
+
+  def pos(self, own_pos_BxT: jax.Array) -> jax.Array:
+    # Writes past the last slot are dropped rather than clamped onto it.
+    return self._old_pos.at[self.rows_Bx1, self.slots_BxT].set(own_pos_BxT, mode="drop")
+
+  def __call__(self, k_BxTxKxDh: jax.Array, v_BxTxKxDh: jax.Array):
+    i = self.layer
+    self.k = self.k.at[i, self.rows_Bx1, self.slots_BxT].set(
+        k_BxTxKxDh.astype(self.k.dtype), mode="drop")
+    self.v = self.v.at[i, self.rows_Bx1, self.slots_BxT].set(
+        v_BxTxKxDh.astype(self.v.dtype), mode="drop")
+    return self.k[i], self.v[i]
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, eps: float, dtype: Any):
+    self.scale = nnx.Param(jnp.ones((dim,), dtype))
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...] * y.astype(x.dtype)
+
+
+def _linear(cfg: ModelConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
+  return nnx.Linear(d_in, d_out, use_bias=bias, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_dtype,
+                    kernel_init=_INIT, rngs=rngs)
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, dh = cfg.hidden_size, cfg.head_dim
+    self.q_proj = _linear(cfg, d, cfg.num_heads * dh, cfg.qkv_bias, rngs)
+    self.k_proj = _linear(cfg, d, cfg.num_kv_heads * dh, cfg.qkv_bias, rngs)
+    self.v_proj = _linear(cfg, d, cfg.num_kv_heads * dh, cfg.qkv_bias, rngs)
+    self.o_proj = _linear(cfg, cfg.num_heads * dh, d, False, rngs)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, cfg.jnp_dtype)
+      self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, cfg.jnp_dtype)
+
+  def __call__(self, x_BxTxD, positions_BxT, key_pos_BxS, writer):
+    """`writer` is None (attend within x) or a `_CacheWriter` that stores this layer's k/v."""
+    cfg = self.cfg
+    b, t, _ = x_BxTxD.shape
+    hkv, dh = cfg.num_kv_heads, cfg.head_dim
+    g = cfg.num_heads // hkv
+    q_BxTxHxDh = self.q_proj(x_BxTxD).reshape(b, t, cfg.num_heads, dh)
+    k_BxTxKxDh = self.k_proj(x_BxTxD).reshape(b, t, hkv, dh)
+    v_BxTxKxDh = self.v_proj(x_BxTxD).reshape(b, t, hkv, dh)
+    if cfg.qk_norm:
+      q_BxTxHxDh = self.q_norm(q_BxTxHxDh)
+      k_BxTxKxDh = self.k_norm(k_BxTxKxDh)
+    q_BxTxHxDh = rope(q_BxTxHxDh, positions_BxT, cfg.rope_theta)
+    k_BxTxKxDh = rope(k_BxTxKxDh, positions_BxT, cfg.rope_theta)
+    if writer is None:
+      k_BxSxKxDh, v_BxSxKxDh = k_BxTxKxDh, v_BxTxKxDh
+    else:
+      k_BxSxKxDh, v_BxSxKxDh = writer(k_BxTxKxDh, v_BxTxKxDh)
+    q_BxTxKxGxDh = q_BxTxHxDh.reshape(b, t, hkv, g, dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxDh, k_BxSxKxDh,
+                        preferred_element_type=jnp.float32) * (dh ** -0.5)
+    visible_BxTxS = ((key_pos_BxS[:, None, :] >= 0)
+                     & (key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]))
+    scores = jnp.where(visible_BxTxS[:, None, None], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxDh.dtype)
+    out_BxTxKxGxDh = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxDh)
+    return self.o_proj(out_BxTxKxGxDh.reshape(b, t, cfg.num_heads * dh))
+
+
+class MLP(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    self.gate_proj = _linear(cfg, d, f, False, rngs)
+    self.up_proj = _linear(cfg, d, f, False, rngs)
+    self.down_proj = _linear(cfg, f, d, False, rngs)
+
+  def __call__(self, x):
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
+    self.attn = Attention(cfg, rngs)
+    self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x, positions_BxT, key_pos_BxS, writer):
+    x = x + self.attn(self.input_norm(x), positions_BxT, key_pos_BxS, writer)
+    return x + self.mlp(self.post_attn_norm(x))
+
+
+class Transformer(nnx.Module):
+  """Llama / Qwen2 / Qwen3 decoder.  Parameter paths mirror HF names (see hf_io)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype,
+                           param_dtype=cfg.jnp_dtype, embedding_init=_INIT, rngs=rngs)
+    self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
+    if not cfg.tie_embeddings:
+      self.lm_head = _linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs)
+
+  def unembed_matrix(self) -> jax.Array:
+    """The `[D, V]` output projection (the embedding's transpose when tied)."""
+    if self.cfg.tie_embeddings:
+      return self.embed.embedding[...].T
+    return self.lm_head.kernel[...]
+
+  def logits(self, hidden_BxTxD: jax.Array) -> jax.Array:
+    return jnp.einsum("btd,dv->btv", hidden_BxTxD, self.unembed_matrix())
+
+  def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
+               mask_BxT: jax.Array | None = None, cache: KVCache | None = None,
+               cache_index_B: jax.Array | None = None, *,
+               return_hidden: bool = False) -> tuple[jax.Array, KVCache | None]:
+    """Returns `(logits_BxTxV or hidden_BxTxD, new_cache)`; see the module docstring."""
+    b, t = tokens_BxT.shape
+    positions_BxT = positions_BxT.astype(jnp.int32)
+    if mask_BxT is None:
+      mask_BxT = jnp.ones((b, t), bool)
+    own_pos_BxT = jnp.where(mask_BxT, positions_BxT, -1)
+    writer = None
+    if cache is None:
+      key_pos_BxS = own_pos_BxT
+    else:
+      if cache_index_B is None:
+        raise ValueError("Transformer: a cache needs cache_index_B (the slot of each row's first token)")
+      writer = _CacheWriter(cache, cache_index_B, t)
+      key_pos_BxS = writer.pos(own_pos_BxT)
+    x = self.embed(tokens_BxT)
+    for layer in self.layers:
+      x = layer(x, positions_BxT, key_pos_BxS, writer)
+      if writer is not None:
+        writer.layer += 1
+    new_cache = None
+    if writer is not None:
+      new_cache = KVCache(k=writer.k, v=writer.v, pos=key_pos_BxS)
+    hidden = self.final_norm(x)
+    if return_hidden:
+      return hidden, new_cache
+    return self.logits(hidden), new_cache
+
+
+def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxT: jax.Array,
+            positions_BxT: jax.Array, mask_BxT: jax.Array | None = None,
+            cache: KVCache | None = None, cache_index_B: jax.Array | None = None, *,
+            return_hidden: bool = False) -> tuple[jax.Array, KVCache | None]:
+  """Pure forward over `nnx.split(model)`: safe inside jit / while_loop / scan."""
+  model = nnx.merge(graphdef, params)
+  return model(tokens_BxT, positions_BxT, mask_BxT, cache, cache_index_B,
+               return_hidden=return_hidden)
