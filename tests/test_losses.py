@@ -97,6 +97,31 @@ def test_nan_on_padding_does_not_poison():
     assert math.isfinite(float(total)), mode
 
 
+def test_nan_padding_gives_finite_values_and_gradients():
+  logp, old, adv, m = _random_batch()
+  pad = m == 0
+  bad = lambda x: np.where(pad, np.nan, x).astype(np.float32)
+  ent = RNG.random(logp.shape).astype(np.float32)
+
+  def total(lp, level, mode):
+    out = losses.actor_loss(lp, bad(old), bad(adv), m, entropy_BxT=bad(ent),
+                            entropy_coef=0.1, ref_logprobs_BxT=bad(old),
+                            kl_coef=0.1, ratio_level=level, agg_mode=mode,
+                            norm_length=5.0)
+    return out.total
+
+  for level in ("token", "sequence"):
+    for mode in MODES:
+      clean = losses.actor_loss(logp, old, adv, m, entropy_BxT=ent, entropy_coef=0.1,
+                                ref_logprobs_BxT=old, kl_coef=0.1, ratio_level=level,
+                                agg_mode=mode, norm_length=5.0)
+      np.testing.assert_allclose(total(bad(logp), level, mode), clean.total, rtol=1e-6)
+      g = jax.grad(total)(jnp.asarray(bad(logp)), level, mode)
+      assert np.all(np.isfinite(g)) and np.all(np.asarray(g)[pad] == 0), (level, mode)
+  v = losses.value_loss(bad(logp), bad(old), bad(adv), m)
+  assert np.isfinite(float(v.total))
+
+
 # ---------------------------------------------------------------- policy loss
 
 

@@ -76,7 +76,8 @@ def adaptive_kl_coef(coef: float | jax.Array, observed_kl: float | jax.Array,
 
   ``observed_kl`` is the mean per-token (or per-sequence) KL of the batch just
   seen, ``n_steps`` the number of samples (or steps) it covers.  A fixed
-  coefficient is simply not updating.
+  coefficient is simply not updating.  ``coef``, ``observed_kl`` and
+  ``n_steps`` may be traced; ``target`` and ``horizon`` are config numbers.
   """
   if target <= 0 or horizon <= 0:
     raise ValueError(f"target ({target}) and horizon ({horizon}) must be > 0")

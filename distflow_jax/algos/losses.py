@@ -127,6 +127,13 @@ def aggregate(loss_BxT: jax.Array, response_mask_BxT: jax.Array,
   return jnp.sum(lm) / norm_length, count
 
 
+def _real(x_BxT: jax.Array, m_BxT: jax.Array) -> jax.Array:
+  """x on real tokens, 0 on padding.  Applied to every input so padding
+  garbage (NaN logprobs, say) cannot reach a value *or* a gradient: a NaN
+  that only a where() hides still turns 0 * NaN into a NaN gradient."""
+  return jnp.where(m_BxT > 0, x_BxT.astype(jnp.float32), 0.0)
+
+
 def _token_sum(x_BxT: jax.Array, m_BxT: jax.Array) -> jax.Array:
   return jnp.sum(jnp.where(m_BxT > 0, x_BxT.astype(jnp.float32), 0.0))
 
@@ -176,10 +183,9 @@ def policy_loss(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,
   level = RatioLevel.parse(ratio_level)
 
   m = response_mask_BxT.astype(jnp.float32)
-  logp = logprobs_BxT.astype(jnp.float32)
-  adv = advantages_BxT.astype(jnp.float32)
-  token_log_ratio = jnp.where(m > 0, logp - old_logprobs_BxT.astype(jnp.float32),
-                              0.0)
+  logp = _real(logprobs_BxT, m)
+  adv = _real(advantages_BxT, m)
+  token_log_ratio = logp - _real(old_logprobs_BxT, m)
   if level is RatioLevel.TOKEN:
     log_ratio = token_log_ratio
   else:
@@ -220,7 +226,8 @@ def kl_loss(logprobs_BxT: jax.Array, ref_logprobs_BxT: jax.Array,
   _check_same_shape(logprobs_BxT=logprobs_BxT, ref_logprobs_BxT=ref_logprobs_BxT,
                     response_mask_BxT=response_mask_BxT)
   m = response_mask_BxT.astype(jnp.float32)
-  kl = kl_lib.kl_divergence(logprobs_BxT, ref_logprobs_BxT, estimator)
+  kl = kl_lib.kl_divergence(_real(logprobs_BxT, m), _real(ref_logprobs_BxT, m),
+                            estimator)
   total, count = aggregate(kl, m, agg_mode, norm_length)
   return LossOutput(total, count, jnp.sum(m), {"kl": _token_sum(kl, m)})
 
@@ -231,9 +238,9 @@ def entropy_loss(entropy_BxT: jax.Array, response_mask_BxT: jax.Array, *,
   """The aggregated entropy H (to be *subtracted*, times a coefficient)."""
   _check_same_shape(entropy_BxT=entropy_BxT, response_mask_BxT=response_mask_BxT)
   m = response_mask_BxT.astype(jnp.float32)
-  total, count = aggregate(entropy_BxT, m, agg_mode, norm_length)
-  return LossOutput(total, count, jnp.sum(m),
-                    {"entropy": _token_sum(entropy_BxT, m)})
+  ent = _real(entropy_BxT, m)
+  total, count = aggregate(ent, m, agg_mode, norm_length)
+  return LossOutput(total, count, jnp.sum(m), {"entropy": _token_sum(ent, m)})
 
 
 def actor_loss(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,
@@ -291,15 +298,15 @@ def value_loss(values_BxT: jax.Array, old_values_BxT: jax.Array,
   _check_same_shape(values_BxT=values_BxT, old_values_BxT=old_values_BxT,
                     returns_BxT=returns_BxT, response_mask_BxT=response_mask_BxT)
   m = response_mask_BxT.astype(jnp.float32)
-  v = values_BxT.astype(jnp.float32)
-  ret = returns_BxT.astype(jnp.float32)
+  v = _real(values_BxT, m)
+  ret = _real(returns_BxT, m)
   unclipped = jnp.square(v - ret)
   if clip_range is None:
     loss, taken = 0.5 * unclipped, jnp.zeros_like(v)
   else:
     if clip_range <= 0:
       raise ValueError(f"value clip_range must be > 0 or None, got {clip_range}")
-    old = old_values_BxT.astype(jnp.float32)
+    old = _real(old_values_BxT, m)
     v_clip = old + jnp.clip(v - old, -clip_range, clip_range)
     clipped = jnp.square(v_clip - ret)
     loss = 0.5 * jnp.maximum(unclipped, clipped)
