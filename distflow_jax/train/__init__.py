@@ -1,0 +1,1 @@
+"""Training: optimizers from config and the jitted actor / critic steps."""
