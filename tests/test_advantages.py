@@ -179,6 +179,17 @@ def test_gae_padding_does_not_leak():
                                  gamma=0.99, lam=0.95, whiten=False)
   np.testing.assert_array_equal(base.advantages_BxT, moved.advantages_BxT)
   np.testing.assert_array_equal(base.returns_BxT, moved.returns_BxT)
+  r2[0, 4:] = np.nan
+  v2[0, 4:] = np.inf
+  for whiten in (False, True):
+    clean = adv_lib.gae_advantages(jnp.asarray(r), jnp.asarray(v), jnp.asarray(m),
+                                   gamma=0.99, lam=0.95, whiten=whiten)
+    nan = adv_lib.gae_advantages(jnp.asarray(r2), jnp.asarray(v2), jnp.asarray(m),
+                                 gamma=0.99, lam=0.95, whiten=whiten)
+    np.testing.assert_array_equal(clean.advantages_BxT, nan.advantages_BxT)
+    np.testing.assert_array_equal(clean.returns_BxT, nan.returns_BxT)
+  rpp = adv_lib.reinforce_pp_advantages(jnp.asarray(r2), jnp.asarray(m))
+  assert np.all(np.isfinite(rpp.advantages_BxT)) and np.all(np.isfinite(rpp.returns_BxT))
 
 
 # ---------------------------------------------------------------- REINFORCE++

@@ -57,22 +57,27 @@ class AdvantageEstimator(enum.Enum):
 # Masked statistics.
 
 
+def _real(x: jax.Array, mask: jax.Array) -> jax.Array:
+  # where(), not a product: NaN * 0 is NaN, so padding garbage must be dropped.
+  return jnp.where(mask > 0, x.astype(jnp.float32), 0.0)
+
+
 def masked_sum(x: jax.Array, mask: jax.Array) -> jax.Array:
-  return jnp.sum(x * mask.astype(x.dtype))
+  return jnp.sum(_real(x, mask))
 
 
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
   """sum(x * m) / max(sum(m), 1): an all-masked input gives 0, not NaN."""
-  m = mask.astype(x.dtype)
-  return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
+  m = mask.astype(jnp.float32)
+  return jnp.sum(_real(x, m)) / jnp.maximum(jnp.sum(m), 1.0)
 
 
 def masked_var(x: jax.Array, mask: jax.Array, unbiased: bool = True) -> jax.Array:
   """Variance of the masked entries; Bessel-corrected when ``unbiased``."""
-  m = mask.astype(x.dtype)
+  m = mask.astype(jnp.float32)
   n = jnp.sum(m)
-  mean = jnp.sum(x * m) / jnp.maximum(n, 1.0)
-  sq = jnp.sum(jnp.square(x - mean) * m)
+  mean = masked_mean(x, m)
+  sq = jnp.sum(jnp.square(_real(x, m) - mean) * m)
   denom = n - 1.0 if unbiased else n
   return sq / jnp.maximum(denom, 1.0)
 
@@ -82,7 +87,8 @@ def masked_whiten(x: jax.Array, mask: jax.Array, shift_mean: bool = True) -> jax
 
   With ``shift_mean=False`` the mean is added back (only the scale changes).
   """
-  m = mask.astype(x.dtype)
+  m = mask.astype(jnp.float32)
+  x = _real(x, m)
   mean = masked_mean(x, m)
   white = (x - mean) * jax.lax.rsqrt(masked_var(x, m) + _WHITEN_EPS)
   if not shift_mean:
@@ -215,8 +221,8 @@ def discounted_returns(token_rewards_BxT: jax.Array, response_mask_BxT: jax.Arra
   Padding is skipped, not counted as a time step, so interior padding does not
   add extra discounting and nothing leaks from padding into real tokens.
   """
-  r = token_rewards_BxT.astype(jnp.float32)
   m = response_mask_BxT.astype(jnp.float32)
+  r = _real(token_rewards_BxT, m)
 
   def step(next_ret_B, xs):
     r_B, m_B = xs
@@ -288,9 +294,9 @@ def gae_advantages(token_rewards_BxT: jax.Array, values_BxT: jax.Array,
         f"token_rewards_BxT {token_rewards_BxT.shape}, values_BxT "
         f"{values_BxT.shape} and response_mask_BxT {response_mask_BxT.shape} "
         "must have the same [B, T] shape")
-  r = token_rewards_BxT.astype(jnp.float32)
-  v = values_BxT.astype(jnp.float32)
   m = response_mask_BxT.astype(jnp.float32)
+  r = _real(token_rewards_BxT, m)
+  v = _real(values_BxT, m)
 
   def step(carry, xs):
     next_v_B, next_a_B = carry
