@@ -1,0 +1,283 @@
+"""Per-process prompt loader: a grain pipeline over this process's shard.
+
+Per epoch the pipeline is ``range(records) -> shuffle(seed, epoch) ->
+[process_index::process_count] -> map(read + validate + render + tokenize)``.
+Every process computes the same shuffle, so the shards of one epoch are
+disjoint and together cover the dataset; the shuffle (hence the shard) changes
+every epoch.
+
+The iterator yields host-local :class:`~distflow_jax.data.batch.Batch`es of
+exactly ``batch_size`` valid prompts and runs across epoch boundaries, so all
+processes produce batches in lock-step even when their shards lose different
+numbers of bad rows.  Its state (epoch, position in the shard, bad-row counts)
+is a small JSON-able dict; restoring it reproduces the following batches
+exactly.
+
+Malformed rows (unreadable JSON, non-UTF-8, missing field, empty prompt,
+prompt longer than ``max_prompt_len`` tokens) are counted by reason and either
+skipped (``on_bad_row="skip"``, with a warning on the first of each reason) or
+refused (``on_bad_row="error"``, raising :class:`BadRowError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import os
+from typing import Any, Protocol, Sequence
+
+import grain
+import numpy as np
+
+from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch
+from distflow_jax.data.sources import BadRow, RecordSource, open_source
+
+log = logging.getLogger(__name__)
+
+REASONS = ("bad_json", "not_utf8", "missing_field", "empty_prompt", "too_long")
+
+
+class Tokenizer(Protocol):
+  def encode(self, text: str) -> Sequence[int]: ...
+
+
+class OnBadRow(enum.Enum):
+  SKIP = "skip"
+  ERROR = "error"
+
+
+class BadRowError(ValueError):
+  """A malformed row met with ``on_bad_row="error"``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  record: int
+  prompt_ids: np.ndarray
+  host: dict[str, Any]
+
+
+def _text(value: Any, field: str) -> str | BadRow:
+  if isinstance(value, bytes):
+    try:
+      value = value.decode("utf-8")
+    except UnicodeDecodeError:
+      return BadRow("not_utf8", f"field {field!r} holds bytes that are not UTF-8")
+  if not isinstance(value, str):
+    return BadRow("missing_field", f"field {field!r} must be text, got "
+                  f"{type(value).__name__}")
+  try:
+    value.encode("utf-8")
+  except UnicodeEncodeError:
+    return BadRow("not_utf8", f"field {field!r} holds unpaired surrogates")
+  return value
+
+
+def _messages(prompt: Any, field: str) -> list[dict[str, str]] | BadRow:
+  """A prompt as chat messages: plain text becomes one user message."""
+  if isinstance(prompt, (str, bytes)):
+    text = _text(prompt, field)
+    return text if isinstance(text, BadRow) else [{"role": "user", "content": text}]
+  if isinstance(prompt, (list, tuple)):
+    out = []
+    for m in prompt:
+      if not isinstance(m, dict) or "content" not in m:
+        return BadRow("missing_field", f"field {field!r} must be text or a list "
+                      f"of {{'role', 'content'}} messages")
+      text = _text(m["content"], f"{field}.content")
+      if isinstance(text, BadRow):
+        return text
+      out.append({"role": str(m.get("role", "user")), "content": text})
+    return out
+  return BadRow("missing_field", f"field {field!r} must be text or messages, "
+                f"got {type(prompt).__name__}")
+
+
+def parse_row(raw: dict[str, Any] | BadRow, record: int, *, tokenizer: Tokenizer,
+              max_prompt_len: int, prompt_key: str = "prompt",
+              answer_key: str = "answer", source_key: str = "data_source",
+              default_source: str = "", use_chat_template: bool = True
+              ) -> Example | BadRow:
+  """Validates, renders and tokenizes one raw row."""
+  if isinstance(raw, BadRow):
+    return raw
+  for key in (prompt_key, answer_key):
+    if raw.get(key) is None:
+      return BadRow("missing_field", f"no {key!r} field (row has {sorted(raw)})")
+  messages = _messages(raw[prompt_key], prompt_key)
+  if isinstance(messages, BadRow):
+    return messages
+  if not any(m["content"].strip() for m in messages):
+    return BadRow("empty_prompt", f"field {prompt_key!r} is empty")
+  answer = raw[answer_key]
+  if isinstance(answer, bytes):
+    answer = _text(answer, answer_key)
+    if isinstance(answer, BadRow):
+      return answer
+  template = getattr(tokenizer, "apply_chat_template", None)
+  if use_chat_template and template is not None:
+    rendered = template(messages, add_generation_prompt=True)
+  else:
+    rendered = "\n".join(m["content"] for m in messages)
+  ids = list(rendered) if not isinstance(rendered, str) else tokenizer.encode(rendered)
+  ids = np.asarray(ids, dtype=np.int32)
+  if ids.size == 0:
+    return BadRow("empty_prompt", "the prompt tokenizes to nothing")
+  if ids.size > max_prompt_len:
+    return BadRow("too_long", f"{ids.size} prompt tokens > max_prompt_len "
+                  f"{max_prompt_len}")
+  source = raw.get(source_key)
+  prompt = (messages[0]["content"] if isinstance(raw[prompt_key], (str, bytes))
+            else raw[prompt_key])
+  host = {"prompt": prompt, "prompt_text": rendered if isinstance(
+      rendered, str) else None, "answer": answer,
+      "data_source": default_source if source is None else source,
+      "record": record}
+  return Example(record=record, prompt_ids=ids, host=host)
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+  """Shuffle seed of an epoch; the same on every process."""
+  return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
+
+
+def _parse_on_bad_row(value: OnBadRow | str) -> OnBadRow:
+  try:
+    return OnBadRow(value)
+  except ValueError:
+    raise ValueError(f"on_bad_row={value!r} is not valid; valid values: "
+                     f"{[v.value for v in OnBadRow]}") from None
+
+
+class PromptLoader:
+  """Iterator of host-local prompt batches from this process's shard."""
+
+  def __init__(self, path_or_source: str | RecordSource, tokenizer: Tokenizer, *,
+               batch_size: int, max_prompt_len: int, seed: int = 0,
+               shuffle: bool = True, process_index: int | None = None,
+               process_count: int | None = None,
+               on_bad_row: OnBadRow | str = OnBadRow.SKIP, pad_id: int = 0,
+               num_epochs: int | None = None, prompt_key: str = "prompt",
+               answer_key: str = "answer", source_key: str = "data_source",
+               use_chat_template: bool = True):
+    if process_index is None or process_count is None:
+      import jax  # after distributed.initialize(), like grain's ShardByJaxProcess
+      process_index, process_count = jax.process_index(), jax.process_count()
+    if not 0 <= process_index < process_count:
+      raise ValueError(f"process_index {process_index} is not in "
+                       f"[0, {process_count})")
+    if batch_size < 1 or max_prompt_len < 1:
+      raise ValueError(f"batch_size ({batch_size}) and max_prompt_len "
+                       f"({max_prompt_len}) must be >= 1")
+    self.source = (open_source(path_or_source)
+                   if isinstance(path_or_source, (str, os.PathLike))
+                   else path_or_source)
+    if len(self.source) < process_count:
+      raise ValueError(f"{self.source.path!r} has {len(self.source)} records, "
+                       f"fewer than the {process_count} processes reading it")
+    self.tokenizer = tokenizer
+    self.batch_size = batch_size
+    self.max_prompt_len = max_prompt_len
+    self.seed = seed
+    self.shuffle = shuffle
+    self.process_index = process_index
+    self.process_count = process_count
+    self.on_bad_row = _parse_on_bad_row(on_bad_row)
+    self.pad_id = pad_id
+    self.num_epochs = num_epochs
+    self._parse_kw = dict(
+        tokenizer=tokenizer, max_prompt_len=max_prompt_len, prompt_key=prompt_key,
+        answer_key=answer_key, source_key=source_key,
+        default_source=os.path.splitext(os.path.basename(self.source.path))[0],
+        use_chat_template=use_chat_template)
+    self._epoch = 0
+    self._position = 0
+    self._counts = {"ok": 0, **{r: 0 for r in REASONS}}
+    self._dataset = self._epoch_dataset(0)
+
+  @property
+  def num_records(self) -> int:
+    return len(self.source)
+
+  def _epoch_dataset(self, epoch: int) -> grain.MapDataset:
+    ds = grain.MapDataset.range(len(self.source))
+    if self.shuffle:
+      ds = ds.shuffle(seed=epoch_seed(self.seed, epoch))
+    ds = ds[self.process_index::self.process_count]
+    return ds.map(lambda i: (int(i), parse_row(self.source[int(i)], int(i),
+                                               **self._parse_kw)))
+
+  @property
+  def counts(self) -> dict[str, int]:
+    """Rows accepted (``ok``) and rows refused, by reason, so far."""
+    return dict(self._counts)
+
+  def __iter__(self) -> "PromptLoader":
+    return self
+
+  def _next_example(self) -> tuple[int, Example]:
+    """The next valid example of this shard and the epoch it belongs to."""
+    scanned = 0
+    while True:
+      if self._position >= len(self._dataset):
+        if self.num_epochs is not None and self._epoch + 1 >= self.num_epochs:
+          raise StopIteration
+        self._epoch += 1
+        self._position = 0
+        self._dataset = self._epoch_dataset(self._epoch)
+      record, item = self._dataset[self._position]
+      self._position += 1
+      scanned += 1
+      if isinstance(item, Example):
+        self._counts["ok"] += 1
+        return self._epoch, item
+      self._counts[item.reason] += 1
+      where = f"{self.source.path!r} record {record}: {item.reason}: {item.detail}"
+      if self.on_bad_row is OnBadRow.ERROR:
+        raise BadRowError(where)
+      if self._counts[item.reason] == 1:
+        log.warning("skipping malformed row %s (further %s rows are counted, "
+                    "see loader.counts)", where, item.reason)
+      if scanned > len(self.source) // self.process_count + 1:
+        raise ValueError(f"shard {self.process_index}/{self.process_count} of "
+                         f"{self.source.path!r} has no valid rows; counts "
+                         f"{self.counts}")
+
+  def __next__(self) -> Batch:
+    pairs = [self._next_example() for _ in range(self.batch_size)]
+    ids = np.full((self.batch_size, self.max_prompt_len), self.pad_id, np.int32)
+    for r, (_, ex) in enumerate(pairs):
+      ids[r, :ex.prompt_ids.size] = ex.prompt_ids
+    sample_ids = np.array([e * self.num_records + ex.record for e, ex in pairs],
+                          dtype=np.int64)
+    if sample_ids.max() > np.iinfo(np.int32).max:
+      raise ValueError(f"sample id {sample_ids.max()} overflows int32 after "
+                       f"{self._epoch} epochs of {self.num_records} records")
+    sample_ids = sample_ids.astype(np.int32)
+    data = {"prompt_ids": ids,
+            "prompt_len": np.array([ex.prompt_ids.size for _, ex in pairs], np.int32),
+            SAMPLE_ID: sample_ids, GROUP_ID: sample_ids.copy()}
+    host = {int(s): ex.host for s, (_, ex) in zip(sample_ids, pairs)}
+    return Batch(data, host)
+
+  def steps_per_epoch(self) -> int:
+    """Batches per epoch if no row were malformed; the same on every process."""
+    return (len(self.source) // self.process_count) // self.batch_size
+
+  def get_state(self) -> dict[str, Any]:
+    """JSON-able state; :meth:`set_state` on it reproduces the next batches."""
+    return {"epoch": self._epoch, "position": self._position,
+            "counts": dict(self._counts), "seed": self.seed,
+            "num_records": self.num_records, "process_index": self.process_index,
+            "process_count": self.process_count}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    for key in ("seed", "num_records", "process_index", "process_count"):
+      if state.get(key) != getattr(self, key):
+        raise ValueError(f"loader state was saved with {key}={state.get(key)!r} "
+                         f"but this loader has {key}={getattr(self, key)!r}")
+    self._epoch = int(state["epoch"])
+    self._position = int(state["position"])
+    self._counts = {"ok": 0, **{r: 0 for r in REASONS}, **state["counts"]}
+    self._dataset = self._epoch_dataset(self._epoch)
