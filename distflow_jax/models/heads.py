@@ -1,0 +1,89 @@
+"""Output heads: chunked token log-probs / entropy, the critic, the reference copy.
+
+`token_logprobs_and_entropy(hidden_BxTxD, unembed_DxV, targets_BxT)` computes
+per-token `log p(target)` and the entropy of the (temperature-scaled)
+next-token distribution without ever materialising the full float32
+`[B, T, V]` logits: tokens are processed `chunk_size` at a time inside a
+`lax.map` whose body is rematerialised (`jax.checkpoint`), so the backward
+pass holds one chunk of logits too.
+
+    hidden, _ = forward(graphdef, params, tokens, positions, mask, return_hidden=True)
+    model = nnx.merge(graphdef, params)
+    logp_BxT, ent_BxT = token_logprobs_and_entropy(hidden[:, :-1], model.unembed_matrix(),
+                                                   tokens[:, 1:])
+
+`Critic` is the same backbone plus a scalar value head (`values_BxT`, float32).
+`reference_params(params)` is a frozen copy of the actor's parameters (same
+shardings, no optimizer state): its buffers survive donation of the actor's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from distflow_jax.models.config import ModelConfig
+from distflow_jax.models.transformer import Transformer
+
+
+def token_logprobs_and_entropy(hidden_BxTxD: jax.Array, unembed_DxV: jax.Array,
+                               targets_BxT: jax.Array, *, temperature: float = 1.0,
+                               chunk_size: int = 512) -> tuple[jax.Array, jax.Array]:
+  """Returns float32 `(logp_BxT, entropy_BxT)` of `softmax(hidden @ unembed / temperature)`.
+
+  logp = z[target] - logsumexp(z);  entropy = logsumexp(z) - sum softmax(z) * z,
+  with z the float32 logits divided by `temperature`.  Peak extra memory is
+  one `[chunk_size, V]` float32 block (forward and backward).
+  """
+  if temperature <= 0:
+    raise ValueError(f"temperature={temperature} must be > 0")
+  if chunk_size <= 0:
+    raise ValueError(f"chunk_size={chunk_size} must be > 0")
+  b, t, d = hidden_BxTxD.shape
+  n = b * t
+  chunk = min(chunk_size, n)
+  num_chunks = -(-n // chunk)
+  pad = num_chunks * chunk - n
+  h_NxD = jnp.pad(hidden_BxTxD.reshape(n, d), ((0, pad), (0, 0)))
+  y_N = jnp.pad(targets_BxT.reshape(n).astype(jnp.int32), (0, pad))
+
+  @jax.checkpoint
+  def one_chunk(args):
+    h_CxD, y_C = args
+    z_CxV = jnp.einsum("cd,dv->cv", h_CxD, unembed_DxV,
+                       preferred_element_type=jnp.float32) / temperature
+    lse_C = jax.nn.logsumexp(z_CxV, axis=-1)
+    z_y_C = jnp.take_along_axis(z_CxV, y_C[:, None], axis=-1)[:, 0]
+    p_CxV = jnp.exp(z_CxV - lse_C[:, None])
+    return z_y_C - lse_C, lse_C - jnp.sum(p_CxV * z_CxV, axis=-1)
+
+  logp, ent = jax.lax.map(one_chunk, (h_NxD.reshape(num_chunks, chunk, d),
+                                      y_N.reshape(num_chunks, chunk)))
+  return logp.reshape(-1)[:n].reshape(b, t), ent.reshape(-1)[:n].reshape(b, t)
+
+
+class Critic(nnx.Module):
+  """Transformer backbone + scalar value head: `values_BxT = head(hidden_BxTxD)`."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs,
+               backbone: Transformer | None = None):
+    self.backbone = backbone if backbone is not None else Transformer(cfg, rngs=rngs)
+    self.value_head = nnx.Linear(cfg.hidden_size, 1, dtype=jnp.float32, param_dtype=jnp.float32,
+                                 kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+
+  def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
+               mask_BxT: jax.Array | None = None) -> jax.Array:
+    hidden_BxTxD, _ = self.backbone(tokens_BxT, positions_BxT, mask_BxT, return_hidden=True)
+    return self.value_head(hidden_BxTxD.astype(jnp.float32))[..., 0]
+
+
+def critic_values(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxT: jax.Array,
+                  positions_BxT: jax.Array, mask_BxT: jax.Array | None = None) -> jax.Array:
+  """Pure form of `Critic.__call__` over `nnx.split(critic)`."""
+  return nnx.merge(graphdef, params)(tokens_BxT, positions_BxT, mask_BxT)
+
+
+def reference_params(params: nnx.State) -> nnx.State:
+  """A frozen copy of the actor's parameters: new buffers, same shardings, no optimizer."""
+  return jax.tree.map(lambda x: x.copy(), params)

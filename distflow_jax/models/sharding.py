@@ -1,0 +1,114 @@
+"""Sharding as data: (regex over parameter path, PartitionSpec) rules.
+
+A parameter's path is its NNX state path joined by "/", e.g.
+`layers/0/attn/q_proj/kernel`.  The first rule whose regex fully matches the
+path gives its `PartitionSpec`; mesh axes named in a spec but absent from the
+mesh are dropped, so one rule set serves any mesh made of `data` / `fsdp` /
+`tensor` axes.  A dimension that its axes do not divide raises ValueError
+naming the parameter.
+
+    rules = fsdp_tp_rules()
+    mesh = make_mesh({"fsdp": 2, "tensor": 4})
+    model = create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh, rules)
+
+`create_sharded` builds the state abstractly (`nnx.eval_shape`), derives the
+shardings and runs the initialiser under `jax.jit(out_shardings=...)`, so no
+parameter is ever fully materialised on one device.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+Rules = tuple[tuple[str, P], ...]
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+def no_sharding() -> Rules:
+  """Everything replicated."""
+  return ((".*", P()),)
+
+
+def fsdp_tp_rules() -> Rules:
+  """Kernels split over `fsdp` on their model dim and `tensor` on heads / hidden / vocab."""
+  return (
+      (r"(.*/)?embed/embedding", P("tensor", "fsdp")),         # [V, D]
+      (r"(.*/)?lm_head/kernel", P("fsdp", "tensor")),          # [D, V]
+      (r".*attn/(q|k|v)_proj/kernel", P("fsdp", "tensor")),    # [D, H*Dh]
+      (r".*attn/(q|k|v)_proj/bias", P("tensor")),
+      (r".*attn/o_proj/kernel", P("tensor", "fsdp")),          # [H*Dh, D]
+      (r".*mlp/(gate|up)_proj/kernel", P("fsdp", "tensor")),   # [D, F]
+      (r".*mlp/down_proj/kernel", P("tensor", "fsdp")),        # [F, D]
+      (r"(.*/)?value_head/kernel", P("fsdp", None)),           # [D, 1]
+      (r".*", P()),                                            # norms, value bias
+  )
+
+
+def make_mesh(axes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A mesh with Auto axis types (explicit axes break embedding gathers in jax 0.10)."""
+  for name in axes:
+    if name not in MESH_AXES:
+      raise ValueError(f"mesh axis {name!r} is unknown; valid: {MESH_AXES}")
+  devices = list(jax.devices() if devices is None else devices)
+  n = math.prod(axes.values())
+  if n != len(devices):
+    raise ValueError(f"mesh {dict(axes)} needs {n} devices, got {len(devices)}")
+  return Mesh(np.asarray(devices).reshape(tuple(axes.values())), tuple(axes),
+              axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+
+
+def path_str(path: Sequence) -> str:
+  return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def spec_for(path: str, shape: Sequence[int], rules: Rules, mesh: Mesh) -> P:
+  """The PartitionSpec of one parameter, restricted to the mesh's axes and checked."""
+  for pattern, spec in rules:
+    if re.fullmatch(pattern, path):
+      break
+  else:
+    raise ValueError(f"no sharding rule matches parameter {path!r}; add a catch-all ('.*', P())")
+  if len(spec) > len(shape):
+    raise ValueError(f"rule {pattern!r} gives {spec} to {path!r} of rank {len(shape)}")
+  dims = []
+  for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+    names = tuple(a for a in names if a in mesh.shape)
+    size = math.prod(mesh.shape[a] for a in names)
+    if dim % size:
+      raise ValueError(f"parameter {path!r} dim {dim} is not divisible by mesh axes {names} "
+                       f"(size {size}) from rule {pattern!r} {spec}; mesh {dict(mesh.shape)}")
+    dims.append(None if not names else names[0] if len(names) == 1 else names)
+  return P(*dims)
+
+
+def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
+  """The NamedSharding of every variable of an (abstract or concrete) NNX state."""
+  flat = []
+  for path, var in nnx.to_flat_state(state):
+    value = var.get_value()
+    flat.append((path, var.replace(
+        NamedSharding(mesh, spec_for(path_str(path), value.shape, rules, mesh)))))
+  return nnx.from_flat_state(flat)
+
+
+def create_sharded(ctor: Callable[[], nnx.Module], mesh: Mesh, rules: Rules) -> nnx.Module:
+  """Runs `ctor` (a module constructor) directly into its shardings."""
+  abstract = nnx.eval_shape(ctor)
+  graphdef, abstract_state = nnx.split(abstract)
+  shardings = state_shardings(abstract_state, mesh, rules)
+
+  state = jax.jit(lambda: nnx.state(ctor()), out_shardings=shardings)()
+  return nnx.merge(graphdef, state)
+
+
+def shard_state(state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
+  """Moves an existing state into the rules' shardings."""
+  return jax.device_put(state, state_shardings(state, mesh, rules))
