@@ -162,3 +162,34 @@ def test_errors_name_the_culprit():
     make_plan(np.ones(16), src, sub)
   with pytest.raises(ValueError, match="multiple of 8"):
     make_plan(np.ones(12), src, dst)
+
+
+class _FakeDevice:
+  def __init__(self, process_index):
+    self.process_index = process_index
+
+
+def test_traffic_accounting_by_hand():
+  mesh = _mesh((2, 4), ("host", "local"))
+  src, dst = Layout(mesh, ("host",)), Layout(mesh, ("host", "local"))
+  plan = make_plan(np.arange(32) + 1, src, dst)  # R = 4 rows per sender, C = 1
+  assert plan.block == 1
+  # Pretend the 8 devices are 2 processes x 4 devices.
+  import dataclasses
+  fake = dataclasses.replace(plan, senders=tuple(_FakeDevice(p) for p in
+                                                 [0, 0, 0, 0, 1, 1, 1, 1]))
+  # Distributed: each device sends one 1-row block to each of the 4 devices of
+  # the other process: 4 devices x 4 blocks x 10 bytes.
+  assert fake.traffic(10, centralized=False) == {0: (160, 160), 1: (160, 160)}
+  # Centralized: process 1's 4 devices send R=4 rows each to process 0 and get
+  # M=4 rows each back; process 0 mirrors it.
+  assert fake.traffic(10, centralized=True) == {0: (160, 160), 1: (160, 160)}
+  fake3 = dataclasses.replace(plan, senders=tuple(_FakeDevice(p) for p in
+                                                  [0, 0, 1, 1, 2, 2, 3, 3]))
+  # 4 processes: distributed, each device -> 6 remote devices: 2 x 6 x 10.
+  assert fake3.traffic(10, centralized=False) == {p: (120, 120) for p in range(4)}
+  # Centralized: processes 1..3 send 2 x 4 rows and receive 2 x 4 rows; the
+  # hub handles all three.
+  want = {p: (80, 80) for p in range(1, 4)}
+  want[0] = (240, 240)
+  assert fake3.traffic(10, centralized=True) == want
