@@ -1,0 +1,24 @@
+"""Rollout: a JetStream-style decode engine and the RL batch-generation driver.
+
+    from distflow_jax.rollout import Engine, EngineConfig, SamplingParams, generate
+
+    engine = Engine(model_cfg, EngineConfig(max_concurrent_decodes=16, prefill_buckets=(32, 64),
+                                            max_new_tokens=64, stop_ids=(eos,),
+                                            sampling=SamplingParams(temperature=1.0)))
+    params = engine.update_params(actor_params)     # training layout -> rollout layout
+    out = generate(engine, params, prompts, n=4, rng=key)
+
+Modules: sampling (greedy / temperature / top-k / top-p, per-request PRNG),
+decode (pure prefill / insert / multi-step decode loop), engine (JetStream
+Engine API + batched extensions, placement, compile counts), driver
+(continuous batching for RL), weight_sync (training layout -> rollout
+layout), jetstream_adapter (optional registration with JetStream),
+generate_cmd (`distflow-jax generate`).
+"""
+
+from distflow_jax.rollout.driver import Rollout, generate
+from distflow_jax.rollout.engine import Engine, EngineConfig, ResultTokens, replica_mesh
+from distflow_jax.rollout.sampling import SamplingParams
+
+__all__ = ["Engine", "EngineConfig", "ResultTokens", "Rollout", "SamplingParams", "generate",
+           "replica_mesh"]

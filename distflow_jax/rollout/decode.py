@@ -1,0 +1,194 @@
+"""The pure, jittable pieces of the engine: prefill, insert, a multi-step decode loop.
+
+A decode batch is `B` slots; each slot holds one request at its own length
+in a shared KV cache `[L, B, S, Hkv, Dh]`.  Positions equal cache slots
+(prompts are right padded and the pads have key position -1), so a slot's
+next token always sits at cache slot `index_B[b]`.
+
+`decode_chunk` runs up to K decode steps inside one `lax.while_loop`, so
+there is one host round trip per K tokens, not per token.  It returns early
+when a slot finishes and requests are waiting (`stop_on_free`), so the
+caller can refill that slot at once (continuous batching).  Finished and
+empty slots still flow through the batched forward (shapes are fixed) but
+their results are marked invalid and their state does not move.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax import struct
+
+from distflow_jax.models.transformer import KVCache, forward, init_cache, positions_from_mask
+from distflow_jax.rollout.sampling import SamplingParams, sample
+
+
+@struct.dataclass
+class DecodeState:
+  """Everything a decode step transforms; every array has the slot axis first (after L)."""
+  cache: KVCache          # k/v [L, B, S, Hkv, Dh], pos [B, S]
+  tokens_B: jax.Array     # int32: the last sampled token, the next step's input
+  index_B: jax.Array      # int32: its position (= cache slot)
+  generated_B: jax.Array  # int32: tokens generated so far (the prefill's first token counts)
+  limit_B: jax.Array      # int32: max new tokens of the request in the slot
+  active_B: jax.Array     # bool: the slot holds an unfinished request
+  keys_Bx2: jax.Array     # uint32: the request's PRNG key data
+
+
+@struct.dataclass
+class Prefix:
+  """A prefilled batch of prompts: a `[L, P, T, ...]` cache and each row's next-token logits."""
+  cache: KVCache
+  logits_PxV: jax.Array   # float32 logits after each prompt's last real token
+  lengths_P: jax.Array    # int32 true prompt lengths
+  tokens_P: jax.Array     # int32 first sampled token of each row (JetStream's prefill result)
+  logprobs_P: jax.Array   # float32 its untruncated temperature-1 log-prob
+  keys_Px2: jax.Array     # uint32 the request key it was drawn with
+
+
+@struct.dataclass
+class StepOutput:
+  """Per-slot results of up to K decode steps; `valid_BxK` marks the real ones."""
+  tokens_BxK: jax.Array
+  logprobs_BxK: jax.Array
+  sampling_logprobs_BxK: jax.Array
+  valid_BxK: jax.Array
+  active_B: jax.Array     # after the chunk
+  steps: jax.Array        # scalar int32: steps actually run
+
+
+def empty_state(cfg, batch: int, max_len: int) -> DecodeState:
+  """All slots free."""
+  zeros = jnp.zeros((batch,), jnp.int32)
+  return DecodeState(cache=init_cache(cfg, batch, max_len), tokens_B=zeros, index_B=zeros,
+                     generated_B=zeros, limit_B=zeros, active_B=jnp.zeros((batch,), bool),
+                     keys_Bx2=jnp.zeros((batch, 2), jnp.uint32))
+
+
+def is_stop(tokens: jax.Array, stop_ids: Sequence[int]) -> jax.Array:
+  if not stop_ids:
+    return jnp.zeros(tokens.shape, bool)
+  return jnp.isin(tokens, jnp.asarray(stop_ids, jnp.int32))
+
+
+def prefill_logits(graphdef: nnx.GraphDef, params: nnx.State, tokens_PxT: jax.Array,
+                   lengths_P: jax.Array) -> tuple[KVCache, jax.Array]:
+  """Runs right-padded prompts; returns their `[L, P, T, ...]` cache and last-token logits.
+
+  Only the P last hidden states are unembedded, never `[P, T, V]`.
+  """
+  p, t = tokens_PxT.shape
+  model = nnx.merge(graphdef, params)
+  mask_PxT = jnp.arange(t)[None, :] < lengths_P[:, None]
+  cache = init_cache(model.cfg, p, t)
+  hidden_PxTxD, cache = forward(graphdef, params, tokens_PxT, positions_from_mask(mask_PxT),
+                                mask_PxT, cache, jnp.zeros((p,), jnp.int32), return_hidden=True)
+  last_PxD = jnp.take_along_axis(hidden_PxTxD, (lengths_P - 1)[:, None, None], axis=1)[:, 0]
+  logits_PxV = jnp.einsum("pd,dv->pv", last_PxD, model.unembed_matrix(),
+                          preferred_element_type=jnp.float32)
+  return cache, logits_PxV
+
+
+def prefill(graphdef: nnx.GraphDef, params: nnx.State, tokens_PxT: jax.Array,
+            lengths_P: jax.Array, keys_Px2: jax.Array, *, sp: SamplingParams) -> Prefix:
+  """Prefill plus the first sampled token of each row (JetStream's `prefill`)."""
+  cache, logits_PxV = prefill_logits(graphdef, params, tokens_PxT, lengths_P)
+  tok_P, lp_P, _ = sample(logits_PxV, keys_Px2, jnp.zeros_like(lengths_P), sp)
+  return Prefix(cache=cache, logits_PxV=logits_PxV, lengths_P=lengths_P, tokens_P=tok_P,
+                logprobs_P=lp_P, keys_Px2=keys_Px2)
+
+
+def insert_rows(state: DecodeState, prefix_cache: KVCache, src_Q: jax.Array, slots_Q: jax.Array,
+                first_tokens_Q: jax.Array, lengths_Q: jax.Array, keys_Qx2: jax.Array,
+                limits_Q: jax.Array, *, stop_ids: Sequence[int]) -> DecodeState:
+  """Copies prefix rows `src_Q` into decode slots `slots_Q` and arms them.
+
+  A slot index >= B is a padding row and is dropped, so Q can stay fixed.
+  The slots' key positions past the prompt are reset to -1, so nothing of
+  the previous occupant stays visible.
+  """
+  t, s = prefix_cache.max_len, state.cache.max_len
+  if t > s:
+    raise ValueError(f"insert: prefix of {t} tokens does not fit a decode cache of {s} slots")
+  c = state.cache
+  k = c.k.at[:, slots_Q, :t].set(prefix_cache.k[:, src_Q].astype(c.k.dtype), mode="drop")
+  v = c.v.at[:, slots_Q, :t].set(prefix_cache.v[:, src_Q].astype(c.v.dtype), mode="drop")
+  pos_QxS = jnp.pad(prefix_cache.pos[src_Q], ((0, 0), (0, s - t)), constant_values=-1)
+  pos = c.pos.at[slots_Q].set(pos_QxS, mode="drop")
+  active_Q = ~is_stop(first_tokens_Q, stop_ids) & (limits_Q > 1)
+
+  def put(x, val):
+    return x.at[slots_Q].set(val.astype(x.dtype), mode="drop")
+
+  return DecodeState(
+      cache=KVCache(k=k, v=v, pos=pos), tokens_B=put(state.tokens_B, first_tokens_Q),
+      index_B=put(state.index_B, lengths_Q), generated_B=put(state.generated_B,
+                                                             jnp.ones_like(lengths_Q)),
+      limit_B=put(state.limit_B, limits_Q), active_B=put(state.active_B, active_Q),
+      keys_Bx2=put(state.keys_Bx2, keys_Qx2))
+
+
+def prefill_insert(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState,
+                   tokens_PxT: jax.Array, lengths_P: jax.Array, src_Q: jax.Array,
+                   slots_Q: jax.Array, keys_Qx2: jax.Array, limits_Q: jax.Array, *,
+                   sp: SamplingParams, stop_ids: Sequence[int]
+                   ) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array]:
+  """Prefills P prompts once and starts Q requests on them (n samples share a prefill).
+
+  Request q continues prompt row `src_Q[q]` in slot `slots_Q[q]`; its first
+  token is drawn from that row's logits with its own key.  Returns the state
+  and the first tokens, their logprobs and sampling logprobs `[Q]`.
+  """
+  cache, logits_PxV = prefill_logits(graphdef, params, tokens_PxT, lengths_P)
+  tok_Q, lp_Q, slp_Q = sample(logits_PxV[src_Q], keys_Qx2, jnp.zeros_like(src_Q), sp)
+  state = insert_rows(state, cache, src_Q, slots_Q, tok_Q, lengths_P[src_Q], keys_Qx2, limits_Q,
+                      stop_ids=stop_ids)
+  return state, tok_Q, lp_Q, slp_Q
+
+
+def decode_chunk(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState,
+                 stop_on_free: jax.Array, *, sp: SamplingParams, stop_ids: Sequence[int],
+                 num_steps: int) -> tuple[DecodeState, StepOutput]:
+  """Up to `num_steps` decode steps for all slots in one `lax.while_loop`.
+
+  Stops early when no slot is active, or (when `stop_on_free`) after the
+  first step that leaves a slot free.  A request finishes on a stop token
+  (which is kept, with its logprob) or when it has `limit` tokens.
+  """
+  b = state.tokens_B.shape[0]
+  k = num_steps
+  out = StepOutput(tokens_BxK=jnp.zeros((b, k), jnp.int32),
+                   logprobs_BxK=jnp.zeros((b, k), jnp.float32),
+                   sampling_logprobs_BxK=jnp.zeros((b, k), jnp.float32),
+                   valid_BxK=jnp.zeros((b, k), bool), active_B=state.active_B,
+                   steps=jnp.zeros((), jnp.int32))
+
+  def cond(carry):
+    st, o = carry
+    go = (o.steps < k) & jnp.any(st.active_B)
+    return go & ((o.steps == 0) | ~(stop_on_free & jnp.any(~st.active_B)))
+
+  def body(carry):
+    st, o = carry
+    logits_Bx1xV, cache = forward(graphdef, params, st.tokens_B[:, None], st.index_B[:, None],
+                                  jnp.ones((b, 1), bool), st.cache, st.index_B)
+    tok_B, lp_B, slp_B = sample(logits_Bx1xV[:, 0], st.keys_Bx2, st.generated_B, sp)
+    live = st.active_B
+    generated = st.generated_B + live.astype(jnp.int32)
+    done = is_stop(tok_B, stop_ids) | (generated >= st.limit_B)
+    st = st.replace(cache=cache, tokens_B=jnp.where(live, tok_B, st.tokens_B),
+                    index_B=st.index_B + live.astype(jnp.int32), generated_B=generated,
+                    active_B=live & ~done)
+    i = o.steps
+    o = o.replace(tokens_BxK=o.tokens_BxK.at[:, i].set(jnp.where(live, tok_B, 0)),
+                  logprobs_BxK=o.logprobs_BxK.at[:, i].set(jnp.where(live, lp_B, 0.0)),
+                  sampling_logprobs_BxK=o.sampling_logprobs_BxK.at[:, i].set(
+                      jnp.where(live, slp_B, 0.0)),
+                  valid_BxK=o.valid_BxK.at[:, i].set(live), steps=i + 1)
+    return st, o
+
+  state, out = jax.lax.while_loop(cond, body, (state, out))
+  return state, out.replace(active_B=state.active_B)

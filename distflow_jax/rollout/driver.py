@@ -1,0 +1,138 @@
+"""Batch generation for RL: n samples per prompt, continuous batching over the engine's slots.
+
+    out = generate(engine, params, prompts, n=4, rng=jax.random.key(step))
+    out.tokens_RxN, out.mask_RxN, out.logprobs_RxN    # row r = sample r % n of prompt r // n
+
+The host loop keeps every slot busy: it starts as many pending requests as
+there are free slots (the samples of one prompt share one prefill), runs the
+engine's compiled multi-step decode, which returns as soon as a slot frees
+up while requests wait, and refills at once.  Each chunk's results are read
+back (a sync point every K tokens, which also keeps CPU collectives from
+piling up).
+
+Every decision is a function of the prompts and of the values read back, so
+all processes that drive one replica take the same decisions and issue the
+same jitted calls in the same order.  With the default per-host replica each
+host generates its own prompts without any cross-host traffic.
+
+The response of a request is its sampled tokens up to and including the stop
+token (or `max_new_tokens` of them); `logprobs_RxN` are the untruncated
+temperature-1 log-probs (what a teacher-forced forward gives), the tempered
+truncated ones are `sampling_logprobs_RxN`.  Padding is `pad_id`, mask False
+and logprob 0.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from distflow_jax.rollout.engine import Engine
+from distflow_jax.rollout.sampling import request_keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+  """Responses of R = prompts x n requests, padded to N = max_new_tokens."""
+  prompt_index_R: np.ndarray     # int32: the prompt each row answers
+  tokens_RxN: np.ndarray         # int32
+  mask_RxN: np.ndarray           # bool: real response tokens
+  logprobs_RxN: np.ndarray       # float32: untruncated temperature-1 log-probs
+  sampling_logprobs_RxN: np.ndarray  # float32: log-probs under the sampling distribution
+  lengths_R: np.ndarray          # int32
+  stopped_R: np.ndarray          # bool: ended on a stop token (else hit max_new_tokens)
+
+  @property
+  def num_tokens(self) -> int:
+    return int(self.lengths_R.sum())
+
+
+def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 1, *,
+             max_new_tokens: int | None = None, rng: jax.Array | None = None,
+             pad_id: int = 0) -> Rollout:
+  """Generates `n` responses per prompt with continuous batching (see module doc).
+
+  `rng` seeds the requests' PRNG streams (request r draws with
+  `fold_in(rng, r)`); give each host its own (e.g. folded with the process
+  index) or they will sample alike.  Default: the engine's seed.
+  """
+  cfg = engine.config
+  n_max = cfg.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+  if not 0 < n_max <= cfg.max_new_tokens:
+    raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be in "
+                     f"[1, {cfg.max_new_tokens}] (the engine's cache size)")
+  if n <= 0:
+    raise ValueError(f"generate: n={n} samples per prompt must be positive")
+  prompts = [list(map(int, p)) for p in prompts]
+  for i, p in enumerate(prompts):
+    if not p:
+      raise ValueError(f"generate: prompt {i} is empty")
+    engine.bucket_for(len(p))  # fail before anything runs
+  num = len(prompts) * n
+  if rng is None:
+    rng = jax.random.key(cfg.seed)
+  keys_Rx2 = np.asarray(request_keys(rng, np.arange(num, dtype=np.uint32)))
+
+  toks: list[list[int]] = [[] for _ in range(num)]
+  lps: list[list[float]] = [[] for _ in range(num)]
+  slps: list[list[float]] = [[] for _ in range(num)]
+  pending = collections.deque(range(num))
+  b = engine.max_concurrent_decodes
+  slot_req = np.full((b,), -1, np.int64)
+  state = engine.init_decode_state()
+  while pending or (slot_req >= 0).any():
+    started = None
+    free = np.flatnonzero(slot_req < 0)
+    if pending and len(free):
+      reqs = [pending.popleft() for _ in range(min(len(free), len(pending)))]
+      groups = list(dict.fromkeys(r // n for r in reqs))
+      src = [groups.index(r // n) for r in reqs]
+      slots = free[:len(reqs)]
+      state, tok, lp, slp = engine.prefill_insert(
+          params, state, [prompts[g] for g in groups], src, slots, keys_Rx2[reqs],
+          [n_max] * len(reqs))
+      slot_req[slots] = reqs
+      started = (reqs, tok, lp, slp)
+    state, out = engine.generate_steps(params, state, stop_on_free=bool(pending))
+    out = jax.device_get(out)
+    if started is not None:
+      reqs = started[0]
+      tok, lp, slp = (np.asarray(x) for x in jax.device_get(started[1:]))
+      for q, r in enumerate(reqs):
+        toks[r].append(int(tok[q]))
+        lps[r].append(float(lp[q]))
+        slps[r].append(float(slp[q]))
+    steps = int(out.steps)
+    for s in np.flatnonzero(slot_req >= 0):
+      r = slot_req[s]
+      valid = out.valid_BxK[s, :steps]
+      toks[r].extend(out.tokens_BxK[s, :steps][valid].tolist())
+      lps[r].extend(out.logprobs_BxK[s, :steps][valid].tolist())
+      slps[r].extend(out.sampling_logprobs_BxK[s, :steps][valid].tolist())
+      if not out.active_B[s]:
+        slot_req[s] = -1
+  return _assemble(toks, lps, slps, n, n_max, engine.config.stop_ids, pad_id)
+
+
+def _assemble(toks, lps, slps, n, n_max, stop_ids, pad_id) -> Rollout:
+  num = len(toks)
+  tokens = np.full((num, n_max), pad_id, np.int32)
+  mask = np.zeros((num, n_max), bool)
+  lp = np.zeros((num, n_max), np.float32)
+  slp = np.zeros((num, n_max), np.float32)
+  lengths = np.zeros((num,), np.int32)
+  stopped = np.zeros((num,), bool)
+  for r in range(num):
+    k = len(toks[r])
+    if not 0 < k <= n_max:
+      raise RuntimeError(f"generate: request {r} produced {k} tokens, expected 1..{n_max}")
+    tokens[r, :k], mask[r, :k], lp[r, :k], slp[r, :k] = toks[r], True, lps[r], slps[r]
+    lengths[r] = k
+    stopped[r] = toks[r][-1] in stop_ids
+  return Rollout(prompt_index_R=np.arange(num, dtype=np.int32) // n, tokens_RxN=tokens,
+                 mask_RxN=mask, logprobs_RxN=lp, sampling_logprobs_RxN=slp, lengths_R=lengths,
+                 stopped_R=stopped)

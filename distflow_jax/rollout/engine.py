@@ -1,0 +1,352 @@
+"""A JetStream-style engine on our transformer: prefill, insert, generate over slots.
+
+The method names and semantics follow `jetstream.engine.engine_api.Engine`
+(`load_params`, `init_decode_state`, `prefill(*, params, padded_tokens,
+true_length) -> (prefix, first-token result)`, `insert(prefix, decode_state,
+slot)`, `generate(params, decode_state) -> (decode_state, result)`,
+`get_prefix_destination_sharding`, `max_concurrent_decodes`,
+`max_prefill_length`, `samples_per_slot`, `mesh`), so `jetstream_adapter`
+can register it with JetStream where that package imports.  Beyond the API:
+
+* `generate_steps` runs up to `decode_steps` tokens per call in one compiled
+  loop (one host round trip per chunk, not per token);
+* `prefill_insert` prefills several prompts and starts many slots from them
+  in one call (the n samples of a prompt share its prefill);
+* results carry per-token logprobs under the untruncated temperature-1
+  softmax (see `sampling`), plus the sampling distribution's.
+
+Compiles are bounded: one decode loop, one prefill/insert per (prompt-length
+bucket, power-of-two prompt count), whatever the traffic.  `compile_counts()`
+exposes the jit cache sizes so tests can assert it.
+
+Placement: the engine runs on `mesh`, by default one replica over this
+host's local devices (`replica_mesh`): slots split over `data`, heads and
+hidden units over `tensor`.  Every output the host loop reads is replicated,
+so when a replica's mesh spans several hosts each of its processes reads the
+same values and takes the same decisions; those processes must then be given
+the same prompts, and every call is a cross-host collective step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from distflow_jax.models import sharding as msharding
+from distflow_jax.models.config import ModelConfig
+from distflow_jax.models.transformer import KVCache, Transformer
+from distflow_jax.rollout import decode, weight_sync
+from distflow_jax.rollout.decode import DecodeState, Prefix, StepOutput
+from distflow_jax.rollout.sampling import SamplingParams, request_keys
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Static shape of the engine: changing any field means new compiles."""
+  max_concurrent_decodes: int = 16
+  prefill_buckets: tuple[int, ...] = (32, 64)
+  max_new_tokens: int = 32
+  stop_ids: tuple[int, ...] = ()
+  sampling: SamplingParams = SamplingParams()
+  decode_steps: int = 16      # tokens per compiled decode call (K)
+  seed: int = 0
+
+  def __post_init__(self):
+    object.__setattr__(self, "prefill_buckets", tuple(sorted(set(self.prefill_buckets))))
+    object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
+    for name in ("max_concurrent_decodes", "max_new_tokens", "decode_steps"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"EngineConfig.{name}={value!r} must be a positive int")
+    if not self.prefill_buckets or any(not isinstance(b, int) or b <= 0
+                                       for b in self.prefill_buckets):
+      raise ValueError(f"EngineConfig.prefill_buckets={self.prefill_buckets!r} must be "
+                       "positive ints")
+
+  @property
+  def cache_len(self) -> int:
+    return self.prefill_buckets[-1] + self.max_new_tokens
+
+
+class SlotData(NamedTuple):
+  tokens: Any
+  valid: Any
+  lengths: Any
+  logprobs: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ResultTokens:
+  """Tokens of one call for every slot: `[B, K]` tokens / valid / logprobs, `[B]` lengths.
+
+  `lengths` is the number of tokens each slot has generated so far.
+  """
+  tokens: Any
+  valid: Any
+  lengths: Any
+  logprobs: Any
+  samples_per_slot: int = 1
+
+  def copy_to_host_async(self) -> None:
+    for x in (self.tokens, self.valid, self.lengths, self.logprobs):
+      if isinstance(x, jax.Array):
+        x.copy_to_host_async()
+
+  def convert_to_numpy(self) -> "ResultTokens":
+    return ResultTokens(*(np.asarray(x) for x in (self.tokens, self.valid, self.lengths,
+                                                  self.logprobs)), self.samples_per_slot)
+
+  def get_result_at_slot(self, slot: int) -> SlotData:
+    lo, hi = slot * self.samples_per_slot, (slot + 1) * self.samples_per_slot
+    return SlotData(self.tokens[lo:hi], self.valid[lo:hi], self.lengths[lo:hi],
+                    self.logprobs[lo:hi])
+
+
+def replica_mesh(tensor_parallel: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """One rollout replica over `devices` (default: this host's): `data` x `tensor` axes."""
+  devices = list(jax.local_devices() if devices is None else devices)
+  if tensor_parallel <= 0 or len(devices) % tensor_parallel:
+    raise ValueError(f"rollout tensor_parallel={tensor_parallel} must divide the replica's "
+                     f"{len(devices)} devices")
+  return msharding.make_mesh({"data": len(devices) // tensor_parallel,
+                              "tensor": tensor_parallel}, devices)
+
+
+def _pow2_at_least(n: int) -> int:
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+class Engine:
+  """Continuous-batching decode engine over `max_concurrent_decodes` slots (see module doc)."""
+
+  def __init__(self, model_cfg: ModelConfig, config: EngineConfig, mesh: Mesh | None = None,
+               rules: msharding.Rules | None = None):
+    self.model_cfg = model_cfg
+    self.config = config
+    self._mesh = mesh if mesh is not None else replica_mesh()
+    self.rules = rules if rules is not None else msharding.fsdp_tp_rules()
+    data = self._mesh.shape.get("data", 1)
+    if config.max_concurrent_decodes % data:
+      raise ValueError(f"max_concurrent_decodes={config.max_concurrent_decodes} must be a "
+                       f"multiple of the replica's data axis ({data} devices)")
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    self.graphdef, self._abstract_params = nnx.split(abstract)
+    self.param_shardings = msharding.state_shardings(self._abstract_params, self._mesh,
+                                                     self.rules)
+    self._state_sh = self._decode_state_shardings()
+    rep = NamedSharding(self._mesh, P())
+    self._replicated = rep
+    g, c = self.graphdef, config
+    kw = dict(sp=c.sampling, stop_ids=c.stop_ids)
+    self._init = jax.jit(functools.partial(decode.empty_state, model_cfg,
+                                           c.max_concurrent_decodes, c.cache_len),
+                         out_shardings=self._state_sh)
+    self._chunk = jax.jit(functools.partial(decode.decode_chunk, g, num_steps=c.decode_steps,
+                                            **kw),
+                          donate_argnums=(1,), out_shardings=(self._state_sh, rep))
+    self._step = jax.jit(functools.partial(decode.decode_chunk, g, num_steps=1, **kw),
+                         donate_argnums=(1,), out_shardings=(self._state_sh, rep))
+    self._prefill_insert = jax.jit(functools.partial(decode.prefill_insert, g, **kw),
+                                   donate_argnums=(1,),
+                                   out_shardings=(self._state_sh, rep, rep, rep))
+    self._prefill = jax.jit(functools.partial(decode.prefill, g, sp=c.sampling),
+                            out_shardings=self.get_prefix_destination_sharding())
+    self._insert = jax.jit(functools.partial(decode.insert_rows, stop_ids=c.stop_ids),
+                           donate_argnums=(0,), out_shardings=self._state_sh)
+    self._base_key = jax.random.key(c.seed)
+    self._next_request = 0
+    self._sync: weight_sync.WeightSync | None = None
+
+  # ---- placement ---------------------------------------------------------------------------
+
+  def _kv_spec(self, rows: str | None) -> P:
+    tp = self._mesh.shape.get("tensor", 1)
+    heads = "tensor" if tp > 1 and self.model_cfg.num_kv_heads % tp == 0 else None
+    return P(None, rows, None, heads, None)
+
+  def _decode_state_shardings(self) -> DecodeState:
+    m = self._mesh
+    rows = NamedSharding(m, P("data"))
+    return DecodeState(
+        cache=KVCache(k=NamedSharding(m, self._kv_spec("data")),
+                      v=NamedSharding(m, self._kv_spec("data")),
+                      pos=NamedSharding(m, P("data", None))),
+        tokens_B=rows, index_B=rows, generated_B=rows, limit_B=rows, active_B=rows,
+        keys_Bx2=NamedSharding(m, P("data", None)))
+
+  def get_prefix_destination_sharding(self) -> Prefix:
+    """Shardings of a `Prefix` on this engine: rows replicated, KV heads over `tensor`."""
+    m = self._mesh
+    rep = NamedSharding(m, P())
+    kv = NamedSharding(m, self._kv_spec(None))
+    return Prefix(cache=KVCache(k=kv, v=kv, pos=rep), logits_PxV=rep, lengths_P=rep,
+                  tokens_P=rep, logprobs_P=rep, keys_Px2=rep)
+
+  @property
+  def mesh(self) -> Mesh:
+    return self._mesh
+
+  @property
+  def colocated_cpus(self) -> None:
+    return None
+
+  @property
+  def max_concurrent_decodes(self) -> int:
+    return self.config.max_concurrent_decodes
+
+  @property
+  def samples_per_slot(self) -> int:
+    return 1
+
+  @property
+  def max_prefill_length(self) -> int:
+    return self.config.prefill_buckets[-1]
+
+  def bucket_for(self, length: int) -> int:
+    """The smallest prefill bucket that holds `length` tokens."""
+    for b in self.config.prefill_buckets:
+      if length <= b:
+        return b
+    raise ValueError(f"prompt of {length} tokens is longer than the largest prefill bucket; "
+                     f"buckets: {self.config.prefill_buckets}")
+
+  # ---- parameters --------------------------------------------------------------------------
+
+  def load_params(self, params: nnx.State | nnx.Module | None = None,
+                  seed: int | None = None) -> nnx.State:
+    """Places `params` (a model or its state) in the rollout layout; random init when None."""
+    if params is None:
+      seed = self.config.seed if seed is None else seed
+      model = msharding.create_sharded(
+          lambda: Transformer(self.model_cfg, rngs=nnx.Rngs(seed)), self._mesh, self.rules)
+      return nnx.state(model)
+    if isinstance(params, nnx.Module):
+      params = nnx.state(params)
+    return jax.device_put(params, self.param_shardings)
+
+  def update_params(self, train_params: nnx.State) -> nnx.State:
+    """The actor's parameters, in any training layout, resharded into this engine's layout."""
+    if self._sync is None:
+      self._sync = weight_sync.WeightSync(self.param_shardings)
+    return self._sync(train_params)
+
+  # ---- JetStream API -----------------------------------------------------------------------
+
+  def init_decode_state(self, *args, **kwargs) -> DecodeState:
+    del args, kwargs
+    return self._init()
+
+  def new_request_keys(self, count: int) -> jax.Array:
+    """Keys for the next `count` requests of this engine (a per-engine counter)."""
+    ids = np.arange(self._next_request, self._next_request + count, dtype=np.uint32)
+    self._next_request += count
+    return request_keys(self._base_key, jnp.asarray(ids))
+
+  def prefill(self, *, params: nnx.State, existing_prefix: Prefix | None = None,
+              padded_tokens: Any, true_length: int, sampler: Any = None,
+              rng: jax.Array | None = None) -> tuple[Prefix, ResultTokens]:
+    """Prefills one prompt; returns its prefix and its first sampled token.
+
+    `padded_tokens` is `[T]` (padded up to the next bucket here); `rng`, if
+    given, is the request's key (else the engine's request counter gives one).
+    """
+    if existing_prefix is not None or sampler is not None:
+      raise NotImplementedError("prefill: existing_prefix and sampler are not supported")
+    tokens = np.asarray(padded_tokens, np.int32).reshape(-1)
+    if not 0 < true_length <= tokens.shape[0]:
+      raise ValueError(f"prefill: true_length={true_length} must be in [1, {tokens.shape[0]}]")
+    t = self.bucket_for(tokens.shape[0])
+    row = np.zeros((1, t), np.int32)
+    row[0, :true_length] = tokens[:true_length]
+    if rng is None:
+      keys = self.new_request_keys(1)
+    else:
+      keys = rng if rng.dtype == jnp.uint32 else jax.random.key_data(rng)
+      keys = jnp.reshape(keys, (1, 2))
+    prefix = self._prefill(params, row, np.array([true_length], np.int32), keys)
+    result = ResultTokens(tokens=prefix.tokens_P[:, None], valid=jnp.ones((1, 1), bool),
+                          lengths=jnp.ones((1,), jnp.int32), logprobs=prefix.logprobs_P[:, None])
+    return prefix, result
+
+  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+    """Starts the prefix's (first) request in `slot`, continuing from its first token."""
+    if not 0 <= slot < self.max_concurrent_decodes:
+      raise ValueError(f"insert: slot {slot} out of range [0, {self.max_concurrent_decodes})")
+    one = lambda x: jnp.asarray([x], jnp.int32)  # noqa: E731
+    return self._insert(decode_state, prefix.cache, one(0), one(slot), prefix.tokens_P[:1],
+                        prefix.lengths_P[:1], prefix.keys_Px2[:1],
+                        one(self.config.max_new_tokens))
+
+  def generate(self, params: nnx.State, decode_state: DecodeState
+               ) -> tuple[DecodeState, ResultTokens]:
+    """One decode step for every slot (invalid where the slot is free or finished)."""
+    decode_state, out = self._step(params, decode_state, jnp.asarray(False))
+    return decode_state, ResultTokens(tokens=out.tokens_BxK, valid=out.valid_BxK,
+                                      lengths=decode_state.generated_B,
+                                      logprobs=out.logprobs_BxK)
+
+  def free_resource(self, slot: int) -> None:
+    del slot
+
+  def get_tokenizer(self) -> None:
+    return None
+
+  # ---- batched extensions used by the RL driver ---------------------------------------------
+
+  def generate_steps(self, params: nnx.State, decode_state: DecodeState,
+                     stop_on_free: bool = False) -> tuple[DecodeState, StepOutput]:
+    """Up to `decode_steps` tokens per slot in one call; see `decode.decode_chunk`."""
+    return self._chunk(params, decode_state, jnp.asarray(bool(stop_on_free)))
+
+  def prefill_insert(self, params: nnx.State, decode_state: DecodeState,
+                     prompts: Sequence[Sequence[int]], src: Sequence[int], slots: Sequence[int],
+                     keys_Qx2: jax.Array | np.ndarray, limits: Sequence[int] | None = None
+                     ) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array]:
+    """Prefills `prompts` once and starts request q on prompt `src[q]` in slot `slots[q]`.
+
+    Prompt count is padded to a power of two and the length to a bucket;
+    requests are padded to `max_concurrent_decodes` rows, so compiles stay
+    bounded.  Returns the state and the first tokens / logprobs / sampling
+    logprobs of the (padded) request rows.
+    """
+    b = self.max_concurrent_decodes
+    q = len(slots)
+    if not 0 < q <= b or len(src) != q or len(keys_Qx2) != q:
+      raise ValueError(f"prefill_insert: need 1..{b} requests with as many src/keys, got "
+                       f"{q} slots, {len(src)} src, {len(keys_Qx2)} keys")
+    lengths = [len(p) for p in prompts]
+    if not 0 < len(prompts) <= q or min(lengths) <= 0:
+      raise ValueError(f"prefill_insert: need 1..{q} non-empty prompts (one per request at "
+                       f"most), got {len(prompts)} with lengths {lengths}")
+    t = self.bucket_for(max(lengths))
+    p = min(_pow2_at_least(len(prompts)), b)
+    tokens = np.zeros((p, t), np.int32)
+    lens = np.ones((p,), np.int32)
+    for i, prompt in enumerate(prompts):
+      tokens[i, :len(prompt)] = prompt
+      lens[i] = len(prompt)
+    pad = b - q
+    src_a = np.concatenate([np.asarray(src, np.int32), np.zeros(pad, np.int32)])
+    slots_a = np.concatenate([np.asarray(slots, np.int32), np.full(pad, b, np.int32)])
+    keys = np.zeros((b, 2), np.uint32)
+    keys[:q] = np.asarray(keys_Qx2, np.uint32)
+    lim = np.full((b,), self.config.max_new_tokens, np.int32)
+    if limits is not None:
+      lim[:q] = np.minimum(np.asarray(limits, np.int32), self.config.max_new_tokens)
+    return self._prefill_insert(params, decode_state, tokens, lens, src_a, slots_a, keys, lim)
+
+  def compile_counts(self) -> dict[str, int]:
+    """How many executables each jitted entry point holds (a recompile shows up here)."""
+    counts = {name: fn._cache_size() for name, fn in (
+        ("init", self._init), ("decode_steps", self._chunk), ("generate", self._step),
+        ("prefill_insert", self._prefill_insert), ("prefill", self._prefill),
+        ("insert", self._insert))}
+    counts["weight_sync"] = self._sync.compile_count() if self._sync is not None else 0
+    return counts
