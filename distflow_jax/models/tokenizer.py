@@ -1,0 +1,174 @@
+"""Tokenizer: `tokenizers.Tokenizer` from a local directory, plus a chat template.
+
+    tok = Tokenizer.from_dir("/ckpt/qwen2.5-0.5b")     # tokenizer.json [+ tokenizer_config.json]
+    tok = Tokenizer.builtin()                          # the tiny built-in one (assets/)
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 7?"}])
+    ids = tok.encode(text)
+    tok.decode(ids)
+
+EOS: `eos_id` is `tokenizer_config.json`'s `eos_token`; `eos_ids` adds every
+id listed by `generation_config.json` (chat models stop on several).  `pad_id`
+falls back to `eos_id` when no pad token is configured.  The chat template
+(`chat_template` in `tokenizer_config.json`, or `chat_template.jinja`) is
+rendered with jinja2 in a sandbox, with HF's helpers (`raise_exception`,
+`tojson`).
+
+The built-in tokenizer is character level (digits are single tokens, all
+printable ASCII, newline, tab) with special tokens `<|pad|>`,
+`<|endoftext|>`, `<|im_end|>` (end of turn = EOS), `<|system|>`, `<|user|>`,
+`<|assistant|>`, `<|unk|>`; see tools/make_tiny_tokenizer.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+import tokenizers
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+BUILTIN_TOKENIZER = "tiny_tokenizer.json"
+BUILTIN_CONFIG = "tiny_tokenizer_config.json"
+
+
+def _token_str(value: Any) -> str | None:
+  if isinstance(value, dict):  # HF AddedToken serialisation
+    return value.get("content")
+  return value
+
+
+class Tokenizer:
+  """Thin wrapper: encode / decode / special ids / chat template."""
+
+  def __init__(self, tokenizer: tokenizers.Tokenizer, config: dict[str, Any] | None = None,
+               generation_config: dict[str, Any] | None = None):
+    self.tok = tokenizer
+    self.config = dict(config or {})
+    self.generation_config = dict(generation_config or {})
+    self.eos_token = _token_str(self.config.get("eos_token"))
+    if self.eos_token is None:
+      raise ValueError("tokenizer config has no eos_token (needed to stop generation)")
+    self.eos_id = self._id(self.eos_token, "eos_token")
+    pad = _token_str(self.config.get("pad_token"))
+    self.pad_token = pad if pad is not None else self.eos_token
+    self.pad_id = self._id(self.pad_token, "pad_token")
+    bos = _token_str(self.config.get("bos_token"))
+    self.bos_token = bos
+    self.bos_id = None if bos is None else self._id(bos, "bos_token")
+    extra = self.generation_config.get("eos_token_id", [])
+    extra = extra if isinstance(extra, list) else [extra]
+    self.eos_ids = tuple(dict.fromkeys([self.eos_id, *extra]))
+    self.chat_template = self.config.get("chat_template")
+    self._compiled = None
+
+  def _id(self, token: str, what: str) -> int:
+    i = self.tok.token_to_id(token)
+    if i is None:
+      raise ValueError(f"{what} {token!r} is not in the tokenizer's vocabulary")
+    return i
+
+  @classmethod
+  def from_files(cls, tokenizer_json: str | os.PathLike,
+                 config_json: str | os.PathLike | None = None,
+                 generation_config_json: str | os.PathLike | None = None) -> "Tokenizer":
+    tok = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+    config = json.loads(Path(config_json).read_text()) if config_json else {}
+    gen = json.loads(Path(generation_config_json).read_text()) if generation_config_json else {}
+    return cls(tok, config, gen)
+
+  @classmethod
+  def from_dir(cls, path: str | os.PathLike) -> "Tokenizer":
+    """Loads `tokenizer.json` (+ `tokenizer_config.json`, `generation_config.json`,
+    `chat_template.jinja` when present) from a local directory."""
+    path = Path(path)
+    if not (path / TOKENIZER_FILE).exists():
+      raise FileNotFoundError(f"missing {path / TOKENIZER_FILE} (only the fast tokenizer "
+                              "format is supported)")
+    cfg = path / CONFIG_FILE
+    gen = path / "generation_config.json"
+    out = cls.from_files(path / TOKENIZER_FILE, cfg if cfg.exists() else None,
+                         gen if gen.exists() else None)
+    template = path / "chat_template.jinja"
+    if out.chat_template is None and template.exists():
+      out.chat_template = template.read_text()
+    return out
+
+  @classmethod
+  def builtin(cls) -> "Tokenizer":
+    """The tiny character-level tokenizer shipped in `distflow_jax/assets/`."""
+    assets = resources.files("distflow_jax") / "assets"
+    with resources.as_file(assets / BUILTIN_TOKENIZER) as t, \
+         resources.as_file(assets / BUILTIN_CONFIG) as c:
+      return cls.from_files(t, c)
+
+  @property
+  def vocab_size(self) -> int:
+    return self.tok.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+  def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
+    return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+  def apply_chat_template(self, messages: Sequence[dict[str, str]],
+                          add_generation_prompt: bool = True, tokenize: bool = False,
+                          **kwargs: Any) -> str | list[int]:
+    """Renders `messages` ([{"role", "content"}, ...]) with the configured chat template."""
+    if self.chat_template is None:
+      raise ValueError("this tokenizer has no chat_template (tokenizer_config.json)")
+    if self._compiled is None:
+      self._compiled = _jinja_env().from_string(self.chat_template)
+    text = self._compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                 bos_token=self.bos_token or "", eos_token=self.eos_token,
+                                 pad_token=self.pad_token, **kwargs)
+    return self.encode(text) if tokenize else text
+
+  def save(self, path: str | os.PathLike) -> None:
+    """Writes `tokenizer.json` and `tokenizer_config.json` (transformers-loadable)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    self.tok.save(str(path / TOKENIZER_FILE))
+    config = dict(self.config)
+    config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    config.setdefault("pad_token", self.pad_token)
+    if self.chat_template is not None:
+      config["chat_template"] = self.chat_template
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if self.generation_config:
+      (path / "generation_config.json").write_text(json.dumps(self.generation_config, indent=2))
+
+
+def _jinja_env():
+  # Imported lazily: only chat templating needs jinja2.
+  import jinja2  # pylint: disable=import-outside-toplevel
+  from jinja2 import sandbox  # pylint: disable=import-outside-toplevel
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+  env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                              extensions=["jinja2.ext.loopcontrols"])
+  env.filters["tojson"] = tojson
+  env.globals["raise_exception"] = raise_exception
+  return env
+
+
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+  """Copies a checkpoint's tokenizer files verbatim (keeps formats this wrapper ignores)."""
+  for name in (TOKENIZER_FILE, CONFIG_FILE, "generation_config.json", "chat_template.jinja",
+               "special_tokens_map.json"):
+    if (Path(src) / name).exists():
+      shutil.copy(Path(src) / name, Path(dst) / name)
