@@ -146,3 +146,27 @@ def test_property_within_bound_of_exact_optimum(problem):
   got = assign.destination_loads(lengths, dst, d).max()
   opt = _optimum(lengths, d)
   assert opt <= got <= opt + lengths.max()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(2, 4), st.integers(1, 3),
+       st.randoms(use_true_random=False))
+def test_property_groups_stay_together(num_senders, num_dst, g, mult, rnd):
+  units = int(np.lcm(num_senders, num_dst)) * mult
+  lengths = np.array([rnd.randint(0, 100) for _ in range(units * g)])
+  sender = np.repeat(np.arange(num_senders), units * g // num_senders)
+  dst = assign.assign_destinations(lengths, sender, num_senders, num_dst, group_size=g)
+  dst_UxG = dst.reshape(-1, g)
+  assert np.all(dst_UxG == dst_UxG[:, :1])
+  np.testing.assert_array_equal(np.bincount(dst, minlength=num_dst),
+                                units * g // num_dst)
+  # Same answer as balancing the group totals directly.
+  want = assign.assign_destinations(lengths.reshape(-1, g).sum(1), sender[::g],
+                                    num_senders, num_dst)
+  np.testing.assert_array_equal(dst_UxG[:, 0], want)
+
+
+def test_group_spanning_two_senders_is_refused():
+  with pytest.raises(ValueError, match=r"group 1 \(samples 2..3\) spans two senders"):
+    assign.assign_destinations(np.ones(6), np.array([0, 0, 0, 1, 1, 1]), 2, 1,
+                               group_size=2)

@@ -70,3 +70,14 @@ def test_redistribute_batch_moves_arrays_and_keeps_host_fields():
   same, ident = redistribute_batch(moved, lengths, dst, dst)
   assert all(same.data[k] is moved.data[k] for k in moved.data)
   np.testing.assert_array_equal(ident, np.arange(16))
+
+
+def test_redistribute_batch_can_keep_grpo_groups_together():
+  mesh = _mesh()
+  src, dst = Layout(mesh, ("host",)), Layout(mesh, ("host", "local"))
+  b = to_global(expand_groups(_prompts(8), 2), src)  # 16 samples, 8 groups of 2
+  lengths = (np.arange(16) * 7) % 11 + 1
+  moved, perm = redistribute_batch(b, lengths, src, dst, group_size=2)
+  for s in moved.data["group_id"].addressable_shards:
+    ids = np.asarray(s.data)
+    assert ids.size == 2 and ids[0] == ids[1], ids

@@ -64,7 +64,8 @@ def _validate(lengths_B: np.ndarray, sender_B: np.ndarray, num_senders: int,
 
 
 def assign_destinations(lengths_B: np.ndarray, sender_B: np.ndarray,
-                        num_senders: int, num_dst: int) -> np.ndarray:
+                        num_senders: int, num_dst: int,
+                        group_size: int = 1) -> np.ndarray:
   """Returns the destination shard (in ``[0, num_dst)``) of every sample.
 
   Args:
@@ -73,7 +74,15 @@ def assign_destinations(lengths_B: np.ndarray, sender_B: np.ndarray,
       holds the same number ``R`` of samples.
     num_senders: ``N``, the number of senders.
     num_dst: ``D``, the number of destination shards; must divide ``B``.
+    group_size: ``g > 1`` keeps every run of ``g`` consecutive samples (a GRPO
+      group) on one destination; they are balanced as one unit whose length
+      is the group's total, with ``B / (g * D)`` groups per destination.
   """
+  if group_size > 1:
+    return _assign_groups(np.asarray(lengths_B), np.asarray(sender_B),
+                          num_senders, num_dst, group_size)
+  if group_size < 1:
+    raise ValueError(f"group_size must be >= 1, got {group_size}")
   lengths_B = np.asarray(lengths_B, dtype=np.int64)
   sender_B = np.asarray(sender_B, dtype=np.int64)
   rows_per_sender = _validate(lengths_B, sender_B, num_senders, num_dst)
@@ -114,6 +123,23 @@ def assign_destinations(lengths_B: np.ndarray, sender_B: np.ndarray,
       loads_D[picked] += lengths_B[chunk]
       room_D[picked] -= 1
   return dst_B
+
+
+def _assign_groups(lengths_B: np.ndarray, sender_B: np.ndarray, num_senders: int,
+                   num_dst: int, group_size: int) -> np.ndarray:
+  if lengths_B.ndim != 1 or lengths_B.size % group_size:
+    raise ValueError(f"{lengths_B.size} samples do not form whole groups of "
+                     f"{group_size}; use a multiple of {group_size}")
+  senders_UxG = np.asarray(sender_B).reshape(-1, group_size)
+  split = np.flatnonzero(np.any(senders_UxG != senders_UxG[:, :1], axis=1))
+  if split.size:
+    raise ValueError(f"group {int(split[0])} (samples {int(split[0]) * group_size}.."
+                     f"{(int(split[0]) + 1) * group_size - 1}) spans two senders; "
+                     f"a group's samples must sit on one device")
+  dst_U = assign_destinations(
+      np.asarray(lengths_B).reshape(-1, group_size).sum(1), senders_UxG[:, 0],
+      num_senders, num_dst)
+  return np.repeat(dst_U, group_size)
 
 
 def destination_loads(lengths_B: np.ndarray, dst_B: np.ndarray,

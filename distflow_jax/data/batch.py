@@ -109,8 +109,13 @@ def to_local(batch: Batch) -> Batch:
 
 
 def redistribute_batch(batch: Batch, lengths_B: np.ndarray, src: Layout,
-                       dst: Layout, *, mode: rd.Mode | str = rd.Mode.DISTRIBUTED
-                       ) -> tuple[Batch, np.ndarray]:
-  """Moves the arrays of ``batch`` to ``dst``; host fields stay where they are."""
-  data, perm = rd.redistribute(dict(batch.data), lengths_B, src, dst, mode=mode)
+                       dst: Layout, *, mode: rd.Mode | str = rd.Mode.DISTRIBUTED,
+                       group_size: int = 1) -> tuple[Batch, np.ndarray]:
+  """Moves the arrays of ``batch`` to ``dst``; host fields stay where they are.
+
+  ``group_size=n`` keeps each GRPO group (``n`` adjacent samples, see
+  :func:`expand_groups`) on one destination shard.
+  """
+  data, perm = rd.redistribute(dict(batch.data), lengths_B, src, dst, mode=mode,
+                               group_size=group_size)
   return Batch(data, batch.host), perm

@@ -85,8 +85,14 @@ def _senders(src: Layout, num_rows: int) -> tuple[list[jax.Device], int]:
   return senders, shard_rows // replicas
 
 
-def make_plan(lengths_B: np.ndarray, src: Layout, dst: Layout) -> Plan:
-  """Computes the length-balanced plan moving a batch from ``src`` to ``dst``."""
+def make_plan(lengths_B: np.ndarray, src: Layout, dst: Layout,
+              group_size: int = 1) -> Plan:
+  """Computes the length-balanced plan moving a batch from ``src`` to ``dst``.
+
+  ``group_size > 1`` keeps each run of that many consecutive samples (a GRPO
+  group, as :func:`~distflow_jax.data.batch.expand_groups` lays them out) on
+  one destination shard.
+  """
   lengths_B = np.asarray(lengths_B)
   if lengths_B.ndim != 1 or lengths_B.size == 0:
     raise ValueError(f"lengths must be a non-empty 1-D array, got shape "
@@ -101,7 +107,8 @@ def make_plan(lengths_B: np.ndarray, src: Layout, dst: Layout) -> Plan:
   num_dst = dst.num_shards
   rows_per_receiver = dst.check_rows(num_rows)
   sender_B = np.arange(num_rows) // rows_per_sender
-  dst_B = assign.assign_destinations(lengths_B, sender_B, num_dev, num_dst)
+  dst_B = assign.assign_destinations(lengths_B, sender_B, num_dev, num_dst,
+                                     group_size=group_size)
   shard_of = dst.shard_of(num_rows)
   dst_shard_N = np.array([shard_of[d] for d in senders], dtype=np.int64)
 

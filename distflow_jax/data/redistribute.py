@@ -170,7 +170,8 @@ def _check_tree(tree: Any, src: Layout) -> tuple[list, Any, int]:
 
 
 def redistribute(tree: Any, lengths_B: np.ndarray, src: Layout, dst: Layout,
-                 *, mode: Mode | str = Mode.DISTRIBUTED) -> tuple[Any, np.ndarray]:
+                 *, mode: Mode | str = Mode.DISTRIBUTED,
+                 group_size: int = 1) -> tuple[Any, np.ndarray]:
   """Moves a sample-leading pytree from ``src`` to ``dst``.
 
   Args:
@@ -180,6 +181,7 @@ def redistribute(tree: Any, lengths_B: np.ndarray, src: Layout, dst: Layout,
     src, dst: layouts on the same devices.
     mode: ``"distributed"`` (one all_to_all) or ``"centralized"`` (through
       process 0; it always moves, as a single-controller framework would).
+    group_size: keep runs of this many consecutive samples together.
 
   Returns:
     ``(tree placed as dst, perm_B)`` where output row ``j`` is input row
@@ -195,7 +197,7 @@ def redistribute(tree: Any, lengths_B: np.ndarray, src: Layout, dst: Layout,
         jax.make_array_from_single_device_arrays(
             x.shape, dst.sharding, [s.data for s in x.addressable_shards])
         for x in leaves]), identity
-  plan = make_plan(np.asarray(lengths_B), src, dst)
+  plan = make_plan(np.asarray(lengths_B), src, dst, group_size=group_size)
   return execute(tree, plan, dst, mode), plan.perm_B
 
 
@@ -234,7 +236,7 @@ def compiled_text(tree: Any, plan: Plan, mode: Mode | str = Mode.DISTRIBUTED) ->
 
 def replicate_lengths(lengths: jax.Array) -> np.ndarray:
   """The full ``[B]`` lengths on every process (one small all-gather)."""
-  if not isinstance(lengths, jax.Array) or lengths.is_fully_replicated:
+  if not isinstance(lengths, jax.Array) or lengths.is_fully_addressable:
     return np.asarray(lengths)
-  rep = NamedSharding(lengths.sharding.mesh, P())
-  return np.asarray(jax.jit(lambda x: x, out_shardings=rep)(lengths))
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(lengths, tiled=True))
