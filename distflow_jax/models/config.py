@@ -94,7 +94,7 @@ class ModelConfig:
 
   @classmethod
   def tiny(cls, vocab_size: int = 128, arch: str = "qwen2") -> "ModelConfig":
-    """The built-in tiny model (~0.9 M params at vocab 128): d=192, 3 layers, GQA 4:2."""
+    """The built-in tiny model (~1.24 M params at vocab 128): d=192, 3 layers, GQA 4:2."""
     return cls(arch=arch, vocab_size=vocab_size, hidden_size=192, intermediate_size=512,
                num_layers=3, num_heads=4, num_kv_heads=2, head_dim=48,
                rope_theta=10000.0, rms_norm_eps=1e-6, qkv_bias=arch == "qwen2",
