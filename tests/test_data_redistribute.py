@@ -55,7 +55,8 @@ def layouts(draw):
   return Layout(_mesh(shape, names, perm), tuple(axes))
 
 
-@settings(max_examples=20, deadline=None)
+@pytest.mark.timeout(180)
+@settings(max_examples=15, deadline=None)
 @given(layouts(), layouts(), st.integers(1, 4), st.integers(0, 2**31 - 1),
        st.sampled_from(["distributed", "centralized"]))
 def test_property_every_sample_arrives_once_unchanged(src, dst, mult, seed, mode):

@@ -60,9 +60,7 @@ def _pack(leaves: list[jax.Array]) -> jax.Array:
   for x in leaves:
     if x.dtype == jnp.bool_:
       x = x.astype(jnp.uint8)
-    if x.dtype.itemsize > 1:
-      x = jax.lax.bitcast_convert_type(x, jnp.uint8)
-    elif x.dtype != jnp.uint8:
+    if x.dtype != jnp.uint8:  # wider types gain a trailing byte axis
       x = jax.lax.bitcast_convert_type(x, jnp.uint8)
     cols.append(x.reshape(x.shape[0], -1))
   return jnp.concatenate(cols, axis=1)
@@ -201,37 +199,32 @@ def redistribute(tree: Any, lengths_B: np.ndarray, src: Layout, dst: Layout,
   return execute(tree, plan, dst, mode), plan.perm_B
 
 
-def execute(tree: Any, plan: Plan, dst: Layout,
-            mode: Mode | str = Mode.DISTRIBUTED) -> Any:
-  """Runs a precomputed plan (no fast-path check)."""
-  mode = parse_mode(mode)
+def _prepare(tree: Any, plan: Plan, mode: Mode):
+  """The jitted program and its arguments for ``tree`` under ``plan``."""
   leaves, treedef = jax.tree.flatten(tree)
   mesh = _flat_mesh(plan)
   flat = [_to_senders(x, plan, mesh) for x in leaves]
   like = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)
-  fn = _program(mesh, mode, like)
   if mode is Mode.DISTRIBUTED:
     idx = (_index_array(plan.send_idx_NxNC, mesh, P(_AXIS)),
            _index_array(plan.recv_idx_NxM, mesh, P(_AXIS)))
   else:
     idx = (_index_array(plan.gather_idx_NxM, mesh, P()),)
-  out = fn(*idx, *flat)
+  return _program(mesh, mode, like), (*idx, *flat), treedef
+
+
+def execute(tree: Any, plan: Plan, dst: Layout,
+            mode: Mode | str = Mode.DISTRIBUTED) -> Any:
+  """Runs a precomputed plan (no fast-path check)."""
+  fn, args, treedef = _prepare(tree, plan, parse_mode(mode))
+  out = fn(*args)
   return jax.tree.unflatten(treedef, [_from_receivers(y, plan, dst) for y in out])
 
 
 def compiled_text(tree: Any, plan: Plan, mode: Mode | str = Mode.DISTRIBUTED) -> str:
   """HLO of the compiled re-partition program (to count its collectives)."""
-  mode = parse_mode(mode)
-  leaves = jax.tree.leaves(tree)
-  mesh = _flat_mesh(plan)
-  like = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)
-  flat = [_to_senders(x, plan, mesh) for x in leaves]
-  if mode is Mode.DISTRIBUTED:
-    idx = (_index_array(plan.send_idx_NxNC, mesh, P(_AXIS)),
-           _index_array(plan.recv_idx_NxM, mesh, P(_AXIS)))
-  else:
-    idx = (_index_array(plan.gather_idx_NxM, mesh, P()),)
-  return _program(mesh, mode, like).lower(*idx, *flat).compile().as_text()
+  fn, args, _ = _prepare(tree, plan, parse_mode(mode))
+  return fn.lower(*args).compile().as_text()
 
 
 def replicate_lengths(lengths: jax.Array) -> np.ndarray:
