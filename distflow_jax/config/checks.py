@@ -19,7 +19,8 @@ from distflow_jax.dag.registry import Placement, Registry, unknown_name_message
 from distflow_jax.dag.spec import DagError
 from distflow_jax.dag.validate import Dag, build_dag
 
-LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+            "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 RATIO_LEVELS = ("token", "sequence")
 ON_BAD_ROW = ("skip", "error")

@@ -74,7 +74,8 @@ def base() -> ml_collections.ConfigDict:
       clip_ratio_high=0.2,   # > low = DAPO clip-higher
       dual_clip=0.0,         # 0 = off, else the dual-clip constant c > 1
       ratio_level="token",   # token | sequence (GSPO)
-      loss_agg="token-mean", # token-mean | seq-mean-token-sum | seq-mean-token-mean
+      # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+      loss_agg="token-mean",
       entropy_coef=0.0,
       kl=dict(coef=0.0, estimator="k3", in_reward=False, target=0.0, horizon=10000),
   )

@@ -1,0 +1,189 @@
+"""The actor and critic steps: pure functions, jitted once, with donated state.
+
+A sequence batch is a dict of sample-leading arrays:
+
+* ``prompt_tokens`` ``[B, P]`` left-padded, ``prompt_mask`` ``[B, P]``;
+* ``response_tokens`` ``[B, N]`` right-padded, ``response_mask`` ``[B, N]``;
+* per response token: ``old_logprobs``, ``ref_logprobs``, ``advantages``,
+  ``returns``, ``values`` (``[B, N]`` float32), as a step needs them.
+
+The model sees ``prompt ++ response`` with explicit positions, so left
+padding of the prompt costs nothing in correctness.  Response token ``t`` is
+predicted by the hidden state at index ``P - 1 + t``.
+
+Micro-batches.  Row ``b`` belongs to micro-batch ``b % M``: with the batch
+sharded over data-parallel devices in contiguous rows, every micro-batch then
+takes rows from every device, so accumulation adds no communication.  The
+loss of each micro-batch is its *sum* divided by the whole batch's
+denominator, so the accumulated gradient is exactly the full-batch mean's.
+
+A step whose loss or gradient is not finite leaves parameters and optimizer
+state unchanged and reports ``skipped = 1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from distflow_jax.algos import losses
+from distflow_jax.models import heads
+from distflow_jax.models.transformer import forward, positions_from_mask
+
+Batch = Mapping[str, jax.Array]
+
+
+def sequence_inputs(batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(tokens, mask, positions)`` of ``prompt ++ response``, ``[B, P + N]``."""
+  tokens = jnp.concatenate([batch["prompt_tokens"], batch["response_tokens"]], axis=1)
+  mask = jnp.concatenate([batch["prompt_mask"], batch["response_mask"]], axis=1).astype(bool)
+  return tokens.astype(jnp.int32), mask, positions_from_mask(mask)
+
+
+def _response_hidden(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch) -> jax.Array:
+  tokens, mask, positions = sequence_inputs(batch)
+  p = batch["prompt_tokens"].shape[1]
+  n = batch["response_tokens"].shape[1]
+  hidden, _ = forward(graphdef, params, tokens[:, :-1], positions[:, :-1], mask[:, :-1],
+                      return_hidden=True)
+  return hidden[:, p - 1:p - 1 + n]
+
+
+def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *,
+                      chunk_size: int = 512) -> tuple[jax.Array, jax.Array]:
+  """Float32 ``(logp, entropy)`` of every response token, ``[B, N]`` (0 on padding)."""
+  hidden = _response_hidden(graphdef, params, batch)
+  model = nnx.merge(graphdef, params)
+  logp, ent = heads.token_logprobs_and_entropy(hidden, model.unembed_matrix(),
+                                               batch["response_tokens"], chunk_size=chunk_size)
+  m = batch["response_mask"].astype(jnp.float32)
+  return logp * m, ent * m
+
+
+def response_values(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch) -> jax.Array:
+  """Critic value of the state before each response token, ``[B, N]`` (0 on padding)."""
+  tokens, mask, positions = sequence_inputs(batch)
+  p = batch["prompt_tokens"].shape[1]
+  n = batch["response_tokens"].shape[1]
+  values = heads.critic_values(graphdef, params, tokens[:, :-1], positions[:, :-1],
+                               mask[:, :-1])
+  return values[:, p - 1:p - 1 + n] * batch["response_mask"].astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorLoss:
+  """The actor objective's settings (the keys of config.actor that the loss reads)."""
+  clip_ratio_low: float = 0.2
+  clip_ratio_high: float = 0.2
+  dual_clip: float = 0.0
+  ratio_level: str = "token"
+  loss_agg: str = "token-mean"
+  entropy_coef: float = 0.0
+  kl_coef: float = 0.0
+  kl_estimator: str = "k3"
+  kl_in_loss: bool = True
+  norm_length: float | None = None  # for seq-mean-token-sum-norm (Dr.GRPO)
+
+  @classmethod
+  def from_config(cls, actor, max_new_tokens: int | None = None) -> "ActorLoss":
+    return cls(clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
+               dual_clip=actor.dual_clip, ratio_level=actor.ratio_level,
+               loss_agg=actor.loss_agg, entropy_coef=actor.entropy_coef,
+               kl_coef=actor.kl.coef, kl_estimator=actor.kl.estimator,
+               kl_in_loss=not actor.kl.in_reward,
+               norm_length=float(max_new_tokens) if max_new_tokens else None)
+
+
+def actor_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, cfg: ActorLoss,
+               chunk_size: int) -> losses.LossOutput:
+  logp, ent = response_logprobs(graphdef, params, mb, chunk_size=chunk_size)
+  use_kl = cfg.kl_in_loss and cfg.kl_coef > 0
+  return losses.actor_loss(
+      logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"],
+      entropy_BxT=ent if cfg.entropy_coef else None, entropy_coef=cfg.entropy_coef,
+      ref_logprobs_BxT=mb["ref_logprobs"] if use_kl else None,
+      kl_coef=cfg.kl_coef if use_kl else 0.0, kl_estimator=cfg.kl_estimator,
+      agg_mode=cfg.loss_agg, clip_ratio_low=cfg.clip_ratio_low,
+      clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.dual_clip or None,
+      ratio_level=cfg.ratio_level, norm_length=cfg.norm_length)
+
+
+def critic_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, value_clip: float,
+                loss_agg: str = "token-mean") -> losses.LossOutput:
+  values = response_values(graphdef, params, mb)
+  return losses.value_loss(values, mb["values"], mb["returns"], mb["response_mask"],
+                           clip_range=value_clip or None, agg_mode=loss_agg)
+
+
+def _micro_batches(batch: Batch, m: int) -> Batch:
+  """``[B, ...] -> [M, B/M, ...]`` with row b in micro-batch b % M."""
+  def split(x):
+    b = x.shape[0]
+    if b % m:
+      raise ValueError(f"batch of {b} rows does not split into {m} micro-batches")
+    return jnp.moveaxis(x.reshape(b // m, m, *x.shape[1:]), 1, 0)
+  return jax.tree.map(split, dict(batch))
+
+
+def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.LossOutput],
+                    graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+                    num_micro_batches: int, agg_mode: str) -> Callable:
+  """``step(params, opt_state, batch) -> (params, opt_state, stats)``, jitted, state donated.
+
+  ``stats`` holds sums (``total``, ``count``, ``token_count``, metric sums) plus
+  ``grad_norm`` and ``skipped``; ``losses.finalize`` turns the sums into means.
+  """
+
+  def step(params, opt_state, batch):
+    mbs = _micro_batches(batch, num_micro_batches)
+    denom = losses.loss_denominator(batch["response_mask"], agg_mode)
+
+    def one(carry, mb):
+      grads_acc, out_acc = carry
+
+      def objective(p):
+        out = loss_fn(graphdef, p, mb)
+        return out.total / jnp.maximum(denom, 1.0), out
+
+      (_, out), grads = jax.value_and_grad(objective, has_aux=True)(params)
+      grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+      out_acc = out if out_acc is None else jax.tree.map(jnp.add, out_acc, out)
+      return (grads_acc, out_acc), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    first = jax.tree.map(lambda x: x[0], mbs)
+    # Trace one micro-batch to get the loss output's structure for the carry.
+    out0 = jax.eval_shape(lambda p, b: loss_fn(graphdef, p, b), params, first)
+    out_init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out0)
+    (grads, out), _ = jax.lax.scan(one, (zeros, out_init), mbs)
+    grad_norm = optax.global_norm(grads)
+    ok = jnp.isfinite(out.total) & jnp.isfinite(grad_norm)
+    updates, new_opt = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+    new_params = jax.tree.map(keep, new_params, params)
+    new_opt = jax.tree.map(keep, new_opt, opt_state)
+    stats = {"total": out.total, "count": out.count, "token_count": out.token_count,
+             "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32),
+             **{f"m/{k}": v for k, v in out.metrics.items()}}
+    return new_params, new_opt, stats
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def finalize_stats(stats: Mapping[str, jax.Array], where: str) -> dict[str, float]:
+  """Host-side means of a step's stats; a skipped step is reported, never raised."""
+  out = losses.LossOutput(stats["total"], stats["count"], stats["token_count"],
+                          {k[2:]: v for k, v in stats.items() if k.startswith("m/")})
+  skipped = int(stats["skipped"])
+  if skipped:
+    return {"skipped": 1.0, "grad_norm": float(stats["grad_norm"]),
+            "token_count": float(stats["token_count"])}
+  result = losses.finalize(out, where)
+  result.update(grad_norm=float(stats["grad_norm"]), skipped=0.0)
+  return result
