@@ -93,7 +93,8 @@ def test_critic_values_and_reference_copy():
   pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
   values = jax.jit(critic_values)(g, p, tok, pos)
   assert values.shape == (2, 5) and values.dtype == jnp.float32
-  hidden, _ = actor(tok, pos, return_hidden=True)
+  hidden, _ = jax.jit(forward, static_argnames="return_hidden")(
+      *nnx.split(actor), tok, pos, return_hidden=True)
   w = critic.value_head.kernel.get_value()
   b = critic.value_head.bias.get_value()
   np.testing.assert_allclose(values, np.asarray(hidden) @ np.asarray(w)[:, 0] + b[0], atol=1e-5)
