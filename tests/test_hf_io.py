@@ -52,6 +52,8 @@ def test_save_load_roundtrip_is_exact(tmp_path, arch):
   for k in a:
     np.testing.assert_array_equal(a[k], b[k], err_msg=str(k))
   assert Tokenizer.from_dir(tmp_path).encode("1+1") == Tokenizer.builtin().encode("1+1")
+  gen = json.loads((tmp_path / "generation_config.json").read_text())
+  assert gen["eos_token_id"] == [2] and gen["pad_token_id"] == 0
 
 
 @pytest.mark.timeout(240)

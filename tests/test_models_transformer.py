@@ -251,3 +251,21 @@ def test_bfloat16_model_tracks_float32():
   assert lo.dtype == jnp.bfloat16
   err = np.abs(np.asarray(lo, np.float32) - np.asarray(hi)).max()
   assert err < 0.05 * np.abs(np.asarray(hi)).max(), err
+
+
+def test_remat_gives_same_loss_and_gradients():
+  cfg = small_cfg("qwen3")
+  g, p = nnx.split(make(cfg))
+  tok, pos = tokens_for(cfg, 2, 6), arange_pos(2, 6)
+
+  def loss(p, remat):
+    logits, _ = forward(g, p, tok, pos, remat=remat)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+  grads = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+  (l0, g0), (l1, g1) = grads(p, False), grads(p, True)
+  assert "remat" in str(jax.make_jaxpr(lambda p: loss(p, True))(p))
+  assert "remat" not in str(jax.make_jaxpr(lambda p: loss(p, False))(p))
+  np.testing.assert_allclose(l0, l1, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+    np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)

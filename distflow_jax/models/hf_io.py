@@ -192,6 +192,10 @@ def save_pretrained(path: str | os.PathLike, model: Transformer, tokenizer: Any 
   if tokenizer is not None:
     ids = dict(eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.bos_id)
     tokenizer.save(path)
+    # So that transformers' generate() stops where our rollout does.
+    gen = dict(tokenizer.generation_config, eos_token_id=list(tokenizer.eos_ids),
+               pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id)
+    (path / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
   hf_cfg = model.cfg.to_hf_dict(**ids)
   hf_cfg.update(extra_config or {})
   (path / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")

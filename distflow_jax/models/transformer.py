@@ -243,9 +243,13 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
                mask_BxT: jax.Array | None = None, cache: KVCache | None = None,
-               cache_index_B: jax.Array | None = None, *,
-               return_hidden: bool = False) -> tuple[jax.Array, KVCache | None]:
-    """Returns `(logits_BxTxV or hidden_BxTxD, new_cache)`; see the module docstring."""
+               cache_index_B: jax.Array | None = None, *, return_hidden: bool = False,
+               remat: bool = False) -> tuple[jax.Array, KVCache | None]:
+    """Returns `(logits_BxTxV or hidden_BxTxD, new_cache)`; see the module docstring.
+
+    `remat=True` rematerialises each block in the backward pass (less activation
+    memory for training; ignored with a cache).
+    """
     b, t = tokens_BxT.shape
     positions_BxT = positions_BxT.astype(jnp.int32)
     if mask_BxT is None:
@@ -260,10 +264,16 @@ class Transformer(nnx.Module):
       writer = _CacheWriter(cache, cache_index_B, t)
       key_pos_BxS = writer.pos(own_pos_BxT)
     x = self.embed(tokens_BxT)
-    for layer in self.layers:
-      x = layer(x, positions_BxT, key_pos_BxS, writer)
-      if writer is not None:
-        writer.layer += 1
+    if remat and writer is None:
+      # Training: keep only each block's input for the backward pass.
+      block = nnx.remat(lambda layer, x, pos, kpos: layer(x, pos, kpos, None))
+      for layer in self.layers:
+        x = block(layer, x, positions_BxT, key_pos_BxS)
+    else:
+      for layer in self.layers:
+        x = layer(x, positions_BxT, key_pos_BxS, writer)
+        if writer is not None:
+          writer.layer += 1
     new_cache = None
     if writer is not None:
       new_cache = KVCache(k=writer.k, v=writer.v, pos=key_pos_BxS)
@@ -276,8 +286,9 @@ class Transformer(nnx.Module):
 def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxT: jax.Array,
             positions_BxT: jax.Array, mask_BxT: jax.Array | None = None,
             cache: KVCache | None = None, cache_index_B: jax.Array | None = None, *,
-            return_hidden: bool = False) -> tuple[jax.Array, KVCache | None]:
+            return_hidden: bool = False, remat: bool = False
+            ) -> tuple[jax.Array, KVCache | None]:
   """Pure forward over `nnx.split(model)`: safe inside jit / while_loop / scan."""
   model = nnx.merge(graphdef, params)
   return model(tokens_BxT, positions_BxT, mask_BxT, cache, cache_index_B,
-               return_hidden=return_hidden)
+               return_hidden=return_hidden, remat=remat)
