@@ -141,3 +141,15 @@ def test_pickle_checkpoints_are_refused(tmp_path):
     load_pretrained(tmp_path)
   with pytest.raises(FileNotFoundError, match="does not exist"):
     load_pretrained(tmp_path / "nope")
+
+
+def test_bfloat16_checkpoint_roundtrip(tmp_path):
+  model = Transformer(cfg_for("qwen2", dtype="bfloat16"), rngs=nnx.Rngs(2))
+  save_pretrained(tmp_path, model)
+  assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+  loaded = load_pretrained(tmp_path)
+  assert loaded.cfg.dtype == "bfloat16"
+  a, b = params_of(model), params_of(loaded)
+  for k in a:
+    assert b[k].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(a[k].view(np.uint16), b[k].view(np.uint16), err_msg=str(k))
