@@ -70,9 +70,46 @@ def _launch(argv: Sequence[str]) -> int:
   return 0
 
 
+def _train(argv: Sequence[str]) -> int:
+  fv = flags.FlagValues()
+  flags.DEFINE_enum("distributed", "env", ["env", "auto", "none"],
+                    "env: join the group our launcher describes (or run alone); auto: "
+                    "jax.distributed.initialize() cluster auto-detection (Slurm, TPU pods)",
+                    flag_values=fv)
+  rest = loading.parse(fv, argv)
+  if rest:
+    raise loading.ConfigError(f"train takes no positional arguments, got {rest}")
+  cfg = fv.config
+  _simulate_cpu_devices(cfg.cluster.devices_per_process)
+  from distflow_jax import distributed
+  from distflow_jax.workflow import progress, trainer
+  info = distributed.initialize(auto=fv.distributed == "auto")
+  log = progress.Logger(info.process_index == 0)
+  log(f"config {cfg.name}: {info.process_count} process(es) x {info.local_device_count} "
+      f"device(s); run dir {cfg.run_dir}")
+  ctx, loaders = trainer.setup(cfg, log)
+  for m in trainer.train(cfg, ctx, loaders):
+    log.step(m, cfg.trainer.total_steps)
+  return 0
+
+
+def _simulate_cpu_devices(n: int) -> None:
+  """On a CPU-only machine, give this process n simulated devices (before jax starts)."""
+  import os
+  from distflow_jax import distributed
+  if not n or "jax" in sys.modules or distributed.launched_by_distflow():
+    return
+  if os.environ.get("JAX_PLATFORMS", "cpu") not in ("cpu", ""):
+    return
+  flags_ = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+  os.environ["XLA_FLAGS"] = " ".join(flags_ + [f"--xla_force_host_platform_device_count={n}"])
+
+
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "plan": _plan,
     "launch": _launch,
+    "train": _train,
 }
 
 

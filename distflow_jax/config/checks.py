@@ -116,6 +116,7 @@ def _check_values(cfg) -> None:
   _positive(d.max_prompt_len, "data.max_prompt_len")
   _positive(d.prompts_per_step, "data.prompts_per_step")
   _one_of(d.on_bad_row, ON_BAD_ROW, "data.on_bad_row")
+  _one_of(d.redistribute, ("distributed", "centralized"), "data.redistribute")
   buckets = list(r.prefill_buckets)
   if not buckets or buckets != sorted(set(buckets)) or buckets[0] <= 0:
     raise ConfigError(f"rollout.prefill_buckets={buckets} must be positive and strictly "

@@ -42,6 +42,8 @@ def base() -> ml_collections.ConfigDict:
       preset="tiny",         # built-in architecture when path is ""
       dtype="float32",
       max_seq_len=256,
+      # Supervised warm start of the built-in model (when path is ""), cached in run_dir.
+      warmstart=dict(steps=300, lr=1e-3, batch_size=64, examples=8000),
   )
   c.data = dict(
       train="builtin:arithmetic",  # JSONL/Parquet path or builtin:<task>
@@ -54,6 +56,9 @@ def base() -> ml_collections.ConfigDict:
       shuffle_seed=0,
       on_bad_row="skip",     # skip (counted and reported) | error
       eval_size=128,
+      # How re-partitions move data: distributed (one all-to-all) | centralized (the
+      # single-controller baseline: gather to process 0, scatter back).
+      redistribute="distributed",
   )
   c.rollout = dict(
       n=4,                   # samples per prompt (group size)

@@ -260,7 +260,7 @@ def sft_examples(records: Iterable[dict[str, str]]) -> list[dict[str, str]]:
 
 def write_jsonl(records: Iterable[dict], path: str) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = path + ".tmp"
+  tmp = f"{path}.{os.getpid()}.tmp"  # processes may write the same file at once
   with open(tmp, "w", encoding="utf-8") as f:
     for r in records:
       f.write(json.dumps(r, ensure_ascii=False) + "\n")

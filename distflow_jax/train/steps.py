@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distflow_jax.algos import losses
 from distflow_jax.models import heads
@@ -173,7 +175,46 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
              **{f"m/{k}": v for k, v in out.metrics.items()}}
     return new_params, new_opt, stats
 
-  return jax.jit(step, donate_argnums=(0, 1))
+  return _PinnedStep(step)
+
+
+def _on_mesh(x: jax.Array, mesh) -> NamedSharding:
+  if isinstance(x.sharding, NamedSharding):
+    return x.sharding
+  return NamedSharding(mesh, P())
+
+
+def init_opt_state(tx: optax.GradientTransformation, params: nnx.State) -> Any:
+  """``tx.init(params)`` with every leaf on the parameters' mesh (scalars replicated),
+  so the state's layout never changes between steps."""
+  mesh = next(x.sharding.mesh for x in jax.tree.leaves(params)
+              if isinstance(x.sharding, NamedSharding))
+  state = tx.init(params)
+  return jax.tree.map(lambda x: jax.device_put(x, _on_mesh(x, mesh)), state)
+
+
+class _PinnedStep:
+  """Jits ``step`` on first use with outputs pinned to the inputs' shardings.
+
+  Left to sharding propagation, the updated state can come back laid out
+  differently from how it went in, and the next call would then compile again.
+  """
+
+  def __init__(self, step: Callable):
+    self._step = step
+    self._jitted = None
+
+  def __call__(self, params, opt_state, batch):
+    if self._jitted is None:
+      mesh = next(x.sharding.mesh for x in jax.tree.leaves(params)
+                  if isinstance(x.sharding, NamedSharding))
+      sh = lambda tree: jax.tree.map(lambda x: _on_mesh(x, mesh), tree)  # noqa: E731
+      self._jitted = jax.jit(self._step, donate_argnums=(0, 1),
+                             out_shardings=(sh(params), sh(opt_state), None))
+    return self._jitted(params, opt_state, batch)
+
+  def _cache_size(self) -> int:
+    return 0 if self._jitted is None else self._jitted._cache_size()
 
 
 def finalize_stats(stats: Mapping[str, jax.Array], where: str) -> dict[str, float]:

@@ -1,0 +1,114 @@
+"""What a node function sees: the run's config, plan, models and data layouts.
+
+``RunContext`` is plain data plus a few caches of compiled functions; it
+holds no control logic.  Every process builds an identical one from the same
+config (the plan, the layouts, the compiled functions) with its own local
+pieces (its rows of the batch, its loader shard, its rollout replica).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import ml_collections
+import numpy as np
+
+from distflow_jax.dag.planner import Layout as PlanLayout, Plan, Step, Topology
+from distflow_jax.dag.spec import Node, Role
+from distflow_jax.data import layout as dlayout
+from distflow_jax.data.batch import Batch
+from distflow_jax.models import sharding
+from distflow_jax.models.config import ModelConfig
+from distflow_jax.models.tokenizer import Tokenizer
+from distflow_jax.rollout.engine import Engine, EngineConfig
+from distflow_jax.rollout.sampling import SamplingParams
+from distflow_jax.workflow import roles as roles_lib
+from distflow_jax.workflow.metrics import Metrics
+
+
+@dataclasses.dataclass
+class RunContext:
+  cfg: ml_collections.ConfigDict
+  plan: Plan
+  topo: Topology
+  process_index: int
+  tokenizer: Tokenizer
+  model_cfg: ModelConfig
+  roles: dict[Role, roles_lib.ModelState]
+  step: int = 0
+  metrics: Metrics = dataclasses.field(default_factory=Metrics)
+  _layouts: dict[str, dlayout.Layout] = dataclasses.field(default_factory=dict)
+  _engines: dict[Any, Engine] = dataclasses.field(default_factory=dict)
+  _jitted: dict[Any, Callable] = dataclasses.field(default_factory=dict)
+
+  def section(self, node: Node, name: str) -> ml_collections.ConfigDict:
+    """``config.<name>`` with the node's overrides applied (when it is the node's section)."""
+    from distflow_jax.dag import FUNCTIONS
+    base = self.cfg[name]
+    if FUNCTIONS.spec(node.fn).section != name or not node.overrides:
+      return base
+    merged = ml_collections.ConfigDict(base.to_dict())
+    merged.update(dict(node.overrides))
+    return merged
+
+  def layout(self, plan_layout: PlanLayout) -> dlayout.Layout:
+    """The data layout (mesh + sample axes) of a plan layout; cached by name."""
+    if plan_layout.name not in self._layouts:
+      devs = roles_lib.ordered_devices()
+      devices = [devs[i] for i in plan_layout.devices]
+      rest = len(devices) // plan_layout.dp_size
+      mesh = sharding.make_mesh({"data": plan_layout.dp_size, "tensor": rest}, devices)
+      self._layouts[plan_layout.name] = dlayout.Layout(mesh, ("data",))
+    return self._layouts[plan_layout.name]
+
+  def jitted(self, key: Any, make: Callable[[], Callable]) -> Callable:
+    """A compiled function, built once per key (so shapes never recompile per step)."""
+    if key not in self._jitted:
+      self._jitted[key] = make()
+    return self._jitted[key]
+
+  def engine(self, rollout: ml_collections.ConfigDict, greedy: bool = False) -> Engine:
+    """This host's rollout replica for these rollout settings (built once)."""
+    sp = (SamplingParams(temperature=0.0) if greedy else
+          SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p,
+                         top_k=rollout.top_k))
+    conf = EngineConfig(max_concurrent_decodes=rollout.max_concurrent_decodes,
+                        prefill_buckets=tuple(rollout.prefill_buckets),
+                        max_new_tokens=rollout.max_new_tokens,
+                        stop_ids=self.tokenizer.eos_ids, sampling=sp,
+                        seed=self.cfg.seed)
+    key = (conf, rollout.tensor_parallel)
+    if key not in self._engines:
+      actor_devices = set(self.roles[Role.ACTOR].mesh.devices.flat)
+      local = [d for d in jax.local_devices() if d in actor_devices]
+      mesh = _replica_mesh(local, rollout.tensor_parallel)
+      self._engines[key] = Engine(self.model_cfg, conf, mesh=mesh)
+    return self._engines[key]
+
+  def step_rng(self, node: Node) -> jax.Array:
+    """A key for this step, node and process: hosts must not sample alike."""
+    key = jax.random.key(self.cfg.seed)
+    key = jax.random.fold_in(key, self.step)
+    key = jax.random.fold_in(key, _stable_hash(node.id))
+    return jax.random.fold_in(key, self.process_index)
+
+
+def _replica_mesh(local_devices: list[jax.Device], tp: int):
+  from distflow_jax.rollout.engine import replica_mesh
+  return replica_mesh(tp, local_devices)
+
+
+def _stable_hash(text: str) -> int:
+  return int.from_bytes(text.encode()[:4].ljust(4, b"\0"), "little") & 0x7FFFFFFF
+
+
+def put_local(batch: Batch, lay: dlayout.Layout, **local_arrays: np.ndarray) -> Batch:
+  """Adds this process's rows of new fields to a global batch laid out as ``lay``."""
+  return batch.replace(**{k: jax.make_array_from_process_local_data(lay.sharding, np.asarray(v))
+                          for k, v in local_arrays.items()})
+
+
+def step_layout(ctx: RunContext, step: Step) -> dlayout.Layout:
+  return ctx.layout(step.layout)

@@ -1,0 +1,71 @@
+"""Step metrics: local (sum, count) pairs, reduced across hosts by weight.
+
+Each process adds the sums and counts of its own rows; ``reduce`` gathers the
+small vectors of every process (one all-gather) and divides once, so a mean
+over hosts is exact whatever each host holds.  Timings are maxima (the
+slowest host sets the pace).  Only process 0 writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Metrics:
+  sums: dict[str, float] = dataclasses.field(default_factory=dict)
+  counts: dict[str, float] = dataclasses.field(default_factory=dict)
+  maxima: dict[str, float] = dataclasses.field(default_factory=dict)
+
+  def add(self, name: str, total: float, count: float = 1.0) -> None:
+    self.sums[name] = self.sums.get(name, 0.0) + float(total)
+    self.counts[name] = self.counts.get(name, 0.0) + float(count)
+
+  def add_mean(self, name: str, values: np.ndarray) -> None:
+    values = np.asarray(values, np.float64).reshape(-1)
+    self.add(name, float(values.sum()), float(values.size))
+
+  def set_max(self, name: str, value: float) -> None:
+    self.maxima[name] = max(self.maxima.get(name, float("-inf")), float(value))
+
+  def reduce(self) -> dict[str, float]:
+    """Means over all processes (every process must call it, in the same order)."""
+    names = sorted(self.sums)
+    maxes = sorted(self.maxima)
+    local = np.array([self.sums[n] for n in names] + [self.counts[n] for n in names]
+                     + [self.maxima[n] for n in maxes], np.float64)
+    import jax
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      gathered = np.asarray(multihost_utils.process_allgather(local))
+      k = len(names)
+      sums = gathered[:, :k].sum(0)
+      counts = gathered[:, k:2 * k].sum(0)
+      mx = gathered[:, 2 * k:].max(0) if maxes else np.zeros(0)
+    else:
+      k = len(names)
+      sums, counts, mx = local[:k], local[k:2 * k], local[2 * k:]
+    out = {n: (s / c if c else float("nan")) for n, s, c in zip(names, sums, counts)}
+    out.update({n: float(v) for n, v in zip(maxes, mx)})
+    return out
+
+
+class JsonlWriter:
+  """Appends one JSON object per line; only process 0 writes."""
+
+  def __init__(self, path: str, enabled: bool):
+    self.path = path
+    self.enabled = enabled
+    if enabled:
+      os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+
+  def write(self, record: dict[str, Any]) -> None:
+    if not self.enabled:
+      return
+    with open(self.path, "a") as f:
+      f.write(json.dumps(record, sort_keys=True) + "\n")

@@ -1,0 +1,129 @@
+"""Role states: each role's mesh, parameters and optimizer, built from the plan.
+
+Global device ``d`` of the plan is the ``d``-th device in process-major
+order, the same order the planner's topology uses, so every process maps
+the plan onto the same physical devices.  Parameters are created (or loaded
+from safetensors) straight into their shardings on the role's mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import ml_collections
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from distflow_jax.config.loading import ConfigError
+from distflow_jax.dag.planner import Plan, RoleMesh, Topology
+from distflow_jax.dag.spec import Role
+from distflow_jax.models import hf_io, sharding
+from distflow_jax.models.config import ModelConfig
+from distflow_jax.models.heads import Critic
+from distflow_jax.models.tokenizer import Tokenizer
+from distflow_jax.models.transformer import Transformer
+from distflow_jax.train import optim, steps as steps_lib
+
+
+def ordered_devices() -> list[jax.Device]:
+  return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+
+
+def check_topology(topo: Topology) -> None:
+  devs = ordered_devices()
+  if len(devs) != topo.num_devices:
+    raise ConfigError(f"the plan is for {topo.num_devices} devices but jax has {len(devs)}")
+  for i, d in enumerate(devs):
+    if d.process_index != topo.process_of(i):
+      raise ConfigError(f"device {i} belongs to process {d.process_index}, but the plan "
+                        f"expects process {topo.process_of(i)}: uneven devices per process?")
+
+
+def jax_mesh(role_mesh: RoleMesh) -> Mesh:
+  devs = ordered_devices()
+  return sharding.make_mesh(role_mesh.shape, [devs[i] for i in role_mesh.devices])
+
+
+@dataclasses.dataclass
+class ModelState:
+  """One role's model: its graph, parameters on its mesh, and optimizer (if trained)."""
+  role: Role
+  mesh: Mesh
+  graphdef: nnx.GraphDef
+  params: nnx.State
+  tx: optax.GradientTransformation | None = None
+  opt_state: Any = None
+
+  @property
+  def trainable(self) -> bool:
+    return self.tx is not None
+
+
+def load_tokenizer(model_cfg: ml_collections.ConfigDict) -> Tokenizer:
+  if model_cfg.path:
+    return Tokenizer.from_dir(model_cfg.path)
+  return Tokenizer.builtin()
+
+
+def model_config(cfg: ml_collections.ConfigDict, tokenizer: Tokenizer,
+                 path: str | None = None) -> ModelConfig:
+  path = path if path is not None else cfg.model.path
+  if path:
+    if not os.path.isfile(os.path.join(path, "config.json")):
+      raise ConfigError(f"model.path={path!r} has no config.json: point it at a local "
+                        f"Hugging Face model directory (config.json + *.safetensors)")
+    return hf_io.read_config(path, dtype=cfg.model.dtype)
+  if cfg.model.preset != "tiny":
+    raise ConfigError(f"model.preset={cfg.model.preset!r} is unknown; built-in: ['tiny'] "
+                      f"(or set model.path to a local Hugging Face directory)")
+  base = ModelConfig.tiny(vocab_size=tokenizer.vocab_size)
+  return dataclasses.replace(base, dtype=cfg.model.dtype)
+
+
+def build_actor(model_cfg: ModelConfig, mesh: Mesh, path: str, seed: int) -> nnx.Module:
+  rules = sharding.fsdp_tp_rules()
+  if path:
+    return hf_io.load_pretrained(path, mesh=mesh, rules=rules, cfg=model_cfg)
+  return sharding.create_sharded(lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed)), mesh,
+                                 rules)
+
+
+def build_roles(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
+                model_path: str) -> dict[Role, ModelState]:
+  """Actor (+ optimizer), reference (frozen copy), critic (+ value head), as the plan needs."""
+  meshes = {m.role: jax_mesh(m) for m in plan.meshes}
+  trained = {s.node.role for s in plan.steps if s.node.type.value == "MODEL_TRAIN"}
+  rules = sharding.fsdp_tp_rules()
+  steps = cfg.trainer.total_steps * max(cfg.actor.ppo_epochs * cfg.actor.mini_batches, 1)
+  out: dict[Role, ModelState] = {}
+  actor = build_actor(model_cfg, meshes[Role.ACTOR], model_path, cfg.seed)
+  graphdef, params = nnx.split(actor)
+  tx = optim.from_config(cfg.actor.optimizer, steps) if Role.ACTOR in trained else None
+  out[Role.ACTOR] = ModelState(Role.ACTOR, meshes[Role.ACTOR], graphdef, params, tx,
+                               steps_lib.init_opt_state(tx, params) if tx else None)
+  if Role.REFERENCE in meshes:
+    ref_mesh = meshes[Role.REFERENCE]
+    ref = jax.device_put(params, sharding.state_shardings(params, ref_mesh, rules))
+    if ref_mesh == meshes[Role.ACTOR]:
+      ref = jax.tree.map(lambda x: x.copy(), ref)  # own buffers: the actor's are donated
+    out[Role.REFERENCE] = ModelState(Role.REFERENCE, ref_mesh, graphdef, ref)
+  if Role.CRITIC in meshes:
+    cmesh = meshes[Role.CRITIC]
+    critic = sharding.create_sharded(
+        lambda: Critic(model_cfg, rngs=nnx.Rngs(cfg.seed + 1)), cmesh, rules)
+    cgraph, cparams = nnx.split(critic)
+    # The critic's backbone starts from the actor's weights, its value head fresh.
+    backbone = jax.device_put(params, sharding.state_shardings(params, cmesh, rules))
+    cparams["backbone"] = jax.tree.map(lambda x: x.copy(), backbone)
+    steps_c = cfg.trainer.total_steps * cfg.critic.ppo_epochs
+    ctx = optim.from_config(cfg.critic.optimizer, steps_c) if Role.CRITIC in trained else None
+    out[Role.CRITIC] = ModelState(Role.CRITIC, cmesh, cgraph, cparams, ctx,
+                                  steps_lib.init_opt_state(ctx, cparams) if ctx else None)
+  if Role.REWARD in meshes and any(s.node.fn == "reward.model" for s in plan.steps):
+    raise ConfigError("fn 'reward.model' needs a reward-model checkpoint loader, which is not "
+                      "implemented yet; use the rule rewards (reward.math, reward.format)")
+  return out

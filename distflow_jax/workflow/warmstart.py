@@ -1,0 +1,90 @@
+"""Supervised warm start: teach a fresh model the task's answer format.
+
+RL needs a policy that is right some of the time.  With no checkpoint given,
+the built-in tiny model is first trained on worked answers (prompt ->
+completion + EOS) for a few hundred steps, then written as a Hugging Face
+directory in the run directory, so the next run loads it and skips this.
+Prompts are encoded exactly as the RL loader encodes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from distflow_jax.algos import losses
+from distflow_jax.data.loader import parse_row
+from distflow_jax.models.tokenizer import Tokenizer
+from distflow_jax.train import steps as steps_lib
+from distflow_jax.workflow.roles import ModelState
+
+
+def encode_examples(records: Sequence[dict], tokenizer: Tokenizer, *, max_prompt_len: int,
+                    max_new_tokens: int, use_chat_template: bool) -> dict[str, np.ndarray]:
+  """Left-padded prompts and right-padded completion + EOS, as the RL batch lays them out."""
+  n = len(records)
+  prompt = np.full((n, max_prompt_len), tokenizer.pad_id, np.int32)
+  prompt_mask = np.zeros((n, max_prompt_len), bool)
+  resp = np.full((n, max_new_tokens), tokenizer.pad_id, np.int32)
+  resp_mask = np.zeros((n, max_new_tokens), bool)
+  for i, rec in enumerate(records):
+    ex = parse_row({"prompt": rec["prompt"], "answer": rec["completion"]}, i,
+                   tokenizer=tokenizer, max_prompt_len=max_prompt_len,
+                   use_chat_template=use_chat_template)
+    if not hasattr(ex, "prompt_ids"):
+      raise ValueError(f"warm-start example {i} cannot be encoded: {ex}")
+    ids = ex.prompt_ids
+    prompt[i, max_prompt_len - len(ids):] = ids
+    prompt_mask[i, max_prompt_len - len(ids):] = True
+    out = tokenizer.encode(rec["completion"])[:max_new_tokens - 1] + [tokenizer.eos_id]
+    resp[i, :len(out)] = out
+    resp_mask[i, :len(out)] = True
+  return {"prompt_tokens": prompt, "prompt_mask": prompt_mask, "response_tokens": resp,
+          "response_mask": resp_mask}
+
+
+def sft_loss(graphdef, params, mb) -> losses.LossOutput:
+  logp, _ = steps_lib.response_logprobs(graphdef, params, mb)
+  m = mb["response_mask"].astype(jnp.float32)
+  return losses.LossOutput(-jnp.sum(logp * m), jnp.sum(m), jnp.sum(m), {})
+
+
+def run(state: ModelState, data: dict[str, np.ndarray], *, steps: int, batch_size: int,
+        lr: float, seed: int, on_step: Callable[[int, float], None] | None = None) -> float:
+  """Trains ``state`` in place on ``data`` (global rows, same on every process).
+
+  Returns the final loss (mean token NLL).  Batches are drawn with a seeded
+  permutation, the same on every process; each batch is placed on the
+  actor's mesh sharded over its data-parallel axes.
+  """
+  tx = optax.chain(optax.clip_by_global_norm(1.0),
+                   optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(steps // 10, 1),
+                                                                  steps), weight_decay=0.0))
+  opt_state = steps_lib.init_opt_state(tx, state.params)
+  step_fn = steps_lib.make_train_step(sft_loss, state.graphdef, tx, 1, "token-mean")
+  mesh = state.mesh
+  dp = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
+  sharding = NamedSharding(mesh, P(dp))
+  rng = np.random.default_rng(seed)
+  n = len(data["response_mask"])
+  if batch_size > n:
+    raise ValueError(f"warm-start batch_size={batch_size} exceeds the {n} examples")
+  order = rng.permutation(n)
+  pos, loss = 0, float("nan")
+  for i in range(steps):
+    if pos + batch_size > n:
+      order, pos = rng.permutation(n), 0
+    idx = np.sort(order[pos:pos + batch_size])
+    pos += batch_size
+    mb = {k: jax.device_put(v[idx], sharding) for k, v in data.items()}
+    state.params, opt_state, stats = step_fn(state.params, opt_state, mb)
+    if on_step is not None and (i % 10 == 0 or i == steps - 1):
+      stats = jax.device_get(stats)
+      loss = float(stats["total"]) / max(float(stats["count"]), 1.0)
+      on_step(i, loss)
+  return loss
