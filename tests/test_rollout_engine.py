@@ -11,13 +11,16 @@ from distflow_jax.models import ModelConfig, Transformer, forward
 from distflow_jax.rollout import Engine, EngineConfig, SamplingParams, generate, replica_mesh
 
 CFG = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128,
-                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True)
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True,
+                  tie_embeddings=False)
 
 
-def peaky_model(seed=0):
-  """Random weights with a large embedding, so greedy outputs vary instead of repeating."""
+def peaky_model(seed=0, sharpness=5.0):
+  """Random weights scaled up, so that greedy outputs vary instead of repeating a token."""
   model = Transformer(CFG, rngs=nnx.Rngs(seed))
-  model.embed.embedding[...] = model.embed.embedding[...] * 60.0
+  state = jax.tree.map(lambda x: x * 10.0 if x.ndim == 2 else x, nnx.state(model, nnx.Param))
+  nnx.update(model, state)
+  model.lm_head.kernel[...] = model.lm_head.kernel[...] * sharpness
   return model
 
 
@@ -72,13 +75,12 @@ def test_greedy_with_cache_equals_argmax_of_full_forwards():
     want = full_forward_greedy(model, prompt, 8)
     assert out.tokens_RxN[r].tolist() == want, (r, out.tokens_RxN[r], want)
   assert out.mask_RxN.all() and (out.lengths_R == 8).all()
-  assert len({tuple(t) for t in out.tokens_RxN.tolist()}) == len(PROMPTS)  # not degenerate
+  assert all(len(set(t)) > 3 for t in out.tokens_RxN.tolist())  # not a repeated token
 
 
 @pytest.mark.timeout(120)
 def test_sampled_logprobs_equal_teacher_forced_recomputation():
-  model = peaky_model(1)
-  model.embed.embedding[...] = model.embed.embedding[...] / 20.0  # softer, so sampling varies
+  model = peaky_model(1, sharpness=1.0)  # softer, so sampling varies
   eng = engine(SamplingParams(temperature=0.8, top_p=0.9, top_k=20))
   out = generate(eng, eng.load_params(model), PROMPTS[:3], n=2, rng=jax.random.key(5))
   for r in range(6):
