@@ -4,7 +4,7 @@
   distflow-jax train --config=configs/grpo.py:tiny --config.actor.optimizer.lr=1e-5
 Variants: ``tiny`` (CPU, built-in task and model), ``qwen0.5b`` (a local
 Qwen2.5-0.5B-Instruct and GSM8K JSONL; set --config.model.path and
---config.data.train).
+--config.data.train), ``llama1b`` (the same with a local Llama-3.2-1B-Instruct).
 """
 
 from distflow_jax.config import defaults
@@ -38,6 +38,7 @@ def get_config(arg: str = "tiny"):
     c.model.max_seq_len = 1536
     c.data.train = ""  # set --config.data.train=/path/to/gsm8k_train.jsonl
     c.data.eval = ""
+    c.data.prompt_key = "question"  # GSM8K rows: {"question": ..., "answer": "... #### 72"}
     c.data.chat_template = True
     c.data.max_prompt_len = 512
     c.data.prompts_per_step = 64
@@ -49,6 +50,26 @@ def get_config(arg: str = "tiny"):
     c.actor.micro_batch_size = 4
     c.actor.mini_batches = 4
     c.trainer.total_steps = 500
+  elif arg == "llama1b":
+    # Llama 3.2 1B Instruct: 1.24 B parameters (tied embeddings, vocab 128256).
+    c.run_dir = "runs/grpo_llama1b"
+    c.model.path = ""  # set --config.model.path=/path/to/Llama-3.2-1B-Instruct
+    c.model.dtype = "bfloat16"
+    c.model.max_seq_len = 1536
+    c.data.train = ""  # set --config.data.train=/path/to/gsm8k_train.jsonl
+    c.data.eval = ""
+    c.data.prompt_key = "question"
+    c.data.chat_template = True
+    c.data.max_prompt_len = 512
+    c.data.prompts_per_step = 64
+    c.rollout.n = 8
+    c.rollout.max_new_tokens = 1024
+    c.rollout.prefill_buckets = (128, 256, 512)
+    c.rollout.max_concurrent_decodes = 64
+    c.actor.optimizer.lr = 1e-6
+    c.actor.micro_batch_size = 2
+    c.actor.mini_batches = 4
+    c.trainer.total_steps = 500
   else:
-    raise ValueError(f"unknown variant {arg!r} of grpo.py; valid: tiny, qwen0.5b")
+    raise ValueError(f"unknown variant {arg!r} of grpo.py; valid: tiny, qwen0.5b, llama1b")
   return c

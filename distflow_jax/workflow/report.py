@@ -1,0 +1,311 @@
+"""Plots and a summary of a run from its ``metrics.jsonl``.
+
+  distflow-jax report RUN_DIR [--out DIR]
+
+Writes PNGs next to the metrics (or to ``--out``): ``reward.png`` (mean
+reward with a +-1 std band, per-reward components), ``accuracy.png`` (train
+and held-out accuracy, pass@k), ``response_length.png``, ``kl.png`` (KL to
+the reference, entropy), ``time.png`` (per-node seconds per step, stacked,
+with throughput), ``summary.png`` (all of them on one page) and
+``report.md`` (first/last values and where the time goes).  A plot whose
+metrics are absent from the run is skipped.  Needs only matplotlib (Agg), no
+jax, so it runs on a laptop against a copied run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+Rows = list[dict[str, Any]]
+
+
+def read_metrics(path: str) -> Rows:
+  """The rows of a metrics.jsonl, by step; a resumed run's later rows win.
+
+  A run still in progress may have a half-written last line: it is ignored.
+  """
+  if os.path.isdir(path):
+    path = os.path.join(path, METRICS_FILE)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"no {METRICS_FILE} at {path!r}: give the run directory of a "
+                            f"`distflow-jax train` run (its config.run_dir)")
+  by_step: dict[int, dict[str, Any]] = {}
+  with open(path) as f:
+    lines = f.read().splitlines()
+  for i, line in enumerate(lines):
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError:
+      if i == len(lines) - 1:
+        continue  # being written right now
+      raise ValueError(f"{path}: line {i + 1} is not JSON: {line[:80]!r}") from None
+    if not isinstance(row, dict) or "step" not in row:
+      raise ValueError(f"{path}: line {i + 1} has no 'step' field")
+    by_step[int(row["step"])] = row
+  return [by_step[s] for s in sorted(by_step)]
+
+
+def series(rows: Rows, key: str) -> tuple[list[int], list[float]]:
+  """(steps, values) of the rows that hold a finite ``key``."""
+  xs, ys = [], []
+  for r in rows:
+    v = r.get(key)
+    if isinstance(v, (int, float)) and math.isfinite(v):
+      xs.append(int(r["step"]))
+      ys.append(float(v))
+  return xs, ys
+
+
+def ema(values: Sequence[float], alpha: float = 0.2) -> list[float]:
+  """Exponential moving average, debiased like TensorBoard's smoothing."""
+  out, acc, weight = [], 0.0, 0.0
+  for v in values:
+    acc = (1 - alpha) * acc + alpha * v
+    weight = (1 - alpha) * weight + alpha
+    out.append(acc / weight)
+  return out
+
+
+def node_times(rows: Rows) -> list[str]:
+  """Node ids with a ``time/<id>`` metric, in first-seen order (the plan's order).
+
+  ``time/move_to/<id>`` (re-partition before a node) is listed as ``move_to/<id>``.
+  """
+  names: dict[str, None] = {}
+  for r in rows:
+    for k in r:
+      if k.startswith("time/") and k != "time/step":
+        names.setdefault(k[len("time/"):])
+  return list(names)
+
+
+# ---------------------------------------------------------------- plots
+
+
+def _line(ax, rows: Rows, key: str, label: str | None = None, *, smooth: bool = True,
+          marker: str | None = None) -> bool:
+  xs, ys = series(rows, key)
+  if not xs:
+    return False
+  label = label or key
+  if smooth and len(xs) >= 10:
+    line, = ax.plot(xs, ys, alpha=0.3, linewidth=1)
+    ax.plot(xs, ema(ys), color=line.get_color(), label=f"{label} (smoothed)")
+  else:
+    ax.plot(xs, ys, label=label, marker=marker or ("o" if len(xs) < 30 else None),
+            markersize=3)
+  return True
+
+
+def _finish(ax, title: str, ylabel: str) -> None:
+  ax.set_title(title)
+  ax.set_xlabel("step")
+  ax.set_ylabel(ylabel)
+  ax.grid(alpha=0.3)
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(fontsize=7)
+
+
+def plot_reward(ax, rows: Rows) -> bool:
+  xs, ys = series(rows, "reward")
+  if not xs:
+    return False
+  _line(ax, rows, "reward")
+  sx, sd = series(rows, "reward_std")
+  std = dict(zip(sx, sd))
+  if std:
+    lo = [y - std.get(x, 0.0) for x, y in zip(xs, ys)]
+    hi = [y + std.get(x, 0.0) for x, y in zip(xs, ys)]
+    ax.fill_between(xs, lo, hi, alpha=0.15, label="+-1 std")
+  parts = sorted({k for r in rows for k in r if k.startswith("reward/")})
+  if len(parts) > 1:  # one component is the same curve as the total
+    for k in parts:
+      _line(ax, rows, k)
+  _finish(ax, "reward", "mean reward")
+  return True
+
+
+def plot_accuracy(ax, rows: Rows) -> bool:
+  drew = _line(ax, rows, "accuracy", "train accuracy")
+  drew |= _line(ax, rows, "eval/accuracy", "held-out accuracy", smooth=False, marker="o")
+  for k in sorted({k for r in rows for k in r if k.startswith("eval/pass@")}):
+    drew |= _line(ax, rows, k, f"held-out {k[5:]}", smooth=False, marker="s")
+  if drew:
+    ax.set_ylim(-0.02, 1.02)
+    _finish(ax, "accuracy", "fraction correct")
+  return drew
+
+
+def plot_length(ax, rows: Rows) -> bool:
+  drew = _line(ax, rows, "response_length", "response length")
+  drew |= _line(ax, rows, "eval/response_length", "held-out response length", smooth=False)
+  drew |= _line(ax, rows, "prompt_length", "prompt length")
+  if drew:
+    _finish(ax, "lengths", "tokens")
+  return drew
+
+
+def plot_kl(ax, rows: Rows) -> bool:
+  drew = _line(ax, rows, "actor/kl", "KL(actor || reference)")
+  drew |= _line(ax, rows, "actor/entropy", "entropy")
+  if drew:
+    _finish(ax, "KL / entropy", "nats per token")
+  return drew
+
+
+def plot_time(ax, rows: Rows) -> bool:
+  """Stacked per-node seconds per step; throughput (tokens/s) on the right axis."""
+  names = node_times(rows)
+  if not names:
+    return False
+  import numpy as np
+  steps = [int(r["step"]) for r in rows if any(f"time/{n}" in r for n in names)]
+  bottom = np.zeros(len(steps))
+  by_step = {int(r["step"]): r for r in rows}
+  for n in names:
+    vals = np.array([float(by_step[s].get(f"time/{n}", 0.0)) for s in steps])
+    ax.bar(steps, vals, bottom=bottom, label=n, width=0.8)
+    bottom += vals
+  ax.set_title("time per step, by node")
+  ax.set_xlabel("step")
+  ax.set_ylabel("seconds")
+  ax.grid(alpha=0.3, axis="y")
+  ax.set_ylim(0, max(float(bottom.max()), 1e-3) * 1.5)  # headroom for the legend
+  ax.legend(fontsize=6, ncol=4, loc="upper left")
+  xs, ys = series(rows, "tokens_per_s")
+  if xs:
+    ax2 = ax.twinx()
+    ax2.plot(xs, ys, color="black", linewidth=1, marker=".", label="tokens/s")
+    ax2.set_ylim(0, max(max(ys), 1e-3) * 1.5)
+    ax2.set_ylabel("tokens/s (prompt + response)")
+    ax2.legend(fontsize=6, loc="upper right")
+  return True
+
+
+PLOTS: dict[str, Callable[[Any, Rows], bool]] = {
+    "reward": plot_reward,
+    "accuracy": plot_accuracy,
+    "response_length": plot_length,
+    "kl": plot_kl,
+    "time": plot_time,
+}
+
+
+def write_plots(rows: Rows, out_dir: str, title: str = "") -> list[str]:
+  """One PNG per plot that has data, plus ``summary.png``; returns the paths."""
+  import matplotlib
+  matplotlib.use("Agg")  # files only, never a window
+  import matplotlib.pyplot as plt
+
+  os.makedirs(out_dir, exist_ok=True)
+  written, drawn = [], []
+  for name, fn in PLOTS.items():
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if fn(ax, rows):
+      fig.tight_layout()
+      path = os.path.join(out_dir, f"{name}.png")
+      fig.savefig(path, dpi=100)
+      written.append(path)
+      drawn.append(name)
+    plt.close(fig)
+  if drawn:
+    cols = 2 if len(drawn) > 1 else 1
+    nrows = (len(drawn) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(7 * cols, 3.6 * nrows), squeeze=False)
+    for ax, name in zip(axes.flat, drawn):
+      PLOTS[name](ax, rows)
+    for ax in list(axes.flat)[len(drawn):]:
+      ax.axis("off")
+    if title:
+      fig.suptitle(title)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "summary.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    written.append(path)
+  return written
+
+
+# ---------------------------------------------------------------- summary
+
+
+def _fmt(v: float | None) -> str:
+  if v is None:
+    return "-"
+  return f"{v:.4g}"
+
+
+def summary(rows: Rows) -> dict[str, Any]:
+  """First/last/best values of the headline metrics and the mean time share of each node."""
+  out: dict[str, Any] = {"steps": max((int(r["step"]) for r in rows), default=0), "metrics": {}}
+  for key in ("reward", "accuracy", "eval/accuracy", "response_length", "actor/kl",
+              "tokens_per_s"):
+    xs, ys = series(rows, key)
+    if xs:
+      out["metrics"][key] = {"first": ys[0], "last": ys[-1], "max": max(ys),
+                             "first_step": xs[0], "last_step": xs[-1]}
+  totals = {n: sum(series(rows, f"time/{n}")[1]) for n in node_times(rows)}
+  grand = sum(v for n, v in totals.items())
+  out["time_share"] = {n: (v / grand if grand else 0.0) for n, v in totals.items()}
+  out["seconds_per_step"] = (sum(series(rows, "time/step")[1]) /
+                             max(len(series(rows, "time/step")[1]), 1))
+  return out
+
+
+def write_markdown(rows: Rows, images: Sequence[str], path: str, title: str = "") -> None:
+  s = summary(rows)
+  lines = [f"# {title or 'run report'}", "", f"Steps: {s['steps']}, "
+           f"{s['seconds_per_step']:.2f} s per step on average.", "",
+           "| metric | first | last | max |", "|---|---|---|---|"]
+  for k, m in s["metrics"].items():
+    lines.append(f"| {k} | {_fmt(m['first'])} (step {m['first_step']}) | "
+                 f"{_fmt(m['last'])} (step {m['last_step']}) | {_fmt(m['max'])} |")
+  if s["time_share"]:
+    lines += ["", "| node | share of step time |", "|---|---|"]
+    for n, share in sorted(s["time_share"].items(), key=lambda kv: -kv[1]):
+      lines.append(f"| {n} | {100 * share:.1f}% |")
+  lines += [""] + [f"![{os.path.basename(p)[:-4]}]({os.path.basename(p)})" for p in images]
+  with open(path, "w") as f:
+    f.write("\n".join(lines) + "\n")
+
+
+def report(run_dir: str, out_dir: str | None = None) -> list[str]:
+  """Writes the PNGs and report.md for ``run_dir``; returns the written paths."""
+  rows = read_metrics(run_dir)
+  if not rows:
+    raise ValueError(f"{os.path.join(run_dir, METRICS_FILE)} holds no rows yet")
+  out_dir = out_dir or os.path.join(run_dir, "report")
+  title = os.path.basename(os.path.abspath(run_dir))
+  images = write_plots(rows, out_dir, title)
+  md = os.path.join(out_dir, "report.md")
+  write_markdown(rows, images, md, title)
+  return images + [md]
+
+
+def run(argv: Sequence[str]) -> int:
+  parser = argparse.ArgumentParser(prog="distflow-jax report",
+                                   description="PNG plots + report.md of a run's metrics.")
+  parser.add_argument("run_dir", help="the run directory (holds metrics.jsonl)")
+  parser.add_argument("--out", default=None, help="where to write (default RUN_DIR/report)")
+  args = parser.parse_args(list(argv))
+  try:
+    paths = report(args.run_dir, args.out)
+  except (FileNotFoundError, ValueError) as e:
+    print(f"distflow-jax report: error: {e}", file=sys.stderr)
+    return 2
+  s = summary(read_metrics(args.run_dir))
+  for k, m in s["metrics"].items():
+    print(f"{k:>16}: {_fmt(m['first'])} -> {_fmt(m['last'])} (max {_fmt(m['max'])})")
+  for p in paths:
+    print(f"wrote {p}")
+  return 0
