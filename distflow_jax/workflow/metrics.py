@@ -69,3 +69,14 @@ class JsonlWriter:
       return
     with open(self.path, "a") as f:
       f.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+class Writers:
+  """Sends each row to several writers (metrics.jsonl, TensorBoard events)."""
+
+  def __init__(self, *writers: Any):
+    self.writers = writers
+
+  def write(self, record: dict[str, Any]) -> None:
+    for w in self.writers:
+      w.write(record)

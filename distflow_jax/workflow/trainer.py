@@ -26,7 +26,8 @@ from distflow_jax.tasks import arithmetic
 from distflow_jax.workflow import evaluate as eval_lib
 from distflow_jax.workflow import executor, nodes, roles as roles_lib, warmstart
 from distflow_jax.workflow.context import RunContext
-from distflow_jax.workflow.metrics import JsonlWriter
+from distflow_jax.workflow import tensorboard
+from distflow_jax.workflow.metrics import JsonlWriter, Writers
 
 BUILTIN = "builtin:"
 
@@ -136,7 +137,10 @@ def setup(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print
 def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
           start_step: int = 0) -> Iterator[dict[str, float]]:
   """Yields each step's metrics (the same on every process)."""
-  writer = JsonlWriter(os.path.join(cfg.run_dir, "metrics.jsonl"), ctx.process_index == 0)
+  is_writer = ctx.process_index == 0
+  writer = Writers(JsonlWriter(os.path.join(cfg.run_dir, "metrics.jsonl"), is_writer),
+                   tensorboard.TensorBoardWriter(os.path.join(cfg.run_dir, tensorboard.SUBDIR),
+                                                 is_writer))
   eval_batch = next(iter(loaders.eval)) if loaders.eval is not None else None
 
   if eval_batch is not None and start_step == 0:
