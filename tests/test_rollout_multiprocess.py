@@ -1,0 +1,18 @@
+"""Rollout across real processes: 2 hosts x 2 devices, one tensor-parallel replica per host."""
+
+import sys
+
+import pytest
+
+from distflow_jax import launcher
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.mark.timeout(300)
+def test_each_host_generates_its_own_prompts_2x2():
+  result = launcher.launch(2, 2, [sys.executable, "tests/mp/rollout_hosts.py"], timeout_s=280,
+                           out=None)
+  assert result.ok, result.describe() + "\n" + "\n".join(sum(result.outputs, []))
+  assert "OK process 0/2 generated 3 prompts" in result.outputs[0]
+  assert "OK process 1/2 generated 2 prompts" in result.outputs[1]
