@@ -39,7 +39,7 @@ def base() -> ml_collections.ConfigDict:
 
   c.model = dict(
       path="",               # local Hugging Face dir (config.json + safetensors); "" = built-in
-      preset="tiny",         # built-in architecture when path is ""
+      preset="tiny",         # built-in architecture when path is "": tiny | micro
       dtype="float32",
       max_seq_len=256,
       # Supervised warm start of the built-in model (when path is ""), cached in run_dir.

@@ -84,6 +84,12 @@ def _rule_reward(name: str, ctx: RunContext, node: Node, lay: dlayout.Layout,
   return put_local(batch, lay, rewards=rewards)
 
 
+def rule_reward_node(name: str):
+  """The node function of a rule reward registered in ``distflow_jax.rewards`` as ``name``;
+  plugins use it to expose their own rewards as DAG functions."""
+  return functools.partial(_rule_reward, name)
+
+
 def _local(batch: Batch, *keys: str) -> dict[str, np.ndarray]:
   sub = Batch({k: batch.data[k] for k in (*keys, SAMPLE_ID, GROUP_ID)})
   return dict(to_local(sub).data)
@@ -209,8 +215,8 @@ def _critic_loss(g, p, mb, value_clip):
 def bind_builtins() -> None:
   impls = {
       "generate": generate,
-      "reward.math": functools.partial(_rule_reward, "math"),
-      "reward.format": functools.partial(_rule_reward, "format"),
+      "reward.math": rule_reward_node("math"),
+      "reward.format": rule_reward_node("format"),
       "logprob": functools.partial(_model_pass, "old_logprobs", Role.ACTOR),
       "ref_logprob": functools.partial(_model_pass, "ref_logprobs", Role.REFERENCE),
       "values": functools.partial(_model_pass, "values", Role.CRITIC),

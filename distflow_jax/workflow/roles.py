@@ -29,6 +29,17 @@ from distflow_jax.models.transformer import Transformer
 from distflow_jax.train import optim, steps as steps_lib
 
 
+PRESETS = {
+    # The default run's model: ~1.2 M parameters, Qwen2-shaped.
+    "tiny": lambda vocab, dtype: dataclasses.replace(ModelConfig.tiny(vocab_size=vocab),
+                                                     dtype=dtype),
+    # One small layer: for smoke tests of the whole workflow, compiles in seconds.
+    "micro": lambda vocab, dtype: ModelConfig(
+        arch="qwen2", vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=1,
+        num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, dtype=dtype),
+}
+
+
 def ordered_devices() -> list[jax.Device]:
   return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
 
@@ -77,11 +88,10 @@ def model_config(cfg: ml_collections.ConfigDict, tokenizer: Tokenizer,
       raise ConfigError(f"model.path={path!r} has no config.json: point it at a local "
                         f"Hugging Face model directory (config.json + *.safetensors)")
     return hf_io.read_config(path, dtype=cfg.model.dtype)
-  if cfg.model.preset != "tiny":
-    raise ConfigError(f"model.preset={cfg.model.preset!r} is unknown; built-in: ['tiny'] "
-                      f"(or set model.path to a local Hugging Face directory)")
-  base = ModelConfig.tiny(vocab_size=tokenizer.vocab_size)
-  return dataclasses.replace(base, dtype=cfg.model.dtype)
+  if cfg.model.preset not in PRESETS:
+    raise ConfigError(f"model.preset={cfg.model.preset!r} is unknown; built-in: "
+                      f"{sorted(PRESETS)} (or set model.path to a local Hugging Face directory)")
+  return PRESETS[cfg.model.preset](tokenizer.vocab_size, cfg.model.dtype)
 
 
 def build_actor(model_cfg: ModelConfig, mesh: Mesh, path: str, seed: int) -> nnx.Module:

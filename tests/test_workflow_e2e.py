@@ -1,0 +1,97 @@
+"""The whole RL workflow, end to end, on 8 simulated devices in one process."""
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from distflow_jax.config import loading
+from distflow_jax.dag.spec import DagError, Role
+from distflow_jax.workflow import trainer
+from workflow_util import smoke_overrides
+
+
+def run(name, tmp_path, *extra):
+  cfg = loading.load(name, smoke_overrides(tmp_path, "cluster.devices_per_process=8", *extra))
+  ctx, loaders = trainer.setup(cfg, log=lambda m: None)
+  before = jax.tree.map(np.asarray, ctx.roles[Role.ACTOR].params)
+  metrics = list(trainer.train(cfg, ctx, loaders))
+  after = jax.tree.map(np.asarray, ctx.roles[Role.ACTOR].params)
+  changed = any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before),
+                                                        jax.tree.leaves(after)))
+  return cfg, ctx, metrics, changed
+
+
+@pytest.mark.timeout(600)
+def test_grpo_three_steps(tmp_path):
+  cfg, ctx, metrics, changed = run("grpo:tiny", tmp_path, "data.prompts_per_step=8",
+                                   "rollout.n=2", "actor.micro_batch_size=1")
+  assert [m["step"] for m in metrics] == [1, 2, 3]
+  for m in metrics:
+    for key in ("reward", "accuracy", "actor/loss", "actor/grad_norm", "response_length",
+                "tokens_per_s", "time/generate", "time/train_actor", "actor/kl"):
+      assert key in m and math.isfinite(m[key]), (key, m)
+    assert m["actor/skipped"] == 0.0
+    assert m["tokens"] > 0
+  assert changed
+  rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+@pytest.mark.timeout(600)
+def test_ppo_three_steps_trains_actor_and_critic(tmp_path):
+  cfg, ctx, metrics, changed = run("ppo:tiny", tmp_path, "data.prompts_per_step=16",
+                                   "actor.micro_batch_size=1", "critic.micro_batch_size=1")
+  assert changed
+  for m in metrics:
+    assert math.isfinite(m["critic/loss"]) and math.isfinite(m["actor/loss"])
+    assert "kl_penalty" in m  # PPO puts the KL in the reward
+  assert ctx.plan.order == ["generate", "reward", "old_logprob", "ref_logprob", "values",
+                            "advantage", "train_critic", "train_actor"]
+
+
+@pytest.mark.timeout(600)
+def test_config_only_two_reward_dag_trains(tmp_path):
+  cfg, ctx, metrics, changed = run("reinforce_pp_two_rewards", tmp_path,
+                                   "data.prompts_per_step=8", "rollout.n=2",
+                                   "actor.micro_batch_size=1")
+  assert changed
+  m = metrics[-1]
+  assert "reward/reward_math" in m and "reward/reward_format" in m
+  # The advantage node saw the weighted sum of both reward nodes.
+  assert m["reward"] == pytest.approx(m["reward/reward_math"] + 0.2 * m["reward/reward_format"],
+                                      abs=1e-6)
+
+
+@pytest.mark.timeout(600)
+def test_repartition_between_rollout_and_training_layouts(tmp_path):
+  # Rollout replicas of 2 devices (dp 4) -> FSDP over 8 (dp 8): one all-to-all per step.
+  cfg, ctx, metrics, changed = run("grpo:tiny", tmp_path, "data.prompts_per_step=8",
+                                   "rollout.n=2", "actor.micro_batch_size=1",
+                                   "rollout.tensor_parallel=2", "trainer.total_steps=1")
+  assert ctx.plan.repartitions() == [("advantage", "old_logprob")]
+  assert "time/move_to/old_logprob" in metrics[0]
+  assert changed
+
+
+@pytest.mark.timeout(300)
+def test_raising_reward_plugin_names_the_sample(tmp_path):
+  cfg = loading.load("grpo:tiny", smoke_overrides(
+      tmp_path, "cluster.devices_per_process=8", "data.prompts_per_step=8", "rollout.n=2",
+      "actor.micro_batch_size=1", "trainer.total_steps=1",
+      "plugins=('plugin_boom_reward',)"))
+  with cfg.unlocked():
+    cfg.dag[1] = dict(id="reward", fn="reward.boom", deps=["generate"])
+  with pytest.raises(Exception, match=r"reward function 'boom'.*sample"):
+    ctx, loaders = trainer.setup(cfg, log=lambda m: None)
+    list(trainer.train(cfg, ctx, loaders))
+
+
+def test_reward_model_node_is_refused_clearly(tmp_path):
+  cfg = loading.load("grpo:tiny", smoke_overrides(tmp_path, "cluster.devices_per_process=8"))
+  with cfg.unlocked():
+    cfg.dag[1] = dict(id="reward", fn="reward.model", deps=["generate"])
+  with pytest.raises(Exception, match=r"reward.model"):
+    trainer.setup(cfg, log=lambda m: None)
