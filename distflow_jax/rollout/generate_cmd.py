@@ -1,0 +1,144 @@
+"""`distflow-jax generate`: completions for a JSONL file of prompts, written as JSONL.
+
+  distflow-jax generate --config=grpo:tiny --prompts=prompts.jsonl --out=completions.jsonl \
+      [--n=4] [--max_new_tokens=64] [--config.rollout.temperature=0]
+
+Each input line is a JSON object whose `data.prompt_key` field (default
+"prompt") is the prompt text; with `data.chat_template` it is wrapped as a
+user turn.  Each output line is `{"index", "sample", "prompt", "completion",
+"tokens", "logprobs", "finish_reason"}` ("stop" on an EOS token, else
+"length"), in input order, samples together.
+
+The model is `model.path` (a local Hugging Face dir: config.json, safetensors,
+tokenizer.json) or, when empty, the built-in tiny preset with random weights
+seeded by `seed` and the built-in tokenizer.  Sampling, slots and prefill
+buckets come from `rollout.*`.  Under several processes each host generates
+lines `process_index::process_count` on its own replica and writes
+`<out>.<process_index>`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Sequence
+
+from absl import flags
+
+from distflow_jax.config import loading
+
+PRESETS = ("tiny",)
+
+
+def _read_prompts(path: str, key: str) -> list[str]:
+  prompts = []
+  try:
+    with open(path) as f:
+      for i, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        try:
+          row = json.loads(line)
+        except json.JSONDecodeError as e:
+          raise loading.ConfigError(f"--prompts {path}:{i}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get(key), str):
+          raise loading.ConfigError(f"--prompts {path}:{i}: needs a string field {key!r} "
+                                    f"(data.prompt_key); got {str(row)[:80]}")
+        prompts.append(row[key])
+  except OSError as e:
+    raise loading.ConfigError(f"--prompts: {e}") from None
+  if not prompts:
+    raise loading.ConfigError(f"--prompts {path}: no prompts")
+  return prompts
+
+
+def _load_model(cfg):
+  from flax import nnx
+
+  from distflow_jax.models import ModelConfig, Transformer
+  from distflow_jax.models.tokenizer import Tokenizer
+
+  if cfg.model.path:
+    from distflow_jax.models import hf_io
+    model = hf_io.load_pretrained(cfg.model.path, dtype=cfg.model.dtype)
+    return model, Tokenizer.from_dir(cfg.model.path)
+  if cfg.model.preset not in PRESETS:
+    raise loading.ConfigError(f"model.preset={cfg.model.preset!r} is unknown; valid: {PRESETS} "
+                              "(or set model.path to a local Hugging Face directory)")
+  tok = Tokenizer.builtin()
+  mcfg = ModelConfig.tiny(vocab_size=tok.vocab_size).replace(dtype=cfg.model.dtype)
+  return Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), tok
+
+
+def run(argv: Sequence[str]) -> int:
+  """Entry point of `distflow-jax generate`; returns the exit code."""
+  fv = flags.FlagValues()
+  flags.DEFINE_string("prompts", None, "JSONL file of prompts", flag_values=fv)
+  flags.DEFINE_string("out", "-", "output JSONL file ('-' = stdout)", flag_values=fv)
+  flags.DEFINE_integer("n", None, "samples per prompt (default rollout.n)", flag_values=fv)
+  flags.DEFINE_integer("max_new_tokens", None, "default rollout.max_new_tokens", flag_values=fv)
+  rest = loading.parse(fv, argv)
+  if rest:
+    raise loading.ConfigError(f"generate takes no positional arguments, got {rest}")
+  if not fv.prompts:
+    raise loading.ConfigError("generate needs --prompts=file.jsonl")
+  cfg = fv.config
+  n = cfg.rollout.n if fv.n is None else fv.n
+  new = cfg.rollout.max_new_tokens if fv.max_new_tokens is None else fv.max_new_tokens
+  if n <= 0 or new <= 0:
+    raise loading.ConfigError(f"--n={n} and --max_new_tokens={new} must be positive")
+  texts = _read_prompts(fv.prompts, cfg.data.prompt_key)
+
+  import jax
+
+  from distflow_jax import distributed
+  from distflow_jax.rollout import Engine, EngineConfig, SamplingParams, generate, replica_mesh
+
+  info = distributed.initialize()
+  model, tok = _load_model(cfg)
+  if cfg.data.chat_template:
+    texts_in = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+  else:
+    texts_in = texts
+  mine = list(range(info.process_index, len(texts), info.process_count))
+  ids = [tok.encode(texts_in[i]) for i in mine]
+  buckets = tuple(cfg.rollout.prefill_buckets)
+  for i, p in zip(mine, ids):
+    if not p or len(p) > max(buckets):
+      raise loading.ConfigError(
+          f"prompt {i} has {len(p)} tokens; it must be 1..{max(buckets)} (the largest of "
+          f"rollout.prefill_buckets={buckets})")
+  try:
+    sampling = SamplingParams(temperature=float(cfg.rollout.temperature),
+                              top_p=float(cfg.rollout.top_p), top_k=int(cfg.rollout.top_k))
+    ecfg = EngineConfig(max_concurrent_decodes=int(cfg.rollout.max_concurrent_decodes),
+                        prefill_buckets=buckets, max_new_tokens=new, stop_ids=tok.eos_ids,
+                        sampling=sampling, seed=int(cfg.seed))
+    engine = Engine(model.cfg, ecfg, replica_mesh(int(cfg.rollout.tensor_parallel)))
+  except ValueError as e:
+    raise loading.ConfigError(f"rollout config: {e}") from None
+  params = engine.load_params(model)
+  rng = jax.random.fold_in(jax.random.key(cfg.seed), info.process_index)
+  start = time.perf_counter()
+  out = generate(engine, params, ids, n=n, rng=rng, pad_id=tok.pad_id) if ids else None
+  elapsed = time.perf_counter() - start
+
+  path = fv.out if info.process_count == 1 or fv.out == "-" else f"{fv.out}.{info.process_index}"
+  f = sys.stdout if path == "-" else open(path, "w")
+  try:
+    for r in range(0 if out is None else len(out.lengths_R)):
+      k = int(out.lengths_R[r])
+      toks = out.tokens_RxN[r, :k].tolist()
+      i = mine[r // n]
+      f.write(json.dumps({
+          "index": i, "sample": r % n, "prompt": texts[i], "completion": tok.decode(toks),
+          "tokens": toks, "logprobs": [round(float(x), 6) for x in out.logprobs_RxN[r, :k]],
+          "finish_reason": "stop" if out.stopped_R[r] else "length"}) + "\n")
+  finally:
+    if f is not sys.stdout:
+      f.close()
+  total = 0 if out is None else out.num_tokens
+  print(f"generate: {len(ids) * n} completions, {total} tokens in {elapsed:.2f}s "
+        f"({total / max(elapsed, 1e-9):.0f} tok/s) -> {path}", file=sys.stderr)
+  return 0
