@@ -2,6 +2,8 @@
 
   distflow-jax plan   --config=configs/grpo.py:tiny [--process=N] [--num_processes=P]
   distflow-jax launch -n 2 --devices-per-process 2 -- python prog.py
+  distflow-jax report RUN_DIR [--out DIR]        (PNG plots + report.md of metrics.jsonl)
+  distflow-jax eval   --model=HF_DIR --data=FILE.jsonl [--k=8] [--config=...]
 """
 
 from __future__ import annotations
@@ -87,10 +89,28 @@ def _train(argv: Sequence[str]) -> int:
   log = progress.Logger(info.process_index == 0)
   log(f"config {cfg.name}: {info.process_count} process(es) x {info.local_device_count} "
       f"device(s); run dir {cfg.run_dir}")
-  ctx, loaders = trainer.setup(cfg, log)
-  for m in trainer.train(cfg, ctx, loaders):
-    log.step(m, cfg.trainer.total_steps)
+  try:
+    ctx, loaders = trainer.setup(cfg, log)
+    for m in trainer.train(cfg, ctx, loaders):
+      log.step(m, cfg.trainer.total_steps)
+  except Exception as e:  # pylint: disable=broad-except
+    from distflow_jax.workflow import hints
+    hint = hints.oom_hint(e, cfg)
+    if hint is None:
+      raise
+    print(f"distflow-jax train: {hint}", file=sys.stderr)
+    return 1
   return 0
+
+
+def _report(argv: Sequence[str]) -> int:
+  from distflow_jax.workflow import report
+  return report.run(argv)
+
+
+def _eval(argv: Sequence[str]) -> int:
+  from distflow_jax.workflow import eval_cmd
+  return eval_cmd.run(argv)
 
 
 def _simulate_cpu_devices(n: int) -> None:
@@ -110,6 +130,8 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "plan": _plan,
     "launch": _launch,
     "train": _train,
+    "report": _report,
+    "eval": _eval,
 }
 
 

@@ -24,7 +24,7 @@ from distflow_jax.data.loader import PromptLoader
 from distflow_jax.models import hf_io
 from distflow_jax.tasks import arithmetic
 from distflow_jax.workflow import evaluate as eval_lib
-from distflow_jax.workflow import executor, nodes, roles as roles_lib, warmstart
+from distflow_jax.workflow import executor, hints, nodes, roles as roles_lib, warmstart
 from distflow_jax.workflow.context import RunContext
 from distflow_jax.workflow import tensorboard
 from distflow_jax.workflow.metrics import JsonlWriter, Writers
@@ -113,8 +113,13 @@ def setup(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print
                         f"only; executing a placement that leaves out whole hosts is not "
                         f"implemented yet (plan it with `distflow-jax plan`)")
   nodes.bind_builtins()
+  if cfg.model.path:
+    hints.check_model_dir(cfg.model.path)
   tokenizer = roles_lib.load_tokenizer(cfg.model)
   train_path, eval_path = dataset_paths(cfg)
+  hints.check_dataset_fields(train_path, cfg.data.prompt_key, cfg.data.answer_key, "data.train")
+  if cfg.trainer.eval_every:
+    hints.check_dataset_fields(eval_path, cfg.data.prompt_key, cfg.data.answer_key, "data.eval")
   model_path = ensure_model(cfg, plan, tokenizer, log)
   model_cfg = roles_lib.model_config(cfg, tokenizer, model_path)
   roles = roles_lib.build_roles(cfg, plan, model_cfg, model_path)
