@@ -1,0 +1,174 @@
+"""Run report: metrics.jsonl reading, smoothing, summary maths, PNGs, TensorBoard events, CLI."""
+
+import glob
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from distflow_jax.workflow import report, tensorboard
+
+
+def write_rows(path, rows, tail=""):
+  with open(path, "w") as f:
+    for r in rows:
+      f.write(json.dumps(r) + "\n")
+    f.write(tail)
+
+
+def synthetic_rows(steps=12, kl=True):
+  rows = [{"step": 0, "eval/accuracy": 0.1, "eval/response_length": 20.0}]
+  for s in range(1, steps + 1):
+    r = {"step": s, "reward": 0.05 * s, "reward_std": 0.2, "accuracy": 0.05 * s,
+         "response_length": 30.0 - s, "time/generate": 2.0, "time/train_actor": 1.0,
+         "time/move_to/train_actor": 0.5, "time/step": 3.5, "tokens_per_s": 100.0 + s}
+    if kl:
+      r["actor/kl"] = 0.001 * s
+    if s % 4 == 0:
+      r["eval/accuracy"] = 0.1 + 0.05 * s
+    rows.append(r)
+  return rows
+
+
+def test_read_metrics_orders_by_step_later_rows_win_and_ignores_partial_last_line(tmp_path):
+  # A resumed run re-writes step 2; a live run has a half-written last line.
+  write_rows(tmp_path / "metrics.jsonl",
+             [{"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.2}, {"step": 0, "x": 1},
+              {"step": 2, "reward": 0.25}], tail='{"step": 3, "rew')
+  rows = report.read_metrics(str(tmp_path))
+  assert [r["step"] for r in rows] == [0, 1, 2]
+  assert rows[2]["reward"] == 0.25
+
+
+def test_read_metrics_errors_name_the_problem(tmp_path):
+  with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
+    report.read_metrics(str(tmp_path))
+  write_rows(tmp_path / "metrics.jsonl", [{"step": 1}], tail='garbage\n{"step": 2}\n')
+  with pytest.raises(ValueError, match="line 2 is not JSON"):
+    report.read_metrics(str(tmp_path))
+
+
+def test_series_skips_absent_and_non_finite():
+  rows = [{"step": 0}, {"step": 1, "a": 1.0}, {"step": 2, "a": float("nan")}, {"step": 3, "a": 3}]
+  assert report.series(rows, "a") == ([1, 3], [1.0, 3.0])
+
+
+def test_ema_is_debiased_exponential_average():
+  # Hand-computed: acc_t = 0.5 acc + 0.5 v, weight_t = 0.5 w + 0.5; out = acc / weight.
+  out = report.ema([1.0, 0.0, 0.0], alpha=0.5)
+  np.testing.assert_allclose(out, [1.0, 0.25 / 0.75, 0.125 / 0.875])
+  # Against a numpy reference on random data.
+  v = np.random.default_rng(0).normal(size=50)
+  a = 0.2
+  w = (1 - a) ** np.arange(50)[::-1]
+  ref = [np.sum(v[:t + 1] * w[-(t + 1):]) / np.sum(w[-(t + 1):]) for t in range(50)]
+  np.testing.assert_allclose(report.ema(v, a), ref, rtol=1e-12)
+
+
+def test_summary_first_last_and_time_share():
+  rows = synthetic_rows(4)
+  s = report.summary(rows)
+  assert s["steps"] == 4
+  assert s["metrics"]["reward"] == {"first": 0.05, "last": 0.2, "max": 0.2, "first_step": 1,
+                                    "last_step": 4}
+  assert s["metrics"]["eval/accuracy"]["first"] == 0.1 and s["metrics"]["eval/accuracy"][
+      "last"] == pytest.approx(0.3)
+  # 4 steps of generate 2 s, train_actor 1 s, move 0.5 s: shares 2/3.5, 1/3.5, 0.5/3.5.
+  assert report.node_times(rows) == ["generate", "train_actor", "move_to/train_actor"]
+  assert s["time_share"] == pytest.approx({"generate": 2 / 3.5, "train_actor": 1 / 3.5,
+                                           "move_to/train_actor": 0.5 / 3.5})
+  assert s["seconds_per_step"] == pytest.approx(3.5)
+
+
+def _png_pixels(path):
+  import matplotlib.image
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  return matplotlib.image.imread(path)
+
+
+def test_report_writes_pngs_for_present_metrics_only(tmp_path):
+  write_rows(tmp_path / "metrics.jsonl", synthetic_rows(12, kl=False))
+  paths = report.report(str(tmp_path))
+  names = sorted(os.path.basename(p) for p in paths)
+  assert names == ["accuracy.png", "report.md", "response_length.png", "reward.png",
+                   "summary.png", "time.png"]  # no actor/kl in the run: no kl.png
+  for p in paths:
+    if p.endswith(".png"):
+      px = _png_pixels(p)
+      assert px.shape[0] > 200 and px.shape[1] > 400
+      assert px[..., :3].std() > 0.05, f"{p} looks blank"
+  md = open(tmp_path / "report" / "report.md").read()
+  assert "| reward | 0.05 (step 1) | 0.6 (step 12) | 0.6 |" in md
+  assert "![summary](summary.png)" in md
+
+
+def test_plots_draw_the_series_values(tmp_path):
+  """The reward axes hold exactly the reward values (and the EMA), not something else."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = synthetic_rows(12)
+  fig, ax = plt.subplots()
+  assert report.plot_reward(ax, rows)
+  ys = [list(line.get_ydata()) for line in ax.get_lines()]
+  want = [0.05 * s for s in range(1, 13)]
+  assert any(np.allclose(y, want) for y in ys)
+  assert any(np.allclose(y, report.ema(want)) for y in ys)
+  fig2, ax2 = plt.subplots()
+  assert report.plot_time(ax2, rows)
+  heights = sorted({round(p.get_height(), 6) for p in ax2.patches})
+  assert heights == [0.5, 1.0, 2.0]
+  fig3, ax3 = plt.subplots()
+  assert not report.plot_kl(ax3, [{"step": 1, "reward": 1.0}])
+  plt.close("all")
+
+
+def _read_events(logdir):
+  """(tag, step, value) from TFRecord-framed Event protos (no TensorFlow needed)."""
+  from tensorboardX.proto import event_pb2
+  out = []
+  for path in glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
+    data = open(path, "rb").read()
+    pos = 0
+    while pos < len(data):
+      (n,) = struct.unpack("<Q", data[pos:pos + 8])
+      ev = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+      pos += 12 + n + 4
+      for v in ev.summary.value:
+        out.append((v.tag, ev.step, v.simple_value))
+  return out
+
+
+def test_tensorboard_writer_writes_scalars_per_step(tmp_path):
+  w = tensorboard.TensorBoardWriter(str(tmp_path / "tb"), enabled=True)
+  w.write({"step": 1, "reward": 0.5, "time/generate": 2.0, "note": "text", "bad": math.nan})
+  w.write({"step": 2, "reward": 0.75})
+  w.close()
+  events = sorted(_read_events(str(tmp_path / "tb")))
+  assert events == [("reward", 1, 0.5), ("reward", 2, 0.75), ("time/generate", 1, 2.0)]
+  off = tensorboard.TensorBoardWriter(str(tmp_path / "off"), enabled=False)
+  off.write({"step": 1, "reward": 1.0})
+  assert not os.path.exists(tmp_path / "off")
+
+
+@pytest.mark.timeout(120)
+def test_report_cli(tmp_path):
+  write_rows(tmp_path / "metrics.jsonl", synthetic_rows(3))
+  r = subprocess.run([sys.executable, "-m", "distflow_jax.cli", "report", str(tmp_path),
+                      "--out", str(tmp_path / "plots")], capture_output=True, text=True,
+                     timeout=120)
+  assert r.returncode == 0, r.stderr
+  assert "reward: 0.05 -> 0.15" in r.stdout
+  assert sorted(os.listdir(tmp_path / "plots")) == [
+      "accuracy.png", "kl.png", "report.md", "response_length.png", "reward.png",
+      "summary.png", "time.png"]
+  bad = subprocess.run([sys.executable, "-m", "distflow_jax.cli", "report",
+                        str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
+  assert bad.returncode == 2
+  assert "no metrics.jsonl" in bad.stderr and "Traceback" not in bad.stderr
