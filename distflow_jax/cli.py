@@ -78,23 +78,32 @@ def _train(argv: Sequence[str]) -> int:
                     "env: join the group our launcher describes (or run alone); auto: "
                     "jax.distributed.initialize() cluster auto-detection (Slurm, TPU pods)",
                     flag_values=fv)
+  flags.DEFINE_boolean("resume", None, "continue from the latest complete checkpoint in the "
+                       "run dir (default: when there is one); --noresume refuses to start "
+                       "over a run dir that holds checkpoints", flag_values=fv)
   rest = loading.parse(fv, argv)
   if rest:
     raise loading.ConfigError(f"train takes no positional arguments, got {rest}")
   cfg = fv.config
   _simulate_cpu_devices(cfg.cluster.devices_per_process)
   from distflow_jax import distributed
-  from distflow_jax.workflow import progress, trainer
+  from distflow_jax.workflow import checkpoint, progress, trainer
   info = distributed.initialize(auto=fv.distributed == "auto")
   log = progress.Logger(info.process_index == 0)
   log(f"config {cfg.name}: {info.process_count} process(es) x {info.local_device_count} "
       f"device(s); run dir {cfg.run_dir}")
   try:
     ctx, loaders = trainer.setup(cfg, log)
-    for m in trainer.train(cfg, ctx, loaders):
+    ckpt, start = checkpoint.open_run(cfg, ctx.roles, loaders.train, resume=fv.resume, log=log)
+    for m in trainer.train(cfg, ctx, loaders, start, checkpointer=ckpt):
       log.step(m, cfg.trainer.total_steps)
+    ckpt.close()
   except Exception as e:  # pylint: disable=broad-except
-    from distflow_jax.workflow import hints
+    from distflow_jax.workflow import hints, peers
+    if peers.looks_like_peer_failure(e):
+      # A dead peer, not a bug here: say which one instead of a collective's traceback.
+      print(f"distflow-jax train: {peers.describe(e)}", file=sys.stderr)
+      return 1
     hint = hints.oom_hint(e, cfg)
     if hint is None:
       raise

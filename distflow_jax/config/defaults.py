@@ -106,8 +106,9 @@ def base() -> ml_collections.ConfigDict:
   c.trainer = dict(
       total_steps=20,
       eval_every=5,
-      save_every=10,
-      keep=3,
+      save_every=10,         # checkpoint every K steps (and at the end); 0 = only at the end
+      keep=3,                # keep the last N checkpoints; 0 = all
+      async_save=True,       # write checkpoints in the background
   )
   c.entry = ""               # "" = the single generate node
   c.dag = []

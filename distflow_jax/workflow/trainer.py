@@ -23,6 +23,7 @@ from distflow_jax.dag.spec import Role
 from distflow_jax.data.loader import PromptLoader
 from distflow_jax.models import hf_io
 from distflow_jax.tasks import arithmetic
+from distflow_jax.workflow import checkpoint
 from distflow_jax.workflow import evaluate as eval_lib
 from distflow_jax.workflow import executor, hints, nodes, roles as roles_lib, warmstart
 from distflow_jax.workflow.context import RunContext
@@ -140,8 +141,13 @@ def setup(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print
 
 
 def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
-          start_step: int = 0) -> Iterator[dict[str, float]]:
-  """Yields each step's metrics (the same on every process)."""
+          start_step: int = 0, checkpointer: "checkpoint.Checkpointer | None" = None
+          ) -> Iterator[dict[str, float]]:
+  """Yields each step's metrics (the same on every process).
+
+  With a ``checkpointer`` (see ``checkpoint.open_run``) it saves when due,
+  asynchronously, and waits for the last save before returning.
+  """
   is_writer = ctx.process_index == 0
   writer = Writers(JsonlWriter(os.path.join(cfg.run_dir, "metrics.jsonl"), is_writer),
                    tensorboard.TensorBoardWriter(os.path.join(cfg.run_dir, tensorboard.SUBDIR),
@@ -162,4 +168,8 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
                                    or step + 1 == cfg.trainer.total_steps):
       metrics.update(eval_lib.evaluate(ctx, eval_batch))
     writer.write(metrics)
+    if checkpointer is not None and checkpointer.due(step + 1, cfg.trainer.total_steps):
+      checkpointer.save(step + 1, ctx.roles, loaders.train, cfg, ctx.model_cfg, ctx.tokenizer)
     yield metrics
+  if checkpointer is not None:
+    checkpointer.wait()
