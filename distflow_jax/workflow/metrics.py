@@ -50,7 +50,7 @@ class Metrics:
     else:
       k = len(names)
       sums, counts, mx = local[:k], local[k:2 * k], local[2 * k:]
-    out = {n: (s / c if c else float("nan")) for n, s, c in zip(names, sums, counts)}
+    out = {n: (float(s / c) if c else float("nan")) for n, s, c in zip(names, sums, counts)}
     out.update({n: float(v) for n, v in zip(maxes, mx)})
     return out
 
