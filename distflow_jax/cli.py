@@ -2,6 +2,7 @@
 
   distflow-jax plan   --config=configs/grpo.py:tiny [--process=N] [--num_processes=P]
   distflow-jax launch -n 2 --devices-per-process 2 -- python prog.py
+  distflow-jax export --checkpoint RUN_DIR --out HF_DIR [--step N]  (actor -> safetensors)
   distflow-jax report RUN_DIR [--out DIR]        (PNG plots + report.md of metrics.jsonl)
   distflow-jax eval   --model=HF_DIR --data=FILE.jsonl [--k=8] [--config=...]
 """
@@ -122,6 +123,11 @@ def _eval(argv: Sequence[str]) -> int:
   return eval_cmd.run(argv)
 
 
+def _export(argv: Sequence[str]) -> int:
+  from distflow_jax.workflow import export_cmd
+  return export_cmd.run(argv)
+
+
 def _simulate_cpu_devices(n: int) -> None:
   """On a CPU-only machine, give this process n simulated devices (before jax starts)."""
   import os
@@ -139,6 +145,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "plan": _plan,
     "launch": _launch,
     "train": _train,
+    "export": _export,
     "report": _report,
     "eval": _eval,
 }

@@ -338,3 +338,44 @@ def trim_metrics(path: str, step: int) -> None:
     with open(path + ".tmp", "w") as f:
       f.writelines(keep)
     os.replace(path + ".tmp", path)
+
+
+# ---- reading without a live run (export, tests) -----------------------------------------------
+
+def resolve(path: str) -> tuple[str, int | None]:
+  """``(checkpoints root, step or None)`` from a run dir, a checkpoints dir or a step dir."""
+  path = os.path.abspath(path)
+  if os.path.isdir(os.path.join(path, "checkpoints")):
+    return os.path.join(path, "checkpoints"), None
+  base = os.path.basename(path)
+  if base.isdigit() and os.path.isdir(os.path.join(path, META)):
+    return os.path.dirname(path), int(base)
+  return path, None
+
+
+def read_arrays(directory: str, step: int | None = None
+                ) -> tuple[int, dict[str, np.ndarray], dict[str, Any]]:
+  """``(step, {"actor.params.embed.embedding.value": array}, meta)`` on the host, any topology."""
+  directory = os.path.abspath(directory)
+  mgr = ocp.CheckpointManager(directory, item_handlers={
+      STATE: ocp.PyTreeCheckpointHandler(), META: ocp.JsonCheckpointHandler()})
+  try:
+    steps = sorted(mgr.all_steps())
+    if not steps:
+      raise CheckpointError(f"{directory} holds no complete checkpoint (expected "
+                            f"<run_dir>/checkpoints or one of its numbered step directories)")
+    if step is None:
+      step = steps[-1]
+    elif step not in steps:
+      raise CheckpointError(f"{directory} has no checkpoint of step {step}; it has {steps}")
+    md = mgr.item_metadata(step)[STATE]
+    if md is None:
+      raise CheckpointError(f"checkpoint {directory}/{step} has no {STATE!r} item")
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), md)
+    out = mgr.restore(step, args=ocp.args.Composite(**{
+        STATE: ocp.args.PyTreeRestore(restore_args=args), META: ocp.args.JsonRestore()}))
+  finally:
+    mgr.close()
+  leaves = jax.tree_util.tree_flatten_with_path(out[STATE])[0]
+  arrays = {".".join(_key_name(k) for k in p): np.asarray(x) for p, x in leaves}
+  return step, arrays, out[META]

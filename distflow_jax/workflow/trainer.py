@@ -98,6 +98,9 @@ def ensure_model(cfg, plan, tokenizer, log: Callable[[str], None]) -> str:
     log(f"warm start: {ws.steps} supervised steps in {time.perf_counter() - t0:.0f}s, "
         f"final loss {loss:.3f}")
   hf_io.save_pretrained(wdir, nnx.merge(graphdef, state.params), tokenizer)
+  if jax.process_count() > 1:  # only process 0 writes; the others read it next
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("distflow_warmstart_written")
   return wdir
 
 
