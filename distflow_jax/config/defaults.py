@@ -101,6 +101,9 @@ def base() -> ml_collections.ConfigDict:
       gamma=1.0,
       lam=1.0,
       norm_by_std=True,      # False = Dr.GRPO
+      # DAPO dynamic sampling: re-generate up to this many times to replace prompt groups
+      # whose rewards are all equal (0 = off).
+      dynamic_sampling_tries=0,
   )
   c.placement = dict(actor=mesh(), reference=mesh(), critic=mesh(), reward=mesh())
   c.trainer = dict(

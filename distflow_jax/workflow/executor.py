@@ -11,13 +11,15 @@ process.  Per-node wall time is recorded (the slowest host's).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
 
-from distflow_jax.dag.registry import FUNCTIONS, Placement
+from distflow_jax.dag.registry import FUNCTIONS
 from distflow_jax.data import redistribute as rd
 from distflow_jax.data.batch import Batch, redistribute_batch
+from distflow_jax.workflow import dynamic_sampling
 from distflow_jax.workflow.context import RunContext
 
 
@@ -33,14 +35,9 @@ def _block(batch: Batch) -> None:
   jax.block_until_ready([v for v in batch.data.values() if isinstance(v, jax.Array)])
 
 
-def run_step(ctx: RunContext, prompts: Batch) -> dict[str, float]:
-  """One step of the workflow on this process; returns metrics reduced over hosts."""
-  ctx.metrics = type(ctx.metrics)()
-  batch = prompts
-  current = None
-  tokens = 0.0
-  start = time.perf_counter()
-  for step in ctx.plan.steps:
+def _run_steps(ctx: RunContext, steps, batch: Batch, current):
+  """Runs ``steps`` of the chain; returns the batch and its layout."""
+  for step in steps:
     node = step.node
     lay = ctx.layout(step.layout)
     t0 = time.perf_counter()
@@ -50,23 +47,43 @@ def run_step(ctx: RunContext, prompts: Batch) -> dict[str, float]:
       batch, _ = redistribute_batch(batch, lengths, current, lay,
                                     mode=ctx.cfg.data.redistribute, group_size=group)
       _block(batch)
-      ctx.metrics.set_max(f"time/move_to/{node.id}", time.perf_counter() - t0)
+      ctx.metrics.add_time(f"time/move_to/{node.id}", time.perf_counter() - t0)
       t0 = time.perf_counter()
     elif current is not None and step.move_in == "fast":
       batch, _ = redistribute_batch(batch, np.zeros(0, np.int32), current, lay)
     batch = FUNCTIONS.impl(node.fn)(ctx, node, lay, batch)
     _block(batch)
-    dt = time.perf_counter() - t0
-    ctx.metrics.set_max(f"time/{node.id}", dt)
-    if FUNCTIONS.spec(node.fn).placement is Placement.ROLLOUT:
-      tokens = float(_token_lengths(batch).sum())
+    ctx.metrics.add_time(f"time/{node.id}", time.perf_counter() - t0)
     current = lay
-  total = time.perf_counter() - start
-  ctx.metrics.set_max("time/step", total)
+  return batch, current
+
+
+def run_step(ctx: RunContext, prompts: Batch,
+             more_prompts: Callable[[], Batch] | None = None) -> dict[str, float]:
+  """One step of the workflow on this process; returns metrics reduced over hosts.
+
+  ``more_prompts`` feeds DAPO's dynamic sampling (``algo.dynamic_sampling_tries``).
+  """
+  ctx.metrics = type(ctx.metrics)()
+  start = time.perf_counter()
+  steps = ctx.plan.steps
+  tries = ctx.cfg.algo.dynamic_sampling_tries
+  k = dynamic_sampling.prefix_length(ctx.plan) if tries else 0
+  if k:
+    if more_prompts is None:
+      raise ValueError("dynamic sampling needs a source of more prompts")
+    batch, current = dynamic_sampling.sample(
+        lambda p: _run_steps(ctx, steps[:k], p, None), prompts, more_prompts,
+        n=ctx.cfg.rollout.n, max_tries=tries, metrics=ctx.metrics)
+  else:
+    batch, current = prompts, None
+  batch, _ = _run_steps(ctx, steps[k:], batch, current)
+  tokens = float(_token_lengths(batch).sum())
+  ctx.metrics.set_max("time/step", time.perf_counter() - start)
   out = ctx.metrics.reduce()
   out["tokens"] = tokens
   out["tokens_per_s"] = tokens / max(out["time/step"], 1e-9)
-  for step in ctx.plan.steps:  # DistFlow's throughput: prompt + response tokens per second
+  for step in steps:  # DistFlow's throughput: prompt + response tokens per second
     out[f"tokens_per_s/{step.node.id}"] = tokens / max(out[f"time/{step.node.id}"], 1e-9)
   if "reward" in out and "reward_sq" in out:
     out["reward_std"] = float(np.sqrt(max(out.pop("reward_sq") - out["reward"] ** 2, 0.0)))

@@ -2,8 +2,9 @@
 
 Each process adds the sums and counts of its own rows; ``reduce`` gathers the
 small vectors of every process (one all-gather) and divides once, so a mean
-over hosts is exact whatever each host holds.  Timings are maxima (the
-slowest host sets the pace).  Only process 0 writes.
+over hosts is exact whatever each host holds.  Timings are summed within
+a step on each host, then the maximum over hosts is kept (the slowest host
+sets the pace).  Only process 0 writes.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ class Metrics:
   def add_mean(self, name: str, values: np.ndarray) -> None:
     values = np.asarray(values, np.float64).reshape(-1)
     self.add(name, float(values.sum()), float(values.size))
+
+  def add_time(self, name: str, seconds: float) -> None:
+    """Accumulates a duration within this step (a node may run several times)."""
+    self.maxima[name] = self.maxima.get(name, 0.0) + float(seconds)
 
   def set_max(self, name: str, value: float) -> None:
     self.maxima[name] = max(self.maxima.get(name, float("-inf")), float(value))

@@ -164,7 +164,7 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
   for step in range(start_step, cfg.trainer.total_steps):
     ctx.step = step
     prompts = next(loaders.train)
-    metrics = executor.run_step(ctx, prompts)
+    metrics = executor.run_step(ctx, prompts, more_prompts=lambda: next(loaders.train))
     metrics["step"] = step + 1
     metrics["data/bad_rows"] = float(sum(v for k, v in loaders.train.counts.items() if k != "ok"))
     if eval_batch is not None and ((step + 1) % cfg.trainer.eval_every == 0

@@ -1,0 +1,73 @@
+"""DAPO's dynamic sampling: drop prompt groups whose rewards are all equal, refill.
+
+A group whose n samples all get the same reward has zero advantage under
+GRPO-style estimators and teaches nothing.  With ``algo.dynamic_sampling_tries
+= T > 0`` the executor runs the sampling prefix of the chain (generate and the
+reward nodes, all on the host that holds the groups) up to T times on fresh
+prompts, keeping only groups with varied rewards, until every host has a full
+batch.  The decision to try again is taken from a small all-gather of every
+host's count, so all hosts make the same number of tries (their jitted calls
+stay in step).  When the tries run out, the batch is filled with constant
+groups (zero advantage) and the number filled is reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from distflow_jax.dag.planner import Plan
+from distflow_jax.dag.registry import FUNCTIONS
+from distflow_jax.data import layout as dlayout
+from distflow_jax.data.batch import Batch, to_global, to_local
+from distflow_jax.workflow.metrics import Metrics
+
+
+def prefix_length(plan: Plan) -> int:
+  """Steps up to the last reward node, if they all stay on the rollout layout (else 0)."""
+  last = -1
+  for s in plan.steps:
+    if s.move_in == "repartition" or not s.groups_intact:
+      break
+    if "rewards" in FUNCTIONS.spec(s.node.fn).produces:
+      last = s.index
+  return last + 1
+
+
+def _all_have(have: int, need: int) -> bool:
+  counts = np.array([have], np.int64)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    counts = np.asarray(multihost_utils.process_allgather(counts))
+  return bool(counts.min() >= need)
+
+
+def sample(run_prefix: Callable[[Batch], tuple[Batch, dlayout.Layout]], prompts: Batch,
+           more_prompts: Callable[[], Batch], *, n: int, max_tries: int,
+           metrics: Metrics) -> tuple[Batch, dlayout.Layout]:
+  kept: list[dict[str, np.ndarray]] = []
+  constant: list[dict[str, np.ndarray]] = []
+  host: dict = {}
+  need = generated = 0
+  lay = None
+  for attempt in range(max_tries):
+    batch, lay = run_prefix(prompts if attempt == 0 else more_prompts())
+    local = to_local(batch)
+    host.update(local.host)
+    rewards = np.asarray(local.data["rewards"]).reshape(-1, n)
+    varied = rewards.max(axis=1) > rewards.min(axis=1)
+    need = need or len(varied)
+    generated += len(varied)
+    for g in range(len(varied)):
+      rows = {k: np.asarray(v)[g * n:(g + 1) * n] for k, v in local.data.items()}
+      (kept if varied[g] else constant).append(rows)
+    if _all_have(len(kept), need):
+      break
+  metrics.add("dynamic_sampling/tries", attempt + 1)
+  metrics.add("dynamic_sampling/varied_fraction", len(kept), generated)
+  groups = (kept + constant)[:need]
+  metrics.add("dynamic_sampling/filled_constant", max(need - len(kept), 0))
+  data = {k: np.concatenate([g[k] for g in groups]) for k in groups[0]}
+  return to_global(Batch(data, host), lay), lay
