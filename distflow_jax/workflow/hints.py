@@ -44,6 +44,11 @@ def check_model_dir(path: str, key: str = "model.path") -> None:
   if "tokenizer.json" not in have:
     raise ConfigError(f"{where} has no tokenizer.json (the fast-tokenizer file); copy it from "
                       f"the model's Hugging Face folder (only tokenizer.json is supported)")
+  from distflow_jax.models import hf_io
+  try:
+    hf_io.read_config(path)
+  except (ValueError, OSError) as e:
+    raise ConfigError(f"{where}: {e}") from None
 
 
 def _suggest(row: dict[str, Any], candidates: tuple[str, ...], flag: str) -> str:
