@@ -77,16 +77,16 @@ def ema(values: Sequence[float], alpha: float = 0.2) -> list[float]:
 
 
 def node_times(rows: Rows) -> list[str]:
-  """Node ids with a ``time/<id>`` metric, in first-seen order (the plan's order).
+  """Node ids with a ``time/<id>`` metric, the most expensive first (bottom of the stack).
 
   ``time/move_to/<id>`` (re-partition before a node) is listed as ``move_to/<id>``.
   """
-  names: dict[str, None] = {}
+  totals: dict[str, float] = {}
   for r in rows:
-    for k in r:
-      if k.startswith("time/") and k != "time/step":
-        names.setdefault(k[len("time/"):])
-  return list(names)
+    for k, v in r.items():
+      if k.startswith("time/") and k != "time/step" and isinstance(v, (int, float)):
+        totals[k[len("time/"):]] = totals.get(k[len("time/"):], 0.0) + float(v)
+  return sorted(totals, key=lambda n: (-totals[n], n))
 
 
 # ---------------------------------------------------------------- plots
@@ -107,9 +107,15 @@ def _line(ax, rows: Rows, key: str, label: str | None = None, *, smooth: bool = 
   return True
 
 
+def _integer_steps(ax) -> None:
+  from matplotlib.ticker import MaxNLocator
+  ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _finish(ax, title: str, ylabel: str) -> None:
   ax.set_title(title)
   ax.set_xlabel("step")
+  _integer_steps(ax)
   ax.set_ylabel(ylabel)
   ax.grid(alpha=0.3)
   if ax.get_legend_handles_labels()[0]:
@@ -178,6 +184,7 @@ def plot_time(ax, rows: Rows) -> bool:
     bottom += vals
   ax.set_title("time per step, by node")
   ax.set_xlabel("step")
+  _integer_steps(ax)
   ax.set_ylabel("seconds")
   ax.grid(alpha=0.3, axis="y")
   ax.set_ylim(0, max(float(bottom.max()), 1e-3) * 1.5)  # headroom for the legend
