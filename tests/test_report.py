@@ -72,17 +72,19 @@ def test_ema_is_debiased_exponential_average():
 
 def test_summary_first_last_and_time_share():
   rows = synthetic_rows(4)
+  rows[1].update({"time/generate": 30.0, "time/step": 31.5})  # step 1 compiles
   s = report.summary(rows)
   assert s["steps"] == 4
   assert s["metrics"]["reward"] == {"first": 0.05, "last": 0.2, "max": 0.2, "first_step": 1,
                                     "last_step": 4}
   assert s["metrics"]["eval/accuracy"]["first"] == 0.1 and s["metrics"]["eval/accuracy"][
       "last"] == pytest.approx(0.3)
-  # 4 steps of generate 2 s, train_actor 1 s, move 0.5 s: shares 2/3.5, 1/3.5, 0.5/3.5.
+  # Steps 2-4: generate 2 s, train_actor 1 s, move 0.5 s: shares 2/3.5, 1/3.5, 0.5/3.5.
   assert report.node_times(rows) == ["generate", "train_actor", "move_to/train_actor"]
   assert s["time_share"] == pytest.approx({"generate": 2 / 3.5, "train_actor": 1 / 3.5,
                                            "move_to/train_actor": 0.5 / 3.5})
   assert s["seconds_per_step"] == pytest.approx(3.5)
+  assert s["timed_steps"] == [2, 3, 4]  # step 1 (compilation) left out of the split
 
 
 def _png_pixels(path):

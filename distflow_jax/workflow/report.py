@@ -261,18 +261,26 @@ def summary(rows: Rows) -> dict[str, Any]:
     if xs:
       out["metrics"][key] = {"first": ys[0], "last": ys[-1], "max": max(ys),
                              "first_step": xs[0], "last_step": xs[-1]}
-  totals = {n: sum(series(rows, f"time/{n}")[1]) for n in node_times(rows)}
-  grand = sum(v for n, v in totals.items())
+  # Step 1 compiles everything; leave it out of the time split once there is more.
+  timed = [r for r in rows if "time/step" in r]
+  steady = [r for r in timed if int(r["step"]) > 1]
+  out["timed_steps"] = steady if len(steady) >= 2 else timed
+  totals = {n: sum(series(out["timed_steps"], f"time/{n}")[1]) for n in node_times(rows)}
+  grand = sum(totals.values())
   out["time_share"] = {n: (v / grand if grand else 0.0) for n, v in totals.items()}
-  out["seconds_per_step"] = (sum(series(rows, "time/step")[1]) /
-                             max(len(series(rows, "time/step")[1]), 1))
+  step_s = series(out["timed_steps"], "time/step")[1]
+  out["seconds_per_step"] = sum(step_s) / max(len(step_s), 1)
+  out["timed_steps"] = [int(r["step"]) for r in out["timed_steps"]]
   return out
 
 
 def write_markdown(rows: Rows, images: Sequence[str], path: str, title: str = "") -> None:
   s = summary(rows)
+  timed = s["timed_steps"]
+  which = (f"steps {timed[0]}-{timed[-1]}" if timed and timed[0] > 1 else "all steps")
   lines = [f"# {title or 'run report'}", "", f"Steps: {s['steps']}, "
-           f"{s['seconds_per_step']:.2f} s per step on average.", "",
+           f"{s['seconds_per_step']:.2f} s per step on average over {which} (step 1 "
+           f"includes compilation).", "",
            "| metric | first | last | max |", "|---|---|---|---|"]
   for k, m in s["metrics"].items():
     lines.append(f"| {k} | {_fmt(m['first'])} (step {m['first_step']}) | "
