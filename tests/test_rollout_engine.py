@@ -175,3 +175,15 @@ def test_validation_names_the_problem():
     engine(slots=3, mesh=replica_mesh(1, jax.devices()[:2]))
   with pytest.raises(ValueError, match="decode_steps"):
     EngineConfig(decode_steps=0)
+
+
+def test_engine_config_from_run_config():
+  from distflow_jax.config import defaults
+  rollout = defaults.base().rollout
+  rollout.temperature, rollout.top_k = 0.5, 7
+  ec = EngineConfig.from_config(rollout, stop_ids=[2, 3], seed=4, max_new_tokens=9)
+  assert ec.max_concurrent_decodes == rollout.max_concurrent_decodes
+  assert ec.prefill_buckets == tuple(rollout.prefill_buckets) and ec.max_new_tokens == 9
+  assert ec.sampling == SamplingParams(temperature=0.5, top_p=1.0, top_k=7)
+  assert ec.stop_ids == (2, 3) and ec.seed == 4
+  assert ec.cache_len == max(rollout.prefill_buckets) + 9

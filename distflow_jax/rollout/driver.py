@@ -53,11 +53,13 @@ class Rollout:
 
 def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 1, *,
              max_new_tokens: int | None = None, rng: jax.Array | None = None,
-             pad_id: int = 0) -> Rollout:
+             pad_id: int = 0, request_ids: Sequence[int] | None = None) -> Rollout:
   """Generates `n` responses per prompt with continuous batching (see module doc).
 
   `rng` seeds the requests' PRNG streams (request r draws with
-  `fold_in(rng, r)`); give each host its own (e.g. folded with the process
+  `fold_in(rng, request_ids[r])`, by default `fold_in(rng, r)`).  Global ids
+  (e.g. sample ids) make the samples independent of how prompts are spread
+  over hosts; with local indices, give each host its own (e.g. folded with the process
   index) or they will sample alike.  Default: the engine's seed.
   """
   cfg = engine.config
@@ -75,7 +77,12 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
   num = len(prompts) * n
   if rng is None:
     rng = jax.random.key(cfg.seed)
-  keys_Rx2 = np.asarray(request_keys(rng, np.arange(num, dtype=np.uint32)))
+  ids = (np.arange(num, dtype=np.uint32) if request_ids is None
+         else np.asarray(request_ids, dtype=np.uint32).reshape(-1))
+  if ids.shape != (num,):
+    raise ValueError(f"generate: {ids.size} request_ids for {num} requests "
+                     f"({len(prompts)} prompts x n={n})")
+  keys_Rx2 = np.asarray(request_keys(rng, ids))
 
   toks: list[list[int]] = [[] for _ in range(num)]
   lps: list[list[float]] = [[] for _ in range(num)]

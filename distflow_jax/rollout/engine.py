@@ -70,6 +70,19 @@ class EngineConfig:
       raise ValueError(f"EngineConfig.prefill_buckets={self.prefill_buckets!r} must be "
                        "positive ints")
 
+  @classmethod
+  def from_config(cls, rollout: Any, *, stop_ids: Sequence[int] = (), seed: int = 0,
+                  max_new_tokens: int | None = None) -> "EngineConfig":
+    """From the `rollout` block of the run config (see config/defaults.py)."""
+    return cls(max_concurrent_decodes=int(rollout.max_concurrent_decodes),
+               prefill_buckets=tuple(int(b) for b in rollout.prefill_buckets),
+               max_new_tokens=int(rollout.max_new_tokens if max_new_tokens is None
+                                  else max_new_tokens),
+               stop_ids=tuple(stop_ids),
+               sampling=SamplingParams(temperature=float(rollout.temperature),
+                                       top_p=float(rollout.top_p), top_k=int(rollout.top_k)),
+               seed=int(seed))
+
   @property
   def cache_len(self) -> int:
     return self.prefill_buckets[-1] + self.max_new_tokens

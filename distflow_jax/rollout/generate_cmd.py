@@ -93,7 +93,7 @@ def run(argv: Sequence[str]) -> int:
   import jax
 
   from distflow_jax import distributed
-  from distflow_jax.rollout import Engine, EngineConfig, SamplingParams, generate, replica_mesh
+  from distflow_jax.rollout import Engine, EngineConfig, generate, replica_mesh
 
   info = distributed.initialize()
   model, tok = _load_model(cfg)
@@ -110,11 +110,8 @@ def run(argv: Sequence[str]) -> int:
           f"prompt {i} has {len(p)} tokens; it must be 1..{max(buckets)} (the largest of "
           f"rollout.prefill_buckets={buckets})")
   try:
-    sampling = SamplingParams(temperature=float(cfg.rollout.temperature),
-                              top_p=float(cfg.rollout.top_p), top_k=int(cfg.rollout.top_k))
-    ecfg = EngineConfig(max_concurrent_decodes=int(cfg.rollout.max_concurrent_decodes),
-                        prefill_buckets=buckets, max_new_tokens=new, stop_ids=tok.eos_ids,
-                        sampling=sampling, seed=int(cfg.seed))
+    ecfg = EngineConfig.from_config(cfg.rollout, stop_ids=tok.eos_ids, seed=cfg.seed,
+                                    max_new_tokens=new)
     engine = Engine(model.cfg, ecfg, replica_mesh(int(cfg.rollout.tensor_parallel)))
   except ValueError as e:
     raise loading.ConfigError(f"rollout config: {e}") from None
