@@ -104,3 +104,26 @@ def test_eval_errors_are_one_clean_line(model_says_7, args, pattern):
   assert r.returncode == 2, (r.stdout, r.stderr[-2000:])
   assert pattern in r.stderr
   assert "Traceback" not in r.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_eval_two_processes_reduce_exactly(model_says_7, tmp_path):
+  """Each process evaluates its shard; chunk sizes differ (4, 4, 2 prompts over both)."""
+  from distflow_jax import launcher
+  # Shards [7,7,8,6,5] and [7,4,2,9,7], chunks of (2,2,1) rows each: chunk accuracies
+  # 3/4, 0/4, 1/2 over both processes; weighted 0.4 (a plain mean would be 0.4167).
+  answers = [7, 7, 7, 4, 8, 2, 6, 9, 5, 7]
+  data = tmp_path / "d.jsonl"
+  data.write_text("".join(json.dumps({"question": f"What is {a - 1}+1?", "answer": f"#### {a}"})
+                          + "\n" for a in answers))
+  out = tmp_path / "eval.json"
+  result = launcher.launch(2, 1, [
+      sys.executable, "-m", "distflow_jax.cli", "eval",
+      f"--config={REPO}/configs/grpo.py:qwen0.5b", f"--model={model_says_7}", f"--data={data}",
+      "--batch_size=2", f"--out={out}", *SHRINK], timeout_s=240)
+  assert result.ok, result.describe() + "\n" + "\n".join(sum(result.outputs, []))
+  res = json.loads(out.read_text())
+  assert res["prompts"] == 10 and res["skipped_rows"] == 0
+  assert res["eval/accuracy"] == pytest.approx(0.4, abs=1e-12)
+  assert any("eval chunk 3/3" in line for line in result.outputs[0])
