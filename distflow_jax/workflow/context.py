@@ -9,6 +9,7 @@ pieces (its rows of the batch, its loader shard, its rollout replica).
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import Any, Callable
 
 import jax
@@ -88,11 +89,11 @@ class RunContext:
     return self._engines[key]
 
   def step_rng(self, node: Node) -> jax.Array:
-    """A key for this step, node and process: hosts must not sample alike."""
+    """A key for this step and node, the same on every process: fold in global ids
+    (e.g. sample ids) to draw per-sample streams."""
     key = jax.random.key(self.cfg.seed)
     key = jax.random.fold_in(key, self.step)
-    key = jax.random.fold_in(key, _stable_hash(node.id))
-    return jax.random.fold_in(key, self.process_index)
+    return jax.random.fold_in(key, _stable_hash(node.id))
 
 
 def _replica_mesh(local_devices: list[jax.Device], tp: int):
@@ -101,7 +102,7 @@ def _replica_mesh(local_devices: list[jax.Device], tp: int):
 
 
 def _stable_hash(text: str) -> int:
-  return int.from_bytes(text.encode()[:4].ljust(4, b"\0"), "little") & 0x7FFFFFFF
+  return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 
 def put_local(batch: Batch, lay: dlayout.Layout, **local_arrays: np.ndarray) -> Batch:

@@ -36,8 +36,11 @@ def generate(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Batch) -
   ids, lens = np.asarray(prompts.data["prompt_ids"]), np.asarray(prompts.data["prompt_len"])
   plist = [ids[i, :lens[i]] for i in range(len(lens))]
   n = rollout.n
+  # Keys from (seed, step, node, global sample id): samples do not depend on how prompts
+  # are spread over hosts, so 1 x 8 and 2 x 2 devices generate the same tokens.
+  sample_ids = np.asarray(prompts.data[SAMPLE_ID]).astype(np.int64)[:, None] * n + np.arange(n)
   ro = driver.generate(engine, params, plist, n, rng=ctx.step_rng(node),
-                       pad_id=ctx.tokenizer.pad_id)
+                       pad_id=ctx.tokenizer.pad_id, request_ids=sample_ids.reshape(-1))
   p_max = ctx.cfg.data.max_prompt_len
   rows = np.repeat(np.arange(len(plist)), n)
   prompt_tokens = np.full((len(rows), p_max), ctx.tokenizer.pad_id, np.int32)
