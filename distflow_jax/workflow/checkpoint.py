@@ -98,7 +98,8 @@ def flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
 def compare_shapes(saved: dict, live: dict, where: str) -> None:
   """Raises naming every array whose presence, shape or dtype differs."""
   problems = []
-  for name in sorted(set(saved) | set(live)):
+  # Parameters first: an optimizer mismatch usually just echoes them.
+  for name in sorted(set(saved) | set(live), key=lambda n: (".opt_state." in n, n)):
     if name not in live:
       problems.append(f"{name}: in the checkpoint but not in this run")
     elif name not in saved:
