@@ -166,6 +166,17 @@ def run(argv: Sequence[str]) -> int:
   if fv.k < 1 or fv.batch_size < 1 or fv.limit < 0:
     raise ConfigError(f"--k={fv.k} and --batch_size={fv.batch_size} must be >= 1, "
                       f"--limit={fv.limit} >= 0")
+  cfg = fv.config
+  with cfg.unlocked():
+    cfg.model.path = fv.model
+    cfg.data.eval = fv.data
+    if not any(a.startswith("--config.cluster.") for a in argv):
+      # Evaluation needs no training topology: take the devices this machine has.
+      cfg.cluster.num_processes = cfg.cluster.devices_per_process = 0
+  from distflow_jax import cli
+  # Before anything imports jax (hints and the rewards registry do).
+  cli._simulate_cpu_devices(cfg.cluster.devices_per_process)  # pylint: disable=protected-access
+
   from distflow_jax.rewards import registry as reward_registry
   if fv.reward not in reward_registry.reward_names():
     raise ConfigError(f"--reward={fv.reward!r} is unknown; valid: "
@@ -174,17 +185,9 @@ def run(argv: Sequence[str]) -> int:
     raise ConfigError(f"--data={fv.data!r} does not exist")
   from distflow_jax.workflow import hints
   hints.check_model_dir(fv.model, "--model")
-  cfg = fv.config
   hints.check_dataset_fields(fv.data, cfg.data.prompt_key, cfg.data.answer_key, "--data")
-  with cfg.unlocked():
-    cfg.model.path = fv.model
-    cfg.data.eval = fv.data
-    if not any(a.startswith("--config.cluster.") for a in argv):
-      # Evaluation needs no training topology: take the devices this machine has.
-      cfg.cluster.num_processes = cfg.cluster.devices_per_process = 0
 
-  from distflow_jax import cli, distributed
-  cli._simulate_cpu_devices(cfg.cluster.devices_per_process)  # pylint: disable=protected-access
+  from distflow_jax import distributed
   info = distributed.initialize()
   from distflow_jax.workflow import progress
   log = progress.Logger(info.process_index == 0)
