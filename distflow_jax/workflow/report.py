@@ -318,6 +318,10 @@ def run(argv: Sequence[str]) -> int:
   except (FileNotFoundError, ValueError) as e:
     print(f"distflow-jax report: error: {e}", file=sys.stderr)
     return 2
+  except ImportError as e:
+    print(f"distflow-jax report: error: {e}; plots need matplotlib (`pip install matplotlib`)",
+          file=sys.stderr)
+    return 2
   s = summary(read_metrics(args.run_dir))
   for k, m in s["metrics"].items():
     print(f"{k:>16}: {_fmt(m['first'])} -> {_fmt(m['last'])} (max {_fmt(m['max'])})")
