@@ -18,11 +18,12 @@ zero on padding.
 
 from __future__ import annotations
 
-import enum
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from distflow_jax.algos.choice import Choice
 
 _STD_EPS = 1e-6
 _WHITEN_EPS = 1e-8
@@ -33,24 +34,14 @@ class AdvantageOutput(NamedTuple):
   returns_BxT: jax.Array
 
 
-class AdvantageEstimator(enum.Enum):
+class AdvantageEstimator(Choice):
+  """advantage estimator"""
   GAE = "gae"
   GRPO = "grpo"
   DR_GRPO = "dr_grpo"
   RLOO = "rloo"
   REINFORCE_PP = "reinforce_pp"
   REINFORCE_PP_BASELINE = "reinforce_pp_baseline"
-
-  @classmethod
-  def parse(cls, name: "str | AdvantageEstimator") -> "AdvantageEstimator":
-    if isinstance(name, cls):
-      return name
-    try:
-      return cls(name)
-    except ValueError:
-      valid = ", ".join(e.value for e in cls)
-      raise ValueError(
-          f"unknown advantage estimator {name!r}; valid: {valid}") from None
 
 
 # --------------------------------------------------------------------------

@@ -15,30 +15,22 @@ a fixed or adaptive coefficient (``adaptive_kl_coef``).
 
 from __future__ import annotations
 
-import enum
 
 import jax
 import jax.numpy as jnp
+
+from distflow_jax.algos.choice import Choice
 
 # exp() of a log-ratio beyond this overflows float32 or dominates the batch;
 # clamping only touches samples that are already pathological.
 _LOG_RATIO_CLAMP = 20.0
 
 
-class KLEstimator(enum.Enum):
+class KLEstimator(Choice):
+  """KL estimator"""
   K1 = "k1"
   K2 = "k2"
   K3 = "k3"
-
-  @classmethod
-  def parse(cls, name: "str | KLEstimator") -> "KLEstimator":
-    if isinstance(name, cls):
-      return name
-    try:
-      return cls(name)
-    except ValueError:
-      valid = ", ".join(e.value for e in cls)
-      raise ValueError(f"unknown KL estimator {name!r}; valid: {valid}") from None
 
 
 def kl_divergence(logprobs_BxT: jax.Array, ref_logprobs_BxT: jax.Array,

@@ -31,7 +31,6 @@ adds nothing to either.
 
 from __future__ import annotations
 
-import enum
 import math
 from typing import Any, Iterable, NamedTuple
 
@@ -39,41 +38,23 @@ import jax
 import jax.numpy as jnp
 
 from distflow_jax.algos import kl as kl_lib
+from distflow_jax.algos.choice import Choice
 
 _LOG_RATIO_CLAMP = 20.0
 
 
-class LossAggMode(enum.Enum):
+class LossAggMode(Choice):
+  """loss aggregation mode"""
   TOKEN_MEAN = "token-mean"
   SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
   SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
   SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
 
-  @classmethod
-  def parse(cls, name: "str | LossAggMode") -> "LossAggMode":
-    if isinstance(name, cls):
-      return name
-    try:
-      return cls(name)
-    except ValueError:
-      valid = ", ".join(e.value for e in cls)
-      raise ValueError(f"unknown loss aggregation mode {name!r}; valid: {valid}"
-                       ) from None
 
-
-class RatioLevel(enum.Enum):
+class RatioLevel(Choice):
+  """ratio level"""
   TOKEN = "token"        # PPO / GRPO / DAPO
   SEQUENCE = "sequence"  # GSPO
-
-  @classmethod
-  def parse(cls, name: "str | RatioLevel") -> "RatioLevel":
-    if isinstance(name, cls):
-      return name
-    try:
-      return cls(name)
-    except ValueError:
-      valid = ", ".join(e.value for e in cls)
-      raise ValueError(f"unknown ratio level {name!r}; valid: {valid}") from None
 
 
 class LossOutput(NamedTuple):
