@@ -123,6 +123,11 @@ def _eval(argv: Sequence[str]) -> int:
   return eval_cmd.run(argv)
 
 
+def _generate(argv: Sequence[str]) -> int:
+  from distflow_jax.rollout import generate_cmd
+  return generate_cmd.run(argv)
+
+
 def _export(argv: Sequence[str]) -> int:
   from distflow_jax.workflow import export_cmd
   return export_cmd.run(argv)
@@ -145,6 +150,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "plan": _plan,
     "launch": _launch,
     "train": _train,
+    "generate": _generate,
     "export": _export,
     "report": _report,
     "eval": _eval,
