@@ -109,7 +109,7 @@ def load_shard(ctx, path: str, limit: int = 0) -> tuple[list, dict[str, int], in
 
 
 def evaluate_file(ctx, path: str, *, k: int = 1, batch_size: int = 64, limit: int = 0,
-                  reward: str = "math", log=print) -> dict[str, float]:
+                  reward: str = "math", log=print) -> dict[str, float | int]:
   """Metrics over every valid row of ``path``: means weighted by each chunk's prompt count."""
   import jax
 
@@ -132,8 +132,8 @@ def evaluate_file(ctx, path: str, *, k: int = 1, batch_size: int = 64, limit: in
     acc = totals.get("eval/accuracy", float("nan")) / done
     log(f"eval chunk {c + 1}/{chunks}: {int(done)} prompts, accuracy so far {acc:.4f}")
   out = {key: v / done for key, v in totals.items()}
-  out["prompts"] = done
-  out["skipped_rows"] = _global_sum(sum(v for key, v in counts.items() if key != "ok"))
+  out["prompts"] = int(done)
+  out["skipped_rows"] = int(_global_sum(sum(v for key, v in counts.items() if key != "ok")))
   return out
 
 
