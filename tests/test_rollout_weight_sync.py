@@ -18,9 +18,9 @@ def fsdp_state(model):
   return sharding.shard_state(nnx.state(model), mesh, sharding.fsdp_tp_rules())
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_update_params_reshards_and_reuses_compiles():
-  eng = engine(mesh=replica_mesh(2, jax.devices()[:4]), new=6)
+  eng = engine(mesh=replica_mesh(2, jax.devices()[:4]))
   model_a, model_b = peaky_model(0), peaky_model(7)
   train_a = fsdp_state(model_a)
   q = train_a["layers"][0]["attn"]["q_proj"]["kernel"][...]
@@ -34,14 +34,14 @@ def test_update_params_reshards_and_reuses_compiles():
     assert got[...].sharding == sh.get_value(), path
   out = generate(eng, params, PROMPTS)
   for r, p in enumerate(PROMPTS):
-    assert out.tokens_RxN[r].tolist() == full_forward_greedy(model_a, p, 6)
+    assert out.tokens_RxN[r].tolist() == full_forward_greedy(model_a, p, 8)
   counts = eng.compile_counts()
   assert counts["weight_sync"] == 2  # one all-gather, one local reshard
 
   params = eng.update_params(fsdp_state(model_b))
   out_b = generate(eng, params, PROMPTS)
   for r, p in enumerate(PROMPTS):
-    assert out_b.tokens_RxN[r].tolist() == full_forward_greedy(model_b, p, 6)
+    assert out_b.tokens_RxN[r].tolist() == full_forward_greedy(model_b, p, 8)
   assert (out_b.tokens_RxN != out.tokens_RxN).any()
   assert eng.compile_counts() == counts  # nothing recompiled
 

@@ -338,6 +338,10 @@ class Engine:
     if not 0 < len(prompts) <= q or min(lengths) <= 0:
       raise ValueError(f"prefill_insert: need 1..{q} non-empty prompts (one per request at "
                        f"most), got {len(prompts)} with lengths {lengths}")
+    if min(src) < 0 or max(src) >= len(prompts):
+      raise ValueError(f"prefill_insert: src must index the {len(prompts)} prompts, got {src}")
+    if len(set(int(x) for x in slots)) != q or min(slots) < 0 or max(slots) >= b:
+      raise ValueError(f"prefill_insert: slots must be distinct, in [0, {b}), got {slots}")
     t = self.bucket_for(max(lengths))
     p = min(_pow2_at_least(len(prompts)), b)
     tokens = np.zeros((p, t), np.int32)
