@@ -88,8 +88,8 @@ def _train(argv: Sequence[str]) -> int:
   if rest:
     raise loading.ConfigError(f"train takes no positional arguments, got {rest}")
   cfg = fv.config
-  _simulate_cpu_devices(cfg.cluster.devices_per_process)
   from distflow_jax import distributed
+  distributed.simulate_cpu_devices(cfg.cluster.devices_per_process)
   from distflow_jax.workflow import checkpoint, progress, trainer
   info = distributed.initialize(auto=fv.distributed == "auto")
   log = progress.Logger(info.process_index == 0)
@@ -133,19 +133,6 @@ def _generate(argv: Sequence[str]) -> int:
 def _export(argv: Sequence[str]) -> int:
   from distflow_jax.workflow import export_cmd
   return export_cmd.run(argv)
-
-
-def _simulate_cpu_devices(n: int) -> None:
-  """On a CPU-only machine, give this process n simulated devices (before jax starts)."""
-  import os
-  from distflow_jax import distributed
-  if not n or "jax" in sys.modules or distributed.launched_by_distflow():
-    return
-  if os.environ.get("JAX_PLATFORMS", "cpu") not in ("cpu", ""):
-    return
-  flags_ = [f for f in os.environ.get("XLA_FLAGS", "").split()
-            if not f.startswith("--xla_force_host_platform_device_count")]
-  os.environ["XLA_FLAGS"] = " ".join(flags_ + [f"--xla_force_host_platform_device_count={n}"])
 
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {

@@ -75,6 +75,19 @@ def initialize(auto: bool = False) -> ProcessInfo:
   )
 
 
+def simulate_cpu_devices(n: int) -> None:
+  """On a CPU-only run started without our launcher, give this process ``n``
+  simulated devices.  Must run before jax is imported; a no-op after that, when
+  ``n`` is 0, under the launcher (which sets the count), or off CPU."""
+  if not n or "jax" in sys.modules or launched_by_distflow():
+    return
+  if os.environ.get("JAX_PLATFORMS", "cpu") not in ("cpu", ""):
+    return
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+
+
 def run_main(main: Callable[[], int | None]) -> NoReturn:
   """Runs an entry point and exits with its code, failing fast on error.
 

@@ -173,9 +173,9 @@ def run(argv: Sequence[str]) -> int:
     if not any(a.startswith("--config.cluster.") for a in argv):
       # Evaluation needs no training topology: take the devices this machine has.
       cfg.cluster.num_processes = cfg.cluster.devices_per_process = 0
-  from distflow_jax import cli
+  from distflow_jax import distributed
   # Before anything imports jax (hints and the rewards registry do).
-  cli._simulate_cpu_devices(cfg.cluster.devices_per_process)  # pylint: disable=protected-access
+  distributed.simulate_cpu_devices(cfg.cluster.devices_per_process)
 
   from distflow_jax.rewards import registry as reward_registry
   if fv.reward not in reward_registry.reward_names():

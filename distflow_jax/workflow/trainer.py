@@ -39,11 +39,15 @@ class Loaders:
   eval: PromptLoader | None
 
 
-def dataset_paths(cfg: ml_collections.ConfigDict) -> tuple[str, str]:
-  """Local JSONL/Parquet paths for train and eval; built-in tasks are written to run_dir."""
+def dataset_paths(cfg: ml_collections.ConfigDict) -> tuple[str, str | None]:
+  """Local JSONL/Parquet paths for train and eval (None: no evaluation set); built-in
+  tasks are written to run_dir."""
   out = []
   for split, spec, count in (("train", cfg.data.train, 20000), ("eval", cfg.data.eval,
                                                                  cfg.data.eval_size)):
+    if not spec and split == "eval":
+      out.append(None)
+      continue
     if not spec:
       raise ConfigError(f"data.{split} is empty: give a local JSONL/Parquet path, e.g. "
                         f"--config.data.{split}=/path/to/gsm8k_{split}.jsonl")
@@ -73,6 +77,11 @@ def ensure_model(cfg, plan, tokenizer, log: Callable[[str], None]) -> str:
   """The model directory to load: model.path, or the cached/new warm-started built-in model."""
   if cfg.model.path:
     return cfg.model.path
+  if not cfg.data.train.startswith(BUILTIN):
+    raise ConfigError(f"model.path is empty, so the built-in {cfg.model.preset!r} model would "
+                      f"be used, but it is warm-started on the built-in arithmetic task only, "
+                      f"not on data.train={cfg.data.train!r}; set --config.model.path to a "
+                      f"local Hugging Face model directory")
   wdir = _warmstart_dir(cfg)
   if os.path.isfile(os.path.join(wdir, "config.json")):
     log(f"warm start: using the cached model in {wdir}")
@@ -122,7 +131,9 @@ def setup(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print
   tokenizer = roles_lib.load_tokenizer(cfg.model)
   train_path, eval_path = dataset_paths(cfg)
   hints.check_dataset_fields(train_path, cfg.data.prompt_key, cfg.data.answer_key, "data.train")
-  if cfg.trainer.eval_every:
+  if eval_path is None and cfg.trainer.eval_every:
+    log("data.eval is empty: no held-out evaluation in this run")
+  if cfg.trainer.eval_every and eval_path is not None:
     hints.check_dataset_fields(eval_path, cfg.data.prompt_key, cfg.data.answer_key, "data.eval")
   model_path = ensure_model(cfg, plan, tokenizer, log)
   model_cfg = roles_lib.model_config(cfg, tokenizer, model_path)
@@ -137,7 +148,7 @@ def setup(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print
   train = PromptLoader(train_path, batch_size=cfg.data.prompts_per_step // nproc,
                        seed=cfg.data.shuffle_seed, **common)
   ev = None
-  if cfg.trainer.eval_every:
+  if cfg.trainer.eval_every and eval_path is not None:
     ev = PromptLoader(eval_path, batch_size=max(cfg.data.eval_size // nproc, 1), shuffle=False,
                       num_epochs=1, **common)
   return ctx, Loaders(train, ev)
