@@ -256,3 +256,12 @@ def test_jit_matches_eager():
     for e, j in zip(eager, jitted):
       np.testing.assert_allclose(e, j, rtol=1e-5, atol=1e-6)
       assert np.all(np.isfinite(j))
+
+
+def test_global_whiten_matches_masked_whiten_on_one_process():
+  from distflow_jax.workflow.nodes import global_whiten
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(6, 5)).astype(np.float32)
+  mask = rng.random((6, 5)) > 0.3
+  want = np.asarray(adv_lib.masked_whiten(jnp.asarray(x), jnp.asarray(mask)))
+  np.testing.assert_allclose(global_whiten(x, mask), want, atol=1e-5)

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import jax
 import numpy as np
 
 from distflow_jax.dag.planner import Plan
 from distflow_jax.dag.registry import FUNCTIONS
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch, to_global, to_local
-from distflow_jax.workflow.metrics import Metrics
+from distflow_jax.workflow.metrics import Metrics, gather_processes
 
 
 def prefix_length(plan: Plan) -> int:
@@ -37,11 +36,7 @@ def prefix_length(plan: Plan) -> int:
 
 
 def _all_have(have: int, need: int) -> bool:
-  counts = np.array([have], np.int64)
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    counts = np.asarray(multihost_utils.process_allgather(counts))
-  return bool(counts.min() >= need)
+  return bool(gather_processes(np.array([have], np.int64)).min() >= need)
 
 
 def sample(run_prefix: Callable[[Batch], tuple[Batch, dlayout.Layout]], prompts: Batch,

@@ -17,6 +17,16 @@ from typing import Any
 import numpy as np
 
 
+def gather_processes(local: np.ndarray) -> np.ndarray:
+  """``[process_count, ...]``: every process's copy of a small array (one all-gather)."""
+  local = np.asarray(local)
+  import jax
+  if jax.process_count() == 1:
+    return local[None]
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(local))
+
+
 @dataclasses.dataclass
 class Metrics:
   sums: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -44,17 +54,11 @@ class Metrics:
     maxes = sorted(self.maxima)
     local = np.array([self.sums[n] for n in names] + [self.counts[n] for n in names]
                      + [self.maxima[n] for n in maxes], np.float64)
-    import jax
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-      gathered = np.asarray(multihost_utils.process_allgather(local))
-      k = len(names)
-      sums = gathered[:, :k].sum(0)
-      counts = gathered[:, k:2 * k].sum(0)
-      mx = gathered[:, 2 * k:].max(0) if maxes else np.zeros(0)
-    else:
-      k = len(names)
-      sums, counts, mx = local[:k], local[k:2 * k], local[2 * k:]
+    gathered = gather_processes(local).astype(np.float64)
+    k = len(names)
+    sums = gathered[:, :k].sum(0)
+    counts = gathered[:, k:2 * k].sum(0)
+    mx = gathered[:, 2 * k:].max(0) if maxes else np.zeros(0)
     out = {n: (float(s / c) if c else float("nan")) for n, s, c in zip(names, sums, counts)}
     out.update({n: float(v) for n, v in zip(maxes, mx)})
     return out

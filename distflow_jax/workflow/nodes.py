@@ -24,6 +24,7 @@ from distflow_jax.rewards import registry as reward_registry
 from distflow_jax.rollout import driver
 from distflow_jax.train import steps as steps_lib
 from distflow_jax.workflow.context import RunContext, put_local
+from distflow_jax.workflow.metrics import gather_processes
 
 SEQ_FIELDS = ("prompt_tokens", "prompt_mask", "response_tokens", "response_mask")
 
@@ -136,17 +137,35 @@ def _advantage(kind: str, ctx: RunContext, node: Node, lay: dlayout.Layout,
   elif kind == "rloo":
     out = adv_lib.rloo_advantages(rewards, mask, group_size=n)
   elif kind == "reinforce_pp_baseline":
-    out = adv_lib.reinforce_pp_baseline_advantages(rewards, mask, group_size=n)
+    out = adv_lib.reinforce_pp_baseline_advantages(rewards, mask, group_size=n, whiten=False)
   elif kind == "reinforce_pp":
     out = adv_lib.reinforce_pp_advantages(_token_rewards(ctx, node, loc, mask), mask,
-                                          gamma=algo.gamma)
+                                          gamma=algo.gamma, whiten=False)
   else:  # gae
     out = adv_lib.gae_advantages(_token_rewards(ctx, node, loc, mask), jnp.asarray(loc["values"]),
-                                 mask, gamma=algo.gamma, lam=algo.lam)
+                                 mask, gamma=algo.gamma, lam=algo.lam, whiten=False)
+  if kind in ("reinforce_pp_baseline", "reinforce_pp", "gae"):
+    out = out._replace(advantages_BxT=global_whiten(np.asarray(out.advantages_BxT),
+                                                    np.asarray(mask)))
   ctx.metrics.add_mean("reward", loc["rewards"])
   ctx.metrics.add("reward_sq", float(np.sum(np.square(loc["rewards"]))), loc["rewards"].size)
   return put_local(batch, lay, advantages=np.asarray(out.advantages_BxT, np.float32),
                    returns=np.asarray(out.returns_BxT, np.float32))
+
+
+def global_whiten(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+  """``algos.advantages.masked_whiten`` over the whole batch of every host.
+
+  The statistics are two tiny all-gathers of sums, so the result does not depend
+  on how samples are spread over hosts (a per-host whitening would).
+  """
+  m = mask.astype(np.float64)
+  xr = np.where(m > 0, x.astype(np.float64), 0.0)
+  n, s1 = gather_processes(np.array([m.sum(), xr.sum()])).sum(0)
+  mean = s1 / max(n, 1.0)
+  s2 = gather_processes(np.array([((xr - mean) ** 2 * m).sum()])).sum(0)[0]
+  var = s2 / max(n - 1.0, 1.0)
+  return ((xr - mean) / np.sqrt(var + 1e-8) * m).astype(np.float32)
 
 
 def _seq(batch: Batch) -> dict:
