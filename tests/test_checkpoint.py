@@ -210,3 +210,27 @@ def test_export_writes_a_loadable_hf_dir(tmp_path, data):
   assert Tokenizer.from_dir(str(out)).encode("12+3=") == TOK.encode("12+3=")
   with pytest.raises(ck.CheckpointError, match="no checkpoint of step 9; it has \\[3\\]"):
     export_cmd.export(str(tmp_path / "run" / "checkpoints"), str(out), step=9)
+
+
+def test_open_run_resume_modes(tmp_path, data):
+  c = cfg()
+  c.run_dir = str(tmp_path / "run")
+  c.trainer.save_every, c.trainer.keep = 1, 2
+  mcfg = model_cfg()
+  roles = roles_on(mesh(2, fsdp=2), mcfg)
+  with pytest.raises(ck.CheckpointError, match="--resume: there is no complete checkpoint"):
+    ck.open_run(c, roles, loader(data), resume=True, log=lambda m: None)
+  checkpointer, start = ck.open_run(c, roles, loader(data), log=lambda m: None)
+  assert start == 0
+  perturb(roles, 1.0)
+  want = host(roles[Role.ACTOR].params)
+  checkpointer.save(2, roles, loader(data), c, mcfg)
+  checkpointer.close()
+  with pytest.raises(ck.CheckpointError, match=r"holds checkpoints of steps \[2\]; continue"):
+    ck.open_run(c, roles, loader(data), resume=False, log=lambda m: None)
+  fresh = roles_on(mesh(2, fsdp=2), mcfg)
+  msgs = []
+  _, start = ck.open_run(c, fresh, loader(data), log=msgs.append)
+  assert start == 2 and "resumed from" in msgs[-1]
+  for got, exp in zip(host(fresh[Role.ACTOR].params), want):
+    np.testing.assert_array_equal(got, exp)
