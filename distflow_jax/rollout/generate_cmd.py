@@ -137,5 +137,5 @@ def run(argv: Sequence[str]) -> int:
       f.close()
   total = 0 if out is None else out.num_tokens
   print(f"generate: {len(ids) * n} completions, {total} tokens in {elapsed:.2f}s "
-        f"({total / max(elapsed, 1e-9):.0f} tok/s) -> {path}", file=sys.stderr)
+        f"({total / max(elapsed, 1e-9):.0f} tok/s, compiles included) -> {path}", file=sys.stderr)
   return 0
