@@ -25,11 +25,15 @@ process count restores on another: orbax reshards.  Supported: any mesh and
 any process count for the model and optimizer states.  The data position is
 exact when the process count is unchanged; with a different count the
 loaders cannot continue mid-epoch (each process's shard of an epoch depends
-on the count), so they start the epoch after the furthest saved one.
+on the count), so they start the epoch after the furthest saved one.  Refused with an error
+that names what differs: another model shape, another set of trained roles,
+another seed, a missing item.  On a real cluster the run directory must be
+one shared filesystem (every process writes its shards into the same step).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -192,7 +196,7 @@ class Checkpointer:
     meta = {"format": FORMAT, "step": step, "seed": cfg.seed,
             "process_count": jax.process_count(), "device_count": jax.device_count(),
             "roles": sorted(trained_state(roles)),
-            "model_config": _model_cfg_dict(model_cfg),
+            "model_config": dataclasses.asdict(model_cfg),
             "config": json.loads(cfg.to_json_best_effort())}
     self._manager.save(step, args=ocp.args.Composite(**{
         STATE: ocp.args.StandardSave(trained_state(roles)),
@@ -280,11 +284,6 @@ class Checkpointer:
       roles[Role.REFERENCE].params = ckptr.restore(ref, abstract(live))
     finally:
       ckptr.close()
-
-
-def _model_cfg_dict(model_cfg: ModelConfig) -> dict[str, Any]:
-  import dataclasses
-  return dataclasses.asdict(model_cfg)
 
 
 def model_config_from_meta(meta: dict[str, Any]) -> ModelConfig:
