@@ -67,6 +67,12 @@ def test_sampling_does_not_depend_on_the_schedule():
   assert (a.tokens_RxN[0::2] != a.tokens_RxN[1::2]).any()
   c = generate(few, few.load_params(model), prompts, n=2, rng=jax.random.key(12))
   assert (c.tokens_RxN != a.tokens_RxN).any()
+  # a request's stream follows its id: the last prompt's samples alone, under their ids
+  d = generate(many, many.load_params(model), prompts[2:], n=2, rng=jax.random.key(11),
+               request_ids=[4, 5])
+  np.testing.assert_array_equal(d.tokens_RxN, a.tokens_RxN[4:])
+  with pytest.raises(ValueError, match="request_ids"):
+    generate(many, None, prompts, n=2, request_ids=[1, 2])
 
 
 @pytest.mark.timeout(300)
