@@ -19,7 +19,8 @@ PROMPTS = ["12 + 7 =", "What is 3 * 4?", "hello"]
 
 def run_cli(*args):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  code = "import sys; from distflow_jax.rollout.generate_cmd import run; sys.exit(run(sys.argv[1:]))"
+  code = ("import sys; from distflow_jax.rollout.generate_cmd import run; "
+          "sys.exit(run(sys.argv[1:]))")
   return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                         timeout=240, env=env)
 

@@ -1,4 +1,5 @@
-"""Sampling maths against numpy: top-k / top-p masks, temperature, greedy, logprobs, PRNG streams."""
+"""Sampling maths against numpy: top-k / top-p masks, temperature, greedy, logprobs, PRNG
+streams."""
 
 import jax
 import jax.numpy as jnp

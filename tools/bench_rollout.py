@@ -5,7 +5,8 @@
 All three decode the same prompts greedily with the same weights (ours are
 exported with models/hf_io and loaded by transformers), measured side by side
 in one run: rounds interleave the three so that machine load hits them alike;
-the median round counts (runners over 5x slower than the engine are timed once).  Tokens/s = new tokens / wall time of the whole
+the median round counts (runners over 5x slower than the engine are timed
+once).  Tokens/s = new tokens / wall time of the whole
 generate call (prefill included).  transformers is skipped, with a note, when
 the `hf` extra is not installed.  Default model: ~3 M-param Qwen2 shape
 (vocab 512, d 256, 4 layers, GQA 4:2).
