@@ -121,8 +121,12 @@ def test_unknown_architecture_and_unsupported_options(tmp_path):
   with pytest.raises(ValueError, match=r"config\.json.*unknown architecture.*GPT2LMHeadModel"):
     load_pretrained(tmp_path)
   (tmp_path / "config.json").write_text(json.dumps(
+      dict(cfg, rope_scaling={"rope_type": "yarn", "factor": 8.0})))
+  with pytest.raises(ValueError, match="RoPE scaling 'yarn' is not supported"):
+    load_pretrained(tmp_path)
+  (tmp_path / "config.json").write_text(json.dumps(
       dict(cfg, rope_scaling={"rope_type": "llama3", "factor": 8.0})))
-  with pytest.raises(ValueError, match="RoPE scaling 'llama3'"):
+  with pytest.raises(ValueError, match="rope_scaling 'llama3' lacks 'low_freq_factor'"):
     load_pretrained(tmp_path)
 
 

@@ -127,3 +127,28 @@ def test_export_loads_in_transformers_exactly(tmp_path, arch):
   g, p = nnx.split(model)
   logits, _ = FWD(g, p, jnp.asarray(tok), jnp.broadcast_to(jnp.arange(9), (2, 9)))
   np.testing.assert_allclose(logits, hf_logits(hf.eval(), tok), atol=1e-4, rtol=1e-4)
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path):
+  # original_max_position_embeddings far below the test length, so all three
+  # frequency bands (kept, interpolated, slowed) are exercised.
+  config = transformers.LlamaConfig(
+      vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=500000.0,
+      max_position_embeddings=256, tie_word_embeddings=True,
+      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+  config._attn_implementation = "eager"  # pylint: disable=protected-access
+  torch.manual_seed(1)
+  hf = transformers.LlamaForCausalLM(config).eval()
+  with torch.no_grad():
+    for name, p in hf.named_parameters():
+      p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+  hf.save_pretrained(str(tmp_path), safe_serialization=True)
+  ours = load_pretrained(tmp_path, dtype="float32")
+  assert ours.cfg.rope_llama3 == (8.0, 1.0, 4.0, 16)
+  tok = np.random.default_rng(0).integers(0, VOCAB, (1, 64))
+  g, p = nnx.split(ours)
+  logits, _ = FWD(g, p, jnp.asarray(tok), jnp.arange(64)[None])
+  np.testing.assert_allclose(logits, hf_logits(hf, tok), atol=1e-4, rtol=1e-4)
+  assert ModelConfig.from_hf_dict(ours.cfg.to_hf_dict()) == ours.cfg

@@ -151,15 +151,15 @@ def test_check_model_dir_messages(tmp_path, tiny_qwen):
 
 
 def test_unsupported_architecture_option_is_named(tmp_path, tiny_qwen):
-  # Llama 3.x checkpoints carry rope_scaling {"rope_type": "llama3"}.
-  d = tmp_path / "llama3"
+  # YaRN-scaled checkpoints (some Qwen long-context ones) are not supported yet.
+  d = tmp_path / "yarn"
   d.mkdir()
   for f in os.listdir(tiny_qwen):
     (d / f).write_bytes(open(os.path.join(tiny_qwen, f), "rb").read())
   cfg = json.loads((d / "config.json").read_text())
-  cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 32.0}
+  cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
   (d / "config.json").write_text(json.dumps(cfg))
-  with pytest.raises(loading.ConfigError, match="RoPE scaling 'llama3' is not supported"):
+  with pytest.raises(loading.ConfigError, match="RoPE scaling 'yarn' is not supported"):
     hints.check_model_dir(str(d))
 
 

@@ -50,6 +50,9 @@ class ModelConfig:
   tie_embeddings: bool = True
   max_position_embeddings: int = 2048
   dtype: str = "float32"
+  # Llama 3's RoPE frequency scaling ("llama3"), as (factor, low_freq_factor,
+  # high_freq_factor, original_max_position_embeddings); () = plain RoPE.
+  rope_llama3: tuple[float, float, float, int] | tuple[()] = ()
 
   def __post_init__(self):
     if self.arch not in ARCHS:
@@ -70,6 +73,11 @@ class ModelConfig:
     if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
       raise ValueError("ModelConfig.rope_theta and rms_norm_eps must be > 0, got "
                        f"{self.rope_theta}, {self.rms_norm_eps}")
+    if self.rope_llama3:
+      factor, low, high, orig = self.rope_llama3
+      if not (factor > 0 and 0 < low < high and orig > 0):
+        raise ValueError(f"ModelConfig.rope_llama3={self.rope_llama3}: need factor > 0, "
+                         f"0 < low_freq_factor < high_freq_factor, original positions > 0")
 
   @property
   def jnp_dtype(self) -> jnp.dtype:
@@ -119,8 +127,17 @@ class ModelConfig:
           f"supported: {sorted(_HF_ARCH)} (model_type {sorted(_HF_MODEL_TYPE)})")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-      raise ValueError(f"{arch}: RoPE scaling {rope_type!r} is not supported (only 'default')")
+    if rope_type not in ("default", "llama3"):
+      raise ValueError(f"{arch}: RoPE scaling {rope_type!r} is not supported "
+                       f"(only 'default' and 'llama3')")
+    llama3 = ()
+    if rope_type == "llama3":
+      try:
+        llama3 = (float(rope["factor"]), float(rope["low_freq_factor"]),
+                  float(rope["high_freq_factor"]),
+                  int(rope["original_max_position_embeddings"]))
+      except KeyError as e:
+        raise ValueError(f"{arch}: rope_scaling 'llama3' lacks {e.args[0]!r}") from None
     if d.get("use_sliding_window"):
       raise ValueError(f"{arch}: use_sliding_window=True is not supported")
     if d.get("mlp_bias"):
@@ -144,7 +161,8 @@ class ModelConfig:
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
         tie_embeddings=bool(d.get("tie_word_embeddings", arch != "llama")),
-        max_position_embeddings=d.get("max_position_embeddings", 2048), dtype=dtype)
+        max_position_embeddings=d.get("max_position_embeddings", 2048), dtype=dtype,
+        rope_llama3=llama3)
 
   def to_hf_dict(self, bos_token_id: int | None = None,
                  eos_token_id: int | None = None) -> dict[str, Any]:
@@ -170,6 +188,10 @@ class ModelConfig:
     }
     if self.arch == "llama":
       d.update(attention_bias=False, mlp_bias=False)
+    if self.rope_llama3:
+      factor, low, high, orig = self.rope_llama3
+      d["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                           "high_freq_factor": high, "original_max_position_embeddings": orig}
     if self.arch == "qwen2":
       d.update(use_sliding_window=False)
     if self.arch == "qwen3":

@@ -103,10 +103,27 @@ def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
   return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def rope(x_BxTxHxDh: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
+def rope_inv_freq(dh: int, theta: float, llama3: tuple = ()) -> jax.Array:
+  """RoPE frequencies ``[dh / 2]``; with ``llama3`` = (factor, low, high, original
+  positions), Llama 3's scaling: long wavelengths slowed by ``factor``, short ones
+  kept, the band between interpolated smoothly."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+  if not llama3:
+    return inv_freq
+  factor, low, high, orig = llama3
+  wavelen = 2 * jnp.pi / inv_freq
+  scaled = jnp.where(wavelen > orig / low, inv_freq / factor, inv_freq)
+  smooth = (orig / wavelen - low) / (high - low)
+  blended = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = (wavelen >= orig / high) & (wavelen <= orig / low)
+  return jnp.where(medium, blended, scaled)
+
+
+def rope(x_BxTxHxDh: jax.Array, positions_BxT: jax.Array, theta: float,
+         llama3: tuple = ()) -> jax.Array:
   """Rotary embedding, HF "rotate half" layout (first half / second half pairs)."""
   dh = x_BxTxHxDh.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+  inv_freq = rope_inv_freq(dh, theta, llama3)
   angles_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
   cos = jnp.cos(angles_BxTxF)[:, :, None, :]
   sin = jnp.sin(angles_BxTxF)[:, :, None, :]
@@ -180,8 +197,8 @@ class Attention(nnx.Module):
     if cfg.qk_norm:
       q_BxTxHxDh = self.q_norm(q_BxTxHxDh)
       k_BxTxKxDh = self.k_norm(k_BxTxKxDh)
-    q_BxTxHxDh = rope(q_BxTxHxDh, positions_BxT, cfg.rope_theta)
-    k_BxTxKxDh = rope(k_BxTxKxDh, positions_BxT, cfg.rope_theta)
+    q_BxTxHxDh = rope(q_BxTxHxDh, positions_BxT, cfg.rope_theta, cfg.rope_llama3)
+    k_BxTxKxDh = rope(k_BxTxKxDh, positions_BxT, cfg.rope_theta, cfg.rope_llama3)
     if writer is None:
       k_BxSxKxDh, v_BxSxKxDh = k_BxTxKxDh, v_BxTxKxDh
     else:
