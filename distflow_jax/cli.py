@@ -75,6 +75,9 @@ def _launch(argv: Sequence[str]) -> int:
   return 0
 
 
+DEFAULT_TRAIN_CONFIG = "grpo:tiny"
+
+
 def _train(argv: Sequence[str]) -> int:
   fv = flags.FlagValues()
   flags.DEFINE_enum("distributed", "env", ["env", "auto", "none"],
@@ -84,6 +87,8 @@ def _train(argv: Sequence[str]) -> int:
   flags.DEFINE_boolean("resume", None, "continue from the latest complete checkpoint in the "
                        "run dir (default: when there is one); --noresume refuses to start "
                        "over a run dir that holds checkpoints", flag_values=fv)
+  if not any(a == "--config" or a.startswith("--config=") for a in argv):
+    argv = [f"--config={DEFAULT_TRAIN_CONFIG}", *argv]  # the built-in default run
   rest = loading.parse(fv, argv)
   if rest:
     raise loading.ConfigError(f"train takes no positional arguments, got {rest}")
