@@ -1,7 +1,8 @@
 """GRPO step throughput: distflow-jax vs Tunix (google-tunix) on the same model and batch, CPU.
 
     python tools/bench_e2e.py [--prompts 8] [--n 4] [--prompt-len 32] [--new 32] [--steps 3]
-                              [--devices 1] [--no-tunix] [--tunix-venv DIR]
+                              [--devices 1] [--variants config,lean] [--no-tunix]
+                              [--count-compiles] [--tunix-venv DIR]
 
 Both sides train the same exported ~3 M-param Qwen2-shaped model (vocab 512, d 256, 4
 layers, GQA 4:2; our `hf_io.save_pretrained` -> model.safetensors -> Tunix's
@@ -11,8 +12,12 @@ stop at EOS, KL to the reference (coef 0.001, so the reference pass runs on both
 one PPO epoch, adamw lr 1e-4 with global-norm clip 1.0, token-mean loss, one micro-batch.
 Tunix runs in its own virtual environment (created here on first use, google-tunix
 0.1.7, about a minute) as a subprocess; ours runs as a subprocess too, so each side
-owns the CPU while it steps.  The parent alternates single steps (ours, Tunix, ours, ...)
-so machine load hits both alike; the first step of each (compiles) is reported apart.
+owns the CPU while it steps.  Our side runs in two variants: `config` (configs/grpo.py's
+DAG as shipped, with its old_logprob pass) and `lean` (without it: with one PPO epoch the
+rollout's log-probs serve, which is what Tunix does at num_iterations=1, so `lean` is the
+equal-work comparison).  The parent runs single steps in rotating order (config, lean,
+Tunix; lean, Tunix, config; ...) so machine load hits all alike; the first step of each
+(compiles) is reported apart.
 Tokens/s = (prompt + response tokens, padding excluded) / step wall time; medians count.
 """
 
@@ -30,6 +35,7 @@ import time
 TUNIX_SPEC = "google-tunix==0.1.7"
 DEFAULT_VENV = os.path.join(os.path.expanduser("~"), ".cache", "distflow-bench", "tunix-venv")
 TAG = "BENCH "
+VARIANTS = ("config", "lean")
 
 
 def _args(argv):
@@ -40,10 +46,16 @@ def _args(argv):
   p.add_argument("--new", type=int, default=32, help="max new tokens")
   p.add_argument("--steps", type=int, default=3, help="timed steps per side (after 1 warm-up)")
   p.add_argument("--devices", type=int, default=1, help="CPU devices for our side")
+  p.add_argument("--variants", default="config,lean",
+                 help="our sides: 'config' = configs/grpo.py's DAG as shipped; 'lean' = the same "
+                      "without the old_logprob node (one PPO epoch: the rollout's log-probs "
+                      "serve, as in Tunix with num_iterations=1)")
+  p.add_argument("--count-compiles", action="store_true",
+                 help="log our side's XLA compiles (JAX_LOG_COMPILES) and count them per step")
   p.add_argument("--no-tunix", action="store_true")
   p.add_argument("--tunix-venv", default=DEFAULT_VENV)
   p.add_argument("--workdir", default="", help="default: a fresh temporary directory")
-  p.add_argument("--worker", choices=("ours", "tunix"), help=argparse.SUPPRESS)
+  p.add_argument("--worker", choices=("config", "lean", "tunix"), help=argparse.SUPPRESS)
   p.add_argument("--inputs", help=argparse.SUPPRESS)
   return p.parse_args(argv)
 
@@ -142,8 +154,8 @@ class Worker:
 
 def main(argv=None) -> int:
   args = _args(argv)
-  if args.worker == "ours":
-    return ours_worker(args.inputs)
+  if args.worker in VARIANTS:
+    return ours_worker(args.inputs, lean=args.worker == "lean")
   if args.worker == "tunix":
     return tunix_worker(args.inputs)
   workdir = args.workdir or tempfile.mkdtemp(prefix="bench_e2e_")
@@ -160,7 +172,13 @@ def main(argv=None) -> int:
   print(f"GRPO {args.prompts} prompts x {args.n} samples, prompt <= {args.prompt_len} + "
         f"{args.new} new tokens, ~3.04 M-param Qwen2 shape; workdir {workdir}")
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices}")
-  workers = [Worker("ours", sys.executable, inputs["path"], env)]
+  if args.count_compiles:
+    env["JAX_LOG_COMPILES"] = "1"
+  variants = [v for v in args.variants.split(",") if v]
+  bad = [v for v in variants if v not in VARIANTS]
+  if bad:
+    raise SystemExit(f"--variants: unknown {bad}; valid: {list(VARIANTS)}")
+  workers = [Worker(v, sys.executable, inputs["path"], env) for v in variants]
   if tunix_py:
     tenv = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
                 JAX_PLATFORMS="cpu")
@@ -170,8 +188,9 @@ def main(argv=None) -> int:
     for w in workers:
       info = w.ready()
       print(f"{w.name}: {info.get('about', '')}")
-    for i in range(args.steps + 1):  # step 0 compiles
-      for w in (workers if i % 2 == 0 else workers[::-1]):
+    for i in range(args.steps + 1):  # step 0 compiles; the order rotates every step
+      k = i % len(workers)
+      for w in workers[k:] + workers[:k]:
         rec = w.step()
         records[w.name].append(rec)
         print(f"  step {i} {w.name:5s} {rec['wall_s']:7.2f} s  {rec['tokens']:6.0f} tokens  "
@@ -182,6 +201,11 @@ def main(argv=None) -> int:
   finally:
     for w in workers:
       w.close()
+  if args.count_compiles:
+    for v in variants:
+      per = compiles_per_step(os.path.join(workdir, f"{v}.log"))
+      print(f"{v}: XLA compiles per step: " + ", ".join(f"{k} {len(c)}" for k, c in per.items())
+            + "".join(f"; step {k}: {c}" for k, c in per.items() if k not in ("setup", "0") and c))
   rates = {}
   print(f"{'side':8s} {'first step s':>12s} {'median s':>9s} {'tok/s':>8s}")
   for name, recs in records.items():
@@ -191,13 +215,27 @@ def main(argv=None) -> int:
     med = statistics.median(r["wall_s"] for r in timed)
     rates[name] = statistics.median(r["tokens"] / r["wall_s"] for r in timed)
     print(f"{name:8s} {recs[0]['wall_s']:12.1f} {med:9.2f} {rates[name]:8.0f}")
-  if "ours" in rates and "tunix" in rates:
-    print(f"distflow-jax / Tunix GRPO tokens/s: {rates['ours'] / rates['tunix']:.2f}x "
-          f"(target >= 2x)")
+  for v in variants:
+    if v in rates and "tunix" in rates:
+      print(f"distflow-jax ({v}) / Tunix GRPO tokens/s: {rates[v] / rates['tunix']:.2f}x "
+            f"(target >= 2x)")
   if note:
     print(note)
   print(f"total {time.perf_counter() - t0:.0f} s")
   return 0 if rates else 1
+
+
+def compiles_per_step(log_path: str) -> dict[str, list[str]]:
+  """Names of the functions jax compiled during each step, from a JAX_LOG_COMPILES log."""
+  out, current = {"setup": []}, "setup"
+  with open(log_path) as f:
+    for line in f:
+      if line.startswith("--- step "):
+        current = line.split()[2]
+        out[current] = []
+      elif "Finished XLA compilation of " in line:
+        out[current].append(line.split("Finished XLA compilation of ")[1].split(" in ")[0])
+  return out
 
 
 # ---------------------------------------------------------------- our side
@@ -213,7 +251,7 @@ def _commands():
     yield
 
 
-def ours_worker(inputs_path: str) -> int:
+def ours_worker(inputs_path: str, lean: bool) -> int:
   with open(inputs_path) as f:
     inp = json.load(f)
   import jax
@@ -229,17 +267,22 @@ def ours_worker(inputs_path: str) -> int:
       f"data.max_prompt_len={inp['prompt_len']}", f"rollout.prefill_buckets=({inp['prompt_len']},)",
       f"rollout.max_new_tokens={inp['new']}",
       f"rollout.max_concurrent_decodes={inp['prompts_per_step'] * inp['n']}",
-      f"actor.micro_batch_size={inp['prompts_per_step'] * inp['n']}",
+      # One micro-batch per device, as Tunix's single micro-batch.
+      f"actor.micro_batch_size={inp['prompts_per_step'] * inp['n'] // jax.local_device_count()}",
       f"actor.optimizer.lr={inp['lr']}", f"actor.kl.coef={inp['kl_coef']}",
       f"trainer.total_steps={inp['steps']}", f"seed={inp['seed']}",
   ]
   cfg = load("grpo:tiny", overrides)
+  if lean:
+    cfg.dag = [dict(n, deps=[d for d in n.get("deps", []) if d != "old_logprob"])
+               for n in cfg.dag if n["id"] != "old_logprob"]
   ctx, loaders = trainer.setup(cfg, log=lambda s: print(s, file=sys.stderr))
   _emit({"about": f"distflow-jax on {jax.local_device_count()} CPU device(s), DAG "
                   f"{[s.node.id for s in ctx.plan.steps]}"})
   it = iter(loaders.train)
   for step, _ in enumerate(_commands()):
     ctx.step = step
+    print(f"--- step {step}", file=sys.stderr, flush=True)
     m = executor.run_step(ctx, next(it))
     nodes = {k[5:]: v for k, v in m.items() if k.startswith("time/") and k.count("/") == 1
              and k != "time/step"}
