@@ -31,7 +31,8 @@ def test_grpo_three_steps(tmp_path):
   assert [m["step"] for m in metrics] == [1, 2, 3]
   for m in metrics:
     for key in ("reward", "accuracy", "actor/loss", "actor/grad_norm", "response_length",
-                "tokens_per_s", "time/generate", "time/train_actor", "actor/kl"):
+                "tokens_per_s", "time/generate", "time/train_actor", "actor/kl",
+                "actor/entropy", "actor/pg_clipfrac"):
       assert key in m and math.isfinite(m[key]), (key, m)
     assert m["actor/skipped"] == 0.0
     assert m["tokens"] > 0

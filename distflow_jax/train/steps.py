@@ -107,7 +107,7 @@ def actor_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, cfg: ActorL
   use_kl = cfg.kl_in_loss and cfg.kl_coef > 0
   return losses.actor_loss(
       logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"],
-      entropy_BxT=ent if cfg.entropy_coef else None, entropy_coef=cfg.entropy_coef,
+      entropy_BxT=ent, entropy_coef=cfg.entropy_coef,  # entropy is always reported
       ref_logprobs_BxT=mb["ref_logprobs"] if use_kl else None,
       kl_coef=cfg.kl_coef if use_kl else 0.0, kl_estimator=cfg.kl_estimator,
       agg_mode=cfg.loss_agg, clip_ratio_low=cfg.clip_ratio_low,
