@@ -375,6 +375,21 @@ def tunix_worker(inputs_path: str) -> int:
       seen["mean_len"] = float(metrics["completions/mean_length"][0])
     return orig(metrics, *a, **k)
   cluster_obj.buffer_metrics = buffer_metrics
+  # Per-phase wall times (observation only: each wrapped call is timed to completion).
+  nodes = {}
+
+  def timed(name, fn, block=None):
+    def wrapper(*a, **k):
+      t0 = time.perf_counter()
+      out = fn(*a, **k)
+      jax.block_until_ready(out if block is None else block())
+      nodes[name] = nodes.get(name, 0.0) + time.perf_counter() - t0
+      return out
+    return wrapper
+  cluster_obj.generate = timed("rollout", cluster_obj.generate)
+  cluster_obj.get_ref_per_token_logps = timed("ref_logprob", cluster_obj.get_ref_per_token_logps)
+  cluster_obj.update_actor = timed("update", cluster_obj.update_actor,
+                                   block=lambda: nnx.state(actor))
 
   with open(inp["prompts"]) as f:
     rows = [json.loads(line) for line in f]
@@ -388,7 +403,9 @@ def tunix_worker(inputs_path: str) -> int:
       if i:  # the previous step has been handed out: wait for its update, report it
         jax.block_until_ready(nnx.state(actor))
         tokens = state["prompt_tokens"] + seen.get("mean_len", 0.0) * per * inp["n"]
-        _emit({"tokens": tokens, "step_s": time.perf_counter() - state["t0"], "nodes": {}})
+        _emit({"tokens": tokens, "step_s": time.perf_counter() - state["t0"],
+               "nodes": dict(nodes)})
+        nodes.clear()
       if next(commands, "stop") == "stop":
         return
       chunk = rows[i * per:(i + 1) * per]
