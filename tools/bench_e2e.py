@@ -9,7 +9,9 @@ layers, GQA 4:2; our `hf_io.save_pretrained` -> model.safetensors -> Tunix's
 `qwen2.params.create_model_from_safe_tensors`) with GRPO: 8 prompts x 4 samples (the
 same arithmetic prompts), prompts left-padded to 32 tokens, 32 new tokens, temperature 1,
 stop at EOS, KL to the reference (coef 0.001, so the reference pass runs on both sides),
-one PPO epoch, adamw lr 1e-4 with global-norm clip 1.0, token-mean loss, one micro-batch.
+one PPO epoch, adamw lr 1e-4 with global-norm clip 1.0, token-mean loss, one optimizer
+update per step (ours accumulates 4 micro-batches of 8 rows in one jitted scan, Tunix
+takes the 32 rows at once).
 Tunix runs in its own virtual environment (created here on first use, google-tunix
 0.1.7, about a minute) as a subprocess; ours runs as a subprocess too, so each side
 owns the CPU while it steps.  Our side runs in two variants: `config` (configs/grpo.py's
@@ -45,6 +47,8 @@ def _args(argv):
   p.add_argument("--prompt-len", type=int, default=32, help="max prompt tokens (left-padded)")
   p.add_argument("--new", type=int, default=32, help="max new tokens")
   p.add_argument("--steps", type=int, default=3, help="timed steps per side (after 1 warm-up)")
+  p.add_argument("--micro-batch-size", type=int, default=8,
+                 help="our actor.micro_batch_size (rows per device per micro-batch)")
   p.add_argument("--devices", type=int, default=1, help="CPU devices for our side")
   p.add_argument("--variants", default="config,lean",
                  help="our sides: 'config' = configs/grpo.py's DAG as shipped; 'lean' = the same "
@@ -101,7 +105,7 @@ def write_inputs(workdir: str, args) -> dict:
     raise ValueError(f"--prompt-len {args.prompt_len} is shorter than prompt {too_long[0]!r}")
   inputs = dict(model_dir=model_dir, prompts=prompts, prompts_per_step=args.prompts, n=args.n,
                 prompt_len=args.prompt_len, new=args.new, steps=args.steps + 1,
-                devices=args.devices, workdir=workdir, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                devices=args.devices, micro=args.micro_batch_size, workdir=workdir, eos_id=tok.eos_id, pad_id=tok.pad_id,
                 model=bc.BENCH_MODEL, lr=1e-4, kl_coef=0.001, seed=0)
   path = os.path.join(workdir, "inputs.json")
   with open(path, "w") as f:
@@ -267,8 +271,7 @@ def ours_worker(inputs_path: str, lean: bool) -> int:
       f"data.max_prompt_len={inp['prompt_len']}", f"rollout.prefill_buckets=({inp['prompt_len']},)",
       f"rollout.max_new_tokens={inp['new']}",
       f"rollout.max_concurrent_decodes={inp['prompts_per_step'] * inp['n']}",
-      # One micro-batch per device, as Tunix's single micro-batch.
-      f"actor.micro_batch_size={inp['prompts_per_step'] * inp['n'] // jax.local_device_count()}",
+      f"actor.micro_batch_size={inp['micro']}",
       f"actor.optimizer.lr={inp['lr']}", f"actor.kl.coef={inp['kl_coef']}",
       f"trainer.total_steps={inp['steps']}", f"seed={inp['seed']}",
   ]

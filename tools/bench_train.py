@@ -10,6 +10,7 @@ node runs, on one CPU device (all cores).  FLOPs are counted by `_bench_common.t
 only, plus the T x T attention).  The peak is a 2048^2 float32 `jnp.dot` timed in the same
 run; the ratio is step FLOP/s over that.  Default size (`bench`): the ~3 M-param Qwen2 shape
 (vocab 512, d 256, 4 layers, GQA 4:2), 32 rows (8 prompts x 4 samples) of 32 + 32 tokens;
+micro-batches of 8 rows accumulated in one jitted scan (as `actor.micro_batch_size=8`);
 `wide` is d 512, 1024 vocab, for a sense of how the ratio scales with matmul size.
 """
 
@@ -36,8 +37,9 @@ def _args(argv):
   p.add_argument("--batch", type=int, default=32, help="rows (prompts x samples)")
   p.add_argument("--prompt", type=int, default=32)
   p.add_argument("--response", type=int, default=32)
-  p.add_argument("--micro-batch-size", type=int, default=0,
-                 help="rows per micro-batch; 0 = the whole batch in one")
+  p.add_argument("--micro-batch-size", type=int, default=8,
+                 help="rows per micro-batch (8: 4 micro-batches, measured ~10%% faster on CPU "
+                      "than one 32-row batch, whose activations outgrow the caches); 0 = whole")
   p.add_argument("--repeats", type=int, default=10)
   p.add_argument("--peak-n", type=int, default=2048)
   return p.parse_args(argv)
