@@ -1,6 +1,6 @@
 """GRPO step throughput: distflow-jax vs Tunix (google-tunix) on the same model and batch, CPU.
 
-    python tools/bench_e2e.py [--prompts 8] [--n 4] [--prompt-len 32] [--new 32] [--steps 3]
+    python tools/bench_e2e.py [--prompts 8] [--n 4] [--prompt-len 32] [--new 32] [--steps 5]
                               [--devices 1] [--variants config,lean] [--no-tunix]
                               [--count-compiles] [--tunix-venv DIR]
 
@@ -46,7 +46,7 @@ def _args(argv):
   p.add_argument("--n", type=int, default=4, help="samples per prompt (group size)")
   p.add_argument("--prompt-len", type=int, default=32, help="max prompt tokens (left-padded)")
   p.add_argument("--new", type=int, default=32, help="max new tokens")
-  p.add_argument("--steps", type=int, default=3, help="timed steps per side (after 1 warm-up)")
+  p.add_argument("--steps", type=int, default=5, help="timed steps per side (after 1 warm-up)")
   p.add_argument("--micro-batch-size", type=int, default=8,
                  help="our actor.micro_batch_size (rows per device per micro-batch)")
   p.add_argument("--devices", type=int, default=1, help="CPU devices for our side")
