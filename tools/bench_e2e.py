@@ -105,7 +105,8 @@ def write_inputs(workdir: str, args) -> dict:
     raise ValueError(f"--prompt-len {args.prompt_len} is shorter than prompt {too_long[0]!r}")
   inputs = dict(model_dir=model_dir, prompts=prompts, prompts_per_step=args.prompts, n=args.n,
                 prompt_len=args.prompt_len, new=args.new, steps=args.steps + 1,
-                devices=args.devices, micro=args.micro_batch_size, workdir=workdir, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                devices=args.devices, micro=args.micro_batch_size, workdir=workdir,
+                eos_id=tok.eos_id, pad_id=tok.pad_id,
                 model=bc.BENCH_MODEL, lr=1e-4, kl_coef=0.001, seed=0)
   path = os.path.join(workdir, "inputs.json")
   with open(path, "w") as f:
@@ -193,8 +194,8 @@ def main(argv=None) -> int:
       info = w.ready()
       print(f"{w.name}: {info.get('about', '')}")
     for i in range(args.steps + 1):  # step 0 compiles; the order rotates every step
-      k = i % len(workers)
-      for w in workers[k:] + workers[:k]:
+      first = i % len(workers)
+      for w in workers[first:] + workers[:first]:
         rec = w.step()
         records[w.name].append(rec)
         print(f"  step {i} {w.name:5s} {rec['wall_s']:7.2f} s  {rec['tokens']:6.0f} tokens  "
