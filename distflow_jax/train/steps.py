@@ -178,6 +178,11 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
   return _PinnedStep(step)
 
 
+def _mesh_of(params: nnx.State):
+  return next((x.sharding.mesh for x in jax.tree.leaves(params)
+               if isinstance(x.sharding, NamedSharding)), None)
+
+
 def _on_mesh(x: jax.Array, mesh) -> NamedSharding:
   if isinstance(x.sharding, NamedSharding):
     return x.sharding
@@ -187,9 +192,10 @@ def _on_mesh(x: jax.Array, mesh) -> NamedSharding:
 def init_opt_state(tx: optax.GradientTransformation, params: nnx.State) -> Any:
   """``tx.init(params)`` with every leaf on the parameters' mesh (scalars replicated),
   so the state's layout never changes between steps."""
-  mesh = next(x.sharding.mesh for x in jax.tree.leaves(params)
-              if isinstance(x.sharding, NamedSharding))
+  mesh = _mesh_of(params)
   state = tx.init(params)
+  if mesh is None:
+    return state
   return jax.tree.map(lambda x: jax.device_put(x, _on_mesh(x, mesh)), state)
 
 
@@ -206,11 +212,13 @@ class _PinnedStep:
 
   def __call__(self, params, opt_state, batch):
     if self._jitted is None:
-      mesh = next(x.sharding.mesh for x in jax.tree.leaves(params)
-                  if isinstance(x.sharding, NamedSharding))
-      sh = lambda tree: jax.tree.map(lambda x: _on_mesh(x, mesh), tree)  # noqa: E731
-      self._jitted = jax.jit(self._step, donate_argnums=(0, 1),
-                             out_shardings=(sh(params), sh(opt_state), None))
+      mesh = _mesh_of(params)
+      if mesh is None:  # unsharded parameters: nothing to pin
+        self._jitted = jax.jit(self._step, donate_argnums=(0, 1))
+      else:
+        sh = lambda tree: jax.tree.map(lambda x: _on_mesh(x, mesh), tree)  # noqa: E731
+        self._jitted = jax.jit(self._step, donate_argnums=(0, 1),
+                               out_shardings=(sh(params), sh(opt_state), None))
     return self._jitted(params, opt_state, batch)
 
   def _cache_size(self) -> int:
