@@ -26,7 +26,6 @@ def get_config(arg: str = "tiny"):
   c.actor.kl.coef = 0.001
   if arg == "tiny":
     c.run_dir = "runs/grpo_tiny"
-    c.cluster.devices_per_process = 8
     c.data.prompts_per_step = 8
     c.rollout.n = 4
     c.actor.optimizer.lr = 1e-4

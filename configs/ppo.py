@@ -31,7 +31,6 @@ def get_config(arg: str = "tiny"):
   c.actor.kl.in_reward = True
   if arg == "tiny":
     c.run_dir = "runs/ppo_tiny"
-    c.cluster.devices_per_process = 8
     c.data.prompts_per_step = 16
     c.actor.optimizer.lr = 1e-4
     c.critic.optimizer.lr = 1e-4

@@ -13,7 +13,6 @@ def get_config(arg: str = "tiny"):
   c = defaults.base()
   c.name = "reinforce-pp-two-rewards"
   c.run_dir = "runs/rpp_two_rewards"
-  c.cluster.devices_per_process = 8
   c.dag = [
       dict(id="generate", fn="generate"),
       dict(id="reward_math", fn="reward.math", deps=["generate"]),

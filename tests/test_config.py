@@ -78,7 +78,7 @@ def test_node_override_must_name_a_real_key():
 
 
 def test_runtime_topology_mismatch():
-  cfg = loading.load("grpo:tiny")
+  cfg = loading.load("grpo:tiny", ["cluster.devices_per_process=8"])
   check_runtime_topology(cfg, 1, 8)
   with pytest.raises(loading.ConfigError, match=r"cluster.devices_per_process=8 but this run"):
     check_runtime_topology(cfg, 1, 4)

@@ -44,8 +44,15 @@ def test_grpo_three_steps(tmp_path):
 @pytest.mark.timeout(600)
 def test_ppo_three_steps_trains_actor_and_critic(tmp_path):
   cfg, ctx, metrics, changed = run("ppo:tiny", tmp_path, "data.prompts_per_step=16",
-                                   "actor.micro_batch_size=1", "critic.micro_batch_size=1")
+                                   "actor.micro_batch_size=1", "critic.micro_batch_size=1",
+                                   "actor.kl.target=1.0", "actor.kl.horizon=100")
   assert changed
+  # Adaptive KL: the observed KL is far below the target, so the coefficient shrinks
+  # by the clipped factor 1 - 0.2 * (16 samples / horizon 100) each step.
+  coefs = [m["kl_coef"] for m in metrics]
+  assert coefs[0] == pytest.approx(0.001)
+  assert coefs[1] == pytest.approx(0.001 * (1 - 0.2 * 16 / 100), rel=1e-5)
+  assert coefs[2] < coefs[1]
   for m in metrics:
     assert math.isfinite(m["critic/loss"]) and math.isfinite(m["actor/loss"])
     assert "kl_penalty" in m  # PPO puts the KL in the reward

@@ -133,6 +133,9 @@ def _check_values(cfg) -> None:
   _one_of(a.kl.estimator, KL_ESTIMATORS, "actor.kl.estimator")
   if a.clip_ratio_low < 0 or a.clip_ratio_high < 0:
     raise ConfigError("actor.clip_ratio_low/high must be >= 0")
+  if a.kl.target > 0 and not a.kl.in_reward:
+    raise ConfigError("actor.kl.target > 0 (adaptive KL) needs actor.kl.in_reward=True: the "
+                      "coefficient of a KL loss term is fixed at compile time")
   if a.dual_clip and a.dual_clip <= 1.0:
     raise ConfigError(f"actor.dual_clip={a.dual_clip} must be 0 (off) or > 1")
   for role in ("actor", "critic"):

@@ -34,7 +34,9 @@ def base() -> ml_collections.ConfigDict:
   c.run_dir = "runs/default"
   # Modules to import before the DAG is validated; they may register node functions.
   c.plugins = ()
-  # 0 = take from the running jax (process count, local device count).
+  # 0 = take from the running jax (process count, local device count).  On a CPU-only
+  # machine, devices_per_process > 0 simulates that many devices in one process (for
+  # trying layouts; it is slower than 1 on a small CPU).
   c.cluster = dict(num_processes=0, devices_per_process=0)
 
   c.model = dict(
@@ -83,6 +85,9 @@ def base() -> ml_collections.ConfigDict:
       loss_agg="token-mean",
       entropy_coef=0.0,
       kl=dict(coef=0.0, estimator="k3", in_reward=False, target=0.0, horizon=10000),
+      # With one epoch over one mini-batch the rollout's log-probs serve as the old
+      # log-probs and the logprob node skips its forward pass; True forces the pass.
+      recompute_old_logprobs=False,
   )
   c.critic = dict(
       optimizer=optimizer(1e-5),

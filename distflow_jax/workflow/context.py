@@ -39,6 +39,8 @@ class RunContext:
   model_cfg: ModelConfig
   roles: dict[Role, roles_lib.ModelState]
   step: int = 0
+  # The KL-in-reward coefficient when it adapts (actor.kl.target > 0); None = fixed.
+  kl_coef: float | None = None
   metrics: Metrics = dataclasses.field(default_factory=Metrics)
   _layouts: dict[str, dlayout.Layout] = dataclasses.field(default_factory=dict)
   _engines: dict[Any, Engine] = dataclasses.field(default_factory=dict)

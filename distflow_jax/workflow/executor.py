@@ -16,6 +16,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from distflow_jax.algos import kl as kl_lib
 from distflow_jax.dag.registry import FUNCTIONS
 from distflow_jax.data import redistribute as rd
 from distflow_jax.data.batch import Batch, redistribute_batch
@@ -58,6 +59,17 @@ def _run_steps(ctx: RunContext, steps, batch: Batch, current):
   return batch, current
 
 
+def _adapt_kl(ctx: RunContext, out: dict[str, float]) -> None:
+  """Adaptive KL-in-reward coefficient (Ziegler et al.); every host sees the same ``out``."""
+  kl = ctx.cfg.actor.kl
+  if not (kl.in_reward and kl.target > 0) or "kl_penalty" not in out:
+    return
+  coef = ctx.kl_coef if ctx.kl_coef is not None else kl.coef
+  ctx.kl_coef = float(kl_lib.adaptive_kl_coef(coef, out["kl_penalty"], kl.target, kl.horizon,
+                                              int(ctx.cfg.data.prompts_per_step
+                                                  * ctx.cfg.rollout.n)))
+
+
 def run_step(ctx: RunContext, prompts: Batch,
              more_prompts: Callable[[], Batch] | None = None) -> dict[str, float]:
   """One step of the workflow on this process; returns metrics reduced over hosts.
@@ -85,6 +97,7 @@ def run_step(ctx: RunContext, prompts: Batch,
   out["tokens_per_s"] = tokens / max(out["time/step"], 1e-9)
   for step in steps:  # DistFlow's throughput: prompt + response tokens per second
     out[f"tokens_per_s/{step.node.id}"] = tokens / max(out[f"time/{step.node.id}"], 1e-9)
+  _adapt_kl(ctx, out)
   if "reward" in out and "reward_sq" in out:
     out["reward_std"] = float(np.sqrt(max(out.pop("reward_sq") - out["reward"] ** 2, 0.0)))
   return out

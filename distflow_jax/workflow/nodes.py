@@ -110,13 +110,15 @@ def _check_groups(node: Node, group_ids: np.ndarray, n: int) -> None:
 def _token_rewards(ctx: RunContext, node: Node, loc: dict, mask: np.ndarray) -> jax.Array:
   token_rewards = adv_lib.outcome_to_token_rewards(jnp.asarray(loc["rewards"]), mask)
   kl_cfg = ctx.cfg.actor.kl
-  if kl_cfg.in_reward and kl_cfg.coef:
+  coef = ctx.kl_coef if ctx.kl_coef is not None else kl_cfg.coef
+  if kl_cfg.in_reward and coef:
     if "ref_logprobs" not in loc:
       raise DagError(f"DAG node {node.id!r}: actor.kl.in_reward needs 'ref_logprobs'; add a "
                      f"ref_logprob node to its dependencies")
     logp = loc.get("old_logprobs", loc["rollout_logprobs"])
     kl = kl_lib.kl_divergence(logp, loc["ref_logprobs"], kl_cfg.estimator)
-    token_rewards = kl_lib.apply_kl_penalty(token_rewards, kl, mask, kl_cfg.coef)
+    token_rewards = kl_lib.apply_kl_penalty(token_rewards, kl, mask, coef)
+    ctx.metrics.add("kl_coef", coef)
     ctx.metrics.add("kl_penalty", float(jnp.sum(kl * mask)), float(mask.sum()))
   return token_rewards
 
@@ -172,8 +174,18 @@ def _seq(batch: Batch) -> dict:
   return {k: batch.data[k] for k in SEQ_FIELDS}
 
 
+def _on_policy(ctx: RunContext) -> bool:
+  """One epoch over one mini-batch: the policy is still the one that sampled, so the
+  rollout's own log-probs (untruncated, temperature 1) are the old log-probs."""
+  actor = ctx.cfg.actor
+  return actor.ppo_epochs == 1 and actor.mini_batches == 1 and not actor.recompute_old_logprobs
+
+
 def _model_pass(field: str, role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout,
                 batch: Batch) -> Batch:
+  if field == "old_logprobs" and _on_policy(ctx):
+    ctx.metrics.add("old_logprob_from_rollout", 1.0)
+    return batch.replace(old_logprobs=batch.data["rollout_logprobs"])
   state = ctx.roles[role]
   if role is Role.CRITIC:
     fn = ctx.jitted(("values", lay), lambda: jax.jit(
