@@ -19,6 +19,24 @@ DAG = [
 ]
 
 
+def _real_model_gsm8k(c) -> None:
+  """What the real-model variants share: bf16, GSM8K JSONL from local paths, 8 samples."""
+  c.model.dtype = "bfloat16"
+  c.model.max_seq_len = 1536
+  c.data.train = ""  # set --config.data.train=/path/to/gsm8k_train.jsonl
+  c.data.eval = ""
+  c.data.prompt_key = "question"  # GSM8K rows: {"question": ..., "answer": "... #### 72"}
+  c.data.chat_template = True
+  c.data.max_prompt_len = 512
+  c.data.prompts_per_step = 64
+  c.rollout.n = 8
+  c.rollout.max_new_tokens = 1024
+  c.rollout.prefill_buckets = (128, 256, 512)
+  c.actor.optimizer.lr = 1e-6
+  c.actor.mini_batches = 4
+  c.trainer.total_steps = 500
+
+
 def get_config(arg: str = "tiny"):
   c = defaults.base()
   c.name = f"grpo-{arg}"
@@ -33,42 +51,16 @@ def get_config(arg: str = "tiny"):
   elif arg == "qwen0.5b":
     c.run_dir = "runs/grpo_qwen0.5b"
     c.model.path = ""  # set --config.model.path=/path/to/Qwen2.5-0.5B-Instruct
-    c.model.dtype = "bfloat16"
-    c.model.max_seq_len = 1536
-    c.data.train = ""  # set --config.data.train=/path/to/gsm8k_train.jsonl
-    c.data.eval = ""
-    c.data.prompt_key = "question"  # GSM8K rows: {"question": ..., "answer": "... #### 72"}
-    c.data.chat_template = True
-    c.data.max_prompt_len = 512
-    c.data.prompts_per_step = 64
-    c.rollout.n = 8
-    c.rollout.max_new_tokens = 1024
-    c.rollout.prefill_buckets = (128, 256, 512)
+    _real_model_gsm8k(c)
     c.rollout.max_concurrent_decodes = 128
-    c.actor.optimizer.lr = 1e-6
     c.actor.micro_batch_size = 4
-    c.actor.mini_batches = 4
-    c.trainer.total_steps = 500
   elif arg == "llama1b":
     # Llama 3.2 1B Instruct: 1.24 B parameters (tied embeddings, vocab 128256).
     c.run_dir = "runs/grpo_llama1b"
     c.model.path = ""  # set --config.model.path=/path/to/Llama-3.2-1B-Instruct
-    c.model.dtype = "bfloat16"
-    c.model.max_seq_len = 1536
-    c.data.train = ""  # set --config.data.train=/path/to/gsm8k_train.jsonl
-    c.data.eval = ""
-    c.data.prompt_key = "question"
-    c.data.chat_template = True
-    c.data.max_prompt_len = 512
-    c.data.prompts_per_step = 64
-    c.rollout.n = 8
-    c.rollout.max_new_tokens = 1024
-    c.rollout.prefill_buckets = (128, 256, 512)
+    _real_model_gsm8k(c)
     c.rollout.max_concurrent_decodes = 64
-    c.actor.optimizer.lr = 1e-6
     c.actor.micro_batch_size = 2
-    c.actor.mini_batches = 4
-    c.trainer.total_steps = 500
   else:
     raise ValueError(f"unknown variant {arg!r} of grpo.py; valid: tiny, qwen0.5b, llama1b")
   return c
