@@ -16,14 +16,14 @@ import jax
 import ml_collections
 import numpy as np
 
-from distflow_jax.dag.planner import Layout as PlanLayout, Plan, Step, Topology
+from distflow_jax.dag.planner import Layout as PlanLayout, Plan, Topology
 from distflow_jax.dag.spec import Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch
 from distflow_jax.models import sharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.tokenizer import Tokenizer
-from distflow_jax.rollout.engine import Engine, EngineConfig
+from distflow_jax.rollout.engine import Engine, EngineConfig, replica_mesh
 from distflow_jax.rollout.sampling import SamplingParams
 from distflow_jax.workflow import roles as roles_lib
 from distflow_jax.workflow.metrics import Metrics
@@ -86,8 +86,8 @@ class RunContext:
     if key not in self._engines:
       actor_devices = set(self.roles[Role.ACTOR].mesh.devices.flat)
       local = [d for d in jax.local_devices() if d in actor_devices]
-      mesh = _replica_mesh(local, rollout.tensor_parallel)
-      self._engines[key] = Engine(self.model_cfg, conf, mesh=mesh)
+      self._engines[key] = Engine(self.model_cfg, conf,
+                                  mesh=replica_mesh(rollout.tensor_parallel, local))
     return self._engines[key]
 
   def step_rng(self, node: Node) -> jax.Array:
@@ -98,11 +98,6 @@ class RunContext:
     return jax.random.fold_in(key, _stable_hash(node.id))
 
 
-def _replica_mesh(local_devices: list[jax.Device], tp: int):
-  from distflow_jax.rollout.engine import replica_mesh
-  return replica_mesh(tp, local_devices)
-
-
 def _stable_hash(text: str) -> int:
   return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
@@ -111,7 +106,3 @@ def put_local(batch: Batch, lay: dlayout.Layout, **local_arrays: np.ndarray) -> 
   """Adds this process's rows of new fields to a global batch laid out as ``lay``."""
   return batch.replace(**{k: jax.make_array_from_process_local_data(lay.sharding, np.asarray(v))
                           for k, v in local_arrays.items()})
-
-
-def step_layout(ctx: RunContext, step: Step) -> dlayout.Layout:
-  return ctx.layout(step.layout)
