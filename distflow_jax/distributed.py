@@ -83,9 +83,14 @@ def simulate_cpu_devices(n: int) -> None:
     return
   if os.environ.get("JAX_PLATFORMS", "cpu") not in ("cpu", ""):
     return
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
-  os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+  os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), n)
+
+
+def with_device_count(xla_flags: str, n: int) -> str:
+  """``xla_flags`` with the simulated CPU device count set to ``n`` (replacing any)."""
+  kept = [f for f in xla_flags.split()
+          if not f.startswith("--xla_force_host_platform_device_count")]
+  return " ".join(kept + [f"--xla_force_host_platform_device_count={n}"])
 
 
 def run_main(main: Callable[[], int | None]) -> NoReturn:

@@ -58,10 +58,8 @@ def child_env(base: dict[str, str], *, coordinator: str, num_processes: int,
   env[distributed.ENV_COORDINATOR] = coordinator
   env[distributed.ENV_NUM_PROCESSES] = str(num_processes)
   env[distributed.ENV_PROCESS_ID] = str(process_id)
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
-  flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
-  env["XLA_FLAGS"] = " ".join(flags)
+  env["XLA_FLAGS"] = distributed.with_device_count(env.get("XLA_FLAGS", ""),
+                                                   devices_per_process)
   env.setdefault("JAX_PLATFORMS", "cpu")
   env["PYTHONUNBUFFERED"] = "1"
   return env
