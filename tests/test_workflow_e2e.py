@@ -97,9 +97,69 @@ def test_raising_reward_plugin_names_the_sample(tmp_path):
     list(trainer.train(cfg, ctx, loaders))
 
 
-def test_reward_model_node_is_refused_clearly(tmp_path):
-  cfg = loading.load("grpo:tiny", smoke_overrides(tmp_path, "cluster.devices_per_process=8"))
+def _rm_dag(cfg, model_path=None):
   with cfg.unlocked():
-    cfg.dag[1] = dict(id="reward", fn="reward.model", deps=["generate"])
-  with pytest.raises(Exception, match=r"reward.model"):
+    cfg.dag = [
+        dict(id="generate", fn="generate"),
+        dict(id="reward_math", fn="reward.math", deps=["generate"]),
+        dict(id="rm", fn="reward.model", deps=["reward_math"],
+             config=dict(weight=0.5)),
+        dict(id="advantage", fn="advantage.grpo", deps=["rm"]),
+        dict(id="train_actor", fn="train.actor", deps=["advantage"]),
+    ]
+    cfg.actor.kl.coef = 0.0
+    if model_path is not None:
+      cfg.reward.model_path = str(model_path)
+  return cfg
+
+
+def _save_rm(path, vocab_size, tokenizer):
+  from flax import nnx
+  from distflow_jax.models.config import ModelConfig
+  from distflow_jax.models.heads import RewardModel
+  from distflow_jax.models.hf_io import save_reward_model
+  cfg = ModelConfig(arch="qwen2", vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                    num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True)
+  save_reward_model(path, RewardModel(cfg, rngs=nnx.Rngs(7)), tokenizer)
+
+
+def test_reward_model_node_needs_a_checkpoint(tmp_path):
+  cfg = _rm_dag(loading.load("grpo:tiny", smoke_overrides(tmp_path,
+                                                          "cluster.devices_per_process=8")))
+  with pytest.raises(Exception, match=r"reward.model_path"):
     trainer.setup(cfg, log=lambda m: None)
+
+
+def test_reward_model_with_another_tokenizer_is_refused(tmp_path):
+  from distflow_jax.models.tokenizer import Tokenizer
+  tok = Tokenizer.builtin()
+  _save_rm(tmp_path / "rm", tok.vocab_size + 8, None)
+  import shutil
+  # A tokenizer with an extra token: same ids for the rest, but not the same vocabulary.
+  tok.tok.add_tokens(["<extra_token>"])
+  tok.save(tmp_path / "rm")
+  cfg = _rm_dag(loading.load("grpo:tiny", smoke_overrides(
+      tmp_path / "run", "cluster.devices_per_process=8")), tmp_path / "rm")
+  with pytest.raises(Exception, match=r"tokenizer differs"):
+    trainer.setup(cfg, log=lambda m: None)
+  shutil.rmtree(tmp_path / "rm")
+  _save_rm(tmp_path / "rm", 16, None)
+  with pytest.raises(Exception, match=r"vocabulary \(16\) is smaller"):
+    trainer.setup(cfg, log=lambda m: None)
+
+
+@pytest.mark.timeout(600)
+def test_reward_model_node_adds_its_score_to_the_rule_reward(tmp_path):
+  from distflow_jax.models.tokenizer import Tokenizer
+  tok = Tokenizer.builtin()
+  _save_rm(tmp_path / "rm", tok.vocab_size, tok)
+  cfg = _rm_dag(loading.load("grpo:tiny", smoke_overrides(
+      tmp_path / "run", "cluster.devices_per_process=8", "data.prompts_per_step=8",
+      "rollout.n=2", "actor.micro_batch_size=1", "trainer.total_steps=2")), tmp_path / "rm")
+  ctx, loaders = trainer.setup(cfg, log=lambda m: None)
+  assert Role.REWARD in ctx.roles
+  metrics = list(trainer.train(cfg, ctx, loaders))
+  for m in metrics:
+    assert math.isfinite(m["reward/rm"]) and m["reward/rm"] != 0.0
+    assert m["reward"] == pytest.approx(m["reward/reward_math"] + 0.5 * m["reward/rm"],
+                                        abs=1e-5)

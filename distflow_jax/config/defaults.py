@@ -101,6 +101,9 @@ def base() -> ml_collections.ConfigDict:
       correct=1.0,
       wrong=0.0,
       tolerance=1e-6,
+      # For 'reward.model' nodes: a local *ForSequenceClassification checkpoint (num_labels=1)
+      # sharing the actor's tokenizer; it scores prompt + response at the last real token.
+      model_path="",
   )
   c.algo = dict(
       gamma=1.0,

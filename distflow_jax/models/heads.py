@@ -13,11 +13,16 @@ pass holds one chunk of logits too.
                                                    tokens[:, 1:])
 
 `Critic` is the same backbone plus a scalar value head (`values_BxT`, float32).
+`RewardModel` is a backbone plus a bias-free scalar `score` head read at each
+row's last real token, the layout of Hugging Face's `*ForSequenceClassification`
+with `num_labels=1` (what trained reward models ship as).
 `reference_params(params)` is a frozen copy of the actor's parameters (same
 shardings, no optimizer state): its buffers survive donation of the actor's.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +86,36 @@ class Critic(nnx.Module):
 def critic_values(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxT: jax.Array,
                   positions_BxT: jax.Array, mask_BxT: jax.Array | None = None) -> jax.Array:
   """Pure form of `Critic.__call__` over `nnx.split(critic)`."""
+  return nnx.merge(graphdef, params)(tokens_BxT, positions_BxT, mask_BxT)
+
+
+class RewardModel(nnx.Module):
+  """A sequence-level scalar reward: `score(hidden at the last real token)`.
+
+  The backbone is built with tied embeddings so it has no unused `lm_head`
+  (a classification checkpoint has none); only its hidden states are read.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = dataclasses.replace(cfg, tie_embeddings=True)
+    self.backbone = Transformer(self.cfg, rngs=rngs)
+    self.score = nnx.Linear(cfg.hidden_size, 1, use_bias=False, dtype=jnp.float32,
+                            param_dtype=jnp.float32,
+                            kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+
+  def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
+               mask_BxT: jax.Array) -> jax.Array:
+    """`scores_B`: the head on the hidden state of each row's last `True` in `mask_BxT`."""
+    hidden_BxTxD, _ = self.backbone(tokens_BxT, positions_BxT, mask_BxT, return_hidden=True)
+    t = tokens_BxT.shape[1]
+    last_B = jnp.max(jnp.where(mask_BxT, jnp.arange(t)[None, :], 0), axis=1)
+    h_BxD = jnp.take_along_axis(hidden_BxTxD, last_B[:, None, None], axis=1)[:, 0]
+    return self.score(h_BxD.astype(jnp.float32))[:, 0]
+
+
+def reward_scores(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxT: jax.Array,
+                  positions_BxT: jax.Array, mask_BxT: jax.Array) -> jax.Array:
+  """Pure form of `RewardModel.__call__` over `nnx.split(reward_model)`."""
   return nnx.merge(graphdef, params)(tokens_BxT, positions_BxT, mask_BxT)
 
 

@@ -32,7 +32,7 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -42,6 +42,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from distflow_jax.models.config import ModelConfig
+from distflow_jax.models.heads import RewardModel
 from distflow_jax.models.sharding import Rules, no_sharding, path_str, spec_for
 from distflow_jax.models.transformer import Transformer
 
@@ -117,12 +118,57 @@ def load_pretrained(path: str | os.PathLike, mesh: Mesh | None = None,
   Without a mesh every parameter lands on the first local device.  `dtype`
   overrides the config's (`float32` for parity checks, say).
   """
-  path = Path(path)
-  files = _weight_files(path)
+  _weight_files(Path(path))  # a pickle checkpoint is refused before anything else
   cfg = cfg or read_config(path, dtype)
+  ignorable = ("lm_head.weight",) if cfg.tie_embeddings else ()
+  return _load_module(Path(path), lambda: Transformer(cfg, rngs=nnx.Rngs(0)), hf_name, mesh,
+                      rules, ignorable, f"a {cfg.arch} model with {cfg.num_layers} layers")
+
+
+def reward_hf_name(path: str) -> tuple[str, bool]:
+  """(HF tensor name, transposed?) of a `RewardModel` parameter (`*ForSequenceClassification`)."""
+  if path == "score/kernel":
+    return "score.weight", True
+  if not path.startswith("backbone/"):
+    raise ValueError(f"reward-model parameter {path!r} has no Hugging Face name")
+  return hf_name(path[len("backbone/"):])
+
+
+def read_reward_config(path: str | os.PathLike, dtype: str | None = None) -> ModelConfig:
+  """The backbone config of a `*ForSequenceClassification` checkpoint with one label."""
+  cfg_file = Path(path) / "config.json"
+  if not cfg_file.exists():
+    raise FileNotFoundError(f"reward model: missing {cfg_file}")
+  d = json.loads(cfg_file.read_text())
+  archs = d.get("architectures") or []
+  if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+    raise ValueError(f"{cfg_file}: a reward model must be a *ForSequenceClassification "
+                     f"checkpoint with num_labels=1, got architectures={archs}")
+  labels = d.get("num_labels", len(d.get("id2label") or {"0": None}))
+  if labels != 1:
+    raise ValueError(f"{cfg_file}: a reward model has one output (num_labels=1), this one has "
+                     f"{labels}")
+  return read_config(path, dtype)
+
+
+def load_reward_model(path: str | os.PathLike, mesh: Mesh | None = None,
+                      rules: Rules | None = None, dtype: str | None = None) -> RewardModel:
+  """Loads a `*ForSequenceClassification` (num_labels=1) checkpoint: backbone + `score`."""
+  _weight_files(Path(path))
+  cfg = read_reward_config(path, dtype)
+  return _load_module(Path(path), lambda: RewardModel(cfg, rngs=nnx.Rngs(0)), reward_hf_name,
+                      mesh, rules, ("lm_head.weight",),
+                      f"a {cfg.arch} reward model with {cfg.num_layers} layers")
+
+
+def _load_module(path: Path, make: Callable[[], nnx.Module],
+                 name_of: Callable[[str], tuple[str, bool]], mesh: Mesh | None,
+                 rules: Rules | None, ignorable: Sequence[str], what: str) -> Any:
+  """Reads every parameter of ``make()``'s module from ``path``'s safetensors, each
+  straight into its sharding; refuses missing, misshapen and unexpected tensors."""
+  files = _weight_files(path)
   rules = rules or no_sharding()
-  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-  graphdef, abstract_state = nnx.split(abstract)
+  graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
   with contextlib.ExitStack() as stack:
     handles = [(f, stack.enter_context(safe_open(str(f), framework="numpy"))) for f in files]
     where = {name: (f, h) for f, h in handles for name in h.keys()}
@@ -130,7 +176,7 @@ def load_pretrained(path: str | os.PathLike, mesh: Mesh | None = None,
     flat = []
     for key, var in nnx.to_flat_state(abstract_state):
       p, aval = path_str(key), var.get_value()
-      name, transposed = hf_name(p)
+      name, transposed = name_of(p)
       if name not in where:
         raise ValueError(f"missing tensor {name!r} (for parameter {p}) in {[str(f) for f in files]}")
       f, h = where[name]
@@ -149,13 +195,11 @@ def load_pretrained(path: str | os.PathLike, mesh: Mesh | None = None,
         return np.asarray(tensor[index]).astype(dtype)
 
       flat.append((key, var.replace(jax.make_array_from_callback(aval.shape, sharding, read))))
-    ignorable = set(n for n in where if n.endswith(_IGNORED))
-    if cfg.tie_embeddings:
-      ignorable.add("lm_head.weight")
-    extra = sorted(set(where) - used - ignorable)
+    skip = set(n for n in where if n.endswith(_IGNORED)) | set(ignorable)
+    extra = sorted(set(where) - used - skip)
     if extra:
-      raise ValueError(f"unexpected tensor(s) {extra[:8]} in {path} for a {cfg.arch} model "
-                       f"with {cfg.num_layers} layers (wrong config.json?)")
+      raise ValueError(f"unexpected tensor(s) {extra[:8]} in {path} for {what} "
+                       f"(wrong config.json?)")
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -198,5 +242,29 @@ def save_pretrained(path: str | os.PathLike, model: Transformer, tokenizer: Any 
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
   hf_cfg = model.cfg.to_hf_dict(**ids)
   hf_cfg.update(extra_config or {})
+  (path / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
+  save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def save_reward_model(path: str | os.PathLike, model: RewardModel, tokenizer: Any = None) -> None:
+  """Writes `model` as a `*ForSequenceClassification` checkpoint with num_labels=1 (loads in
+  `transformers.AutoModelForSequenceClassification`).  Collective, like `save_pretrained`."""
+  state = {}
+  for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    name, transposed = reward_hf_name(path_str(key))
+    value = _host_array(var.get_value())
+    state[name] = np.ascontiguousarray(value.T if transposed else value)
+  if jax.process_index() != 0:
+    return
+  path = Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  hf_cfg = model.cfg.to_hf_dict()
+  hf_cfg["architectures"] = [hf_cfg["architectures"][0].replace("ForCausalLM",
+                                                                "ForSequenceClassification")]
+  hf_cfg.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+  if tokenizer is not None:
+    tokenizer.save(path)
+    hf_cfg.update(pad_token_id=tokenizer.pad_id, eos_token_id=tokenizer.eos_id,
+                  bos_token_id=tokenizer.bos_id)
   (path / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
   save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})

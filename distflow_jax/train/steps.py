@@ -77,6 +77,12 @@ def response_values(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch) -> 
   return values[:, p - 1:p - 1 + n] * batch["response_mask"].astype(jnp.float32)
 
 
+def sequence_scores(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch) -> jax.Array:
+  """A reward model's scalar score of each ``prompt ++ response``, ``[B]`` float32."""
+  tokens, mask, positions = sequence_inputs(batch)
+  return heads.reward_scores(graphdef, params, tokens, positions, mask)
+
+
 @dataclasses.dataclass(frozen=True)
 class ActorLoss:
   """The actor objective's settings (the keys of config.actor that the loss reads)."""

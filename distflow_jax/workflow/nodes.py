@@ -94,6 +94,21 @@ def rule_reward_node(name: str):
   return functools.partial(_rule_reward, name)
 
 
+def reward_model(ctx: RunContext, node: Node, lay: dlayout.Layout, batch: Batch) -> Batch:
+  """The learned reward model's score of prompt + response, on the reward mesh; added to
+  any rewards already in the batch (rule rewards), times ``reward.weight``."""
+  state = ctx.roles[Role.REWARD]
+  fn = ctx.jitted(("reward_model", lay), lambda: jax.jit(
+      steps_lib.sequence_scores, static_argnums=0, out_shardings=lay.sharding))
+  scores = fn(state.graphdef, state.params, _seq(batch))
+  weight = ctx.section(node, "reward").weight
+  ctx.metrics.add(f"reward/{node.id}", float(jnp.sum(scores)), scores.shape[0])
+  rewards = weight * scores
+  if "rewards" in batch.data:
+    rewards = rewards + batch.data["rewards"]
+  return batch.replace(rewards=rewards)
+
+
 def _local(batch: Batch, *keys: str) -> dict[str, np.ndarray]:
   sub = Batch({k: batch.data[k] for k in (*keys, SAMPLE_ID, GROUP_ID)})
   return dict(to_local(sub).data)
@@ -251,6 +266,7 @@ def bind_builtins() -> None:
       "generate": generate,
       "reward.math": rule_reward_node("math"),
       "reward.format": rule_reward_node("format"),
+      "reward.model": reward_model,
       "logprob": functools.partial(_model_pass, "old_logprobs", Role.ACTOR),
       "ref_logprob": functools.partial(_model_pass, "ref_logprobs", Role.REFERENCE),
       "values": functools.partial(_model_pass, "values", Role.CRITIC),

@@ -102,9 +102,37 @@ def build_actor(model_cfg: ModelConfig, mesh: Mesh, path: str, seed: int) -> nnx
                                  rules)
 
 
+def load_reward_model(path: str, mesh: Mesh, dtype: str, tokenizer: Tokenizer) -> nnx.Module:
+  """The ``reward.model`` node's scorer from ``reward.model_path``, checked against the
+  actor's tokenizer: the node scores the actor's token ids as they are."""
+  if not path:
+    raise ConfigError("a 'reward.model' node needs config.reward.model_path: a local "
+                      "*ForSequenceClassification checkpoint (num_labels=1, safetensors)")
+  if not os.path.isfile(os.path.join(path, "config.json")):
+    raise ConfigError(f"reward.model_path={path!r} has no config.json: point it at a local "
+                      f"Hugging Face reward model directory")
+  try:
+    rm = hf_io.load_reward_model(path, mesh, sharding.fsdp_tp_rules(), dtype)
+  except (ValueError, FileNotFoundError) as e:
+    raise ConfigError(f"reward.model_path={path!r}: {e}") from e
+  if rm.cfg.vocab_size < tokenizer.vocab_size:
+    raise ConfigError(f"reward.model_path={path!r}: its vocabulary ({rm.cfg.vocab_size}) is "
+                      f"smaller than the actor tokenizer's ({tokenizer.vocab_size}); the reward "
+                      f"model must share the actor's tokenizer")
+  if os.path.isfile(os.path.join(path, "tokenizer.json")):
+    theirs = Tokenizer.from_dir(path)
+    if theirs.tok.get_vocab(with_added_tokens=True) != tokenizer.tok.get_vocab(
+        with_added_tokens=True):
+      raise ConfigError(f"reward.model_path={path!r}: its tokenizer differs from the actor's; "
+                        f"the reward model scores the actor's token ids, so both must use the "
+                        f"same tokenizer (re-tokenizing for another one is not implemented)")
+  return rm
+
+
 def build_roles(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
-                model_path: str) -> dict[Role, ModelState]:
-  """Actor (+ optimizer), reference (frozen copy), critic (+ value head), as the plan needs."""
+                model_path: str, tokenizer: Tokenizer) -> dict[Role, ModelState]:
+  """Actor (+ optimizer), reference (frozen copy), critic (+ value head), reward model, as
+  the plan needs."""
   meshes = {m.role: jax_mesh(m) for m in plan.meshes}
   trained = {s.node.role for s in plan.steps if s.node.type.value == "MODEL_TRAIN"}
   rules = sharding.fsdp_tp_rules()
@@ -134,6 +162,8 @@ def build_roles(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConf
     out[Role.CRITIC] = ModelState(Role.CRITIC, cmesh, cgraph, cparams, ctx,
                                   steps_lib.init_opt_state(ctx, cparams) if ctx else None)
   if Role.REWARD in meshes and any(s.node.fn == "reward.model" for s in plan.steps):
-    raise ConfigError("fn 'reward.model' needs a reward-model checkpoint loader, which is not "
-                      "implemented yet; use the rule rewards (reward.math, reward.format)")
+    rm = load_reward_model(cfg.reward.model_path, meshes[Role.REWARD], cfg.model.dtype,
+                           tokenizer)
+    rgraph, rparams = nnx.split(rm)
+    out[Role.REWARD] = ModelState(Role.REWARD, meshes[Role.REWARD], rgraph, rparams)
   return out

@@ -137,7 +137,7 @@ def setup(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print
     hints.check_dataset_fields(eval_path, cfg.data.prompt_key, cfg.data.answer_key, "data.eval")
   model_path = ensure_model(cfg, plan, tokenizer, log)
   model_cfg = roles_lib.model_config(cfg, tokenizer, model_path)
-  roles = roles_lib.build_roles(cfg, plan, model_cfg, model_path)
+  roles = roles_lib.build_roles(cfg, plan, model_cfg, model_path, tokenizer)
   ctx = RunContext(cfg=cfg, plan=plan, topo=topo, process_index=jax.process_index(),
                    tokenizer=tokenizer, model_cfg=model_cfg, roles=roles)
   nproc = jax.process_count()
