@@ -43,11 +43,27 @@ def get_config(arg: str = "tiny"):
   c.dag = DAG
   c.actor.kl.coef = 0.001
   if arg == "tiny":
+    # The default run (`distflow-jax train`): chains of one-digit sums and differences,
+    # a 1.2 M-param model warm-started on a teacher that ends 70% of its answers with
+    # "The answer is N." rather than the verifier's "#### N", then GRPO.
     c.run_dir = "runs/grpo_tiny"
-    c.data.prompts_per_step = 8
-    c.rollout.n = 4
+    c.data.train = c.data.eval = "builtin:arithmetic:basic"
+    c.data.max_prompt_len = 32
+    c.data.eval_size = 256
+    c.rollout.prefill_buckets = (16, 24, 32)
+    c.rollout.max_new_tokens = 32
+    c.model.max_seq_len = 64
+    c.model.warmstart.steps = 200
+    c.model.warmstart.plain_answer_prob = 0.7
+    c.data.prompts_per_step = 16
+    c.rollout.n = 8
     c.actor.optimizer.lr = 1e-4
-    c.actor.micro_batch_size = 4
+    # A strong KL-to-reference loss: the answer convention may change, the arithmetic the
+    # warm start learned may not drift (without it held-out accuracy peaks and then falls).
+    c.actor.kl.coef = 0.3
+    c.actor.micro_batch_size = 16
+    c.trainer.total_steps = 50
+    c.trainer.eval_every = 10
   elif arg == "qwen0.5b":
     c.run_dir = "runs/grpo_qwen0.5b"
     c.model.path = ""  # set --config.model.path=/path/to/Qwen2.5-0.5B-Instruct

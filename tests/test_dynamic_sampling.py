@@ -70,3 +70,14 @@ def test_dynamic_sampling_in_a_grpo_run(tmp_path):
   assert m["dynamic_sampling/tries"] == 2
   assert m["dynamic_sampling/varied_fraction"] == 0.0
   assert m["dynamic_sampling/filled_constant"] == 8  # all 8 groups of this host
+
+
+def test_groups_of_different_prompt_widths_are_left_padded_to_the_widest():
+  from distflow_jax.workflow.dynamic_sampling import _same_prompt_width
+  a = {"prompt_tokens": np.array([[0, 5, 6]]), "prompt_mask": np.array([[False, True, True]])}
+  b = {"prompt_tokens": np.array([[7, 8, 9, 1, 2]]), "prompt_mask": np.ones((1, 5), bool)}
+  _same_prompt_width([a, b])
+  assert a["prompt_tokens"].shape == (1, 5) and b["prompt_tokens"].shape == (1, 5)
+  np.testing.assert_array_equal(a["prompt_mask"], [[False, False, False, True, True]])
+  np.testing.assert_array_equal(a["prompt_tokens"][0, -2:], [5, 6])
+  np.testing.assert_array_equal(b["prompt_tokens"], [[7, 8, 9, 1, 2]])

@@ -65,11 +65,11 @@ def test_deterministic_by_seed_and_unique():
   assert len({r["prompt"] for r in a}) == 200
 
 
-@pytest.mark.parametrize("name", ["easy", "medium"])
+@pytest.mark.parametrize("name", ["easy", "basic", "medium"])
 def test_train_and_eval_are_disjoint(name):
   cfg = ar.preset(name)
-  n_eval = 12 if name == "easy" else 300
-  n_train = 100 if name == "easy" else 3000
+  n_eval = {"easy": 12, "basic": 300, "medium": 300}[name]
+  n_train = {"easy": 100, "basic": 1500, "medium": 3000}[name]
   train = [r for s in (0, 1) for r in ar.generate(cfg, "train", n_train, seed=s)]
   evals = [r for s in (0, 5) for r in ar.generate(cfg, "eval", n_eval, seed=s)]
   assert not {r["prompt"] for r in train} & {r["prompt"] for r in evals}
@@ -123,3 +123,23 @@ def test_jsonl_roundtrip_and_sft(tmp_path):
            "--eval", "5"])
   assert len(ar.read_jsonl(str(tmp_path / "cli" / "train.jsonl"))) == 20
   assert len(ar.read_jsonl(str(tmp_path / "cli" / "eval.jsonl"))) == 5
+
+
+def test_mixed_convention_teacher():
+  recs = ar.generate(ar.preset("basic"), "train", 400, seed=1)
+  sft = ar.sft_examples(recs, plain_answer_prob=0.5, seed=3)
+  assert sft == ar.sft_examples(recs, plain_answer_prob=0.5, seed=3)
+  plain = [s for s in sft if "####" not in s["completion"]]
+  assert 150 < len(plain) < 250
+  for r, s in zip(recs, sft):
+    if "####" in s["completion"]:
+      assert s["completion"] == r["answer"]
+    else:  # same steps, the final line in prose; the strict verifier scores it 0
+      assert s["completion"] == r["answer"].replace(f"#### {ar.final_answer(r)}",
+                                                    f"The answer is {ar.final_answer(r)}.")
+      assert rewards.math_reward(s["completion"], r["answer"]) == 0.0
+      assert rewards.math_reward(r["answer"], r["answer"]) == 1.0
+  assert ar.sft_examples(recs) == [{"prompt": r["prompt"], "completion": r["answer"]}
+                                   for r in recs]
+  with pytest.raises(ValueError, match="plain_answer_prob"):
+    ar.sft_examples(recs, plain_answer_prob=1.5)

@@ -41,6 +41,26 @@ def test_grpo_three_steps(tmp_path):
   assert [r["step"] for r in rows] == [1, 2, 3]
 
 
+def test_prompt_width_is_the_smallest_bucket_that_fits():
+  from distflow_jax.workflow.nodes import prompt_width
+  assert prompt_width(10, (16, 32, 64), 64) == 16
+  assert prompt_width(16, (16, 32, 64), 64) == 16
+  assert prompt_width(17, (16, 32, 64), 64) == 32
+  assert prompt_width(40, (16, 32, 64), 48) == 48  # no bucket fits below max_prompt_len
+  assert prompt_width(5, (64,), 48) == 48
+
+
+@pytest.mark.timeout(600)
+def test_short_prompts_are_not_padded_to_max_prompt_len(tmp_path):
+  cfg, ctx, metrics, changed = run("grpo:tiny", tmp_path, "data.prompts_per_step=8",
+                                   "rollout.n=2", "actor.micro_batch_size=1",
+                                   "data.chat_template=False", "rollout.prefill_buckets=(32,40)",
+                                   "trainer.total_steps=2")
+  assert changed
+  for m in metrics:  # "What is 3 + 4?" prompts are < 32 characters
+    assert m["prompt_width"] == 32 and m["prompt_length"] < 32
+
+
 @pytest.mark.timeout(600)
 def test_ppo_three_steps_trains_actor_and_critic(tmp_path):
   cfg, ctx, metrics, changed = run("ppo:tiny", tmp_path, "data.prompts_per_step=16",

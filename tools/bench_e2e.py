@@ -7,7 +7,9 @@
 Both sides train the same exported ~3 M-param Qwen2-shaped model (vocab 512, d 256, 4
 layers, GQA 4:2; our `hf_io.save_pretrained` -> model.safetensors -> Tunix's
 `qwen2.params.create_model_from_safe_tensors`) with GRPO: 8 prompts x 4 samples (the
-same arithmetic prompts), prompts left-padded to 32 tokens, 32 new tokens, temperature 1,
+same arithmetic prompts), prompts of at most 32 tokens (Tunix pads them to 32; we pad each
+step to the smallest of 8/16/24/32 that holds its longest: length bucketing), 32 new
+tokens, temperature 1,
 stop at EOS, KL to the reference (coef 0.001, so the reference pass runs on both sides),
 one PPO epoch, adamw lr 1e-4 with global-norm clip 1.0, token-mean loss, one optimizer
 update per step (ours accumulates 4 micro-batches of 8 rows in one jitted scan, Tunix
@@ -62,6 +64,12 @@ def _args(argv):
   p.add_argument("--worker", choices=("config", "lean", "tunix"), help=argparse.SUPPRESS)
   p.add_argument("--inputs", help=argparse.SUPPRESS)
   return p.parse_args(argv)
+
+
+def _buckets(prompt_len: int) -> tuple[int, ...]:
+  """Our prompt-width buckets: each step pads prompts to the smallest one that holds the
+  longest (length bucketing); Tunix pads every prompt to max_prompt_length."""
+  return tuple(b for b in (8, 16, 24) if b < prompt_len) + (prompt_len,)
 
 
 # ---------------------------------------------------------------- the parent
@@ -269,7 +277,7 @@ def ours_worker(inputs_path: str, lean: bool) -> int:
       f"run_dir={os.path.join(inp['workdir'], 'run')}", f"data.train={inp['prompts']}",
       f"data.eval={inp['prompts']}", "trainer.eval_every=0",
       f"data.prompts_per_step={inp['prompts_per_step']}", f"rollout.n={inp['n']}",
-      f"data.max_prompt_len={inp['prompt_len']}", f"rollout.prefill_buckets=({inp['prompt_len']},)",
+      f"data.max_prompt_len={inp['prompt_len']}", f"rollout.prefill_buckets={_buckets(inp['prompt_len'])}",
       f"rollout.max_new_tokens={inp['new']}",
       f"rollout.max_concurrent_decodes={inp['prompts_per_step'] * inp['n']}",
       f"actor.micro_batch_size={inp['micro']}",

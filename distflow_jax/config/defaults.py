@@ -45,7 +45,9 @@ def base() -> ml_collections.ConfigDict:
       dtype="float32",
       max_seq_len=256,
       # Supervised warm start of the built-in model (when path is ""), cached in run_dir.
-      warmstart=dict(steps=300, lr=1e-3, batch_size=64, examples=8000),
+      # plain_answer_prob: the share of demonstrations ending "The answer is N." instead of
+      # "#### N" (a teacher mixing conventions; the verifier wants "#### N").
+      warmstart=dict(steps=300, lr=1e-3, batch_size=64, examples=8000, plain_answer_prob=0.0),
   )
   c.data = dict(
       train="builtin:arithmetic",  # JSONL/Parquet path or builtin:<task>

@@ -85,6 +85,11 @@ PRESETS = {
     # One-digit sums and differences: a tiny model learns these fast.
     "easy": ArithmeticConfig(min_operands=2, max_operands=2, max_value=9,
                              operators=("+", "-")),
+    # Chains of 2-3 one-digit sums and differences: every step is a small fact seen often in
+    # training, the chains are new.  The default run's task: a short warm start is right
+    # part of the time, and RL improves it.
+    "basic": ArithmeticConfig(min_operands=2, max_operands=3, max_value=9,
+                              operators=("+", "-"), eval_fraction=0.2),
     # 2-3 operands, up to 20, small products: right sometimes after a short SFT.
     "medium": ArithmeticConfig(),
     "hard": ArithmeticConfig(max_value=99, max_mul_operand=12),
@@ -252,10 +257,27 @@ def final_answer(record: dict[str, str]) -> int:
   return int(record["answer"].rsplit("####", 1)[1].strip())
 
 
-def sft_examples(records: Iterable[dict[str, str]]) -> list[dict[str, str]]:
+def sft_examples(records: Iterable[dict[str, str]], plain_answer_prob: float = 0.0,
+                 seed: int = 0) -> list[dict[str, str]]:
   """(prompt, completion) pairs for the supervised warm start: the worked
-  answer is the target completion."""
-  return [{"prompt": r["prompt"], "completion": r["answer"]} for r in records]
+  answer is the target completion.
+
+  ``plain_answer_prob`` imitates a teacher that mixes answer conventions: that
+  share of completions ends with ``The answer is N.`` instead of ``#### N``.
+  The math verifier accepts only ``#### N`` (or ``\\boxed{N}``), so such an
+  answer scores 0 however right N is.
+  """
+  if not 0.0 <= plain_answer_prob <= 1.0:
+    raise ValueError(f"plain_answer_prob must be in [0, 1], got {plain_answer_prob}")
+  rng = random.Random(f"sft:{seed}")
+  out = []
+  for r in records:
+    answer = r["answer"]
+    if plain_answer_prob and rng.random() < plain_answer_prob:
+      steps, _, result = answer.rpartition("#### ")
+      answer = f"{steps}The answer is {result}."
+    out.append({"prompt": r["prompt"], "completion": answer})
+  return out
 
 
 def write_jsonl(records: Iterable[dict], path: str) -> None:

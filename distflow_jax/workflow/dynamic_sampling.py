@@ -39,6 +39,19 @@ def _all_have(have: int, need: int) -> bool:
   return bool(gather_processes(np.array([have], np.int64)).min() >= need)
 
 
+def _same_prompt_width(groups: list[dict[str, np.ndarray]]) -> None:
+  """Tries may pad prompts to different bucket widths: left-pad all to the widest
+  (masked out; the pad value is each row's own first column, padding or not)."""
+  width = max(g["prompt_tokens"].shape[1] for g in groups)
+  for g in groups:
+    extra = width - g["prompt_tokens"].shape[1]
+    if extra:
+      g["prompt_tokens"] = np.concatenate(
+          [np.repeat(g["prompt_tokens"][:, :1], extra, axis=1), g["prompt_tokens"]], axis=1)
+      g["prompt_mask"] = np.concatenate(
+          [np.zeros((len(g["prompt_mask"]), extra), bool), g["prompt_mask"]], axis=1)
+
+
 def sample(run_prefix: Callable[[Batch], tuple[Batch, dlayout.Layout]], prompts: Batch,
            more_prompts: Callable[[], Batch], *, n: int, max_tries: int,
            metrics: Metrics) -> tuple[Batch, dlayout.Layout]:
@@ -64,5 +77,6 @@ def sample(run_prefix: Callable[[Batch], tuple[Batch, dlayout.Layout]], prompts:
   metrics.add("dynamic_sampling/varied_fraction", len(kept), generated)
   groups = (kept + constant)[:need]
   metrics.add("dynamic_sampling/filled_constant", max(need - len(kept), 0))
+  _same_prompt_width(groups)
   data = {k: np.concatenate([g[k] for g in groups]) for k in groups[0]}
   return to_global(Batch(data, host), lay), lay

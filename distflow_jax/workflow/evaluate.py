@@ -52,4 +52,8 @@ def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1,
     m.add_mean(f"eval/pass@{k}", [pass_at_k(k, int(c.sum()), k) for c in correct])
     m.add_mean("eval/accuracy", correct)
   m.add_mean("eval/response_length", ro.lengths_R)
+  # How many answers end in the verifier's "#### N" form: separates learning the answer
+  # convention from getting the arithmetic right.
+  m.add_mean("eval/formatted", reward_registry.score_batch(
+      reward_registry.get_reward("format"), texts, truths) > 0)
   return m.reduce()

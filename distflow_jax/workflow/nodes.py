@@ -42,7 +42,8 @@ def generate(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Batch) -
   sample_ids = np.asarray(prompts.data[SAMPLE_ID]).astype(np.int64)[:, None] * n + np.arange(n)
   ro = driver.generate(engine, params, plist, n, rng=ctx.step_rng(node),
                        pad_id=ctx.tokenizer.pad_id, request_ids=sample_ids.reshape(-1))
-  p_max = ctx.cfg.data.max_prompt_len
+  p_max = prompt_width(int(lens.max(initial=0)), rollout.prefill_buckets,
+                       ctx.cfg.data.max_prompt_len)
   rows = np.repeat(np.arange(len(plist)), n)
   prompt_tokens = np.full((len(rows), p_max), ctx.tokenizer.pad_id, np.int32)
   prompt_mask = np.zeros((len(rows), p_max), bool)
@@ -56,8 +57,19 @@ def generate(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Batch) -
                  "rollout_logprobs": ro.logprobs_RxN}, prompts.host)
   ctx.metrics.add_mean("response_length", ro.lengths_R)
   ctx.metrics.add_mean("prompt_length", lens[rows])
+  ctx.metrics.set_max("prompt_width", p_max)
   ctx.metrics.add_mean("response_stopped", ro.stopped_R)
   return to_global(local, lay)
+
+
+def prompt_width(longest_here: int, buckets, max_prompt_len: int) -> int:
+  """How wide the batch's prompt columns are: the smallest prefill bucket that holds the
+  longest prompt on any host (else ``max_prompt_len``).  Length bucketing: short prompts
+  are not padded to ``max_prompt_len`` through the reference and training passes, and
+  the few widths bound the number of compiles.  One tiny all-gather keeps hosts agreed."""
+  longest = int(gather_processes(np.array([longest_here], np.int64)).max())
+  fits = [b for b in sorted(buckets) if longest <= b <= max_prompt_len]
+  return fits[0] if fits else max_prompt_len
 
 
 def _rule_reward(name: str, ctx: RunContext, node: Node, lay: dlayout.Layout,

@@ -144,6 +144,8 @@ def plot_reward(ax, rows: Rows) -> bool:
 def plot_accuracy(ax, rows: Rows) -> bool:
   drew = _line(ax, rows, "accuracy", "train accuracy")
   drew |= _line(ax, rows, "eval/accuracy", "held-out accuracy", smooth=False, marker="o")
+  drew |= _line(ax, rows, "eval/formatted", "held-out answers in '#### N' form", smooth=False,
+                marker="^")
   for k in sorted({k for r in rows for k in r if k.startswith("eval/pass@")}):
     drew |= _line(ax, rows, k, f"held-out {k[5:]}", smooth=False, marker="s")
   if drew:

@@ -60,7 +60,9 @@ def dataset_paths(cfg: ml_collections.ConfigDict) -> tuple[str, str | None]:
       path = os.path.join(cfg.run_dir, "data", f"arithmetic_{level or 'medium'}_{split}.jsonl")
       if not os.path.exists(path):
         # Every process writes identical bytes atomically; no coordination needed.
-        arithmetic.write_jsonl(arithmetic.generate(task, split, count, seed=cfg.seed), path)
+        # Train questions may repeat (small question spaces); eval questions never do.
+        arithmetic.write_jsonl(arithmetic.generate(task, split, count, seed=cfg.seed,
+                                                   unique=split == "eval"), path)
       out.append(path)
     else:
       if not os.path.exists(spec):
@@ -95,8 +97,10 @@ def ensure_model(cfg, plan, tokenizer, log: Callable[[str], None]) -> str:
   ws = cfg.model.warmstart
   if ws.steps > 0:
     task = cfg.data.train[len(BUILTIN):].partition(":")[2] or "medium"
-    records = arithmetic.sft_examples(arithmetic.generate(
-        arithmetic.preset(task), "train", ws.examples, seed=cfg.seed + 1))
+    records = arithmetic.sft_examples(
+        arithmetic.generate(arithmetic.preset(task), "train", ws.examples, seed=cfg.seed + 1,
+                            unique=False),
+        plain_answer_prob=ws.plain_answer_prob, seed=cfg.seed)
     data = warmstart.encode_examples(records, tokenizer, max_prompt_len=cfg.data.max_prompt_len,
                                      max_new_tokens=cfg.rollout.max_new_tokens,
                                      use_chat_template=cfg.data.chat_template)
