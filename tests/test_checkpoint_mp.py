@@ -29,6 +29,7 @@ ARGS = ["--config=configs/grpo.py:tiny", "--config.model.preset=micro",
         "--config.cluster.devices_per_process=2", "--config.model.warmstart.steps=0",
         "--config.data.eval_size=8", "--config.trainer.eval_every=0",
         "--config.data.prompts_per_step=4", "--config.rollout.max_new_tokens=8",
+        "--config.rollout.n=4", "--config.actor.micro_batch_size=4",
         # Entropy keeps the gradient non-zero even when every reward is 0, so the
         # parameters and the optimizer moments really move from step to step.
         "--config.actor.entropy_coef=0.01", "--config.trainer.save_every=1",

@@ -52,13 +52,16 @@ def test_prompt_width_is_the_smallest_bucket_that_fits():
 
 @pytest.mark.timeout(600)
 def test_short_prompts_are_not_padded_to_max_prompt_len(tmp_path):
-  cfg, ctx, metrics, changed = run("grpo:tiny", tmp_path, "data.prompts_per_step=8",
-                                   "rollout.n=2", "actor.micro_batch_size=1",
-                                   "data.chat_template=False", "rollout.prefill_buckets=(32,40)",
-                                   "trainer.total_steps=2")
-  assert changed
-  for m in metrics:  # "What is 3 + 4?" prompts are < 32 characters
+  cfg = loading.load("grpo:tiny", smoke_overrides(
+      tmp_path, "cluster.devices_per_process=8", "data.prompts_per_step=8", "rollout.n=2",
+      "actor.micro_batch_size=1", "data.chat_template=False", "trainer.total_steps=2"))
+  with cfg.unlocked():
+    cfg.rollout.prefill_buckets = (32, 40)
+  ctx, loaders = trainer.setup(cfg, log=lambda m: None)
+  metrics = list(trainer.train(cfg, ctx, loaders))
+  for m in metrics:  # "What is 3 + 4 - 1?" prompts are < 32 characters
     assert m["prompt_width"] == 32 and m["prompt_length"] < 32
+    assert math.isfinite(m["actor/loss"])
 
 
 @pytest.mark.timeout(600)

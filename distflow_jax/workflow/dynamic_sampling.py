@@ -42,6 +42,8 @@ def _all_have(have: int, need: int) -> bool:
 def _same_prompt_width(groups: list[dict[str, np.ndarray]]) -> None:
   """Tries may pad prompts to different bucket widths: left-pad all to the widest
   (masked out; the pad value is each row's own first column, padding or not)."""
+  if "prompt_tokens" not in groups[0]:
+    return
   width = max(g["prompt_tokens"].shape[1] for g in groups)
   for g in groups:
     extra = width - g["prompt_tokens"].shape[1]
