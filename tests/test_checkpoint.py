@@ -128,12 +128,18 @@ def test_keeps_last_n_and_due(tmp_path, data):
   assert ck.Checkpointer(str(tmp_path / "ck"), save_every=0, keep=0).due(3, 7) is False
 
 
-def test_incomplete_save_is_ignored_with_a_message(tmp_path, data):
-  mcfg = model_cfg()
+def save_step_1(tmp_path, data, hidden=32):
+  """Roles of a `model_cfg(hidden)` model on 2 devices, saved as step 1 under tmp_path/ck."""
+  mcfg = model_cfg(hidden)
   roles = roles_on(mesh(2, fsdp=2), mcfg)
   c = ck.Checkpointer(str(tmp_path / "ck"), save_every=1, keep=3, log=lambda m: None)
   c.save(1, roles, loader(data), cfg(), mcfg)
   c.close()
+  return roles
+
+
+def test_incomplete_save_is_ignored_with_a_message(tmp_path, data):
+  save_step_1(tmp_path, data)
   # What a save killed before its commit leaves behind (the real kill: test_checkpoint_mp).
   shutil.copytree(tmp_path / "ck" / "1", tmp_path / "ck" / "2.orbax-checkpoint-tmp")
   msgs = []
@@ -143,10 +149,7 @@ def test_incomplete_save_is_ignored_with_a_message(tmp_path, data):
 
 
 def test_wrong_model_shape_names_the_arrays(tmp_path, data):
-  roles = roles_on(mesh(2, fsdp=2), model_cfg(32))
-  c = ck.Checkpointer(str(tmp_path / "ck"), save_every=1, keep=3, log=lambda m: None)
-  c.save(1, roles, loader(data), cfg(), model_cfg(32))
-  c.close()
+  roles = save_step_1(tmp_path, data, hidden=32)
   other = roles_on(mesh(2, fsdp=2), model_cfg(48))
   c2 = ck.Checkpointer(str(tmp_path / "ck"), save_every=1, keep=3, log=lambda m: None)
   with pytest.raises(ck.CheckpointError,
@@ -163,11 +166,7 @@ def test_wrong_model_shape_names_the_arrays(tmp_path, data):
 
 
 def test_missing_item_is_named(tmp_path, data):
-  mcfg = model_cfg()
-  roles = roles_on(mesh(2, fsdp=2), mcfg)
-  c = ck.Checkpointer(str(tmp_path / "ck"), save_every=1, keep=3, log=lambda m: None)
-  c.save(1, roles, loader(data), cfg(), mcfg)
-  c.close()
+  roles = save_step_1(tmp_path, data)
   shutil.rmtree(tmp_path / "ck" / "1" / "loader")
   c2 = ck.Checkpointer(str(tmp_path / "ck"), save_every=1, keep=3, log=lambda m: None)
   with pytest.raises(ck.CheckpointError, match=r"missing item\(s\) \['loader'\]"):

@@ -51,14 +51,19 @@ def test_answering_model_fixture_is_what_the_tests_assume(model_says_7):
   assert np.exp(lp[np.arange(len(want)), want]).min() > 1 - 1e-9
 
 
+def write_answers(path, answers):
+  """GSM8K-style rows 'What is a-1+1?' -> '#### a', one per answer."""
+  path.write_text("".join(json.dumps({"question": f"What is {a - 1}+1?", "answer": f"#### {a}"})
+                          + "\n" for a in answers))
+  return path
+
+
 @pytest.mark.timeout(300)
 def test_eval_pass_at_k_over_uneven_chunks(model_says_7, tmp_path):
   # 4 of 10 rows have the answer 7, placed so that chunks of 3 prompts (3,3,2,2) have
   # accuracies 1, 0, 0, 1/2: a plain mean of chunk means would give 0.375, not 0.4.
   answers = [7, 7, 7, 4, 6, 2, 8, 9, 5, 7]
-  data = tmp_path / "d.jsonl"
-  data.write_text("".join(json.dumps({"question": f"What is {a - 1}+1?", "answer": f"#### {a}"})
-                          + "\n" for a in answers))
+  data = write_answers(tmp_path / "d.jsonl", answers)
   out = tmp_path / "res" / "eval.json"
   r = run_cli("eval", "--config=configs/grpo.py:qwen0.5b", f"--model={model_says_7}",
               f"--data={data}", "--k=2", "--batch_size=3", f"--out={out}", *SHRINK)
@@ -114,9 +119,7 @@ def test_eval_two_processes_reduce_exactly(model_says_7, tmp_path):
   # Shards [7,7,8,6,5] and [7,4,2,9,7], chunks of (2,2,1) rows each: chunk accuracies
   # 3/4, 0/4, 1/2 over both processes; weighted 0.4 (a plain mean would be 0.4167).
   answers = [7, 7, 7, 4, 8, 2, 6, 9, 5, 7]
-  data = tmp_path / "d.jsonl"
-  data.write_text("".join(json.dumps({"question": f"What is {a - 1}+1?", "answer": f"#### {a}"})
-                          + "\n" for a in answers))
+  data = write_answers(tmp_path / "d.jsonl", answers)
   out = tmp_path / "eval.json"
   result = launcher.launch(2, 1, [
       sys.executable, "-m", "distflow_jax.cli", "eval",

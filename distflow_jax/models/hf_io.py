@@ -210,11 +210,13 @@ def _host_array(x: jax.Array) -> np.ndarray:
   return np.asarray(jax.device_get(x))
 
 
-def export_state_dict(model: Transformer) -> dict[str, np.ndarray]:
-  """The HF-named `{tensor: numpy array}` of a model (kernels transposed to `[out, in]`)."""
+def export_state_dict(model: nnx.Module, name_of: Callable[[str], tuple[str, bool]] = hf_name
+                      ) -> dict[str, np.ndarray]:
+  """The HF-named `{tensor: numpy array}` of a model (kernels transposed to `[out, in]`);
+  `name_of=reward_hf_name` for a `RewardModel`."""
   out = {}
   for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    name, transposed = hf_name(path_str(key))
+    name, transposed = name_of(path_str(key))
     value = _host_array(var.get_value())
     out[name] = np.ascontiguousarray(value.T if transposed else value)
   return out
@@ -249,11 +251,7 @@ def save_pretrained(path: str | os.PathLike, model: Transformer, tokenizer: Any 
 def save_reward_model(path: str | os.PathLike, model: RewardModel, tokenizer: Any = None) -> None:
   """Writes `model` as a `*ForSequenceClassification` checkpoint with num_labels=1 (loads in
   `transformers.AutoModelForSequenceClassification`).  Collective, like `save_pretrained`."""
-  state = {}
-  for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    name, transposed = reward_hf_name(path_str(key))
-    value = _host_array(var.get_value())
-    state[name] = np.ascontiguousarray(value.T if transposed else value)
+  state = export_state_dict(model, reward_hf_name)
   if jax.process_index() != 0:
     return
   path = Path(path)
