@@ -100,10 +100,14 @@ def test_config_only_two_reward_dag_trains(tmp_path):
 def test_repartition_between_rollout_and_training_layouts(tmp_path):
   # Rollout replicas of 2 devices (dp 4) -> FSDP over 8 (dp 8): one all-to-all per step.
   cfg, ctx, metrics, changed = run("grpo:tiny", tmp_path, "data.prompts_per_step=8",
-                                   "rollout.n=2", "actor.micro_batch_size=1",
-                                   "rollout.tensor_parallel=2", "trainer.total_steps=1")
+                                   "rollout.n=2", "actor.micro_batch_size=2",
+                                   "rollout.tensor_parallel=2", "trainer.total_steps=1",
+                                   "actor.entropy_coef=0.01")  # a gradient even if all rewards tie
   assert ctx.plan.repartitions() == [("advantage", "old_logprob")]
   assert "time/move_to/old_logprob" in metrics[0]
+  # The re-partition kept each prompt's 2 samples together, so the passes share prompts.
+  assert metrics[0]["prompt_group/ref_logprob"] == 2.0
+  assert metrics[0]["prompt_group/train_actor"] == 2.0
   assert changed
 
 
@@ -118,6 +122,29 @@ def test_raising_reward_plugin_names_the_sample(tmp_path):
   with pytest.raises(Exception, match=r"reward function 'boom'.*sample"):
     ctx, loaders = trainer.setup(cfg, log=lambda m: None)
     list(trainer.train(cfg, ctx, loaders))
+
+
+@pytest.mark.timeout(300)
+def test_ungrouped_rows_take_the_per_row_pass(tmp_path):
+  cfg = loading.load("grpo:tiny", smoke_overrides(
+      tmp_path, "cluster.devices_per_process=8", "data.prompts_per_step=8", "rollout.n=2",
+      "trainer.total_steps=1", "actor.kl.coef=0.1", "actor.micro_batch_size=2",
+      "plugins=('plugin_roll_rows',)"))
+  assert cfg.model.share_prompt_prefix
+  with cfg.unlocked():
+    cfg.dag = [
+        dict(id="generate", fn="generate"),
+        dict(id="reward", fn="reward.math", deps=["generate"]),
+        dict(id="advantage", fn="advantage.grpo", deps=["reward"]),
+        dict(id="roll", fn="rows.roll", deps=["advantage"]),
+        dict(id="ref", fn="ref_logprob", deps=["roll"]),
+        dict(id="train_actor", fn="train.actor", deps=["ref"]),
+    ]
+  ctx, loaders = trainer.setup(cfg, log=lambda m: None)
+  [m] = list(trainer.train(cfg, ctx, loaders))
+  # 16 rows on 8 shards hold whole groups of 2, but the plugin broke them up.
+  assert m["prompt_group/ref"] == 1.0 and m["prompt_group/train_actor"] == 1.0
+  assert math.isfinite(m["actor/loss"]) and m["actor/skipped"] == 0.0
 
 
 def _rm_dag(cfg, model_path=None):

@@ -1,7 +1,7 @@
 """GRPO step throughput: distflow-jax vs Tunix (google-tunix) on the same model and batch, CPU.
 
     python tools/bench_e2e.py [--prompts 8] [--n 4] [--prompt-len 32] [--new 32] [--steps 5]
-                              [--devices 1] [--variants config,lean] [--no-tunix]
+                              [--devices 1] [--variants config,lean,plain] [--no-tunix]
                               [--count-compiles] [--tunix-venv DIR]
 
 Both sides train the same exported ~3 M-param Qwen2-shaped model (vocab 512, d 256, 4
@@ -16,12 +16,14 @@ update per step (ours accumulates 4 micro-batches of 8 rows in one jitted scan, 
 takes the 32 rows at once).
 Tunix runs in its own virtual environment (created here on first use, google-tunix
 0.1.7, about a minute) as a subprocess; ours runs as a subprocess too, so each side
-owns the CPU while it steps.  Our side runs in two variants: `config` (configs/grpo.py's
-DAG as shipped, with its old_logprob pass) and `lean` (without it: with one PPO epoch the
-rollout's log-probs serve, which is what Tunix does at num_iterations=1, so `lean` is the
-equal-work comparison).  The parent runs single steps in rotating order (config, lean,
-Tunix; lean, Tunix, config; ...) so machine load hits all alike; the first step of each
-(compiles) is reported apart.
+owns the CPU while it steps.  Our side runs in three variants: `config` (configs/grpo.py's
+DAG as shipped, with its old_logprob pass), `lean` (without it: with one PPO epoch the
+rollout's log-probs serve, which is what Tunix does at num_iterations=1) and `plain` (`lean`
+with `model.share_prompt_prefix=False`: the reference pass and the actor step run every
+row's prompt, as Tunix does, instead of once per group of n; `plain` is the equal-work
+comparison, `lean` is what a user gets).  The parent runs single steps in rotating order
+(config, lean, plain, Tunix; lean, plain, Tunix, config; ...) so machine load hits all
+alike; the first step of each (compiles) is reported apart.
 Tokens/s = (prompt + response tokens, padding excluded) / step wall time; medians count.
 """
 
@@ -39,7 +41,7 @@ import time
 TUNIX_SPEC = "google-tunix==0.1.7"
 DEFAULT_VENV = os.path.join(os.path.expanduser("~"), ".cache", "distflow-bench", "tunix-venv")
 TAG = "BENCH "
-VARIANTS = ("config", "lean")
+VARIANTS = ("config", "lean", "plain")
 
 
 def _args(argv):
@@ -52,16 +54,17 @@ def _args(argv):
   p.add_argument("--micro-batch-size", type=int, default=8,
                  help="our actor.micro_batch_size (rows per device per micro-batch)")
   p.add_argument("--devices", type=int, default=1, help="CPU devices for our side")
-  p.add_argument("--variants", default="config,lean",
+  p.add_argument("--variants", default="config,lean,plain",
                  help="our sides: 'config' = configs/grpo.py's DAG as shipped; 'lean' = the same "
                       "without the old_logprob node (one PPO epoch: the rollout's log-probs "
-                      "serve, as in Tunix with num_iterations=1)")
+                      "serve, as in Tunix with num_iterations=1); 'plain' = 'lean' without "
+                      "prompt sharing (model.share_prompt_prefix=False)")
   p.add_argument("--count-compiles", action="store_true",
                  help="log our side's XLA compiles (JAX_LOG_COMPILES) and count them per step")
   p.add_argument("--no-tunix", action="store_true")
   p.add_argument("--tunix-venv", default=DEFAULT_VENV)
   p.add_argument("--workdir", default="", help="default: a fresh temporary directory")
-  p.add_argument("--worker", choices=("config", "lean", "tunix"), help=argparse.SUPPRESS)
+  p.add_argument("--worker", choices=(*VARIANTS, "tunix"), help=argparse.SUPPRESS)
   p.add_argument("--inputs", help=argparse.SUPPRESS)
   return p.parse_args(argv)
 
@@ -168,7 +171,8 @@ class Worker:
 def main(argv=None) -> int:
   args = _args(argv)
   if args.worker in VARIANTS:
-    return ours_worker(args.inputs, lean=args.worker == "lean")
+    return ours_worker(args.inputs, lean=args.worker != "config",
+                       share=args.worker != "plain")
   if args.worker == "tunix":
     return tunix_worker(args.inputs)
   workdir = args.workdir or tempfile.mkdtemp(prefix="bench_e2e_")
@@ -264,7 +268,7 @@ def _commands():
     yield
 
 
-def ours_worker(inputs_path: str, lean: bool) -> int:
+def ours_worker(inputs_path: str, lean: bool, share: bool = True) -> int:
   with open(inputs_path) as f:
     inp = json.load(f)
   import jax
@@ -283,6 +287,7 @@ def ours_worker(inputs_path: str, lean: bool) -> int:
       f"actor.micro_batch_size={inp['micro']}",
       f"actor.optimizer.lr={inp['lr']}", f"actor.kl.coef={inp['kl_coef']}",
       f"trainer.total_steps={inp['steps']}", f"seed={inp['seed']}",
+      f"model.share_prompt_prefix={share}",
   ]
   cfg = load("grpo:tiny", overrides)
   if lean:

@@ -12,13 +12,22 @@ run; the ratio is step FLOP/s over that.  Default size (`bench`): the ~3 M-param
 (vocab 512, d 256, 4 layers, GQA 4:2), 32 rows (8 prompts x 4 samples) of 32 + 32 tokens;
 micro-batches of 8 rows accumulated in one jitted scan (as `actor.micro_batch_size=8`);
 `wide` is d 512, 1024 vocab, for a sense of how the ratio scales with matmul size.
+
+The rows come in GRPO groups (`--group-size` consecutive rows share a prompt).  The FLOP/s
+ratio is measured on the plain step (every row runs its own prompt: `6 x params x tokens`
+holds).  The same batch is also stepped with the prompt computed once per group
+(`group_size` in `steps.make_train_step` / `ActorLoss`, which the train_actor node uses), in
+alternation with the plain step, and the speed-up of that is printed; it does less work, so
+its FLOP/s would not be comparable.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,13 +49,18 @@ def _args(argv):
   p.add_argument("--micro-batch-size", type=int, default=8,
                  help="rows per micro-batch (8: 4 micro-batches, measured ~10%% faster on CPU "
                       "than one 32-row batch, whose activations outgrow the caches); 0 = whole")
+  p.add_argument("--group-size", type=int, default=4,
+                 help="rows per prompt (GRPO group); 1 = every row its own prompt")
   p.add_argument("--repeats", type=int, default=10)
   p.add_argument("--peak-n", type=int, default=2048)
   return p.parse_args(argv)
 
 
-def build(size: str, batch: int, prompt: int, response: int, micro: int, seed: int = 0):
-  """(step, params, opt_state, batch, model config) for one actor train step on 1 device."""
+def build(size: str, batch: int, prompt: int, response: int, micro: int, seed: int = 0,
+          group_size: int = 1, share: bool = False):
+  """(step, params, opt_state, batch, model config) for one actor train step on 1 device.
+
+  Rows come in groups of `group_size` with one prompt; `share` computes it once per group."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -64,13 +78,17 @@ def build(size: str, batch: int, prompt: int, response: int, micro: int, seed: i
   graphdef, params = nnx.split(model)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5))
   opt_state = steps.init_opt_state(tx, params)
-  loss_cfg = steps.ActorLoss(kl_coef=0.001)
+  gs = group_size if share else 1
+  loss_cfg = steps.ActorLoss(kl_coef=0.001, group_size=gs)
   loss = lambda g, p, mb: steps.actor_loss(g, p, mb, loss_cfg, 512)  # noqa: E731
   n_micro = batch // micro if micro else 1
-  step = steps.make_train_step(loss, graphdef, tx, n_micro, loss_cfg.loss_agg)
+  step = steps.make_train_step(loss, graphdef, tx, n_micro, loss_cfg.loss_agg, gs)
   rs = np.random.RandomState(seed)
+  if batch % group_size:
+    raise SystemExit(f"--batch {batch} is not a multiple of --group-size {group_size}")
+  prompts = rs.randint(1, cfg.vocab_size, (batch // group_size, prompt)).astype(np.int32)
   data = {
-      "prompt_tokens": rs.randint(1, cfg.vocab_size, (batch, prompt)).astype(np.int32),
+      "prompt_tokens": np.repeat(prompts, group_size, axis=0),
       "prompt_mask": np.ones((batch, prompt), bool),
       "response_tokens": rs.randint(1, cfg.vocab_size, (batch, response)).astype(np.int32),
       "response_mask": np.ones((batch, response), bool),
@@ -88,22 +106,38 @@ def main(argv=None) -> int:
   import jax
 
   step, params, opt_state, data, cfg = build(args.size, args.batch, args.prompt, args.response,
-                                             args.micro_batch_size)
+                                             args.micro_batch_size, group_size=args.group_size)
+  share_step, share_p, share_o, _, _ = build(args.size, args.batch, args.prompt, args.response,
+                                             args.micro_batch_size, group_size=args.group_size,
+                                             share=True)
   flops = bc.train_flops(bc.Shape.of(cfg), args.batch, args.prompt, args.response)
   print(f"model '{args.size}': {cfg.num_params / 1e6:.2f} M params (vocab {cfg.vocab_size}, "
         f"d {cfg.hidden_size}, {cfg.num_layers} layers, heads {cfg.num_heads}:"
         f"{cfg.num_kv_heads}); batch {args.batch} x ({args.prompt} + {args.response}) tokens, "
-        f"{args.batch // (args.micro_batch_size or args.batch)} micro-batch(es); "
+        f"{args.batch // (args.micro_batch_size or args.batch)} micro-batch(es), groups of "
+        f"{args.group_size}; "
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} cpus")
-  state = {"p": params, "o": opt_state}
+  state = {"p": params, "o": opt_state, "sp": share_p, "so": share_o}
+  times = {"plain": [], "shared": []}
 
   def run():
     state["p"], state["o"], stats = step(state["p"], state["o"], data)
     jax.block_until_ready(stats)
 
+  def run_shared():
+    state["sp"], state["so"], stats = share_step(state["sp"], state["so"], data)
+    jax.block_until_ready(stats)
+
   run()  # compile
+  run_shared()
   peak = bc.matmul_peak(args.peak_n)
-  t_step = bc.median_time(run, args.repeats)
+  for _ in range(args.repeats):  # alternate, so load drift hits both alike
+    for name, fn in (("plain", run), ("shared", run_shared)):
+      t0 = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - t0)
+  t_step = statistics.median(times["plain"])
+  t_shared = statistics.median(times["shared"])
   peak2 = bc.matmul_peak(args.peak_n)  # again after: load drifts, keep the higher
   peak = max(peak, peak2)
   achieved = flops["total"] / t_step
@@ -115,6 +149,9 @@ def main(argv=None) -> int:
   print(f"achieved: {bc.fmt_rate(achieved)}; matmul peak ({args.peak_n}^2 f32 jnp.dot): "
         f"{bc.fmt_rate(peak)}")
   print(f"train step / matmul peak: {achieved / peak:.1%} (target >= 40%)")
+  if args.group_size > 1:
+    print(f"prompt shared per group of {args.group_size}: {t_shared * 1e3:.1f} ms, "
+          f"{t_step / t_shared:.2f}x the plain step")
   print(f"train step compiles: {step._cache_size()}")
   return 0
 

@@ -48,6 +48,9 @@ def base() -> ml_collections.ConfigDict:
       # plain_answer_prob: the share of demonstrations ending "The answer is N." instead of
       # "#### N" (a teacher mixing conventions; the verifier wants "#### N").
       warmstart=dict(steps=300, lr=1e-3, batch_size=64, examples=8000, plain_answer_prob=0.0),
+      # Log-prob passes and the actor step run each group's prompt once for its rollout.n
+      # samples (checked on device per batch; rows not so grouped take the plain pass).
+      share_prompt_prefix=True,
   )
   c.data = dict(
       train="builtin:arithmetic",  # JSONL/Parquet path or builtin:<task>

@@ -33,6 +33,19 @@ so the only rule is that the slot `cache_index_B` must be past the prompt's
 last slot.  `cache_insert` copies one row of a (prefill) cache into a slot
 of a (decode) cache, for continuous batching.
 
+Shared prefixes (training and scoring passes of a GRPO group, whose n rows
+share one prompt).  `return_kv=True` on a cache-less call also returns the
+call's keys/values as a `KVCache` `[L, G, T, ...]` (pos = the key positions).
+A later call with `prefix=that, prefix_repeat=n` runs `G * n` rows (row r
+continues prefix row r // n): each row attends to its prefix and then to its
+own tokens, so the prompt is computed once per group, and gradients flow
+back into it from every row:
+
+    h_G, kv = forward(g, p, prompt_GxP, pos_GxP, mask_GxP, return_kv=True,
+                      return_hidden=True)
+    h_R, _ = forward(g, p, resp_RxN, pos_RxN, mask_RxN, prefix=kv,
+                     prefix_repeat=n, return_hidden=True)
+
 `return_hidden=True` returns the final-normed hidden states `[B, T, D]`
 instead of logits; pair it with `Transformer.unembed_matrix()` and
 `heads.token_logprobs_and_entropy` so the `[B, T, V]` logits are never
@@ -157,6 +170,43 @@ class _CacheWriter:
     return self.k[i], self.v[i]
 
 
+class _KVRecorder:
+  """Attends within the call's own tokens and records each layer's k/v (`return_kv`)."""
+
+  def __init__(self):
+    self.layer, self.ks, self.vs = 0, [], []
+
+  def pos(self, own_pos_BxT: jax.Array) -> jax.Array:
+    return own_pos_BxT
+
+  def __call__(self, k_BxTxKxDh: jax.Array, v_BxTxKxDh: jax.Array):
+    self.ks.append(k_BxTxKxDh)
+    self.vs.append(v_BxTxKxDh)
+    return k_BxTxKxDh, v_BxTxKxDh
+
+
+class _PrefixReader:
+  """Attends to a fixed prefix (row r reads prefix row r // repeat) and then the own tokens."""
+
+  def __init__(self, prefix: KVCache, repeat: int, b: int):
+    if prefix.batch * repeat != b:
+      raise ValueError(f"Transformer: a prefix of {prefix.batch} rows repeated {repeat} times "
+                       f"does not give the batch's {b} rows")
+    self.prefix, self.repeat, self.layer = prefix, repeat, 0
+
+  def _rows(self, x: jax.Array) -> jax.Array:
+    return x if self.repeat == 1 else jnp.repeat(x, self.repeat, axis=0)
+
+  def pos(self, own_pos_BxT: jax.Array) -> jax.Array:
+    return jnp.concatenate([self._rows(self.prefix.pos), own_pos_BxT], axis=1)
+
+  def __call__(self, k_BxTxKxDh: jax.Array, v_BxTxKxDh: jax.Array):
+    i = self.layer
+    k = jnp.concatenate([self._rows(self.prefix.k[i]).astype(k_BxTxKxDh.dtype), k_BxTxKxDh], 1)
+    v = jnp.concatenate([self._rows(self.prefix.v[i]).astype(v_BxTxKxDh.dtype), v_BxTxKxDh], 1)
+    return k, v
+
+
 class RMSNorm(nnx.Module):
   def __init__(self, dim: int, eps: float, dtype: Any):
     self.scale = nnx.Param(jnp.ones((dim,), dtype))
@@ -261,25 +311,31 @@ class Transformer(nnx.Module):
   def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
                mask_BxT: jax.Array | None = None, cache: KVCache | None = None,
                cache_index_B: jax.Array | None = None, *, return_hidden: bool = False,
-               remat: bool = False) -> tuple[jax.Array, KVCache | None]:
+               remat: bool = False, prefix: KVCache | None = None, prefix_repeat: int = 1,
+               return_kv: bool = False) -> tuple[jax.Array, KVCache | None]:
     """Returns `(logits_BxTxV or hidden_BxTxD, new_cache)`; see the module docstring.
 
     `remat=True` rematerialises each block in the backward pass (less activation
-    memory for training; ignored with a cache).
+    memory for training; ignored with a cache, a prefix or `return_kv`).
+    `new_cache` is the updated cache, the recorded k/v (`return_kv`) or None.
     """
     b, t = tokens_BxT.shape
     positions_BxT = positions_BxT.astype(jnp.int32)
     if mask_BxT is None:
       mask_BxT = jnp.ones((b, t), bool)
     own_pos_BxT = jnp.where(mask_BxT, positions_BxT, -1)
+    if sum(x is not None and x is not False for x in (cache, prefix, return_kv)) > 1:
+      raise ValueError("Transformer: cache, prefix and return_kv exclude each other")
     writer = None
-    if cache is None:
-      key_pos_BxS = own_pos_BxT
-    else:
+    if cache is not None:
       if cache_index_B is None:
         raise ValueError("Transformer: a cache needs cache_index_B (the slot of each row's first token)")
       writer = _CacheWriter(cache, cache_index_B, t)
-      key_pos_BxS = writer.pos(own_pos_BxT)
+    elif prefix is not None:
+      writer = _PrefixReader(prefix, prefix_repeat, b)
+    elif return_kv:
+      writer = _KVRecorder()
+    key_pos_BxS = own_pos_BxT if writer is None else writer.pos(own_pos_BxT)
     x = self.embed(tokens_BxT)
     if remat and writer is None:
       # Training: keep only each block's input for the backward pass.
@@ -292,8 +348,10 @@ class Transformer(nnx.Module):
         if writer is not None:
           writer.layer += 1
     new_cache = None
-    if writer is not None:
+    if isinstance(writer, _CacheWriter):
       new_cache = KVCache(k=writer.k, v=writer.v, pos=key_pos_BxS)
+    elif isinstance(writer, _KVRecorder):
+      new_cache = KVCache(k=jnp.stack(writer.ks), v=jnp.stack(writer.vs), pos=own_pos_BxT)
     hidden = self.final_norm(x)
     if return_hidden:
       return hidden, new_cache
@@ -303,9 +361,11 @@ class Transformer(nnx.Module):
 def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxT: jax.Array,
             positions_BxT: jax.Array, mask_BxT: jax.Array | None = None,
             cache: KVCache | None = None, cache_index_B: jax.Array | None = None, *,
-            return_hidden: bool = False, remat: bool = False
+            return_hidden: bool = False, remat: bool = False, prefix: KVCache | None = None,
+            prefix_repeat: int = 1, return_kv: bool = False
             ) -> tuple[jax.Array, KVCache | None]:
   """Pure forward over `nnx.split(model)`: safe inside jit / while_loop / scan."""
   model = nnx.merge(graphdef, params)
   return model(tokens_BxT, positions_BxT, mask_BxT, cache, cache_index_B,
-               return_hidden=return_hidden, remat=remat)
+               return_hidden=return_hidden, remat=remat, prefix=prefix,
+               prefix_repeat=prefix_repeat, return_kv=return_kv)

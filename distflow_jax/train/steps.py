@@ -11,9 +11,20 @@ The model sees ``prompt ++ response`` with explicit positions, so left
 padding of the prompt costs nothing in correctness.  Response token ``t`` is
 predicted by the hidden state at index ``P - 1 + t``.
 
-Micro-batches.  Row ``b`` belongs to micro-batch ``b % M``: with the batch
-sharded over data-parallel devices in contiguous rows, every micro-batch then
-takes rows from every device, so accumulation adds no communication.  The
+Shared prompts.  With ``group_size=n > 1`` the rows come in groups of n
+consecutive rows (a GRPO group: n samples of one prompt), and each group's
+prompt (that of its first row) is run once; its n responses attend to its
+keys/values (``Transformer``'s ``prefix``).  That saves ``(n - 1) / n`` of the
+prompt's compute, forward and backward, and gives the per-row pass's numbers
+when the rows are so grouped.  Callers check that with ``prompts_grouped``
+(on device, per batch): the train step refuses an ungrouped batch (no update,
+``ungrouped = 1`` in its stats) and the workflow nodes raise.
+
+Micro-batches.  Blocks of ``group_size`` consecutive rows (single rows when
+it is 1) are dealt round robin: block ``j`` goes to micro-batch ``j % M``.
+With the batch sharded over data-parallel devices in contiguous rows, every
+micro-batch then takes rows from every device, so accumulation adds no
+communication, and groups stay whole.  The
 loss of each micro-batch is its *sum* divided by the whole batch's
 denominator, so the accumulated gradient is exactly the full-batch mean's.
 
@@ -47,7 +58,8 @@ def sequence_inputs(batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array]:
   return tokens.astype(jnp.int32), mask, positions_from_mask(mask)
 
 
-def _response_hidden(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch) -> jax.Array:
+def _response_hidden_plain(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch
+                           ) -> jax.Array:
   tokens, mask, positions = sequence_inputs(batch)
   p = batch["prompt_tokens"].shape[1]
   n = batch["response_tokens"].shape[1]
@@ -56,10 +68,59 @@ def _response_hidden(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch) ->
   return hidden[:, p - 1:p - 1 + n]
 
 
+def _response_hidden_shared(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch,
+                            group_size: int) -> jax.Array:
+  """`_response_hidden_plain` with each group's prompt (that of its first row) run once."""
+  prompt_mask_GxP = batch["prompt_mask"][::group_size].astype(bool)
+  prompt_GxP = batch["prompt_tokens"][::group_size].astype(jnp.int32)
+  resp_BxN = batch["response_tokens"].astype(jnp.int32)
+  resp_mask_BxN = batch["response_mask"].astype(bool)
+  hidden_GxPxD, kv = forward(graphdef, params, prompt_GxP, positions_from_mask(prompt_mask_GxP),
+                             prompt_mask_GxP, return_hidden=True, return_kv=True)
+  first_BxD = jnp.repeat(hidden_GxPxD[:, -1], group_size, axis=0)  # predicts response token 0
+  if resp_BxN.shape[1] == 1:
+    return first_BxD[:, None]
+  # Response token t sits at position (real prompt length) + t, as `sequence_inputs` gives.
+  start_B = jnp.repeat(prompt_mask_GxP.sum(axis=1, dtype=jnp.int32), group_size)
+  pos_BxN = start_B[:, None] + jnp.cumsum(resp_mask_BxN, axis=1, dtype=jnp.int32) - 1
+  hidden_BxNxD, _ = forward(graphdef, params, resp_BxN[:, :-1], pos_BxN[:, :-1],
+                            resp_mask_BxN[:, :-1], prefix=kv, prefix_repeat=group_size,
+                            return_hidden=True)
+  return jnp.concatenate([first_BxD[:, None], hidden_BxNxD], axis=1)
+
+
+UNGROUPED = ("{where}: the batch's rows are not in groups of consecutive rows with one prompt, "
+             "which model.share_prompt_prefix=True needs (nothing was updated); keep each "
+             "prompt's rollout.n samples together and in order, or set "
+             "model.share_prompt_prefix=False")
+
+
+def prompts_grouped(batch: Batch, group_size: int) -> jax.Array:
+  """Scalar bool: each block of `group_size` consecutive rows has one prompt (tokens and mask)."""
+  def same(x):
+    x = x.reshape(-1, group_size, *x.shape[1:])
+    return jnp.all(x == x[:, :1])
+  return same(batch["prompt_tokens"]) & same(batch["prompt_mask"])
+
+
+def _response_hidden(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch,
+                     group_size: int = 1) -> jax.Array:
+  """Hidden states predicting each response token, ``[B, N, D]`` (see "Shared prompts")."""
+  if group_size <= 1:
+    return _response_hidden_plain(graphdef, params, batch)
+  b = batch["prompt_tokens"].shape[0]
+  if b % group_size:
+    raise ValueError(f"shared prompts: {b} rows are not whole groups of {group_size}")
+  return _response_hidden_shared(graphdef, params, batch, group_size)
+
+
 def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *,
-                      chunk_size: int = 512) -> tuple[jax.Array, jax.Array]:
-  """Float32 ``(logp, entropy)`` of every response token, ``[B, N]`` (0 on padding)."""
-  hidden = _response_hidden(graphdef, params, batch)
+                      chunk_size: int = 512, group_size: int = 1
+                      ) -> tuple[jax.Array, jax.Array]:
+  """Float32 ``(logp, entropy)`` of every response token, ``[B, N]`` (0 on padding).
+
+  ``group_size``: see "Shared prompts" in the module docstring."""
+  hidden = _response_hidden(graphdef, params, batch, group_size)
   model = nnx.merge(graphdef, params)
   logp, ent = heads.token_logprobs_and_entropy(hidden, model.unembed_matrix(),
                                                batch["response_tokens"], chunk_size=chunk_size)
@@ -96,20 +157,24 @@ class ActorLoss:
   kl_estimator: str = "k3"
   kl_in_loss: bool = True
   norm_length: float | None = None  # for seq-mean-token-sum-norm (Dr.GRPO)
+  group_size: int = 1                # rows per shared prompt (see "Shared prompts")
 
   @classmethod
-  def from_config(cls, actor, max_new_tokens: int | None = None) -> "ActorLoss":
+  def from_config(cls, actor, max_new_tokens: int | None = None,
+                  group_size: int = 1) -> "ActorLoss":
     return cls(clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
                dual_clip=actor.dual_clip, ratio_level=actor.ratio_level,
                loss_agg=actor.loss_agg, entropy_coef=actor.entropy_coef,
                kl_coef=actor.kl.coef, kl_estimator=actor.kl.estimator,
                kl_in_loss=not actor.kl.in_reward,
-               norm_length=float(max_new_tokens) if max_new_tokens else None)
+               norm_length=float(max_new_tokens) if max_new_tokens else None,
+               group_size=group_size)
 
 
 def actor_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, cfg: ActorLoss,
                chunk_size: int) -> losses.LossOutput:
-  logp, ent = response_logprobs(graphdef, params, mb, chunk_size=chunk_size)
+  logp, ent = response_logprobs(graphdef, params, mb, chunk_size=chunk_size,
+                                group_size=cfg.group_size)
   use_kl = cfg.kl_in_loss and cfg.kl_coef > 0
   return losses.actor_loss(
       logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"],
@@ -128,27 +193,38 @@ def critic_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, value_clip
                            clip_range=value_clip or None, agg_mode=loss_agg)
 
 
-def _micro_batches(batch: Batch, m: int) -> Batch:
-  """``[B, ...] -> [M, B/M, ...]`` with row b in micro-batch b % M."""
+def _micro_batches(batch: Batch, m: int, block: int = 1) -> Batch:
+  """``[B, ...] -> [M, B/M, ...]``: blocks of `block` consecutive rows dealt round robin
+  (block j to micro-batch j % M); single rows when B is not a multiple of M * block."""
+  b = jax.tree.leaves(batch)[0].shape[0]
+  if b % m:
+    raise ValueError(f"batch of {b} rows does not split into {m} micro-batches")
+  if b % (m * block):
+    block = 1
+
   def split(x):
-    b = x.shape[0]
-    if b % m:
-      raise ValueError(f"batch of {b} rows does not split into {m} micro-batches")
-    return jnp.moveaxis(x.reshape(b // m, m, *x.shape[1:]), 1, 0)
+    x = x.reshape(b // (m * block), m, block, *x.shape[1:])
+    return jnp.moveaxis(x, 1, 0).reshape(m, b // m, *x.shape[3:])
   return jax.tree.map(split, dict(batch))
 
 
 def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.LossOutput],
                     graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                    num_micro_batches: int, agg_mode: str) -> Callable:
+                    num_micro_batches: int, agg_mode: str, group_size: int = 1) -> Callable:
   """``step(params, opt_state, batch) -> (params, opt_state, stats)``, jitted, state donated.
 
   ``stats`` holds sums (``total``, ``count``, ``token_count``, metric sums) plus
   ``grad_norm`` and ``skipped``; ``losses.finalize`` turns the sums into means.
+  ``group_size`` keeps blocks of that many consecutive rows in one micro-batch (see
+  "Micro-batches"); the loss function decides whether it shares their prompts.
   """
 
   def step(params, opt_state, batch):
-    mbs = _micro_batches(batch, num_micro_batches)
+    b = jax.tree.leaves(batch)[0].shape[0]
+    if group_size > 1 and b % (num_micro_batches * group_size):
+      raise ValueError(f"train step: {b} rows do not split into {num_micro_batches} "
+                       f"micro-batches of whole groups of {group_size}")
+    mbs = _micro_batches(batch, num_micro_batches, group_size)
     denom = losses.loss_denominator(batch["response_mask"], agg_mode)
 
     def one(carry, mb):
@@ -171,6 +247,8 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
     (grads, out), _ = jax.lax.scan(one, (zeros, out_init), mbs)
     grad_norm = optax.global_norm(grads)
     ok = jnp.isfinite(out.total) & jnp.isfinite(grad_norm)
+    grouped = prompts_grouped(batch, group_size) if group_size > 1 else jnp.bool_(True)
+    ok = ok & grouped
     updates, new_opt = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
@@ -178,6 +256,7 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
     new_opt = jax.tree.map(keep, new_opt, opt_state)
     stats = {"total": out.total, "count": out.count, "token_count": out.token_count,
              "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32),
+             "ungrouped": (~grouped).astype(jnp.int32),
              **{f"m/{k}": v for k, v in out.metrics.items()}}
     return new_params, new_opt, stats
 
@@ -232,7 +311,10 @@ class _PinnedStep:
 
 
 def finalize_stats(stats: Mapping[str, jax.Array], where: str) -> dict[str, float]:
-  """Host-side means of a step's stats; a skipped step is reported, never raised."""
+  """Host-side means of a step's stats; a skipped step is reported, never raised, except
+  one refused for an ungrouped batch (a wiring error, not a numerical event)."""
+  if int(stats.get("ungrouped", 0)):
+    raise ValueError(UNGROUPED.format(where=where))
   out = losses.LossOutput(stats["total"], stats["count"], stats["token_count"],
                           {k[2:]: v for k, v in stats.items() if k.startswith("m/")})
   skipped = int(stats["skipped"])

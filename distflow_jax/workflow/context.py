@@ -98,6 +98,17 @@ class RunContext:
     return jax.random.fold_in(key, _stable_hash(node.id))
 
 
+def shared_prompt_group(cfg: ml_collections.ConfigDict, num_rows: int, num_shards: int) -> int:
+  """Rows per shared prompt in the sequence passes on a layout of `num_shards` shards: the
+  group size (rollout.n) when model.share_prompt_prefix is on and every shard holds whole
+  groups, else 1 (each row runs its own prompt).  Re-partitions into such a layout keep
+  groups whole and in order (see train/steps.py, "Shared prompts")."""
+  n = cfg.rollout.n
+  if not cfg.model.share_prompt_prefix or n <= 1 or num_rows % (num_shards * n):
+    return 1
+  return n
+
+
 def _stable_hash(text: str) -> int:
   return zlib.crc32(text.encode()) & 0x7FFFFFFF
 

@@ -21,7 +21,7 @@ from distflow_jax.dag.registry import FUNCTIONS
 from distflow_jax.data import redistribute as rd
 from distflow_jax.data.batch import Batch, redistribute_batch
 from distflow_jax.workflow import dynamic_sampling
-from distflow_jax.workflow.context import RunContext
+from distflow_jax.workflow.context import RunContext, shared_prompt_group
 
 
 def _token_lengths(batch: Batch) -> np.ndarray:
@@ -44,9 +44,20 @@ def _run_steps(ctx: RunContext, steps, batch: Batch, current):
     t0 = time.perf_counter()
     if current is not None and step.move_in == "repartition":
       lengths = _token_lengths(batch)
-      group = ctx.cfg.rollout.n if step.layout.name.startswith("rollout") else 1
-      batch, _ = redistribute_batch(batch, lengths, current, lay,
-                                    mode=ctx.cfg.data.redistribute, group_size=group)
+      if step.layout.name.startswith("rollout"):
+        group = ctx.cfg.rollout.n
+      else:  # keep groups whole where the sequence passes can share their prompt
+        group = shared_prompt_group(ctx.cfg, batch.num_samples, lay.num_shards)
+      try:
+        batch, _ = redistribute_batch(batch, lengths, current, lay,
+                                      mode=ctx.cfg.data.redistribute, group_size=group)
+      except ValueError:
+        if group == 1 or step.layout.name.startswith("rollout"):
+          raise
+        # The source layout splits groups over devices: move rows singly (the passes then
+        # see ungrouped rows and run each row's prompt).  Every process decides alike.
+        batch, _ = redistribute_batch(batch, lengths, current, lay,
+                                      mode=ctx.cfg.data.redistribute)
       _block(batch)
       ctx.metrics.add_time(f"time/move_to/{node.id}", time.perf_counter() - t0)
       t0 = time.perf_counter()

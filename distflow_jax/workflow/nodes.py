@@ -23,7 +23,7 @@ from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, expand_groups, t
 from distflow_jax.rewards import registry as reward_registry
 from distflow_jax.rollout import driver
 from distflow_jax.train import steps as steps_lib
-from distflow_jax.workflow.context import RunContext, put_local
+from distflow_jax.workflow.context import RunContext, put_local, shared_prompt_group
 from distflow_jax.workflow.metrics import gather_processes
 
 SEQ_FIELDS = ("prompt_tokens", "prompt_mask", "response_tokens", "response_mask")
@@ -208,6 +208,19 @@ def _on_policy(ctx: RunContext) -> bool:
   return actor.ppo_epochs == 1 and actor.mini_batches == 1 and not actor.recompute_old_logprobs
 
 
+def _prompt_group(ctx: RunContext, node: Node, data: dict, num_parts: int) -> int:
+  """Rows per shared prompt for this pass: rollout.n when sharing is on, `num_parts` parts of
+  the batch hold whole groups and the rows are so grouped (checked on device), else 1."""
+  gs = shared_prompt_group(ctx.cfg, data["response_mask"].shape[0], num_parts)
+  if gs > 1:
+    check = ctx.jitted(("grouped", gs), lambda: jax.jit(
+        functools.partial(steps_lib.prompts_grouped, group_size=gs)))
+    if not bool(check(data)):
+      gs = 1
+  ctx.metrics.add(f"prompt_group/{node.id}", float(gs))
+  return gs
+
+
 def _model_pass(field: str, role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout,
                 batch: Batch) -> Batch:
   if field == "old_logprobs" and _on_policy(ctx):
@@ -219,10 +232,12 @@ def _model_pass(field: str, role: Role, ctx: RunContext, node: Node, lay: dlayou
         steps_lib.response_values, static_argnums=0, out_shardings=lay.sharding))
     out = fn(state.graphdef, state.params, _seq(batch))
   else:
-    fn = ctx.jitted(("logprobs", role, lay), lambda: jax.jit(
-        lambda g, p, b: steps_lib.response_logprobs(g, p, b)[0], static_argnums=0,
-        out_shardings=lay.sharding))
-    out = fn(state.graphdef, state.params, _seq(batch))
+    data = _seq(batch)
+    gs = _prompt_group(ctx, node, data, lay.num_shards)
+    fn = ctx.jitted(("logprobs", role, lay, gs), lambda: jax.jit(
+        lambda g, p, b: steps_lib.response_logprobs(g, p, b, group_size=gs)[0],
+        static_argnums=0, out_shardings=lay.sharding))
+    out = fn(state.graphdef, state.params, data)
   return batch.replace(**{field: out})
 
 
@@ -230,8 +245,13 @@ def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: 
   state = ctx.roles[role]
   section = ctx.section(node, role.value.lower())
   data = _seq(batch)
+  b = data["response_mask"].shape[0]
+  per_shard = b // lay.num_shards // section.get("mini_batches", 1)
+  micro = max(per_shard // section.micro_batch_size, 1)
+  gs = 1
   if role is Role.ACTOR:
-    loss_cfg = steps_lib.ActorLoss.from_config(section, ctx.cfg.rollout.max_new_tokens)
+    gs = _prompt_group(ctx, node, data, lay.num_shards * section.mini_batches * micro)
+    loss_cfg = steps_lib.ActorLoss.from_config(section, ctx.cfg.rollout.max_new_tokens, gs)
     data["advantages"] = batch.data["advantages"]
     data["old_logprobs"] = batch.data.get("old_logprobs", batch.data["rollout_logprobs"])
     if loss_cfg.kl_in_loss and loss_cfg.kl_coef:
@@ -245,14 +265,14 @@ def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: 
     data.update(values=batch.data["values"], returns=batch.data["returns"])
     loss_fn = functools.partial(_critic_loss, value_clip=section.value_clip)
     agg, minis = "token-mean", 1
-  b = data["response_mask"].shape[0]
-  per_shard = b // lay.num_shards // minis
-  micro = max(per_shard // section.micro_batch_size, 1)
   step = ctx.jitted(("train", role, lay, micro, agg, loss_fn.keywords.get("cfg")), lambda:
-                    steps_lib.make_train_step(loss_fn, state.graphdef, state.tx, micro, agg))
-  take = ctx.jitted(("minibatch", minis, lay), lambda: jax.jit(
-      lambda d, i: jax.tree.map(lambda x: x.reshape(x.shape[0] // minis, minis,
-                                                    *x.shape[1:])[:, i], d),
+                    steps_lib.make_train_step(loss_fn, state.graphdef, state.tx, micro, agg, gs))
+  # Mini-batch i: blocks of gs rows (whole groups) dealt round robin, as micro-batches are.
+  blk = gs
+  take = ctx.jitted(("minibatch", minis, blk, lay), lambda: jax.jit(
+      lambda d, i: jax.tree.map(lambda x: x.reshape(x.shape[0] // (minis * blk), minis, blk,
+                                                    *x.shape[1:])[:, i].reshape(
+                                                        -1, *x.shape[1:]), d),
       out_shardings=lay.sharding))
   prefix = "actor" if role is Role.ACTOR else "critic"
   for _ in range(section.ppo_epochs):
