@@ -218,8 +218,9 @@ def test_cache_insert_moves_a_row_and_writes_past_end_are_dropped():
   dst = dst.replace(pos=dst.pos.at[2].set(7))  # stale entries from a finished request
   dst = jax.jit(cache_insert)(dst, prefix, 1, 2)
   np.testing.assert_array_equal(dst.pos[2], [0, 1, 2, 3, -1, -1, -1, -1])
-  np.testing.assert_array_equal(dst.k[:, 2, :4], prefix.k[:, 1])
-  assert np.all(np.asarray(dst.k[:, 2, 4:]) == 0)
+  for dst_k, prefix_k in zip(dst.k, prefix.k):
+    np.testing.assert_array_equal(dst_k[2, :, :4], prefix_k[1])
+    assert np.all(np.asarray(dst_k[2, :, 4:]) == 0)
   # Decoding at slot 4 of row 2 equals the full forward of row 1's sequence + one token.
   nxt = jnp.array([[5], [6], [7]])
   out, _ = FWD(g, p, nxt, jnp.full((3, 1), 4), None, dst, jnp.array([0, 0, 4]))

@@ -47,7 +47,7 @@ def test_prefix_forward_equals_the_full_sequence(model):
   pm = jnp.asarray(batch["prompt_mask"][::NS])
   _, kv = forward(graphdef, params, jnp.asarray(batch["prompt_tokens"][::NS]),
                   positions_from_mask(pm), pm, return_kv=True)
-  assert kv.k.shape == (CFG.num_layers, G, PL, CFG.num_kv_heads, CFG.head_dim)
+  assert [k.shape for k in kv.k] == [(G, CFG.num_kv_heads, PL, CFG.head_dim)] * CFG.num_layers
   resp, _ = forward(graphdef, params, tokens[:, PL:], pos[:, PL:], mask[:, PL:], prefix=kv,
                     prefix_repeat=NS)
   rm = batch["response_mask"]

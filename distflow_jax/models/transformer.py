@@ -14,7 +14,10 @@ Pure functional use (inside `jax.jit`, `lax.while_loop`, `lax.scan`):
     logits_BxTxV, cache = forward(graphdef, params, tokens_BxT, positions_BxT, mask_BxT)
 
 KV cache (an explicit pytree, never module state).  `KVCache.k`/`v` are
-`[layers, B, S, Hkv, Dh]` and `KVCache.pos` is `[B, S]` (-1 = empty slot).
+tuples of one `[B, Hkv, S, Dh]` buffer per layer: separate buffers, heads
+before slots, so that a decode step writes and reads each in place (a stacked
+array costs a copy of the layer's slice per step, slots before heads a
+transposing copy) and `KVCache.pos` is `[B, S]` (-1 = empty slot).
 A call with a cache writes the T new tokens of row b at slots
 `cache_index_B[b] + t` (writes past S are dropped) and attends over all S
 slots, so every row of a decode batch can sit at its own length:
@@ -35,7 +38,7 @@ of a (decode) cache, for continuous batching.
 
 Shared prefixes (training and scoring passes of a GRPO group, whose n rows
 share one prompt).  `return_kv=True` on a cache-less call also returns the
-call's keys/values as a `KVCache` `[L, G, T, ...]` (pos = the key positions).
+call's keys/values as a `KVCache` of `[G, Hkv, T, Dh]` per layer (pos = the key positions).
 A later call with `prefix=that, prefix_repeat=n` runs `G * n` rows (row r
 continues prefix row r // n): each row attends to its prefix and then to its
 own tokens, so the prompt is computed once per group, and gradients flow
@@ -71,25 +74,28 @@ _INIT = nnx.initializers.normal(0.02)
 
 @struct.dataclass
 class KVCache:
-  """Per-layer keys/values `[L, B, S, Hkv, Dh]` and key positions `[B, S]` (-1 = empty)."""
-  k: jax.Array
-  v: jax.Array
+  """Keys/values, a tuple of one `[B, Hkv, S, Dh]` array per layer, and key positions
+  `[B, S]` (-1 = empty)."""
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
   pos: jax.Array
 
   @property
   def max_len(self) -> int:
-    return self.k.shape[2]
+    return self.k[0].shape[2]
 
   @property
   def batch(self) -> int:
-    return self.k.shape[1]
+    return self.k[0].shape[0]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
   """An empty cache for `batch` rows of `max_len` slots."""
-  shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
   dtype = dtype or cfg.jnp_dtype
-  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+  layers = range(cfg.num_layers)
+  return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in layers),
+                 v=tuple(jnp.zeros(shape, dtype) for _ in layers),
                  pos=jnp.full((batch, max_len), -1, jnp.int32))
 
 
@@ -102,12 +108,12 @@ def cache_insert(dst: KVCache, src: KVCache, src_row: jax.Array | int,
   s_src, s_dst = src.max_len, dst.max_len
   if s_src > s_dst:
     raise ValueError(f"cache_insert: source has {s_src} slots, more than destination's {s_dst}")
-  pad = s_dst - s_src
-  k = jnp.pad(src.k[:, src_row], ((0, 0), (0, pad), (0, 0), (0, 0)))
-  v = jnp.pad(src.v[:, src_row], ((0, 0), (0, pad), (0, 0), (0, 0)))
-  pos = jnp.pad(src.pos[src_row], (0, pad), constant_values=-1)
-  return KVCache(k=dst.k.at[:, dst_row].set(k.astype(dst.k.dtype)),
-                 v=dst.v.at[:, dst_row].set(v.astype(dst.v.dtype)),
+  pad = ((0, 0), (0, s_dst - s_src), (0, 0))
+
+  def put(d, s):
+    return d.at[dst_row].set(jnp.pad(s[src_row], pad).astype(d.dtype))
+  pos = jnp.pad(src.pos[src_row], pad[1], constant_values=-1)
+  return KVCache(k=tuple(map(put, dst.k, src.k)), v=tuple(map(put, dst.v, src.v)),
                  pos=dst.pos.at[dst_row].set(pos))
 
 
@@ -151,7 +157,7 @@ class _CacheWriter:
 
   def __init__(self, cache: KVCache, cache_index_B: jax.Array, t: int):
     b = cache.batch
-    self.k, self.v, self.layer = cache.k, cache.v, 0
+    self.k, self.v, self.layer = list(cache.k), list(cache.v), 0
     self.rows_Bx1 = jnp.arange(b)[:, None]
     self.slots_BxT = (jnp.asarray(cache_index_B, jnp.int32).reshape(b, 1)
                       + jnp.arange(t, dtype=jnp.int32))
@@ -163,11 +169,16 @@ class _CacheWriter:
 
   def __call__(self, k_BxTxKxDh: jax.Array, v_BxTxKxDh: jax.Array):
     i = self.layer
-    self.k = self.k.at[i, self.rows_Bx1, self.slots_BxT].set(
-        k_BxTxKxDh.astype(self.k.dtype), mode="drop")
-    self.v = self.v.at[i, self.rows_Bx1, self.slots_BxT].set(
-        v_BxTxKxDh.astype(self.v.dtype), mode="drop")
+    # Indices on B and S around a slice: the indexed view is [B, T, K, Dh], like the values.
+    self.k[i] = self.k[i].at[self.rows_Bx1, :, self.slots_BxT].set(
+        k_BxTxKxDh.astype(self.k[i].dtype), mode="drop")
+    self.v[i] = self.v[i].at[self.rows_Bx1, :, self.slots_BxT].set(
+        v_BxTxKxDh.astype(self.v[i].dtype), mode="drop")
     return self.k[i], self.v[i]
+
+
+def _heads_major(x_BxTxKxDh: jax.Array) -> jax.Array:
+  return jnp.transpose(x_BxTxKxDh, (0, 2, 1, 3))
 
 
 class _KVRecorder:
@@ -180,9 +191,10 @@ class _KVRecorder:
     return own_pos_BxT
 
   def __call__(self, k_BxTxKxDh: jax.Array, v_BxTxKxDh: jax.Array):
-    self.ks.append(k_BxTxKxDh)
-    self.vs.append(v_BxTxKxDh)
-    return k_BxTxKxDh, v_BxTxKxDh
+    k_BxKxTxDh, v_BxKxTxDh = _heads_major(k_BxTxKxDh), _heads_major(v_BxTxKxDh)
+    self.ks.append(k_BxKxTxDh)
+    self.vs.append(v_BxKxTxDh)
+    return k_BxKxTxDh, v_BxKxTxDh
 
 
 class _PrefixReader:
@@ -202,8 +214,10 @@ class _PrefixReader:
 
   def __call__(self, k_BxTxKxDh: jax.Array, v_BxTxKxDh: jax.Array):
     i = self.layer
-    k = jnp.concatenate([self._rows(self.prefix.k[i]).astype(k_BxTxKxDh.dtype), k_BxTxKxDh], 1)
-    v = jnp.concatenate([self._rows(self.prefix.v[i]).astype(v_BxTxKxDh.dtype), v_BxTxKxDh], 1)
+    k = jnp.concatenate([self._rows(self.prefix.k[i]).astype(k_BxTxKxDh.dtype),
+                         _heads_major(k_BxTxKxDh)], axis=2)
+    v = jnp.concatenate([self._rows(self.prefix.v[i]).astype(v_BxTxKxDh.dtype),
+                         _heads_major(v_BxTxKxDh)], axis=2)
     return k, v
 
 
@@ -223,18 +237,17 @@ def _linear(cfg: ModelConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs)
                     kernel_init=_INIT, rngs=rngs)
 
 
-def _attend_one(q_BxKxGxDh: jax.Array, k_BxSxKxDh: jax.Array, v_BxSxKxDh: jax.Array,
+def _attend_one(q_BxKxGxDh: jax.Array, k_BxKxSxDh: jax.Array, v_BxKxSxDh: jax.Array,
                 key_pos_BxS: jax.Array, pos_B: jax.Array) -> jax.Array:
-  """One query per row: the same masked softmax attention as the general path, with scores
-  laid out `[B, S, K, G]` so that the `[B, S, K, Dh]` keys and values are read in place
-  (about 20% off a CPU decode step of the bench model against the `[B, K, G, T, S]` path)."""
+  """One query per row (decode): the general path's masked softmax attention without its
+  T axis."""
   dh = q_BxKxGxDh.shape[-1]
-  scores_BxSxKxG = jnp.einsum("bkgd,bskd->bskg", q_BxKxGxDh * (dh ** -0.5), k_BxSxKxDh,
+  scores_BxKxGxS = jnp.einsum("bkgd,bksd->bkgs", q_BxKxGxDh * (dh ** -0.5), k_BxKxSxDh,
                               preferred_element_type=jnp.float32)
   visible_BxS = (key_pos_BxS >= 0) & (key_pos_BxS <= pos_B[:, None])
-  scores_BxSxKxG = jnp.where(visible_BxS[:, :, None, None], scores_BxSxKxG, _MASK_VALUE)
-  probs = jax.nn.softmax(scores_BxSxKxG, axis=1).astype(v_BxSxKxDh.dtype)
-  return jnp.einsum("bskg,bskd->bkgd", probs, v_BxSxKxDh)
+  scores_BxKxGxS = jnp.where(visible_BxS[:, None, None], scores_BxKxGxS, _MASK_VALUE)
+  probs = jax.nn.softmax(scores_BxKxGxS, axis=-1).astype(v_BxKxSxDh.dtype)
+  return jnp.einsum("bkgs,bksd->bkgd", probs, v_BxKxSxDh)
 
 
 class Attention(nnx.Module):
@@ -264,21 +277,21 @@ class Attention(nnx.Module):
     q_BxTxHxDh = rope(q_BxTxHxDh, positions_BxT, cfg.rope_theta, cfg.rope_llama3)
     k_BxTxKxDh = rope(k_BxTxKxDh, positions_BxT, cfg.rope_theta, cfg.rope_llama3)
     if writer is None:
-      k_BxSxKxDh, v_BxSxKxDh = k_BxTxKxDh, v_BxTxKxDh
+      k_BxKxSxDh, v_BxKxSxDh = _heads_major(k_BxTxKxDh), _heads_major(v_BxTxKxDh)
     else:
-      k_BxSxKxDh, v_BxSxKxDh = writer(k_BxTxKxDh, v_BxTxKxDh)
-    if t == 1:  # decode: a layout that reads the cache as stored (no per-step transpose)
-      out_BxKxGxDh = _attend_one(q_BxTxHxDh.reshape(b, hkv, g, dh), k_BxSxKxDh, v_BxSxKxDh,
+      k_BxKxSxDh, v_BxKxSxDh = writer(k_BxTxKxDh, v_BxTxKxDh)
+    if t == 1:  # decode
+      out_BxKxGxDh = _attend_one(q_BxTxHxDh.reshape(b, hkv, g, dh), k_BxKxSxDh, v_BxKxSxDh,
                                  key_pos_BxS, positions_BxT[:, 0])
       return self.o_proj(out_BxKxGxDh.reshape(b, 1, cfg.num_heads * dh))
     q_BxTxKxGxDh = q_BxTxHxDh.reshape(b, t, hkv, g, dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxDh, k_BxSxKxDh,
+    scores = jnp.einsum("btkgd,bksd->bkgts", q_BxTxKxGxDh, k_BxKxSxDh,
                         preferred_element_type=jnp.float32) * (dh ** -0.5)
     visible_BxTxS = ((key_pos_BxS[:, None, :] >= 0)
                      & (key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]))
     scores = jnp.where(visible_BxTxS[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxDh.dtype)
-    out_BxTxKxGxDh = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxDh)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxDh.dtype)
+    out_BxTxKxGxDh = jnp.einsum("bkgts,bksd->btkgd", probs, v_BxKxSxDh)
     return self.o_proj(out_BxTxKxGxDh.reshape(b, t, cfg.num_heads * dh))
 
 
@@ -367,9 +380,9 @@ class Transformer(nnx.Module):
           writer.layer += 1
     new_cache = None
     if isinstance(writer, _CacheWriter):
-      new_cache = KVCache(k=writer.k, v=writer.v, pos=key_pos_BxS)
+      new_cache = KVCache(k=tuple(writer.k), v=tuple(writer.v), pos=key_pos_BxS)
     elif isinstance(writer, _KVRecorder):
-      new_cache = KVCache(k=jnp.stack(writer.ks), v=jnp.stack(writer.vs), pos=own_pos_BxT)
+      new_cache = KVCache(k=tuple(writer.ks), v=tuple(writer.vs), pos=own_pos_BxT)
     hidden = self.final_norm(x)
     if return_hidden:
       return hidden, new_cache

@@ -1,7 +1,7 @@
 """The pure, jittable pieces of the engine: prefill, insert, a multi-step decode loop.
 
 A decode batch is `B` slots; each slot holds one request at its own length
-in a shared KV cache `[L, B, S, Hkv, Dh]`.  Positions equal cache slots
+in a shared KV cache (`[B, Hkv, S, Dh]` per layer).  Positions equal cache slots
 (prompts are right padded and the pads have key position -1), so a slot's
 next token always sits at cache slot `index_B[b]`.
 
@@ -29,7 +29,7 @@ from distflow_jax.rollout.sampling import SamplingParams, sample
 @struct.dataclass
 class DecodeState:
   """Everything a decode step transforms; every array has the slot axis first (after L)."""
-  cache: KVCache          # k/v [L, B, S, Hkv, Dh], pos [B, S]
+  cache: KVCache          # k/v L x [B, Hkv, S, Dh], pos [B, S]
   tokens_B: jax.Array     # int32: the last sampled token, the next step's input
   index_B: jax.Array      # int32: its position (= cache slot)
   generated_B: jax.Array  # int32: tokens generated so far (the prefill's first token counts)
@@ -40,7 +40,7 @@ class DecodeState:
 
 @struct.dataclass
 class Prefix:
-  """A prefilled batch of prompts: a `[L, P, T, ...]` cache and each row's next-token logits."""
+  """A prefilled batch of prompts: an L x `[P, Hkv, T, Dh]` cache and each row's next-token logits."""
   cache: KVCache
   logits_PxV: jax.Array   # float32 logits after each prompt's last real token
   lengths_P: jax.Array    # int32 true prompt lengths
@@ -76,7 +76,7 @@ def is_stop(tokens: jax.Array, stop_ids: Sequence[int]) -> jax.Array:
 
 def prefill_logits(graphdef: nnx.GraphDef, params: nnx.State, tokens_PxT: jax.Array,
                    lengths_P: jax.Array) -> tuple[KVCache, jax.Array]:
-  """Runs right-padded prompts; returns their `[L, P, T, ...]` cache and last-token logits.
+  """Runs right-padded prompts; returns their L x `[P, Hkv, T, Dh]` cache and last-token logits.
 
   Only the P last hidden states are unembedded, never `[P, T, V]`.
   """
@@ -114,8 +114,11 @@ def insert_rows(state: DecodeState, prefix_cache: KVCache, src_Q: jax.Array, slo
   if t > s:
     raise ValueError(f"insert: prefix of {t} tokens does not fit a decode cache of {s} slots")
   c = state.cache
-  k = c.k.at[:, slots_Q, :t].set(prefix_cache.k[:, src_Q].astype(c.k.dtype), mode="drop")
-  v = c.v.at[:, slots_Q, :t].set(prefix_cache.v[:, src_Q].astype(c.v.dtype), mode="drop")
+
+  def put_rows(dst, src):
+    return dst.at[slots_Q, :, :t].set(src[src_Q].astype(dst.dtype), mode="drop")
+  k = tuple(map(put_rows, c.k, prefix_cache.k))
+  v = tuple(map(put_rows, c.v, prefix_cache.v))
   pos_QxS = jnp.pad(prefix_cache.pos[src_Q], ((0, 0), (0, s - t)), constant_values=-1)
   pos = c.pos.at[slots_Q].set(pos_QxS, mode="drop")
   active_Q = ~is_stop(first_tokens_Q, stop_ids) & (limits_Q > 1)

@@ -182,14 +182,16 @@ class Engine:
   def _kv_spec(self, rows: str | None) -> P:
     tp = self._mesh.shape.get("tensor", 1)
     heads = "tensor" if tp > 1 and self.model_cfg.num_kv_heads % tp == 0 else None
-    return P(None, rows, None, heads, None)
+    return P(rows, heads, None, None)  # each layer's [B, Hkv, S, Dh]
+
+  def _kv_shardings(self, rows: str | None) -> tuple[NamedSharding, ...]:
+    return (NamedSharding(self._mesh, self._kv_spec(rows)),) * self.model_cfg.num_layers
 
   def _decode_state_shardings(self) -> DecodeState:
     m = self._mesh
     rows = NamedSharding(m, P("data"))
     return DecodeState(
-        cache=KVCache(k=NamedSharding(m, self._kv_spec("data")),
-                      v=NamedSharding(m, self._kv_spec("data")),
+        cache=KVCache(k=self._kv_shardings("data"), v=self._kv_shardings("data"),
                       pos=NamedSharding(m, P("data", None))),
         tokens_B=rows, index_B=rows, generated_B=rows, limit_B=rows, active_B=rows,
         keys_Bx2=NamedSharding(m, P("data", None)))
@@ -198,7 +200,7 @@ class Engine:
     """Shardings of a `Prefix` on this engine: rows replicated, KV heads over `tensor`."""
     m = self._mesh
     rep = NamedSharding(m, P())
-    kv = NamedSharding(m, self._kv_spec(None))
+    kv = self._kv_shardings(None)
     return Prefix(cache=KVCache(k=kv, v=kv, pos=rep), logits_PxV=rep, lengths_P=rep,
                   tokens_P=rep, logprobs_P=rep, keys_Px2=rep)
 
