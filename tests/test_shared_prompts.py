@@ -121,12 +121,12 @@ def test_train_step_refuses_an_ungrouped_batch(model):
 
 def test_micro_batches_keep_groups_whole():
   rows = np.arange(24)
-  mbs = steps._micro_batches({"r": rows}, 3, 4)["r"]
+  mbs = steps.deal_rows({"r": rows}, 3, 4)["r"]
   assert mbs.shape == (3, 8)
   np.testing.assert_array_equal(mbs[0], [0, 1, 2, 3, 12, 13, 14, 15])
   np.testing.assert_array_equal(np.sort(np.asarray(mbs).ravel()), rows)
   # 24 rows do not split into 4 micro-batches of whole groups of 4: rows are dealt singly.
-  np.testing.assert_array_equal(steps._micro_batches({"r": rows}, 4, 4)["r"][1],
+  np.testing.assert_array_equal(steps.deal_rows({"r": rows}, 4, 4)["r"][1],
                                 [1, 5, 9, 13, 17, 21])
 
 

@@ -112,6 +112,19 @@ def test_repartition_between_rollout_and_training_layouts(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_two_mini_batches_of_whole_groups(tmp_path):
+  # 32 rows on 8 devices, 2 mini-batches: each shard's part of a mini-batch is one group.
+  cfg, ctx, metrics, changed = run("grpo:tiny", tmp_path, "data.prompts_per_step=16",
+                                   "rollout.n=2", "actor.mini_batches=2",
+                                   "actor.micro_batch_size=2",
+                                   "actor.entropy_coef=0.01", "trainer.total_steps=1")
+  [m] = metrics
+  assert m["prompt_group/train_actor"] == 2.0
+  assert math.isfinite(m["actor/loss"]) and m["actor/skipped"] == 0.0
+  assert changed
+
+
+@pytest.mark.timeout(300)
 def test_raising_reward_plugin_names_the_sample(tmp_path):
   cfg = loading.load("grpo:tiny", smoke_overrides(
       tmp_path, "cluster.devices_per_process=8", "data.prompts_per_step=8", "rollout.n=2",

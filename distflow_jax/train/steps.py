@@ -193,9 +193,10 @@ def critic_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, value_clip
                            clip_range=value_clip or None, agg_mode=loss_agg)
 
 
-def _micro_batches(batch: Batch, m: int, block: int = 1) -> Batch:
+def deal_rows(batch: Batch, m: int, block: int = 1) -> Batch:
   """``[B, ...] -> [M, B/M, ...]``: blocks of `block` consecutive rows dealt round robin
-  (block j to micro-batch j % M); single rows when B is not a multiple of M * block."""
+  (block j to part j % M); single rows when B is not a multiple of M * block.  Splits a
+  batch into micro-batches here and into mini-batches in the train node."""
   b = jax.tree.leaves(batch)[0].shape[0]
   if b % m:
     raise ValueError(f"batch of {b} rows does not split into {m} micro-batches")
@@ -224,7 +225,7 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
     if group_size > 1 and b % (num_micro_batches * group_size):
       raise ValueError(f"train step: {b} rows do not split into {num_micro_batches} "
                        f"micro-batches of whole groups of {group_size}")
-    mbs = _micro_batches(batch, num_micro_batches, group_size)
+    mbs = deal_rows(batch, num_micro_batches, group_size)
     denom = losses.loss_denominator(batch["response_mask"], agg_mode)
 
     def one(carry, mb):

@@ -246,11 +246,11 @@ def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: 
   section = ctx.section(node, role.value.lower())
   data = _seq(batch)
   b = data["response_mask"].shape[0]
-  per_shard = b // lay.num_shards // section.get("mini_batches", 1)
-  micro = max(per_shard // section.micro_batch_size, 1)
+  minis = section.mini_batches if role is Role.ACTOR else 1
+  micro = max(b // lay.num_shards // minis // section.micro_batch_size, 1)
   gs = 1
   if role is Role.ACTOR:
-    gs = _prompt_group(ctx, node, data, lay.num_shards * section.mini_batches * micro)
+    gs = _prompt_group(ctx, node, data, lay.num_shards * minis * micro)
     loss_cfg = steps_lib.ActorLoss.from_config(section, ctx.cfg.rollout.max_new_tokens, gs)
     data["advantages"] = batch.data["advantages"]
     data["old_logprobs"] = batch.data.get("old_logprobs", batch.data["rollout_logprobs"])
@@ -260,19 +260,16 @@ def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: 
                        f"ref_logprob node to its deps or set actor.kl.coef=0")
       data["ref_logprobs"] = batch.data["ref_logprobs"]
     loss_fn = functools.partial(_actor_loss, cfg=loss_cfg)
-    agg, minis = loss_cfg.loss_agg, section.mini_batches
+    agg = loss_cfg.loss_agg
   else:
     data.update(values=batch.data["values"], returns=batch.data["returns"])
     loss_fn = functools.partial(_critic_loss, value_clip=section.value_clip)
-    agg, minis = "token-mean", 1
+    agg = "token-mean"
   step = ctx.jitted(("train", role, lay, micro, agg, loss_fn.keywords.get("cfg")), lambda:
                     steps_lib.make_train_step(loss_fn, state.graphdef, state.tx, micro, agg, gs))
-  # Mini-batch i: blocks of gs rows (whole groups) dealt round robin, as micro-batches are.
-  blk = gs
-  take = ctx.jitted(("minibatch", minis, blk, lay), lambda: jax.jit(
-      lambda d, i: jax.tree.map(lambda x: x.reshape(x.shape[0] // (minis * blk), minis, blk,
-                                                    *x.shape[1:])[:, i].reshape(
-                                                        -1, *x.shape[1:]), d),
+  # Mini-batch i: whole groups (blocks of gs rows) dealt round robin, as micro-batches are.
+  take = ctx.jitted(("minibatch", minis, gs, lay), lambda: jax.jit(
+      lambda d, i: jax.tree.map(lambda x: x[i], steps_lib.deal_rows(d, minis, gs)),
       out_shardings=lay.sharding))
   prefix = "actor" if role is Role.ACTOR else "critic"
   for _ in range(section.ppo_epochs):
