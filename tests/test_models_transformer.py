@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 from distflow_jax.models.config import ModelConfig
-from distflow_jax.models.transformer import (Transformer, cache_insert, forward, init_cache,
-                                             positions_from_mask)
+from distflow_jax.models.transformer import (Transformer, cache_insert, decode_windows, forward,
+                                             init_cache, positions_from_mask)
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 # Eager NNX dispatches op by op (slow on a busy CPU): jit everything but one check.
@@ -206,6 +206,49 @@ def test_kv_cache_decode_equals_full_forward_per_row_lengths(side):
   for r, n in enumerate(lengths):
     got = np.stack([sl[r] for sl in step_logits])
     np.testing.assert_allclose(got, np.asarray(full)[r, n - 1:n + n_new], atol=2e-5, rtol=1e-4)
+
+
+def test_decode_windows_cover_the_cache_in_at_most_eight_steps():
+  assert decode_windows(16) == (16,)
+  assert decode_windows(64) == (16, 32, 48, 64)
+  assert decode_windows(100) == (16, 32, 48, 64, 80, 96, 100)
+  w = decode_windows(2048)
+  assert w == tuple(range(256, 2049, 256)) and len(w) == 8
+
+
+def test_decode_reads_only_the_window_and_still_equals_full_forward():
+  """A 64-slot cache: one-token steps pick the 16/32/48/64-slot window that holds every
+  row's keys; rows at different lengths cross each boundary, and every step's logits
+  equal the no-cache forward over the whole sequence."""
+  cfg = small_cfg("qwen2")
+  g, p = nnx.split(make(cfg))
+  b, s, n_new = 3, 64, 40
+  lengths = np.array([14, 3, 9])
+  seqs = np.asarray(tokens_for(cfg, b, lengths.max() + n_new, seed=5))
+  t_prompt = int(lengths.max())
+  prompt = np.where(np.arange(t_prompt)[None] < lengths[:, None], seqs[:, :t_prompt], 0)
+  mask = np.arange(t_prompt)[None] < lengths[:, None]
+  logits, cache = FWD(g, p, jnp.asarray(prompt), positions_from_mask(jnp.asarray(mask)),
+                      jnp.asarray(mask), init_cache(cfg, b, s), jnp.zeros((b,), jnp.int32))
+  index = lengths.copy()
+  got = []
+  for i in range(n_new):
+    tok = seqs[np.arange(b), lengths + i][:, None]
+    logits, cache = FWD(g, p, jnp.asarray(tok), jnp.asarray(index[:, None]),
+                        jnp.ones((b, 1), bool), cache, jnp.asarray(index))
+    got.append(np.asarray(logits)[:, 0])
+    index += 1
+  total = lengths.max() + n_new
+  full_mask = np.arange(total)[None] < (lengths + n_new)[:, None]
+  full, _ = FWD(g, p, jnp.asarray(np.where(full_mask, seqs, 0)), arange_pos(b, total),
+                jnp.asarray(full_mask))
+  for r, n in enumerate(lengths):
+    np.testing.assert_allclose(np.stack([x[r] for x in got]), np.asarray(full)[r, n:n + n_new],
+                               atol=2e-5, rtol=1e-4)
+  # The step really branches on the window (one attention variant per window and layer).
+  hlo = FWD.lower(g, p, jnp.asarray(tok), jnp.asarray(index[:, None]), jnp.ones((b, 1), bool),
+                  cache, jnp.asarray(index)).as_text()
+  assert hlo.count("case") >= cfg.num_layers, "decode attention does not pick a window"
 
 
 def test_cache_insert_moves_a_row_and_writes_past_end_are_dropped():

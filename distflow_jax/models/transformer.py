@@ -162,6 +162,9 @@ class _CacheWriter:
     self.slots_BxT = (jnp.asarray(cache_index_B, jnp.int32).reshape(b, 1)
                       + jnp.arange(t, dtype=jnp.int32))
     self._old_pos = cache.pos
+    # One past the furthest slot written: every key a query of this call can see lies before
+    # it (slots past a row's own writes hold position -1 or nothing of this sequence).
+    self.end = jnp.max(self.slots_BxT[:, -1]) + 1
 
   def pos(self, own_pos_BxT: jax.Array) -> jax.Array:
     # Writes past the last slot are dropped rather than clamped onto it.
@@ -237,17 +240,39 @@ def _linear(cfg: ModelConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs)
                     kernel_init=_INIT, rngs=rngs)
 
 
+def decode_windows(s: int) -> tuple[int, ...]:
+  """The key windows one-token attention over an S-slot cache picks from (the last is S):
+  multiples of max(16, S / 8), so a layer holds at most 8 variants."""
+  step = max(16, -(-s // 8))
+  return tuple(range(step, s, step)) + (s,)
+
+
 def _attend_one(q_BxKxGxDh: jax.Array, k_BxKxSxDh: jax.Array, v_BxKxSxDh: jax.Array,
-                key_pos_BxS: jax.Array, pos_B: jax.Array) -> jax.Array:
+                key_pos_BxS: jax.Array, pos_B: jax.Array, end: jax.Array | None = None
+                ) -> jax.Array:
   """One query per row (decode): the general path's masked softmax attention without its
-  T axis."""
-  dh = q_BxKxGxDh.shape[-1]
-  scores_BxKxGxS = jnp.einsum("bkgd,bksd->bkgs", q_BxKxGxDh * (dh ** -0.5), k_BxKxSxDh,
-                              preferred_element_type=jnp.float32)
-  visible_BxS = (key_pos_BxS >= 0) & (key_pos_BxS <= pos_B[:, None])
-  scores_BxKxGxS = jnp.where(visible_BxS[:, None, None], scores_BxKxGxS, _MASK_VALUE)
-  probs = jax.nn.softmax(scores_BxKxGxS, axis=-1).astype(v_BxKxSxDh.dtype)
-  return jnp.einsum("bkgs,bksd->bkgd", probs, v_BxKxSxDh)
+  T axis.  With `end` (no key at or past that slot is visible to any row), only the
+  smallest of `decode_windows(S)` that holds `end` slots is read: early decode steps of a
+  long cache touch a fraction of it."""
+  s = k_BxKxSxDh.shape[2]
+  windows = decode_windows(s) if end is not None else (s,)
+
+  def attend(w):
+    def within(q, k, v, key_pos, pos):
+      dh = q.shape[-1]
+      scores_BxKxGxW = jnp.einsum("bkgd,bkwd->bkgw", q * (dh ** -0.5), k[:, :, :w],
+                                  preferred_element_type=jnp.float32)
+      visible_BxW = (key_pos[:, :w] >= 0) & (key_pos[:, :w] <= pos[:, None])
+      scores_BxKxGxW = jnp.where(visible_BxW[:, None, None], scores_BxKxGxW, _MASK_VALUE)
+      probs = jax.nn.softmax(scores_BxKxGxW, axis=-1).astype(v.dtype)
+      return jnp.einsum("bkgw,bkwd->bkgd", probs, v[:, :, :w])
+    return within
+
+  args = (q_BxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, key_pos_BxS, pos_B)
+  if len(windows) == 1:
+    return attend(s)(*args)
+  pick = jnp.searchsorted(jnp.asarray(windows, jnp.int32), end.astype(jnp.int32))
+  return jax.lax.switch(jnp.minimum(pick, len(windows) - 1), [attend(w) for w in windows], *args)
 
 
 class Attention(nnx.Module):
@@ -281,8 +306,9 @@ class Attention(nnx.Module):
     else:
       k_BxKxSxDh, v_BxKxSxDh = writer(k_BxTxKxDh, v_BxTxKxDh)
     if t == 1:  # decode
+      end = writer.end if isinstance(writer, _CacheWriter) else None
       out_BxKxGxDh = _attend_one(q_BxTxHxDh.reshape(b, hkv, g, dh), k_BxKxSxDh, v_BxKxSxDh,
-                                 key_pos_BxS, positions_BxT[:, 0])
+                                 key_pos_BxS, positions_BxT[:, 0], end)
       return self.o_proj(out_BxKxGxDh.reshape(b, 1, cfg.num_heads * dh))
     q_BxTxKxGxDh = q_BxTxHxDh.reshape(b, t, hkv, g, dh)
     scores = jnp.einsum("btkgd,bksd->bkgts", q_BxTxKxGxDh, k_BxKxSxDh,
