@@ -12,8 +12,8 @@ step to the smallest of 8/16/24/32 that holds its longest: length bucketing), 32
 tokens, temperature 1,
 stop at EOS, KL to the reference (coef 0.001, so the reference pass runs on both sides),
 one PPO epoch, adamw lr 1e-4 with global-norm clip 1.0, token-mean loss, one optimizer
-update per step (ours accumulates 4 micro-batches of 8 rows in one jitted scan, Tunix
-takes the 32 rows at once).
+update per step (ours accumulates micro-batches of grpo:tiny's actor.micro_batch_size, 16
+rows, in one jitted scan; Tunix takes the 32 rows at once).
 Tunix runs in its own virtual environment (created here on first use, google-tunix
 0.1.7, about a minute) as a subprocess; ours runs as a subprocess too, so each side
 owns the CPU while it steps.  Our side runs in three variants: `config` (configs/grpo.py's
@@ -51,8 +51,9 @@ def _args(argv):
   p.add_argument("--prompt-len", type=int, default=32, help="max prompt tokens (left-padded)")
   p.add_argument("--new", type=int, default=32, help="max new tokens")
   p.add_argument("--steps", type=int, default=5, help="timed steps per side (after 1 warm-up)")
-  p.add_argument("--micro-batch-size", type=int, default=8,
-                 help="our actor.micro_batch_size (rows per device per micro-batch)")
+  p.add_argument("--micro-batch-size", type=int, default=0,
+                 help="our actor.micro_batch_size (rows per device per micro-batch); 0 = the "
+                      "config's (grpo:tiny: 16)")
   p.add_argument("--devices", type=int, default=1, help="CPU devices for our side")
   p.add_argument("--variants", default="config,lean,plain",
                  help="our sides: 'config' = configs/grpo.py's DAG as shipped; 'lean' = the same "
@@ -284,11 +285,10 @@ def ours_worker(inputs_path: str, lean: bool, share: bool = True) -> int:
       f"data.max_prompt_len={inp['prompt_len']}", f"rollout.prefill_buckets={_buckets(inp['prompt_len'])}",
       f"rollout.max_new_tokens={inp['new']}",
       f"rollout.max_concurrent_decodes={inp['prompts_per_step'] * inp['n']}",
-      f"actor.micro_batch_size={inp['micro']}",
       f"actor.optimizer.lr={inp['lr']}", f"actor.kl.coef={inp['kl_coef']}",
       f"trainer.total_steps={inp['steps']}", f"seed={inp['seed']}",
       f"model.share_prompt_prefix={share}",
-  ]
+  ] + ([f"actor.micro_batch_size={inp['micro']}"] if inp["micro"] else [])
   cfg = load("grpo:tiny", overrides)
   if lean:
     cfg.dag = [dict(n, deps=[d for d in n.get("deps", []) if d != "old_logprob"])
