@@ -38,7 +38,8 @@ def test_chunked_logprobs_and_entropy_match_numpy(chunk_size, temperature):
   np.testing.assert_allclose(ent0, np.log(50.0), rtol=1e-6)
 
 
-def test_chunked_gradient_matches_naive_and_bf16_upcasts():
+@pytest.mark.parametrize("chunk_size", [4, 1000])  # mapped + recomputed chunks; one plain chunk
+def test_chunked_gradient_matches_naive_and_bf16_upcasts(chunk_size):
   kh, kw, ky = jax.random.split(jax.random.key(1), 3)
   h = jax.random.normal(kh, (2, 9, 8))
   w = jax.random.normal(kw, (8, 30))
@@ -51,7 +52,7 @@ def test_chunked_gradient_matches_naive_and_bf16_upcasts():
             - 0.1 * (jnp.exp(lp) * lp).sum())
 
   def chunked(h, w):
-    lp, ent = token_logprobs_and_entropy(h, w, y, chunk_size=4)
+    lp, ent = token_logprobs_and_entropy(h, w, y, chunk_size=chunk_size)
     return lp.sum() + 0.1 * ent.sum()
 
   g_ref = jax.grad(naive, argnums=(0, 1))(h, w)

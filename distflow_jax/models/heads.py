@@ -5,7 +5,7 @@ per-token `log p(target)` and the entropy of the (temperature-scaled)
 next-token distribution without ever materialising the full float32
 `[B, T, V]` logits: tokens are processed `chunk_size` at a time inside a
 `lax.map` whose body is rematerialised (`jax.checkpoint`), so the backward
-pass holds one chunk of logits too.
+pass holds one chunk of logits too (a single chunk is neither mapped nor recomputed).
 
     hidden, _ = forward(graphdef, params, tokens, positions, mask, return_hidden=True)
     model = nnx.merge(graphdef, params)
@@ -53,7 +53,6 @@ def token_logprobs_and_entropy(hidden_BxTxD: jax.Array, unembed_DxV: jax.Array,
   h_NxD = jnp.pad(hidden_BxTxD.reshape(n, d), ((0, pad), (0, 0)))
   y_N = jnp.pad(targets_BxT.reshape(n).astype(jnp.int32), (0, pad))
 
-  @jax.checkpoint
   def one_chunk(args):
     h_CxD, y_C = args
     z_CxV = jnp.einsum("cd,dv->cv", h_CxD, unembed_DxV,
@@ -63,8 +62,11 @@ def token_logprobs_and_entropy(hidden_BxTxD: jax.Array, unembed_DxV: jax.Array,
     p_CxV = jnp.exp(z_CxV - lse_C[:, None])
     return z_y_C - lse_C, lse_C - jnp.sum(p_CxV * z_CxV, axis=-1)
 
-  logp, ent = jax.lax.map(one_chunk, (h_NxD.reshape(num_chunks, chunk, d),
-                                      y_N.reshape(num_chunks, chunk)))
+  if num_chunks == 1:  # nothing to save by recomputing: the backward holds this block anyway
+    logp, ent = one_chunk((h_NxD, y_N))
+    return logp[:n].reshape(b, t), ent[:n].reshape(b, t)
+  logp, ent = jax.lax.map(jax.checkpoint(one_chunk), (h_NxD.reshape(num_chunks, chunk, d),
+                                                      y_N.reshape(num_chunks, chunk)))
   return logp.reshape(-1)[:n].reshape(b, t), ent.reshape(-1)[:n].reshape(b, t)
 
 
