@@ -12,9 +12,9 @@ included).  transformers runs at torch's default thread count and at 1 thread
 is skipped, with a note, when the `hf` extra is not installed.  Default
 model: ~3 M-param Qwen2 shape (vocab 512, d 256, 4 layers, GQA 4:2).
 
-Measured here (2 cores, 2026-11-26, five runs): engine 1586-2468 tok/s,
-1.63-1.88x transformers.generate at 2 threads (1.17x in the noisiest run), 2.0-2.1x
-at 1 thread, 19-30x the no-cache baseline; all four agree on every greedy token.
+Measured here (2 cores, 2026-11-26, fourth session, three runs): engine 2363-2391 tok/s,
+1.71-1.87x transformers.generate at 2 threads, 2.08-2.26x at 1 thread, 28x the no-cache
+baseline; all four agree on every greedy token.
 """
 
 from __future__ import annotations
