@@ -50,8 +50,6 @@ def token_logprobs_and_entropy(hidden_BxTxD: jax.Array, unembed_DxV: jax.Array,
   chunk = min(chunk_size, n)
   num_chunks = -(-n // chunk)
   pad = num_chunks * chunk - n
-  h_NxD = jnp.pad(hidden_BxTxD.reshape(n, d), ((0, pad), (0, 0)))
-  y_N = jnp.pad(targets_BxT.reshape(n).astype(jnp.int32), (0, pad))
 
   def one_chunk(args):
     h_CxD, y_C = args
@@ -62,9 +60,11 @@ def token_logprobs_and_entropy(hidden_BxTxD: jax.Array, unembed_DxV: jax.Array,
     p_CxV = jnp.exp(z_CxV - lse_C[:, None])
     return z_y_C - lse_C, lse_C - jnp.sum(p_CxV * z_CxV, axis=-1)
 
+  h_NxD, y_N = hidden_BxTxD.reshape(n, d), targets_BxT.reshape(n).astype(jnp.int32)
   if num_chunks == 1:  # nothing to save by recomputing: the backward holds this block anyway
     logp, ent = one_chunk((h_NxD, y_N))
-    return logp[:n].reshape(b, t), ent[:n].reshape(b, t)
+    return logp.reshape(b, t), ent.reshape(b, t)
+  h_NxD, y_N = jnp.pad(h_NxD, ((0, pad), (0, 0))), jnp.pad(y_N, (0, pad))
   logp, ent = jax.lax.map(jax.checkpoint(one_chunk), (h_NxD.reshape(num_chunks, chunk, d),
                                                       y_N.reshape(num_chunks, chunk)))
   return logp.reshape(-1)[:n].reshape(b, t), ent.reshape(-1)[:n].reshape(b, t)

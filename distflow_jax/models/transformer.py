@@ -271,8 +271,9 @@ def _attend_one(q_BxKxGxDh: jax.Array, k_BxKxSxDh: jax.Array, v_BxKxSxDh: jax.Ar
   args = (q_BxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, key_pos_BxS, pos_B)
   if len(windows) == 1:
     return attend(s)(*args)
+  # The first window holding `end` slots; past the cache's end, switch clamps to the last.
   pick = jnp.searchsorted(jnp.asarray(windows, jnp.int32), end.astype(jnp.int32))
-  return jax.lax.switch(jnp.minimum(pick, len(windows) - 1), [attend(w) for w in windows], *args)
+  return jax.lax.switch(pick, [attend(w) for w in windows], *args)
 
 
 class Attention(nnx.Module):

@@ -199,7 +199,8 @@ def deal_rows(batch: Batch, m: int, block: int = 1) -> Batch:
   batch into micro-batches here and into mini-batches in the train node."""
   b = jax.tree.leaves(batch)[0].shape[0]
   if b % m:
-    raise ValueError(f"batch of {b} rows does not split into {m} micro-batches")
+    raise ValueError(f"batch of {b} rows does not split into {m} equal parts (micro- or "
+                     f"mini-batches)")
   if b % (m * block):
     block = 1
 
