@@ -13,17 +13,15 @@ from collections.abc import Mapping
 
 import ml_collections
 
+from distflow_jax.config import values
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag import planner as planner_lib
 from distflow_jax.dag.registry import Placement, Registry, unknown_name_message
 from distflow_jax.dag.spec import DagError
 from distflow_jax.dag.validate import Dag, build_dag
 
-LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-            "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-RATIO_LEVELS = ("token", "sequence")
-ON_BAD_ROW = ("skip", "error")
+# The value checks live in config.values; these names stay for code written against them.
+_one_of, _positive = values.one_of, values.positive
 
 
 def topology(cfg: ml_collections.ConfigDict, num_processes: int | None = None,
@@ -64,7 +62,8 @@ def plan_from_config(cfg: ml_collections.ConfigDict, topo: planner_lib.Topology,
   _check_overrides(dag, cfg, registry)
   plan = planner_lib.make_plan(dag, registry, topo, placement=_placement_dict(cfg),
                                rollout_tensor_parallel=cfg.rollout.tensor_parallel)
-  _check_values(cfg)
+  values.check_values(cfg)
+  _check_node_values(dag, cfg, registry)
   _check_batches(cfg, plan, dag, registry)
   return plan
 
@@ -88,61 +87,50 @@ def _check_overrides(dag: Dag, cfg: ml_collections.ConfigDict, registry: Registr
       if isinstance(current, (Mapping, ml_collections.ConfigDict)) != isinstance(value, Mapping):
         raise DagError(f"{where}: {value!r} does not match the shape of config.{section}.{key}")
       if isinstance(current, bool) != isinstance(value, bool) or (
-          isinstance(current, (int, float)) and not isinstance(value, (int, float))):
+          isinstance(current, (int, float)) and not isinstance(value, (int, float))) or (
+          isinstance(current, str) != isinstance(value, str)):
         raise DagError(f"{where}: {value!r} has the wrong type for config.{section}.{key} "
                        f"(currently {current!r})")
 
 
-def _one_of(value, valid, key: str) -> None:
-  if value not in valid:
-    raise ConfigError(f"{key}={value!r} is not valid; choose one of {list(valid)}")
+def node_section(cfg: ml_collections.ConfigDict, node, registry: Registry
+                 ) -> ml_collections.ConfigDict:
+  """The config section of the node's function with the node's overrides applied, as the
+  run sees it (``RunContext.section``)."""
+  section = registry.spec(node.fn).section
+  base = cfg[section]
+  if not node.overrides:
+    return base
+  merged = ml_collections.ConfigDict(base.to_dict())
+  merged.lock()  # a nested key that does not exist (kl=dict(cof=...)) is refused too
+  try:
+    merged.update(dict(node.overrides))
+  except (TypeError, ValueError, KeyError, AttributeError) as e:
+    msg = str(e.args[0] if e.args else e).splitlines()[0]
+    raise DagError(f"DAG node {node.id!r}: config overrides {dict(node.overrides)} do not "
+                   f"apply to config.{section}: {msg}") from None
+  return merged
 
 
-def _positive(value, key: str, allow_zero: bool = False) -> None:
-  ok = value >= 0 if allow_zero else value > 0
-  if not ok:
-    raise ConfigError(f"{key}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
-
-
-def _check_values(cfg) -> None:
-  r, a, d = cfg.rollout, cfg.actor, cfg.data
-  _positive(r.n, "rollout.n")
-  _positive(r.max_new_tokens, "rollout.max_new_tokens")
-  _positive(r.max_concurrent_decodes, "rollout.max_concurrent_decodes")
-  _positive(r.temperature, "rollout.temperature", allow_zero=True)
-  if not 0.0 < r.top_p <= 1.0:
-    raise ConfigError(f"rollout.top_p={r.top_p!r} must be in (0, 1]")
-  _positive(r.top_k, "rollout.top_k", allow_zero=True)
-  _positive(d.max_prompt_len, "data.max_prompt_len")
-  _positive(d.prompts_per_step, "data.prompts_per_step")
-  _one_of(d.on_bad_row, ON_BAD_ROW, "data.on_bad_row")
-  _one_of(d.redistribute, ("distributed", "centralized"), "data.redistribute")
-  buckets = list(r.prefill_buckets)
-  if not buckets or buckets != sorted(set(buckets)) or buckets[0] <= 0:
-    raise ConfigError(f"rollout.prefill_buckets={buckets} must be positive and strictly "
-                      f"increasing")
-  if buckets[-1] < d.max_prompt_len:
-    raise ConfigError(f"rollout.prefill_buckets={buckets}: the largest bucket is smaller "
-                      f"than data.max_prompt_len={d.max_prompt_len}")
-  total = d.max_prompt_len + r.max_new_tokens
-  if total > cfg.model.max_seq_len:
-    raise ConfigError(f"data.max_prompt_len + rollout.max_new_tokens = {total} exceeds "
-                      f"model.max_seq_len={cfg.model.max_seq_len}")
-  _one_of(a.loss_agg, LOSS_AGG, "actor.loss_agg")
-  _one_of(a.ratio_level, RATIO_LEVELS, "actor.ratio_level")
-  _one_of(a.kl.estimator, KL_ESTIMATORS, "actor.kl.estimator")
-  if a.clip_ratio_low < 0 or a.clip_ratio_high < 0:
-    raise ConfigError("actor.clip_ratio_low/high must be >= 0")
-  if a.kl.target > 0 and not a.kl.in_reward:
-    raise ConfigError("actor.kl.target > 0 (adaptive KL) needs actor.kl.in_reward=True: the "
-                      "coefficient of a KL loss term is fixed at compile time")
-  if a.dual_clip and a.dual_clip <= 1.0:
-    raise ConfigError(f"actor.dual_clip={a.dual_clip} must be 0 (off) or > 1")
-  for role in ("actor", "critic"):
-    _positive(cfg[role].optimizer.lr, f"{role}.optimizer.lr", allow_zero=True)
-    _positive(cfg[role].micro_batch_size, f"{role}.micro_batch_size")
-    _positive(cfg[role].ppo_epochs, f"{role}.ppo_epochs")
-  _positive(a.mini_batches, "actor.mini_batches")
+def _check_node_values(dag: Dag, cfg: ml_collections.ConfigDict, registry: Registry) -> None:
+  """Each node's effective config (the global one with the node's overrides) passes the
+  checks of the global one."""
+  for node in dag.nodes:
+    if not node.overrides:
+      continue
+    section = registry.spec(node.fn).section
+    effective = cfg.copy_and_resolve_references()
+    with effective.unlocked():
+      effective[section] = node_section(cfg, node, registry)
+    where = f"DAG node {node.id!r} (config={dict(node.overrides)})"
+    try:
+      values.check_values(effective)
+    except ConfigError as e:
+      raise ConfigError(f"{where}: {e}") from None
+    if section == "rollout" and effective.rollout.n != cfg.rollout.n:
+      raise ConfigError(f"{where}: rollout.n={effective.rollout.n} differs from the global "
+                        f"rollout.n={cfg.rollout.n} that the rest of the DAG groups and sizes "
+                        f"batches by; set --config.rollout.n={effective.rollout.n} instead")
 
 
 def _check_batches(cfg, plan: planner_lib.Plan, dag: Dag, registry: Registry) -> None:
@@ -167,7 +155,7 @@ def _check_batches(cfg, plan: planner_lib.Plan, dag: Dag, registry: Registry) ->
           f"do not divide by the data-parallel size {lay.dp_size} of node "
           f"{step.node.id!r} ({lay.name})")
     if step.node.role is not None and step.node.type.value == "MODEL_TRAIN":
-      section = cfg[spec.section]
+      section = node_section(cfg, step.node, registry)
       per_shard = samples // lay.dp_size
       mini = section.get("mini_batches", 1)
       if per_shard % mini:

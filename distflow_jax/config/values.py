@@ -1,0 +1,186 @@
+"""Value checks of a config's sections: ranges, finiteness and option names.
+
+``check_values(cfg)`` runs on the global config and, through
+``checks.plan_from_config``, on every DAG node's effective config (the global
+one with the node's ``config=dict(...)`` overrides applied).  Each failure is
+one ``ConfigError`` line naming the key, the bad value and what is valid.
+
+The option lists come from the code that consumes them (``train.optim``,
+``algos.losses``, ``algos.kl``, ``models.config``, ``data.loader``,
+``data.redistribute``); they are imported when a check runs, so importing
+this module does not import jax.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable
+
+from distflow_jax.config.loading import ConfigError
+
+# Largest learning rate accepted: a step above 1 makes any of the optimizers in
+# train.optim.OPTIMIZERS diverge on a transformer (adam's update is ~lr per weight).
+MAX_LR = 1.0
+
+
+@functools.cache
+def options() -> dict[str, tuple[str, ...]]:
+  """Valid names of the option keys, read from the modules that use them."""
+  from distflow_jax.algos.kl import KLEstimator
+  from distflow_jax.algos.losses import LossAggMode, RatioLevel
+  from distflow_jax.data.loader import OnBadRow
+  from distflow_jax.data.redistribute import Mode
+  from distflow_jax.models.config import DTYPES
+  from distflow_jax.train.optim import OPTIMIZERS, SCHEDULES
+  values = lambda enum: tuple(e.value for e in enum)  # noqa: E731
+  return {
+      "loss_agg": values(LossAggMode), "ratio_level": values(RatioLevel),
+      "kl_estimator": values(KLEstimator), "on_bad_row": values(OnBadRow),
+      "redistribute": values(Mode), "dtype": tuple(DTYPES),
+      "optimizer": tuple(OPTIMIZERS), "schedule": tuple(SCHEDULES),
+  }
+
+
+def one_of(value, valid: Iterable, key: str) -> None:
+  valid = list(valid)
+  if value not in valid:
+    raise ConfigError(f"{key}={value!r} is not valid; choose one of {valid}")
+
+
+def positive(value, key: str, allow_zero: bool = False, note: str = "") -> None:
+  """An integer count (or a number) that must be > 0 (>= 0 with ``allow_zero``)."""
+  ok = value >= 0 if allow_zero else value > 0
+  if not ok:
+    raise ConfigError(f"{key}={value!r} must be {'>= 0' if allow_zero else '> 0'}{note}")
+
+
+def in_range(value, key: str, lo: float | None = None, hi: float | None = None, *,
+             lo_open: bool = False, hi_open: bool = False, note: str = "") -> None:
+  """A finite number within [lo, hi] (an open end excludes the bound; None: unbounded)."""
+  if lo is not None and hi is not None:
+    rule = f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+  elif lo is not None:
+    rule = f"{'>' if lo_open else '>='} {lo:g}"
+  elif hi is not None:
+    rule = f"{'<' if hi_open else '<='} {hi:g}"
+  else:
+    rule = "a finite number"
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    raise ConfigError(f"{key}={value!r} must be "
+                      + (rule if lo is None and hi is None else f"finite and {rule}") + note)
+  if ((lo is not None and (value <= lo if lo_open else value < lo))
+      or (hi is not None and (value >= hi if hi_open else value > hi))):
+    raise ConfigError(f"{key}={value!r} must be {rule}{note}")
+
+
+def check_values(cfg) -> None:
+  """Every value check of ``cfg`` that needs no cluster; raises the first failure."""
+  _check_rollout(cfg.rollout)
+  _check_data(cfg.data)
+  _check_model(cfg.model)
+  r, d = cfg.rollout, cfg.data
+  buckets = list(r.prefill_buckets)
+  if buckets[-1] < d.max_prompt_len:
+    raise ConfigError(f"rollout.prefill_buckets={buckets}: the largest bucket is smaller "
+                      f"than data.max_prompt_len={d.max_prompt_len}")
+  total = d.max_prompt_len + r.max_new_tokens
+  if total > cfg.model.max_seq_len:
+    raise ConfigError(f"data.max_prompt_len + rollout.max_new_tokens = {total} exceeds "
+                      f"model.max_seq_len={cfg.model.max_seq_len}")
+  _check_actor(cfg.actor)
+  for role in ("actor", "critic"):
+    section = cfg[role]
+    positive(section.micro_batch_size, f"{role}.micro_batch_size")
+    positive(section.ppo_epochs, f"{role}.ppo_epochs")
+    check_optimizer(section.optimizer, f"{role}.optimizer")
+  in_range(cfg.critic.value_clip, "critic.value_clip", 0)
+  _check_reward(cfg.reward)
+  _check_algo(cfg.algo)
+  _check_trainer(cfg.trainer)
+
+
+def _check_rollout(r) -> None:
+  positive(r.n, "rollout.n")
+  positive(r.max_new_tokens, "rollout.max_new_tokens")
+  positive(r.max_concurrent_decodes, "rollout.max_concurrent_decodes")
+  positive(r.tensor_parallel, "rollout.tensor_parallel")
+  in_range(r.temperature, "rollout.temperature", 0, note=" (0 = greedy)")
+  in_range(r.top_p, "rollout.top_p", 0, 1, lo_open=True)
+  positive(r.top_k, "rollout.top_k", allow_zero=True)
+  buckets = list(r.prefill_buckets)
+  if not buckets or buckets != sorted(set(buckets)) or buckets[0] <= 0:
+    raise ConfigError(f"rollout.prefill_buckets={buckets} must be positive and strictly "
+                      f"increasing")
+
+
+def _check_data(d) -> None:
+  positive(d.max_prompt_len, "data.max_prompt_len")
+  positive(d.prompts_per_step, "data.prompts_per_step")
+  positive(d.eval_size, "data.eval_size")
+  one_of(d.on_bad_row, options()["on_bad_row"], "data.on_bad_row")
+  one_of(d.redistribute, options()["redistribute"], "data.redistribute")
+
+
+def _check_model(m) -> None:
+  one_of(m.dtype, options()["dtype"], "model.dtype")
+  positive(m.max_seq_len, "model.max_seq_len")
+  w = m.warmstart
+  positive(w.steps, "model.warmstart.steps", allow_zero=True)
+  in_range(w.lr, "model.warmstart.lr", 0, MAX_LR, lo_open=True)
+  positive(w.batch_size, "model.warmstart.batch_size")
+  positive(w.examples, "model.warmstart.examples")
+  in_range(w.plain_answer_prob, "model.warmstart.plain_answer_prob", 0, 1)
+
+
+def _check_actor(a) -> None:
+  one_of(a.loss_agg, options()["loss_agg"], "actor.loss_agg")
+  one_of(a.ratio_level, options()["ratio_level"], "actor.ratio_level")
+  one_of(a.kl.estimator, options()["kl_estimator"], "actor.kl.estimator")
+  in_range(a.clip_ratio_low, "actor.clip_ratio_low", 0)
+  in_range(a.clip_ratio_high, "actor.clip_ratio_high", 0)
+  in_range(a.entropy_coef, "actor.entropy_coef")
+  in_range(a.kl.coef, "actor.kl.coef", 0)
+  in_range(a.kl.target, "actor.kl.target", 0, note=" (0 = a fixed coefficient)")
+  positive(a.kl.horizon, "actor.kl.horizon")
+  if a.kl.target > 0 and not a.kl.in_reward:
+    raise ConfigError("actor.kl.target > 0 (adaptive KL) needs actor.kl.in_reward=True: the "
+                      "coefficient of a KL loss term is fixed at compile time")
+  if a.dual_clip and not (math.isfinite(a.dual_clip) and a.dual_clip > 1.0):
+    raise ConfigError(f"actor.dual_clip={a.dual_clip} must be 0 (off) or > 1")
+  positive(a.mini_batches, "actor.mini_batches")
+
+
+def check_optimizer(o, key: str) -> None:
+  """A ``<role>.optimizer`` section (see ``defaults.optimizer``)."""
+  one_of(o.name, options()["optimizer"], f"{key}.name")
+  one_of(o.schedule, options()["schedule"], f"{key}.schedule")
+  in_range(o.lr, f"{key}.lr", 0, MAX_LR, lo_open=True,
+           note=f" (a step above {MAX_LR:g} diverges with {o.name})")
+  in_range(o.weight_decay, f"{key}.weight_decay", 0)
+  in_range(o.grad_clip, f"{key}.grad_clip", 0, note=" (0 = no clipping)")
+  in_range(o.b1, f"{key}.b1", 0, 1, hi_open=True)
+  in_range(o.b2, f"{key}.b2", 0, 1, hi_open=True)
+  in_range(o.eps, f"{key}.eps", 0, lo_open=True)
+  positive(o.warmup_steps, f"{key}.warmup_steps", allow_zero=True)
+
+
+def _check_reward(r) -> None:
+  for name in ("weight", "correct", "wrong"):
+    in_range(r[name], f"reward.{name}")
+  in_range(r.tolerance, "reward.tolerance", 0)
+
+
+def _check_algo(a) -> None:
+  in_range(a.gamma, "algo.gamma", 0, 1)
+  in_range(a.lam, "algo.lam", 0, 1)
+  positive(a.dynamic_sampling_tries, "algo.dynamic_sampling_tries", allow_zero=True,
+           note=" (0 = off)")
+
+
+def _check_trainer(t) -> None:
+  positive(t.total_steps, "trainer.total_steps")
+  positive(t.eval_every, "trainer.eval_every", allow_zero=True, note=" (0 = no evaluation)")
+  positive(t.save_every, "trainer.save_every", allow_zero=True,
+           note=" (0 = a checkpoint only at the end)")
+  positive(t.keep, "trainer.keep", allow_zero=True, note=" (0 = keep every checkpoint)")
