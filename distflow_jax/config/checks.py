@@ -62,6 +62,8 @@ def plan_from_config(cfg: ml_collections.ConfigDict, topo: planner_lib.Topology,
   _check_overrides(dag, cfg, registry)
   plan = planner_lib.make_plan(dag, registry, topo, placement=_placement_dict(cfg),
                                rollout_tensor_parallel=cfg.rollout.tensor_parallel)
+  from distflow_jax.dag.rules import check_kl_reference  # KL > 0 needs ref_logprobs first
+  check_kl_reference(plan.steps, registry, cfg.actor.kl.coef, cfg.actor.kl.in_reward)
   values.check_values(cfg)
   _check_node_values(dag, cfg, registry)
   _check_batches(cfg, plan, dag, registry)

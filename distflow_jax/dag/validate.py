@@ -10,9 +10,11 @@ ancestor, and at most one ancestor makes each non-summed field).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from distflow_jax.dag import graph, rules
 from distflow_jax.dag.registry import SUMMED_FIELDS, FunctionSpec, Registry
 from distflow_jax.dag.spec import DagError, Node, NodeType, Role, parse_node
 
@@ -23,16 +25,26 @@ class Dag:
   entry: str
 
   def node(self, node_id: str) -> Node:
-    return self._by_id()[node_id]
+    return self._by_id[node_id]
 
+  @functools.cached_property
   def _by_id(self) -> dict[str, Node]:
     return {n.id: n for n in self.nodes}
 
+  @functools.cached_property
+  def _children(self) -> dict[str, list[str]]:
+    return graph.children_of(self.nodes)
+
+  @functools.cached_property
+  def topological(self) -> tuple[Node, ...]:
+    """The nodes, dependencies first (Kahn's order, ties in declaration order)."""
+    return tuple(graph.topological(self.nodes, self._children))
+
   def children(self, node_id: str) -> list[str]:
-    return [n.id for n in self.nodes if node_id in n.deps]
+    return list(self._children[node_id])
 
   def ancestors(self, node_id: str) -> set[str]:
-    by_id, seen, stack = self._by_id(), set(), list(self._by_id()[node_id].deps)
+    by_id, seen, stack = self._by_id, set(), list(self._by_id[node_id].deps)
     while stack:
       d = stack.pop()
       if d not in seen:
@@ -84,6 +96,7 @@ def build_dag(raw_nodes: Sequence[Mapping[str, Any]], registry: Registry,
   _check_reachable(dag)
   _check_sinks(dag)
   _check_data_flow(dag, registry)
+  rules.check_workflow(dag, registry)
   return dag
 
 
@@ -105,22 +118,11 @@ def _check_kind(node: Node, spec: FunctionSpec) -> None:
 
 
 def _check_acyclic(nodes: list[Node]) -> None:
-  by_id = {n.id: n for n in nodes}
-  state: dict[str, int] = {}  # 1 = on the stack, 2 = done
-
-  def visit(nid: str, path: list[str]) -> None:
-    state[nid] = 1
-    for d in by_id[nid].deps:
-      if state.get(d) == 1:
-        cycle = path[path.index(d):] + [d] if d in path else [nid, d]
-        raise DagError(f"the DAG has a cycle: {' -> '.join(reversed(cycle))}")
-      if d not in state:
-        visit(d, path + [d])
-    state[nid] = 2
-
-  for n in nodes:
-    if n.id not in state:
-      visit(n.id, [n.id])
+  ordered = graph.topological(nodes, graph.children_of(nodes))
+  if len(ordered) < len(nodes):
+    cycle = graph.find_cycle(nodes, ordered)
+    size = "" if len(cycle) <= 13 else f" of {len(cycle) - 1} nodes"
+    raise DagError(f"the DAG has a cycle{size}: {graph.cycle_text(cycle)}")
 
 
 def _entry(nodes: list[Node], registry: Registry, entry: str | None) -> str:
@@ -165,16 +167,36 @@ def _check_sinks(dag: Dag) -> None:
 
 
 def _check_data_flow(dag: Dag, registry: Registry) -> None:
+  produces = {n.id: registry.spec(n.fn).produces for n in dag.nodes}
+  # field -> up to two ancestors making it (one for a summed field): enough to tell
+  # "none", "one" and "several" apart in one pass over the edges.
+  seen: dict[str, dict[str, tuple[str, ...]]] = {}
+  for n in dag.topological:
+    acc: dict[str, tuple[str, ...]] = {}
+    for d in n.deps:
+      for field, makers in seen[d].items():
+        _add_makers(acc, field, makers)
+      for field in produces[d]:
+        _add_makers(acc, field, (d,))
+    seen[n.id] = acc
   for n in dag.nodes:
-    spec = registry.spec(n.fn)
-    makers: dict[str, list[str]] = {}
-    for a in sorted(dag.ancestors(n.id)):
-      for field in registry.spec(dag.node(a).fn).produces:
-        makers.setdefault(field, []).append(a)
-    for field in sorted(spec.requires):
-      if field not in makers:
+    for field in sorted(registry.spec(n.fn).requires):
+      makers = seen[n.id].get(field, ())
+      if not makers:
         raise DagError(f"DAG node {n.id!r} (fn {n.fn!r}) needs {field!r}, which none of its "
                        f"ancestors produces; add the node that makes it to its deps")
-      if field not in SUMMED_FIELDS and len(makers[field]) > 1:
+      if field not in SUMMED_FIELDS and len(makers) > 1:
+        every = sorted(a for a in dag.ancestors(n.id) if field in produces[a])
         raise DagError(f"DAG node {n.id!r} sees {field!r} from several ancestors "
-                       f"{makers[field]}; only rewards are summed, keep one producer")
+                       f"{every}; only rewards are summed, keep one producer")
+
+
+def _add_makers(acc: dict[str, tuple[str, ...]], field: str, makers: tuple[str, ...]) -> None:
+  cap = 1 if field in SUMMED_FIELDS else 2
+  cur = acc.get(field, ())
+  for m in makers:
+    if len(cur) >= cap:
+      break
+    if m not in cur:
+      cur += (m,)
+  acc[field] = cur

@@ -1,0 +1,75 @@
+"""Graph helpers for the DAG: children, topological order, a cycle, depth.
+
+Everything here is O(nodes + edges) and iterative (no recursion), so a workflow of
+any size and declaration order validates and plans in linear time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from distflow_jax.dag.spec import Node
+
+
+def children_of(nodes: Sequence[Node]) -> dict[str, list[str]]:
+  """id -> ids of the nodes that depend on it, in declaration order."""
+  out: dict[str, list[str]] = {n.id: [] for n in nodes}
+  for n in nodes:
+    for d in n.deps:
+      out[d].append(n.id)
+  return out
+
+
+def topological(nodes: Sequence[Node], children: dict[str, list[str]]) -> list[Node]:
+  """Kahn's order (roots first, ties in declaration order).  On a cycle the result is
+  short: the nodes on or behind a cycle are left out (see ``find_cycle``)."""
+  by_id = {n.id: n for n in nodes}
+  waiting = {n.id: len(n.deps) for n in nodes}
+  queue = deque(n.id for n in nodes if not n.deps)
+  out: list[Node] = []
+  while queue:
+    nid = queue.popleft()
+    out.append(by_id[nid])
+    for c in children[nid]:
+      waiting[c] -= 1
+      if not waiting[c]:
+        queue.append(c)
+  return out
+
+
+def find_cycle(nodes: Sequence[Node], ordered: Sequence[Node]) -> list[str]:
+  """A cycle among the nodes ``topological`` left out, in data-flow order, from its
+  first declared node and closed (that id again at the end)."""
+  left = {n.id: n for n in nodes}
+  for n in ordered:
+    del left[n.id]
+  # Every node left out has a dependency that was left out too: follow those.
+  nid = next(iter(left))
+  pos: dict[str, int] = {}
+  walk: list[str] = []
+  while nid not in pos:
+    pos[nid] = len(walk)
+    walk.append(nid)
+    nid = next(d for d in left[nid].deps if d in left)
+  cycle = walk[pos[nid]:][::-1]
+  decl = {n.id: i for i, n in enumerate(nodes)}
+  start = min(range(len(cycle)), key=lambda i: decl[cycle[i]])  # first declared
+  cycle = cycle[start:] + cycle[:start]
+  return cycle + cycle[:1]
+
+
+def cycle_text(cycle: Sequence[str], keep: int = 6) -> str:
+  """'a -> b -> a', or for a long cycle its ends around '...'."""
+  if len(cycle) <= 2 * keep + 1:
+    return " -> ".join(cycle)
+  return (f"{' -> '.join(cycle[:keep])} -> ... ({len(cycle) - 2 * keep} more) -> "
+          f"{' -> '.join(cycle[-keep:])}")
+
+
+def depths(ordered: Sequence[Node]) -> dict[str, int]:
+  """Logical depth: 0 for a root, else 1 + the deepest dependency."""
+  depth: dict[str, int] = {}
+  for n in ordered:
+    depth[n.id] = 1 + max((depth[d] for d in n.deps), default=-1)
+  return depth

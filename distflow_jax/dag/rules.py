@@ -1,0 +1,123 @@
+"""Workflow rules beyond the graph: what the executor would otherwise get wrong silently
+or only after set-up and a first rollout.  Every error is one line naming the node(s).
+
+* One producer per batch field (rewards are summed, so several may make them): the
+  executor carries one batch along the chain, so a second producer would overwrite the
+  first even where no single node sees both.
+* One trainer per role: a role has one parameter set and one optimizer state.
+* A critic that is read (``values``) is also trained (``train.critic``).
+* ``check_kl_reference`` (needs the config, called by ``plan_from_config``): a KL
+  coefficient > 0 needs reference log-probs made before the node that reads them.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from distflow_jax.dag.registry import SUMMED_FIELDS, Registry
+from distflow_jax.dag.spec import DagError, Node, NodeType, Role
+
+if TYPE_CHECKING:
+  from distflow_jax.dag.validate import Dag
+
+# Functions that read 'ref_logprobs' when actor.kl.coef > 0: the actor's loss term
+# (actor.kl.in_reward False) and the advantages that subtract a per-token KL penalty
+# from the rewards (in_reward True).  Group advantages use outcome rewards only.
+KL_LOSS_FNS = frozenset({"train.actor"})
+KL_REWARD_FNS = frozenset({"advantage.gae", "advantage.reinforce_pp"})
+REF_FIELD = "ref_logprobs"
+
+
+def check_workflow(dag: "Dag", registry: Registry) -> None:
+  _check_one_producer(dag, registry)
+  _check_one_trainer(dag)
+  _check_critic_trained(dag)
+
+
+def _check_one_producer(dag: "Dag", registry: Registry) -> None:
+  makers: dict[str, list[str]] = {}
+  for n in dag.nodes:
+    for field in registry.spec(n.fn).produces:
+      makers.setdefault(field, []).append(n.id)
+  for field in sorted(makers):
+    if field not in SUMMED_FIELDS and len(makers[field]) > 1:
+      raise DagError(f"DAG nodes {makers[field]} all produce {field!r}; the batch holds one "
+                     f"{field!r}, so one would overwrite the other (only rewards are "
+                     f"summed): keep one producer")
+
+
+def _check_one_trainer(dag: "Dag") -> None:
+  trainers: dict[Role, list[str]] = {}
+  for n in dag.nodes:
+    if n.type is NodeType.MODEL_TRAIN and n.role is not None:
+      trainers.setdefault(n.role, []).append(n.id)
+  for role in sorted(trainers, key=lambda r: r.value):
+    if len(trainers[role]) > 1:
+      raise DagError(f"DAG nodes {trainers[role]} all train the {role.value} model; a role "
+                     f"has one set of weights and one optimizer: keep one MODEL_TRAIN node "
+                     f"for it")
+
+
+def _check_critic_trained(dag: "Dag") -> None:
+  readers = [n.id for n in dag.nodes
+             if n.role is Role.CRITIC and n.type is not NodeType.MODEL_TRAIN]
+  trained = any(n.role is Role.CRITIC and n.type is NodeType.MODEL_TRAIN for n in dag.nodes)
+  if readers and not trained:
+    raise DagError(f"DAG node(s) {readers} run the CRITIC model, but no node trains it, so "
+                   f"its values would never learn: add a train.critic node (deps: the "
+                   f"advantage node and {readers[0]!r})")
+
+
+def check_kl_reference(steps: Iterable[Any], registry: Registry, coef: Any,
+                       in_reward: Any) -> None:
+  """Refuses a KL coefficient > 0 whose reader runs before any node makes 'ref_logprobs'.
+
+  ``steps``: the plan's chain (objects with ``.node``), in execution order; the
+  executor's batch holds every field made earlier in the chain.  ``coef`` and
+  ``in_reward``: ``actor.kl.coef`` and ``actor.kl.in_reward``; a ``train.actor``
+  node's own ``config=dict(kl=...)`` overrides them for its loss.
+  """
+  made: set[str] = set()
+  for step in steps:
+    node = step.node
+    need = ""
+    if node.fn in KL_LOSS_FNS:
+      c, r, where = _node_kl(node, registry, coef, in_reward)
+      if c > 0 and not r:
+        need = f"{where}kl.coef={c} > 0 with kl.in_reward=False (a KL loss term)"
+    elif node.fn in KL_REWARD_FNS:
+      c, r = _number(coef, "actor.kl.coef", node), _flag(in_reward, "actor.kl.in_reward", node)
+      if c > 0 and r:
+        need = f"actor.kl.coef={c} > 0 with actor.kl.in_reward=True (a KL penalty in its rewards)"
+    if need and REF_FIELD not in made:
+      raise DagError(f"DAG node {node.id!r} (fn {node.fn!r}): {need} needs {REF_FIELD!r}, "
+                     f"but no ref_logprob node runs before it; add one to its deps, or set "
+                     f"actor.kl.coef=0")
+    made |= registry.spec(node.fn).produces
+
+
+def _node_kl(node: Node, registry: Registry, coef: Any, in_reward: Any):
+  where = "actor."
+  over = node.overrides.get("kl") if registry.spec(node.fn).section == "actor" else None
+  if over is not None:
+    if not isinstance(over, Mapping):
+      raise DagError(f"DAG node {node.id!r}: config override 'kl' must be a dict, got {over!r}")
+    if "coef" in over or "in_reward" in over:
+      where = "its config override "
+    coef, in_reward = over.get("coef", coef), over.get("in_reward", in_reward)
+  return (_number(coef, f"{where}kl.coef", node), _flag(in_reward, f"{where}kl.in_reward", node),
+          where)
+
+
+def _number(value: Any, key: str, node: Node) -> float:
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise DagError(f"DAG node {node.id!r}: {key}={value!r} must be a number")
+  return float(value)
+
+
+def _flag(value: Any, key: str, node: Node) -> bool:
+  if not isinstance(value, bool):
+    raise DagError(f"DAG node {node.id!r}: {key}={value!r} must be True or False")
+  return value
