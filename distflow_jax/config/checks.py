@@ -38,7 +38,11 @@ def topology(cfg: ml_collections.ConfigDict, num_processes: int | None = None,
 
 def check_runtime_topology(cfg: ml_collections.ConfigDict, process_count: int,
                            local_device_count: int) -> None:
-  """Refuses a config whose cluster block disagrees with the running jax."""
+  """Refuses a config whose cluster block disagrees with the running jax, or that differs
+  from another process's (a collective when there are several processes)."""
+  if process_count > 1:
+    from distflow_jax.config import consistency
+    consistency.check_same_config(cfg)
   for key, want, got in (("num_processes", cfg.cluster.num_processes, process_count),
                          ("devices_per_process", cfg.cluster.devices_per_process,
                           local_device_count)):
