@@ -73,3 +73,11 @@ def depths(ordered: Sequence[Node]) -> dict[str, int]:
   for n in ordered:
     depth[n.id] = 1 + max((depth[d] for d in n.deps), default=-1)
   return depth
+
+
+def short_list(ids: Sequence[str], limit: int = 12) -> str:
+  """``str(list(ids))``, cut to its first ``limit`` ids for a one-line message."""
+  ids = list(ids)
+  if len(ids) <= limit:
+    return str(ids)
+  return f"{str(ids[:limit])[:-1]}, ... {len(ids) - limit} more]"

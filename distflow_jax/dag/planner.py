@@ -10,7 +10,8 @@ then one that consumes what the last node just made (the chain follows the
 data), then the smallest logical depth, then declaration order.  For GRPO this
 yields DistFlow's order (rewards and group advantages before the batch is
 re-partitioned for the model passes); for PPO it yields generate, reward,
-old_logprob, ref_logprob, values, advantage, train_critic, train_actor.
+old_logprob, ref_logprob, values, advantage, train_critic, train_actor.  The
+order is found with heaps (``order.py``) in O((nodes + edges) log nodes).
 
 Layouts.  A layout is the ordered device list plus the data-parallel size
 over it; the batch is split into ``dp_size`` equal parts in device order.
@@ -25,9 +26,11 @@ re-partition moves the batch back to the rollout layout.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from distflow_jax.dag.order import ReadyQueue
 from distflow_jax.dag.registry import Placement, Registry
 from distflow_jax.dag.spec import DagError, Node, Role
 from distflow_jax.dag.validate import Dag
@@ -107,7 +110,11 @@ class Plan:
   rollout_tensor_parallel: int
 
   def step(self, node_id: str) -> Step:
-    return next(s for s in self.steps if s.node.id == node_id)
+    return self._by_id[node_id]
+
+  @functools.cached_property
+  def _by_id(self) -> dict[str, Step]:
+    return {s.node.id: s for s in self.steps}
 
   @property
   def order(self) -> list[str]:
@@ -228,6 +235,9 @@ def make_plan(dag: Dag, registry: Registry, topo: Topology,
     if spec.placement is Placement.ROLLOUT:
       return rollout
     if spec.placement is Placement.ROLE_MESH:
+      if node.role not in meshes:
+        raise DagError(f"DAG node {node.id!r} (fn {node.fn!r}) runs on a role's mesh but "
+                       f"has no role")
       m = meshes[node.role]
       return Layout(name=f"mesh({node.role.value.lower()}, dp={m.dp_size})",
                     devices=m.devices, dp_size=m.dp_size)
@@ -240,25 +250,20 @@ def make_plan(dag: Dag, registry: Registry, topo: Topology,
       return rollout
     return current
 
-  depth: dict[str, int] = {}
-  for n in _kahn(dag):
-    depth[n.id] = 1 + max((depth[d] for d in n.deps), default=-1)
-  decl = {n.id: i for i, n in enumerate(dag.nodes)}
+  def group_of(node: Node):
+    # Nodes of one group always get the same layout (see layout_of).
+    spec = registry.spec(node.fn)
+    if spec.placement is Placement.ROLE_MESH:
+      return spec.placement, node.role
+    return spec.placement, spec.placement is Placement.INHERIT and spec.needs_groups
 
+  ready = ReadyQueue(dag.nodes, group_of)
   steps: list[Step] = []
-  done: set[str] = set()
   current: Layout | None = None
   intact = True
-  while len(done) < len(dag.nodes):
-    ready = [n for n in dag.nodes if n.id not in done and all(d in done for d in n.deps)]
-
-    def key(n: Node):
-      lay = layout_of(n, current, intact)
-      stays = current is not None and lay.same_data_layout(current)
-      follows = bool(steps) and steps[-1].node.id in n.deps
-      return (0 if stays else 1, 0 if follows else 1, depth[n.id], decl[n.id])
-
-    node = min(ready, key=key)
+  while ready.left:
+    node = ready.take(lambda n: current is not None
+                      and layout_of(n, current, intact).same_data_layout(current))
     lay = layout_of(node, current, intact)
     if current is None:
       move = "entry"
@@ -272,7 +277,6 @@ def make_plan(dag: Dag, registry: Registry, topo: Topology,
       intact = lay is rollout
     steps.append(Step(index=len(steps), node=node, layout=lay, move_in=move,
                       groups_intact=intact))
-    done.add(node.id)
     current = lay
 
   by_id = {s.node.id: s for s in steps}
@@ -283,16 +287,6 @@ def make_plan(dag: Dag, registry: Registry, topo: Topology,
   return Plan(steps=tuple(steps), edges=edges, topology=topo,
               meshes=tuple(meshes[r] for r in used),
               rollout_tensor_parallel=rollout_tensor_parallel)
-
-
-def _kahn(dag: Dag) -> list[Node]:
-  done, out = set(), []
-  while len(out) < len(dag.nodes):
-    for n in dag.nodes:
-      if n.id not in done and all(d in done for d in n.deps):
-        done.add(n.id)
-        out.append(n)
-  return out
 
 
 def render(plan: Plan, process: int | None = None) -> str:

@@ -16,6 +16,7 @@ import numbers
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from distflow_jax.dag.graph import short_list
 from distflow_jax.dag.registry import SUMMED_FIELDS, Registry
 from distflow_jax.dag.spec import DagError, Node, NodeType, Role
 
@@ -43,9 +44,9 @@ def _check_one_producer(dag: "Dag", registry: Registry) -> None:
       makers.setdefault(field, []).append(n.id)
   for field in sorted(makers):
     if field not in SUMMED_FIELDS and len(makers[field]) > 1:
-      raise DagError(f"DAG nodes {makers[field]} all produce {field!r}; the batch holds one "
-                     f"{field!r}, so one would overwrite the other (only rewards are "
-                     f"summed): keep one producer")
+      raise DagError(f"DAG nodes {short_list(makers[field])} all produce {field!r}; the "
+                     f"batch holds one {field!r}, so one would overwrite the other (only "
+                     f"rewards are summed): keep one producer")
 
 
 def _check_one_trainer(dag: "Dag") -> None:
@@ -55,9 +56,9 @@ def _check_one_trainer(dag: "Dag") -> None:
       trainers.setdefault(n.role, []).append(n.id)
   for role in sorted(trainers, key=lambda r: r.value):
     if len(trainers[role]) > 1:
-      raise DagError(f"DAG nodes {trainers[role]} all train the {role.value} model; a role "
-                     f"has one set of weights and one optimizer: keep one MODEL_TRAIN node "
-                     f"for it")
+      raise DagError(f"DAG nodes {short_list(trainers[role])} all train the {role.value} "
+                     f"model; a role has one set of weights and one optimizer: keep one "
+                     f"MODEL_TRAIN node for it")
 
 
 def _check_critic_trained(dag: "Dag") -> None:
@@ -65,9 +66,9 @@ def _check_critic_trained(dag: "Dag") -> None:
              if n.role is Role.CRITIC and n.type is not NodeType.MODEL_TRAIN]
   trained = any(n.role is Role.CRITIC and n.type is NodeType.MODEL_TRAIN for n in dag.nodes)
   if readers and not trained:
-    raise DagError(f"DAG node(s) {readers} run the CRITIC model, but no node trains it, so "
-                   f"its values would never learn: add a train.critic node (deps: the "
-                   f"advantage node and {readers[0]!r})")
+    raise DagError(f"DAG node(s) {short_list(readers)} run the CRITIC model, but no node "
+                   f"trains it, so its values would never learn: add a train.critic node "
+                   f"(deps: the advantage node and {readers[0]!r})")
 
 
 def check_kl_reference(steps: Iterable[Any], registry: Registry, coef: Any,

@@ -3,8 +3,10 @@
 Checks, in order: node syntax, duplicate ids, unknown functions, type/role/
 function combinations, missing dependencies, cycles, the entry node,
 reachability from it, dead ends (a non-training sink whose output nobody
-uses), and data flow (each function's required batch fields are made by an
-ancestor, and at most one ancestor makes each non-summed field).
+uses), data flow (each function's required batch fields are made by an
+ancestor, and at most one ancestor makes each non-summed field), then the
+workflow rules of ``rules.py`` (one producer per field, one trainer per role, a
+read critic is trained).  All of it is O(nodes + edges) and never recurses.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def build_dag(raw_nodes: Sequence[Mapping[str, Any]], registry: Registry,
         raise DagError(f"DAG node {n.id!r} depends on itself")
       if d not in ids:
         raise DagError(f"DAG node {n.id!r} depends on {d!r}, which is not a node; "
-                       f"nodes: {sorted(ids)}")
+                       f"nodes: {graph.short_list(sorted(ids))}")
   _check_acyclic(nodes)
   dag = Dag(nodes=tuple(nodes), entry=_entry(nodes, registry, entry))
   _check_reachable(dag)
@@ -129,7 +131,8 @@ def _entry(nodes: list[Node], registry: Registry, entry: str | None) -> str:
   ids = [n.id for n in nodes]
   if entry is not None:
     if entry not in ids:
-      raise DagError(f"entry node {entry!r} is not in the DAG; nodes: {sorted(ids)}")
+      raise DagError(f"entry node {entry!r} is not in the DAG; "
+                     f"nodes: {graph.short_list(sorted(ids))}")
     if next(n for n in nodes if n.id == entry).deps:
       raise DagError(f"entry node {entry!r} must have no dependencies")
     return entry
@@ -139,8 +142,9 @@ def _entry(nodes: list[Node], registry: Registry, entry: str | None) -> str:
   roots = [n.id for n in nodes if not n.deps]
   if len(roots) == 1:
     return roots[0]
-  raise DagError(f"cannot tell the entry node among {roots or ids}: give exactly one node "
-                 f"without dependencies (usually fn 'generate'), or set config.entry")
+  raise DagError(f"cannot tell the entry node among {graph.short_list(roots or ids)}: give "
+                 f"exactly one node without dependencies (usually fn 'generate'), or set "
+                 f"config.entry")
 
 
 def _check_reachable(dag: Dag) -> None:
@@ -152,13 +156,15 @@ def _check_reachable(dag: Dag) -> None:
         stack.append(c)
   lost = [n.id for n in dag.nodes if n.id not in reached]
   if lost:
-    raise DagError(f"DAG node(s) {lost} unreachable from the entry node {dag.entry!r}")
+    raise DagError(f"DAG node(s) {graph.short_list(lost)} unreachable from the entry node "
+                   f"{dag.entry!r}")
 
 
 def _check_sinks(dag: Dag) -> None:
   sinks = [n for n in dag.nodes if not dag.children(n.id)]
   if not any(n.type is NodeType.MODEL_TRAIN for n in sinks):
-    raise DagError(f"the DAG has no training sink: it ends at {[n.id for n in sinks]}, "
+    ends = graph.short_list([n.id for n in sinks])
+    raise DagError(f"the DAG has no training sink: it ends at {ends}, "
                    f"but a workflow must end in a MODEL_TRAIN node (e.g. fn 'train.actor')")
   for n in sinks:
     if n.type is not NodeType.MODEL_TRAIN:
@@ -188,7 +194,7 @@ def _check_data_flow(dag: Dag, registry: Registry) -> None:
       if field not in SUMMED_FIELDS and len(makers) > 1:
         every = sorted(a for a in dag.ancestors(n.id) if field in produces[a])
         raise DagError(f"DAG node {n.id!r} sees {field!r} from several ancestors "
-                       f"{every}; only rewards are summed, keep one producer")
+                       f"{graph.short_list(every)}; only rewards are summed, keep one producer")
 
 
 def _add_makers(acc: dict[str, tuple[str, ...]], field: str, makers: tuple[str, ...]) -> None:
