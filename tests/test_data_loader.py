@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from distflow_jax.data import loader as loader_lib
-from distflow_jax.data.loader import BadRowError, PromptLoader, epoch_seed
+from distflow_jax.config.loading import ConfigError
+from distflow_jax.data.loader import BadRowError, PromptLoader, TooFewRowsError, epoch_seed
 
 
 class CharTokenizer:
@@ -177,7 +178,7 @@ def test_bad_rows_are_counted_and_skipped(tmp_path, caplog):
   for _, reason in BAD_ROWS:
     if reason:
       want[reason] += 1
-  assert ld.counts == {"ok": 2, **want}
+  assert ld.counts == {"ok": 2, **want, "blank_lines": 0}
   assert sum(ld.counts.values()) == len(BAD_ROWS)
   assert "record 1: bad_json" in caplog.text
   with pytest.raises(StopIteration):
@@ -227,3 +228,59 @@ def test_unknown_suffix_and_missing_file(tmp_path):
     _loader(str(tmp_path / "d.csv"))
   with pytest.raises(FileNotFoundError, match="nope.jsonl"):
     _loader(str(tmp_path / "nope.jsonl"))
+
+
+def test_blank_lines_are_counted_and_reported(tmp_path, caplog):
+  path = tmp_path / "d.jsonl"
+  rows = [json.dumps(r) for r in _records(4)]
+  path.write_text(rows[0] + "\n\n" + rows[1] + "\n   \n" + rows[2] + "\n" + rows[3] + "\n\n")
+  with caplog.at_level(logging.WARNING, logger=loader_lib.__name__):
+    ld = _loader(str(path), batch_size=4, shuffle=False, num_epochs=1)
+  assert "3 blank line(s) skipped, the first at line 2" in caplog.text
+  assert ld.num_records == 4
+  b = next(ld)
+  assert [b.host[int(s)]["prompt"] for s in b.data["sample_id"]] == ["q0", "q1", "q2", "q3"]
+  assert ld.counts == {"ok": 4, **{r: 0 for r in loader_lib.REASONS}, "blank_lines": 3}
+  assert "blank_lines" not in ld.get_state()["counts"]  # a property of the file, not a position
+  again = _loader(str(path), batch_size=4, shuffle=False, num_epochs=1)
+  again.set_state(ld.get_state())
+  assert again.counts == ld.counts
+
+
+@pytest.mark.parametrize("records, count, batch, pattern", [
+    (5, 1, 8, r"has 5 records \(5 per process over 1 process\(es\)\), fewer than the batch "
+              r"of 8 per process .*data\.eval_size"),
+    (9, 2, 5, r"has 9 records \(4 per process over 2 process\(es\)\), fewer than the batch "
+              r"of 5"),
+])
+def test_finite_loader_smaller_than_a_batch_is_refused_at_once(tmp_path, records, count,
+                                                               batch, pattern):
+  path = _write_jsonl(tmp_path / "eval.jsonl", _records(records))
+  with pytest.raises(TooFewRowsError, match=pattern) as e:
+    _loader(path, batch_size=batch, num_epochs=1, process_count=count, process_index=count - 1)
+  assert isinstance(e.value, ConfigError) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("prompts, pattern", [
+    (["x" * 40] * 4, r"gave 0 valid prompt\(s\), fewer than one batch of 2; bad rows "
+                     r"\{'too_long': 4\}"),
+    (["x" * 40, "ok", "x" * 40], r"gave 1 valid prompt\(s\), fewer than one batch of 2; "
+                                 r"bad rows \{'too_long': 2\}"),
+])
+def test_finite_loader_without_a_batch_of_valid_rows_names_the_counts(tmp_path, prompts,
+                                                                      pattern):
+  path = _write_jsonl(tmp_path / "eval.jsonl", [{"prompt": p, "answer": "1"} for p in prompts])
+  ld = _loader(path, batch_size=2, num_epochs=1, max_prompt_len=32)
+
+  def first_batch():  # as the trainer takes its evaluation batch, inside a generator
+    yield next(iter(ld))
+
+  with pytest.raises(TooFewRowsError, match=pattern) as e:
+    next(first_batch())
+  assert "\n" not in str(e.value)
+
+
+def test_finite_loader_still_stops_after_full_batches(tmp_path):
+  path = _write_jsonl(tmp_path / "d.jsonl", _records(5))
+  ld = _loader(path, batch_size=2, num_epochs=1)
+  assert len(list(ld)) == 2  # the partial last batch is dropped, as before

@@ -16,7 +16,14 @@ exactly.
 Malformed rows (unreadable JSON, non-UTF-8, missing field, empty prompt,
 prompt longer than ``max_prompt_len`` tokens) are counted by reason and either
 skipped (``on_bad_row="skip"``, with a warning on the first of each reason) or
-refused (``on_bad_row="error"``, raising :class:`BadRowError`).
+refused (``on_bad_row="error"``, raising :class:`BadRowError`).  Blank JSONL lines
+are not records; the loader warns about them and reports their number in
+``counts["blank_lines"]`` (for the whole file, on every process).
+
+A loader with a finite ``num_epochs`` (an evaluation set) that cannot fill its
+first batch raises :class:`TooFewRowsError`, one line with the counts: at
+construction when the file has too few records, while iterating when too many
+of them are malformed (all too long, say).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from typing import Any, Protocol, Sequence
 import grain
 import numpy as np
 
+from distflow_jax.config.loading import ConfigError
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch
 from distflow_jax.data.sources import BadRow, RecordSource, open_source
 
@@ -49,6 +57,10 @@ class OnBadRow(enum.Enum):
 
 class BadRowError(ValueError):
   """A malformed row met with ``on_bad_row="error"``."""
+
+
+class TooFewRowsError(ConfigError):
+  """The data cannot fill a batch: too few records, or too few valid ones."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +188,18 @@ class PromptLoader:
     if len(self.source) < process_count:
       raise ValueError(f"{self.source.path!r} has {len(self.source)} records, "
                        f"fewer than the {process_count} processes reading it")
+    shard = len(self.source) // process_count  # the smallest shard: the same on all processes
+    if num_epochs is not None and shard * num_epochs < batch_size:
+      raise TooFewRowsError(
+          f"{self.source.path!r} has {len(self.source)} records ({shard} per process over "
+          f"{process_count} process(es)), fewer than the batch of {batch_size} per process "
+          f"that {num_epochs} pass(es) over it must fill; ask for fewer (for an evaluation "
+          f"set: data.eval_size) or use a larger file")
+    blank = getattr(self.source, "blank_lines", 0)
+    if blank:
+      log.warning("%r: %d blank line(s) skipped, the first at line %d (they are not rows; "
+                  "counted in loader.counts['blank_lines'])", self.source.path, blank,
+                  self.source.first_blank_line)
     self.tokenizer = tokenizer
     self.batch_size = batch_size
     self.max_prompt_len = max_prompt_len
@@ -210,8 +234,9 @@ class PromptLoader:
 
   @property
   def counts(self) -> dict[str, int]:
-    """Rows accepted (``ok``) and rows refused, by reason, so far."""
-    return dict(self._counts)
+    """Rows accepted (``ok``) and rows refused, by reason, so far; and the blank lines of
+    the file (``blank_lines``: all of them, not just this shard's)."""
+    return {**self._counts, "blank_lines": int(getattr(self.source, "blank_lines", 0))}
 
   def __iter__(self) -> "PromptLoader":
     return self
@@ -240,12 +265,30 @@ class PromptLoader:
         log.warning("skipping malformed row %s (further %s rows are counted, "
                     "see loader.counts)", where, item.reason)
       if scanned > len(self.source) // self.process_count + 1:
-        raise ValueError(f"shard {self.process_index}/{self.process_count} of "
-                         f"{self.source.path!r} has no valid rows; counts "
-                         f"{self.counts}")
+        raise TooFewRowsError(f"shard {self.process_index}/{self.process_count} of "
+                              f"{self.source.path!r} has no valid rows; "
+                              f"{self._bad_summary()}")
+
+  def _bad_summary(self) -> str:
+    bad = {k: v for k, v in self.counts.items() if k != "ok" and v}
+    return (f"bad rows {bad} (see data.max_prompt_len, data.prompt_key/answer_key, "
+            f"data.on_bad_row)" if bad else "no bad rows")
 
   def __next__(self) -> Batch:
-    pairs = [self._next_example() for _ in range(self.batch_size)]
+    pairs = []
+    while len(pairs) < self.batch_size:
+      try:
+        pairs.append(self._next_example())
+      except StopIteration:
+        # The end of the last epoch.  After a full batch it ends the iteration (a partial
+        # last batch is dropped); before the first one the data cannot fill a batch.
+        if self._counts["ok"] > len(pairs):
+          raise
+        raise TooFewRowsError(
+            f"{self.source.path!r}: {self.num_epochs} pass(es) over shard "
+            f"{self.process_index}/{self.process_count} ({len(self._dataset)} records) gave "
+            f"{len(pairs)} valid prompt(s), fewer than one batch of {self.batch_size}; "
+            f"{self._bad_summary()}") from None
     ids = np.full((self.batch_size, self.max_prompt_len), self.pad_id, np.int32)
     for r, (_, ex) in enumerate(pairs):
       ids[r, :ex.prompt_ids.size] = ex.prompt_ids

@@ -31,16 +31,22 @@ class RecordSource(Protocol):
 
 
 class JsonlSource:
-  """One JSON object per non-blank line."""
+  """One JSON object per non-blank line; blank lines are not records, but are counted
+  (``blank_lines``, and ``first_blank_line``, 1-based) so the loader can report them."""
 
   def __init__(self, path: str):
     self.path = os.fspath(path)
     offsets = []
+    self.blank_lines = 0
+    self.first_blank_line: int | None = None
     with open(self.path, "rb") as f:
       pos = 0
-      for line in f:
+      for number, line in enumerate(f, 1):
         if line.strip():
           offsets.append(pos)
+        else:
+          self.blank_lines += 1
+          self.first_blank_line = self.first_blank_line or number
         pos += len(line)
     self._offsets = offsets
 
