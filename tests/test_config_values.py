@@ -52,10 +52,11 @@ def refused(message: str, match: str) -> None:
     ("actor.optimizer.lr=nan", r"^actor\.optimizer\.lr=nan must be finite and in \(0, 1\]"),
     ("actor.optimizer.lr=1e30", r"^actor\.optimizer\.lr=1e\+30 must be in \(0, 1\] \(a step "
                                 r"above 1 diverges with adamw\)$"),
-    ("actor.optimizer.lr=0", r"^actor\.optimizer\.lr=0\.0 must be in \(0, 1\]"),
+    ("actor.optimizer.lr=0", r"^actor\.optimizer\.lr=0\.0 must be in \(0, 1\]$"),
     ("actor.optimizer.lr=-1e-5", r"^actor\.optimizer\.lr=-1e-05 must be in \(0, 1\]"),
     ("critic.optimizer.lr=inf", r"^critic\.optimizer\.lr=inf must be finite"),
-    ("model.warmstart.lr=2", r"^model\.warmstart\.lr=2\.0 must be in \(0, 1\]$"),
+    ("model.warmstart.lr=2", r"^model\.warmstart\.lr=2\.0 must be in \(0, 1\] \(a step above 1 "
+                             r"diverges with adamw\)$"),
     ("actor.optimizer.b2=1", r"^actor\.optimizer\.b2=1\.0 must be in \[0, 1\)$"),
     ("actor.optimizer.eps=0", r"^actor\.optimizer\.eps=0\.0 must be > 0$"),
     ("actor.optimizer.warmup_steps=-1", r"^actor\.optimizer\.warmup_steps=-1 must be >= 0$"),

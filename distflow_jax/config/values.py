@@ -127,7 +127,7 @@ def _check_model(m) -> None:
   positive(m.max_seq_len, "model.max_seq_len")
   w = m.warmstart
   positive(w.steps, "model.warmstart.steps", allow_zero=True)
-  in_range(w.lr, "model.warmstart.lr", 0, MAX_LR, lo_open=True)
+  check_lr(w.lr, "model.warmstart.lr", "adamw")
   positive(w.batch_size, "model.warmstart.batch_size")
   positive(w.examples, "model.warmstart.examples")
   in_range(w.plain_answer_prob, "model.warmstart.plain_answer_prob", 0, 1)
@@ -151,12 +151,18 @@ def _check_actor(a) -> None:
   positive(a.mini_batches, "actor.mini_batches")
 
 
+def check_lr(lr, key: str, optimizer: str) -> None:
+  """A finite learning rate in (0, MAX_LR]."""
+  too_big = isinstance(lr, (int, float)) and math.isfinite(lr) and lr > MAX_LR
+  in_range(lr, key, 0, MAX_LR, lo_open=True,
+           note=f" (a step above {MAX_LR:g} diverges with {optimizer})" if too_big else "")
+
+
 def check_optimizer(o, key: str) -> None:
   """A ``<role>.optimizer`` section (see ``defaults.optimizer``)."""
   one_of(o.name, options()["optimizer"], f"{key}.name")
   one_of(o.schedule, options()["schedule"], f"{key}.schedule")
-  in_range(o.lr, f"{key}.lr", 0, MAX_LR, lo_open=True,
-           note=f" (a step above {MAX_LR:g} diverges with {o.name})")
+  check_lr(o.lr, f"{key}.lr", o.name)
   in_range(o.weight_decay, f"{key}.weight_decay", 0)
   in_range(o.grad_clip, f"{key}.grad_clip", 0, note=" (0 = no clipping)")
   in_range(o.b1, f"{key}.b1", 0, 1, hi_open=True)
