@@ -7,12 +7,20 @@
   distflow-jax export --checkpoint RUN_DIR --out HF_DIR [--step N]  (actor -> safetensors)
   distflow-jax report RUN_DIR [--out DIR]        (PNG plots + report.md of metrics.jsonl)
   distflow-jax eval   --model=HF_DIR --data=FILE.jsonl [--k=8] [--config=...]
+
+Errors are one line on stderr: a mistake in the command, config or files
+(a bad flag, a missing or unreadable path, a broken model folder) exits 2, a
+failure while running exits 1.  `--debug` (anywhere before a bare `--`) or
+DISTFLOW_DEBUG=1 prints the traceback as well.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 
 from absl import flags
@@ -151,8 +159,50 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
 }
 
 
+DEBUG_FLAG = "--debug"
+DEBUG_ENV = "DISTFLOW_DEBUG"
+# An OSError with one of these is about a path the user gave (exit 2); others
+# (a full disk, an I/O error) are failures of the run (exit 1).
+_USER_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM,
+                          errno.EROFS, errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP,
+                          errno.ENOTEMPTY, errno.EXDEV})
+
+
+def _take_debug(argv: list[str]) -> tuple[list[str], bool]:
+  """argv without `--debug` (only before a bare `--`: what follows belongs to a child
+  command), and whether it or DISTFLOW_DEBUG asks for tracebacks."""
+  end = argv.index("--") if "--" in argv else len(argv)
+  head = [a for a in argv[:end] if a != DEBUG_FLAG]
+  env = os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+  return head + argv[end:], env or len(head) < end
+
+
+def _one_line(text: str) -> str:
+  lines = [l.strip() for l in str(text).splitlines() if l.strip()]
+  return lines[0] if lines else ""
+
+
+def _describe_os_error(e: OSError) -> str:
+  """`<what went wrong>: <path>` (plus the second path of a rename or link)."""
+  if e.filename is None:
+    return _one_line(str(e)) or type(e).__name__
+  def path(p):
+    return os.fsdecode(p) if isinstance(p, (str, bytes)) else str(p)
+  where = path(e.filename) + ("" if e.filename2 is None else f" -> {path(e.filename2)}")
+  return f"{e.strerror or type(e).__name__}: {where}"
+
+
+def _fail(cmd: str, message: str, code: int, debug: bool) -> int:
+  if debug:
+    traceback.print_exc()
+  print(f"distflow-jax {cmd}: {message}", file=sys.stderr)
+  return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-  argv = list(sys.argv[1:] if argv is None else argv)
+  """Runs one command; returns its exit code.  Never raises (but SystemExit and
+  KeyboardInterrupt): errors become one line on stderr (see the module doc)."""
+  argv, debug = _take_debug(list(sys.argv[1:] if argv is None else argv))
   if not argv or argv[0] in ("-h", "--help", "help"):
     print(__doc__.strip())
     print(f"\ncommands: {', '.join(COMMANDS)}")
@@ -165,8 +215,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     return COMMANDS[cmd](rest)
   except (loading.ConfigError, DagError) as e:
-    print(f"distflow-jax {cmd}: error: {e}", file=sys.stderr)
-    return 2
+    return _fail(cmd, f"error: {e}", 2, debug)
+  except OSError as e:
+    code = 2 if e.errno in _USER_ERRNOS else 1
+    return _fail(cmd, f"error: {_describe_os_error(e)}", code, debug)
+  except Exception as e:  # pylint: disable=broad-except  - a bug or a failed run: one line, exit 1
+    hint = "" if debug else f" (run with {DEBUG_FLAG} or {DEBUG_ENV}=1 for the traceback)"
+    detail = _one_line(str(e))
+    return _fail(cmd, f"failed: {type(e).__name__}{': ' + detail if detail else ''}{hint}", 1,
+                 debug)
 
 
 def entry() -> None:

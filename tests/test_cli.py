@@ -53,3 +53,17 @@ def test_plan_errors_are_one_clean_line(args, pattern):
 def test_unknown_command():
   r = run("trian")
   assert r.returncode == 2 and "unknown command 'trian'" in r.stderr
+
+
+@pytest.mark.timeout(240)
+def test_user_error_deep_in_a_command_is_one_line_and_debug_shows_the_traceback(tmp_path):
+  # A run_dir below a regular file (tests run as root: chmod would not stop them).
+  blocker = tmp_path / "a_file"
+  blocker.write_text("x")
+  args = ("train", "--config=grpo:tiny", f"--config.run_dir={blocker}/run")
+  r = run(*args)
+  assert r.returncode == 2, r.stderr[-2000:]
+  assert f"distflow-jax train: error: Not a directory: {blocker}" in r.stderr
+  assert "Traceback" not in r.stderr
+  r = run("--debug", *args)
+  assert r.returncode == 2 and "Traceback" in r.stderr, r.stderr[-2000:]

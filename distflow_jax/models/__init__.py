@@ -37,10 +37,12 @@ How to use:
 Modules: config (ModelConfig), transformer (model, KV cache, pure forward),
 heads (chunked log-probs / entropy, Critic, reference copy), sharding (rules
 as data, sharded creation), hf_io (safetensors import/export), tokenizer
-(HF `tokenizer.json` + chat template, built-in tiny tokenizer).
+(HF `tokenizer.json` + chat template, built-in tiny tokenizer), errors
+(`ModelFileError`, a `ConfigError` naming the model folder file at fault).
 """
 
 from distflow_jax.models.config import ModelConfig
+from distflow_jax.models.errors import ModelFileError, ModelFileNotFoundError
 from distflow_jax.models.heads import (Critic, critic_values, reference_params,
                                        token_logprobs_and_entropy)
 from distflow_jax.models.hf_io import export_state_dict, load_pretrained, read_config, save_pretrained
@@ -51,7 +53,8 @@ from distflow_jax.models.transformer import (KVCache, Transformer, cache_insert,
                                              init_cache, positions_from_mask)
 
 __all__ = [
-    "ModelConfig", "Critic", "critic_values", "reference_params", "token_logprobs_and_entropy",
+    "ModelConfig", "ModelFileError", "ModelFileNotFoundError", "Critic", "critic_values",
+    "reference_params", "token_logprobs_and_entropy",
     "export_state_dict", "load_pretrained", "read_config", "save_pretrained", "Rules",
     "create_sharded", "fsdp_tp_rules", "make_mesh", "no_sharding", "shard_state", "spec_for",
     "state_shardings", "Tokenizer", "KVCache", "Transformer", "cache_insert", "forward",

@@ -9,9 +9,13 @@ builds every parameter directly in its sharding with
 `jax.make_array_from_callback`: each device reads only its own slice from the
 memory-mapped file, so no parameter is first gathered on one device.
 
-Errors name the culprit: a missing tensor, a shape mismatch, an unexpected
-tensor, an unknown architecture, or a pickle checkpoint (`*.bin`, `*.pt`,
-...: refused, never unpickled).
+Errors are `ModelFileError`s (a `ConfigError`: one line on the command line)
+that name the culprit file: a missing tensor, a shape mismatch, an unexpected
+tensor, an unknown architecture, a `config.json` that is not a JSON object or
+lacks a key, a file that is not safetensors, or a pickle checkpoint (`*.bin`,
+`*.pt`, ...: refused, never unpickled).  The shards an index lists must lie
+inside the model folder: an absolute path or a `..` that leaves it is refused
+(symlinks placed in the folder are followed, as Hugging Face's cache uses them).
 
 Parameter path -> HF tensor name (kernels are stored transposed, `[out, in]`):
 
@@ -42,6 +46,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from distflow_jax.models.config import ModelConfig
+from distflow_jax.models.errors import ModelFileError, ModelFileNotFoundError, read_json_object
 from distflow_jax.models.heads import RewardModel
 from distflow_jax.models.sharding import Rules, no_sharding, path_str, spec_for
 from distflow_jax.models.transformer import Transformer
@@ -73,41 +78,81 @@ def hf_name(path: str) -> tuple[str, bool]:
 def _refuse_pickle(files: Sequence[Path]) -> None:
   bad = [f for f in files if f.suffix in PICKLE_SUFFIXES]
   if bad:
-    raise ValueError(f"refusing pickle checkpoint file(s) {[str(f) for f in bad]}: only "
-                     "*.safetensors is accepted (convert with safetensors' convert script)")
+    raise ModelFileError(f"refusing pickle checkpoint file(s) {[str(f) for f in bad]}: only "
+                         "*.safetensors is accepted (convert with safetensors' convert script)")
+
+
+def _shard_path(folder: Path, index: Path, tensor: Any, shard: Any) -> Path:
+  """``folder / shard`` for one index entry; refuses a shard name that is not a plain
+  relative path inside the folder (absolute, ``..`` leaving it, empty, not a string)."""
+  entry = f"weight_map entry {tensor!r}: {shard!r}"
+  if not isinstance(shard, str) or not shard.strip():
+    raise ModelFileError(f"{index}: {entry} is not a file name")
+  if os.path.isabs(shard) or Path(shard).is_absolute():
+    raise ModelFileError(f"{index}: {entry} is an absolute path; shards must lie inside the "
+                         f"model folder {folder}")
+  # Lexical, not resolved: a symlink placed in the folder (Hugging Face's cache links each
+  # snapshot file to ../../blobs) is the folder owner's doing, the index is only data.
+  rel = os.path.normpath(shard)
+  if rel in (os.curdir, os.pardir) or rel.startswith(os.pardir + os.sep):
+    raise ModelFileError(f"{index}: {entry} points outside the model folder {folder}")
+  return folder / rel
+
+
+def _index_files(folder: Path, index: Path) -> list[Path]:
+  weight_map = read_json_object(index, "safetensors index").get("weight_map")
+  if not isinstance(weight_map, dict) or not weight_map:
+    raise ModelFileError(f"{index}: needs a non-empty \"weight_map\" object "
+                         f"{{tensor name: shard file}}")
+  files = sorted({_shard_path(folder, index, tensor, shard)
+                  for tensor, shard in weight_map.items()})
+  _refuse_pickle(files)
+  missing = [str(f) for f in files if not f.exists()]
+  if missing:
+    raise ModelFileNotFoundError(f"{index} lists missing shard file(s) {missing}")
+  not_files = [str(f) for f in files if not f.is_file()]
+  if not_files:
+    raise ModelFileError(f"{index} lists shard(s) that are not files: {not_files}")
+  return files
 
 
 def _weight_files(path: Path) -> list[Path]:
   if path.is_file():
     _refuse_pickle([path])
-    raise ValueError(f"{path} is a file; pass the checkpoint directory (config.json + *.safetensors)")
+    raise ModelFileError(f"{path} is a file; pass the checkpoint directory "
+                         "(config.json + *.safetensors)")
   if not path.is_dir():
-    raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    raise ModelFileNotFoundError(f"checkpoint directory {path} does not exist")
   index = path / "model.safetensors.index.json"
   if index.exists():
-    names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    files = [path / n for n in names]
-    _refuse_pickle(files)
-    missing = [str(f) for f in files if not f.exists()]
-    if missing:
-      raise FileNotFoundError(f"{index} lists missing shard file(s) {missing}")
-    return files
-  files = sorted(path.glob("*.safetensors"))
+    return _index_files(path, index)
+  files = sorted(f for f in path.glob("*.safetensors") if f.is_file())
   if not files:
     _refuse_pickle(sorted(path.iterdir()))
-    raise FileNotFoundError(f"no *.safetensors file in {path}")
+    raise ModelFileNotFoundError(f"no *.safetensors file in {path}")
   return files
+
+
+def _hf_config_dict(path: str | os.PathLike, what: str = "model config") -> tuple[Path, dict]:
+  cfg_file = Path(path) / "config.json"
+  if not cfg_file.exists():
+    raise ModelFileNotFoundError(f"missing {cfg_file}")
+  return cfg_file, read_json_object(cfg_file, what)
+
+
+def _config_from_dict(cfg_file: Path, d: dict[str, Any], dtype: str | None) -> ModelConfig:
+  try:
+    return ModelConfig.from_hf_dict(d, dtype=dtype)
+  except KeyError as e:
+    raise ModelFileError(f"{cfg_file}: missing required key {e.args[0]!r}") from None
+  except (ValueError, TypeError, AttributeError) as e:
+    raise ModelFileError(f"{cfg_file}: {e}") from None
 
 
 def read_config(path: str | os.PathLike, dtype: str | None = None) -> ModelConfig:
   """The ModelConfig of a local HF checkpoint directory's `config.json`."""
-  cfg_file = Path(path) / "config.json"
-  if not cfg_file.exists():
-    raise FileNotFoundError(f"missing {cfg_file}")
-  try:
-    return ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()), dtype=dtype)
-  except (KeyError, ValueError) as e:
-    raise ValueError(f"{cfg_file}: {e}") from e
+  cfg_file, d = _hf_config_dict(path)
+  return _config_from_dict(cfg_file, d, dtype)
 
 
 def load_pretrained(path: str | os.PathLike, mesh: Mesh | None = None,
@@ -136,19 +181,18 @@ def reward_hf_name(path: str) -> tuple[str, bool]:
 
 def read_reward_config(path: str | os.PathLike, dtype: str | None = None) -> ModelConfig:
   """The backbone config of a `*ForSequenceClassification` checkpoint with one label."""
-  cfg_file = Path(path) / "config.json"
-  if not cfg_file.exists():
-    raise FileNotFoundError(f"reward model: missing {cfg_file}")
-  d = json.loads(cfg_file.read_text())
+  cfg_file, d = _hf_config_dict(path, "reward model config")
   archs = d.get("architectures") or []
-  if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
-    raise ValueError(f"{cfg_file}: a reward model must be a *ForSequenceClassification "
-                     f"checkpoint with num_labels=1, got architectures={archs}")
+  if not isinstance(archs, list):
+    raise ModelFileError(f"{cfg_file}: \"architectures\" must be a list, got {archs!r}")
+  if archs and not any(str(a).endswith("ForSequenceClassification") for a in archs):
+    raise ModelFileError(f"{cfg_file}: a reward model must be a *ForSequenceClassification "
+                         f"checkpoint with num_labels=1, got architectures={archs}")
   labels = d.get("num_labels", len(d.get("id2label") or {"0": None}))
   if labels != 1:
-    raise ValueError(f"{cfg_file}: a reward model has one output (num_labels=1), this one has "
-                     f"{labels}")
-  return read_config(path, dtype)
+    raise ModelFileError(f"{cfg_file}: a reward model has one output (num_labels=1), this one "
+                         f"has {labels}")
+  return _config_from_dict(cfg_file, d, dtype)
 
 
 def load_reward_model(path: str | os.PathLike, mesh: Mesh | None = None,
@@ -170,7 +214,7 @@ def _load_module(path: Path, make: Callable[[], nnx.Module],
   rules = rules or no_sharding()
   graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
   with contextlib.ExitStack() as stack:
-    handles = [(f, stack.enter_context(safe_open(str(f), framework="numpy"))) for f in files]
+    handles = [(f, stack.enter_context(_open_safetensors(f))) for f in files]
     where = {name: (f, h) for f, h in handles for name in h.keys()}
     used = set()
     flat = []
@@ -178,29 +222,42 @@ def _load_module(path: Path, make: Callable[[], nnx.Module],
       p, aval = path_str(key), var.get_value()
       name, transposed = name_of(p)
       if name not in where:
-        raise ValueError(f"missing tensor {name!r} (for parameter {p}) in {[str(f) for f in files]}")
+        raise ModelFileError(f"missing tensor {name!r} (for parameter {p}) in "
+                             f"{[str(f) for f in files]}")
       f, h = where[name]
       tensor = h.get_slice(name)
       want = tuple(reversed(aval.shape)) if transposed else tuple(aval.shape)
       if tuple(tensor.get_shape()) != want:
-        raise ValueError(f"shape mismatch for tensor {name!r} in {f}: file has "
-                         f"{tuple(tensor.get_shape())}, config {path / 'config.json'} needs {want}")
+        raise ModelFileError(f"shape mismatch for tensor {name!r} in {f}: file has "
+                             f"{tuple(tensor.get_shape())}, config {path / 'config.json'} "
+                             f"needs {want}")
       used.add(name)
       sharding = (SingleDeviceSharding(jax.local_devices()[0]) if mesh is None else
                   NamedSharding(mesh, spec_for(p, aval.shape, rules, mesh)))
 
-      def read(index, tensor=tensor, transposed=transposed, dtype=aval.dtype):
-        if transposed:
-          return np.asarray(tensor[tuple(reversed(index))]).T.astype(dtype)
-        return np.asarray(tensor[index]).astype(dtype)
+      def read(index, tensor=tensor, transposed=transposed, dtype=aval.dtype, f=f, name=name):
+        try:
+          if transposed:
+            return np.asarray(tensor[tuple(reversed(index))]).T.astype(dtype)
+          return np.asarray(tensor[index]).astype(dtype)
+        except Exception as e:  # pylint: disable=broad-except  (an unreadable dtype, say)
+          raise ModelFileError(f"{f}: cannot read tensor {name!r}: {e}") from None
 
       flat.append((key, var.replace(jax.make_array_from_callback(aval.shape, sharding, read))))
     skip = set(n for n in where if n.endswith(_IGNORED)) | set(ignorable)
     extra = sorted(set(where) - used - skip)
     if extra:
-      raise ValueError(f"unexpected tensor(s) {extra[:8]} in {path} for {what} "
-                       f"(wrong config.json?)")
+      raise ModelFileError(f"unexpected tensor(s) {extra[:8]} in {path} for {what} "
+                           f"(wrong config.json?)")
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _open_safetensors(f: Path) -> Any:
+  try:
+    return safe_open(str(f), framework="numpy")
+  except Exception as e:  # pylint: disable=broad-except  (SafetensorError is not exported)
+    raise ModelFileError(f"{f} is not a readable safetensors file (truncated or another "
+                         f"format?): {e}") from None
 
 
 def _host_array(x: jax.Array) -> np.ndarray:

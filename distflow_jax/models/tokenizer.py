@@ -30,6 +30,8 @@ from typing import Any, Sequence
 
 import tokenizers
 
+from distflow_jax.models.errors import ModelFileError, ModelFileNotFoundError, read_json_object
+
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 BUILTIN_TOKENIZER = "tiny_tokenizer.json"
@@ -61,9 +63,13 @@ class Tokenizer:
     self.bos_token = bos
     self.bos_id = None if bos is None else self._id(bos, "bos_token")
     extra = self.generation_config.get("eos_token_id", [])
-    extra = extra if isinstance(extra, list) else [extra]
+    extra = [i for i in (extra if isinstance(extra, list) else [extra]) if i is not None]
     self.eos_ids = tuple(dict.fromkeys([self.eos_id, *extra]))
     self.chat_template = self.config.get("chat_template")
+    if self.chat_template is not None and not isinstance(self.chat_template, str):
+      raise ValueError(f"chat_template must be a string, got a {type(self.chat_template).__name__}"
+                       " (named templates are not supported)")
+    self.template_source: str | None = None  # the file the chat template came from
     self._compiled = None
 
   def _id(self, token: str, what: str) -> int:
@@ -76,26 +82,51 @@ class Tokenizer:
   def from_files(cls, tokenizer_json: str | os.PathLike,
                  config_json: str | os.PathLike | None = None,
                  generation_config_json: str | os.PathLike | None = None) -> "Tokenizer":
-    tok = tokenizers.Tokenizer.from_file(str(tokenizer_json))
-    config = json.loads(Path(config_json).read_text()) if config_json else {}
-    gen = json.loads(Path(generation_config_json).read_text()) if generation_config_json else {}
-    return cls(tok, config, gen)
+    """Errors are `ModelFileError`s naming the file that cannot be used."""
+    try:
+      tok = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+    except Exception as e:  # pylint: disable=broad-except  (tokenizers raises plain Exception)
+      if not Path(tokenizer_json).exists():
+        raise ModelFileNotFoundError(f"missing {tokenizer_json}") from None
+      raise ModelFileError(f"{tokenizer_json} is not a readable tokenizers file: "
+                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    config = read_json_object(config_json, "tokenizer config") if config_json else {}
+    gen = (read_json_object(generation_config_json, "generation config")
+           if generation_config_json else {})
+    eos = gen.get("eos_token_id", [])
+    if not all(i is None or isinstance(i, int) and not isinstance(i, bool) and i >= 0
+               for i in (eos if isinstance(eos, list) else [eos])):
+      raise ModelFileError(f"{generation_config_json}: eos_token_id must be a token id or a list "
+                           f"of them, got {eos!r}")
+    try:
+      out = cls(tok, config, gen)
+    except (ValueError, TypeError) as e:
+      where = config_json if config_json else f"{tokenizer_json} (no {CONFIG_FILE})"
+      raise ModelFileError(f"{where}: {e}") from None
+    out.template_source = str(config_json) if out.chat_template is not None else None
+    return out
 
   @classmethod
   def from_dir(cls, path: str | os.PathLike) -> "Tokenizer":
     """Loads `tokenizer.json` (+ `tokenizer_config.json`, `generation_config.json`,
     `chat_template.jinja` when present) from a local directory."""
     path = Path(path)
+    if not path.is_dir():
+      raise ModelFileNotFoundError(f"tokenizer directory {path} does not exist")
     if not (path / TOKENIZER_FILE).exists():
-      raise FileNotFoundError(f"missing {path / TOKENIZER_FILE} (only the fast tokenizer "
-                              "format is supported)")
+      raise ModelFileNotFoundError(f"missing {path / TOKENIZER_FILE} (only the fast tokenizer "
+                                   "format is supported)")
     cfg = path / CONFIG_FILE
     gen = path / "generation_config.json"
     out = cls.from_files(path / TOKENIZER_FILE, cfg if cfg.exists() else None,
                          gen if gen.exists() else None)
     template = path / "chat_template.jinja"
     if out.chat_template is None and template.exists():
-      out.chat_template = template.read_text()
+      try:
+        out.chat_template = template.read_text(encoding="utf-8")
+      except (OSError, UnicodeDecodeError) as e:
+        raise ModelFileError(f"cannot read {template}: {e}") from None
+      out.template_source = str(template)
     return out
 
   @classmethod
@@ -126,7 +157,12 @@ class Tokenizer:
     if self.chat_template is None:
       raise ValueError("this tokenizer has no chat_template (tokenizer_config.json)")
     if self._compiled is None:
-      self._compiled = _jinja_env().from_string(self.chat_template)
+      import jinja2  # pylint: disable=import-outside-toplevel
+      try:
+        self._compiled = _jinja_env().from_string(self.chat_template)
+      except jinja2.TemplateSyntaxError as e:
+        raise ModelFileError(f"{self.template_source or 'chat_template'}: the chat template "
+                             f"does not parse: {e.message} (template line {e.lineno})") from None
     text = self._compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                  bos_token=self.bos_token or "", eos_token=self.eos_token,
                                  pad_token=self.pad_token, **kwargs)
