@@ -20,9 +20,6 @@ from distflow_jax.dag.registry import Placement, Registry, unknown_name_message
 from distflow_jax.dag.spec import DagError
 from distflow_jax.dag.validate import Dag, build_dag
 
-# The value checks live in config.values; these names stay for code written against them.
-_one_of, _positive = values.one_of, values.positive
-
 
 def topology(cfg: ml_collections.ConfigDict, num_processes: int | None = None,
              devices_per_process: int | None = None) -> planner_lib.Topology:
