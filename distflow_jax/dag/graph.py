@@ -61,6 +61,7 @@ def find_cycle(nodes: Sequence[Node], ordered: Sequence[Node]) -> list[str]:
 
 def cycle_text(cycle: Sequence[str], keep: int = 6) -> str:
   """'a -> b -> a', or for a long cycle its ends around '...'."""
+  cycle = [c if c.isprintable() else repr(c) for c in cycle]  # one line, always
   if len(cycle) <= 2 * keep + 1:
     return " -> ".join(cycle)
   return (f"{' -> '.join(cycle[:keep])} -> ... ({len(cycle) - 2 * keep} more) -> "

@@ -32,6 +32,7 @@ from typing import Any
 
 from distflow_jax.dag.order import ReadyQueue
 from distflow_jax.dag.registry import Placement, Registry
+from distflow_jax.dag.render import render  # noqa: F401  (re-exported: planner.render)
 from distflow_jax.dag.spec import DagError, Node, Role
 from distflow_jax.dag.validate import Dag
 
@@ -145,6 +146,20 @@ def _prod(xs) -> int:
   return out
 
 
+def _is_int(x: Any) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _as_dict(x: Any, where: str, what: str) -> dict:
+  if x is None:
+    return {}
+  if isinstance(x, Mapping):
+    return dict(x)
+  if hasattr(x, "to_dict"):  # an ml_collections.ConfigDict
+    return dict(x.to_dict())
+  raise DagError(f"{where} must be {what}, got {x!r}")
+
+
 def parse_devices(spec: Any, topo: Topology, where: str) -> tuple[int, ...]:
   """'all' | 'a:b' (global device ids, b exclusive) | list of ids."""
   n = topo.num_devices
@@ -161,8 +176,8 @@ def parse_devices(spec: Any, topo: Topology, where: str) -> tuple[int, ...]:
       raise DagError(f"{where}: devices {spec!r} is not a range inside 0:{n} "
                      f"({topo.num_processes} processes x {topo.devices_per_process} devices)")
     devs = tuple(range(a, b))
-  elif isinstance(spec, Sequence):
-    devs = tuple(int(d) for d in spec)
+  elif isinstance(spec, Sequence) and all(_is_int(d) for d in spec):
+    devs = tuple(spec)
   else:
     raise DagError(f"{where}: devices {spec!r} must be 'all', 'start:stop' or a list")
   bad = [d for d in devs if not 0 <= d < n]
@@ -175,18 +190,19 @@ def parse_devices(spec: Any, topo: Topology, where: str) -> tuple[int, ...]:
 
 def role_mesh(role: Role, placement: Mapping[str, Any] | None, topo: Topology) -> RoleMesh:
   where = f"placement.{role.value.lower()}"
-  placement = dict(placement or {})
-  unknown = sorted(set(placement) - {"devices", "mesh"})
+  placement = _as_dict(placement, where, "a dict with keys devices, mesh")
+  unknown = sorted(set(placement) - {"devices", "mesh"}, key=repr)
   if unknown:
     raise DagError(f"{where}: unknown key(s) {unknown}; valid: devices, mesh")
   devs = parse_devices(placement.get("devices", "all"), topo, where)
-  shape = dict(placement.get("mesh") or {"fsdp": -1})
-  bad = sorted(set(shape) - set(MESH_AXES))
+  shape = _as_dict(placement.get("mesh") or {"fsdp": -1}, f"{where}.mesh",
+                   f"a dict of axis sizes over {list(MESH_AXES)}")
+  bad = sorted(set(shape) - set(MESH_AXES), key=repr)
   if bad:
     raise DagError(f"{where}.mesh: unknown axis {bad}; valid axes: {list(MESH_AXES)}")
   sizes = {a: shape.get(a, 1) for a in MESH_AXES}
   for a, s in sizes.items():
-    if not isinstance(s, int) or s == 0 or s < -1:
+    if not _is_int(s) or s == 0 or s < -1:
       raise DagError(f"{where}.mesh.{a} = {s!r}: must be a positive int or -1 (fill)")
   fills = [a for a, s in sizes.items() if s == -1]
   if len(fills) > 1:
@@ -204,8 +220,8 @@ def role_mesh(role: Role, placement: Mapping[str, Any] | None, topo: Topology) -
 
 
 def rollout_layout(actor: RoleMesh, tp: int, topo: Topology) -> Layout:
-  if tp < 1:
-    raise DagError(f"rollout.tensor_parallel must be >= 1, got {tp}")
+  if not _is_int(tp) or tp < 1:
+    raise DagError(f"rollout.tensor_parallel must be an int >= 1, got {tp!r}")
   for p in range(topo.num_processes):
     local = [d for d in actor.devices if topo.process_of(d) == p]
     if len(local) % tp:
@@ -218,11 +234,13 @@ def rollout_layout(actor: RoleMesh, tp: int, topo: Topology) -> Layout:
 def make_plan(dag: Dag, registry: Registry, topo: Topology,
               placement: Mapping[str, Any] | None = None,
               rollout_tensor_parallel: int = 1) -> Plan:
-  placement = dict(placement or {})
+  placement = _as_dict(placement, "placement", "a dict of role -> {devices, mesh}")
   valid_roles = {r.value.lower() for r in Role}
   for key in placement:
     if key not in valid_roles:
-      raise DagError(f"placement.{key}: unknown role; valid: {sorted(valid_roles)}")
+      name = f"placement.{key}" if isinstance(key, str) and key.isidentifier() else (
+          f"placement key {key!r}")
+      raise DagError(f"{name}: unknown role; valid: {sorted(valid_roles)}")
   used = sorted({n.role for n in dag.nodes if n.role is not None}, key=lambda r: r.value)
   if any(registry.spec(n.fn).placement is Placement.ROLLOUT for n in dag.nodes):
     used = sorted(set(used) | {Role.ACTOR}, key=lambda r: r.value)
@@ -287,44 +305,3 @@ def make_plan(dag: Dag, registry: Registry, topo: Topology,
   return Plan(steps=tuple(steps), edges=edges, topology=topo,
               meshes=tuple(meshes[r] for r in used),
               rollout_tensor_parallel=rollout_tensor_parallel)
-
-
-def render(plan: Plan, process: int | None = None) -> str:
-  """Deterministic text form of the plan, for all processes or one."""
-  t = plan.topology
-  lines = [f"topology: {t.num_processes} process(es) x {t.devices_per_process} device(s) "
-           f"= {t.num_devices} devices"]
-  for m in plan.meshes:
-    shape = " x ".join(f"{a}={s}" for a, s in m.axes)
-    lines.append(f"mesh {m.role.value.lower():<9} devices {_span(m.devices)}  {shape}  "
-                 f"(dp={m.dp_size})")
-  lines.append(f"rollout: one replica per {plan.rollout_tensor_parallel} local actor "
-               f"device(s), inside each host")
-  lines.append("chain:")
-  w_node = max(len(s.node.describe()) for s in plan.steps)
-  w_deps = max(len(",".join(s.node.deps) or "-") for s in plan.steps)
-  w_lay = max(len(s.layout.name) for s in plan.steps)
-  for s in plan.steps:
-    deps = ",".join(s.node.deps) or "-"
-    lines.append(f"  {s.index}. {s.node.describe():<{w_node}}  deps={deps:<{w_deps}}  "
-                 f"layout={s.layout.name:<{w_lay}}  in={s.move_in}"
-                 + ("" if s.groups_intact else "  groups=split"))
-  reparts = plan.repartitions()
-  lines.append(f"re-partitions per step: {len(reparts)}"
-               + "".join(f"\n  {a} -> {b} (all-to-all)" for a, b in reparts))
-  lines.append("edges:")
-  for e in plan.edges:
-    lines.append(f"  {e.src} -> {e.dst}: {e.kind}")
-  procs = range(t.num_processes) if process is None else [process]
-  for p in procs:
-    lines.append(f"process {p} (devices {_span(t.devices_of(p))}):")
-    for s, devs in plan.portion(p):
-      lines.append(f"  {s.index}. {s.node.id:<16} on {_span(devs)}")
-  return "\n".join(lines)
-
-
-def _span(devs: Sequence[int]) -> str:
-  devs = list(devs)
-  if devs and devs == list(range(devs[0], devs[-1] + 1)):
-    return f"[{devs[0]}..{devs[-1]}]" if len(devs) > 1 else f"[{devs[0]}]"
-  return str(devs)

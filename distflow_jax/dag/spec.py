@@ -75,7 +75,7 @@ def parse_node(raw: Mapping[str, Any], index: int,
   if not isinstance(node_id, str) or not node_id.strip():
     raise DagError(f"{where}: needs a non-empty string 'id', got {node_id!r}")
   where = f"DAG node {node_id!r}"
-  unknown = sorted(set(raw) - set(_NODE_KEYS))
+  unknown = sorted(set(raw) - set(_NODE_KEYS), key=repr)
   if unknown:
     raise DagError(f"{where}: unknown key(s) {unknown}; valid keys: {list(_NODE_KEYS)}")
   fn = raw.get("fn")
