@@ -65,6 +65,7 @@ def initialize(auto: bool = False) -> ProcessInfo:
           # At exit JAX waits in a barrier for every peer; a process that
           # fails alone must not sit there for the default five minutes.
           shutdown_timeout_seconds=int(os.environ.get(ENV_SHUTDOWN, "10")))
+      _record_self()
   elif auto and not jax.distributed.is_initialized():
     jax.distributed.initialize()
   return ProcessInfo(
@@ -73,6 +74,27 @@ def initialize(auto: bool = False) -> ProcessInfo:
       local_device_count=jax.local_device_count(),
       global_device_count=jax.device_count(),
   )
+
+
+HOST_PID_KEY = "distflow/host_pid/{}"
+
+
+def coordination_client():
+  """JAX's coordination-service client (None before initialize)."""
+  from jax._src import distributed as jdist  # the only handle on it
+  return jdist.global_state.client
+
+
+def _record_self() -> None:
+  """Publishes ``host:pid`` so a survivor can tell at once which local peer died
+  (``workflow.peers``)."""
+  import socket
+
+  import jax
+  client = coordination_client()
+  if client is not None and jax.process_count() > 1:
+    client.key_value_set(HOST_PID_KEY.format(jax.process_index()),
+                         f"{socket.gethostname()}:{os.getpid()}")
 
 
 def simulate_cpu_devices(n: int) -> None:

@@ -264,4 +264,9 @@ def test_global_whiten_matches_masked_whiten_on_one_process():
   x = rng.normal(size=(6, 5)).astype(np.float32)
   mask = rng.random((6, 5)) > 0.3
   want = np.asarray(adv_lib.masked_whiten(jnp.asarray(x), jnp.asarray(mask)))
-  np.testing.assert_allclose(global_whiten(x, mask), want, atol=1e-5)
+  ids = np.arange(6)
+  got = global_whiten(x, mask, ids)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  # Rows in another order (as another layout would hold them): the same bits per sample.
+  perm = np.array([4, 1, 5, 0, 3, 2])
+  np.testing.assert_array_equal(global_whiten(x[perm], mask[perm], ids[perm]), got[perm])

@@ -1,12 +1,14 @@
 """Driver: continuous batching with more requests than slots, schedule-independent results,
 groups of n samples, per-call max_new_tokens."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
-from distflow_jax.rollout import generate
-from test_rollout_engine import SAMPLED, engine, full_forward_greedy, peaky_model
+from distflow_jax.rollout import Engine, generate, replica_mesh
+from test_rollout_engine import CFG, SAMPLED, engine, full_forward_greedy, peaky_model
 
 PROMPTS = [[5, 9, 1], [2] * 11, [7, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9], [60, 61], [33] * 16,
            [4, 8, 15, 16, 23, 42], [10], [19, 29, 39, 49]]
@@ -86,3 +88,20 @@ def test_groups_share_prefill_and_respect_max_new_tokens():
   assert out.tokens_RxN.shape == (8, 5) and (out.lengths_R == 5).all()
   for r in range(8):  # greedy: the 4 samples of a prompt agree
     assert out.tokens_RxN[r].tolist() == full_forward_greedy(model, PROMPTS[r // 4], 5)
+
+
+@pytest.mark.timeout(300)
+def test_fixed_shapes_make_each_request_independent_of_its_neighbours():
+  """trainer.deterministic's engine: a request's tokens and log-probs are bitwise the same
+  whichever other requests share the replica (slot and prefill row follow its id)."""
+  model = peaky_model(2, sharpness=1.0)
+  cfg = dataclasses.replace(engine(SAMPLED).config, fixed_shapes=True)
+  eng = Engine(CFG, cfg, replica_mesh(1, jax.devices()[:1]))
+  params = eng.load_params(model)
+  prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[4]]
+  every = generate(eng, params, prompts, n=2, rng=jax.random.key(3))
+  for i in range(3):
+    alone = generate(eng, params, prompts[i:i + 1], n=2, rng=jax.random.key(3),
+                     request_ids=[2 * i, 2 * i + 1])
+    np.testing.assert_array_equal(alone.tokens_RxN, every.tokens_RxN[2 * i:2 * i + 2])
+    np.testing.assert_array_equal(alone.logprobs_RxN, every.logprobs_RxN[2 * i:2 * i + 2])

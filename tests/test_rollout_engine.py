@@ -149,7 +149,9 @@ def test_sharded_replica_matches_single_device():
   assert q.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
   out = generate(eng, params, PROMPTS)
   np.testing.assert_array_equal(out.tokens_RxN, single.tokens_RxN)
-  np.testing.assert_allclose(out.logprobs_RxN, single.logprobs_RxN, atol=1e-5)
+  # Tensor-parallel partial sums are added in another order: float32 rounding, which
+  # grows over 8 decode steps (1.2e-5 seen on an AVX-512 CPU).
+  np.testing.assert_allclose(out.logprobs_RxN, single.logprobs_RxN, atol=5e-5)
 
 
 @pytest.mark.timeout(300)

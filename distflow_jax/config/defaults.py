@@ -125,6 +125,11 @@ def base() -> ml_collections.ConfigDict:
       save_every=10,         # checkpoint every K steps (and at the end); 0 = only at the end
       keep=3,                # keep the last N checkpoints; 0 = all
       async_save=True,       # write checkpoints in the background
+      # Bitwise-equal weights, samples and metrics on any data-parallel layout of the same
+      # config (1 x 8, 2 x 2, 4 x 1 devices): every sum over samples runs in one fixed tree
+      # over units of <role>.micro_batch_size rows (train/deterministic.py).  Costs memory
+      # (parameters whole on each device in a step) and speed; see the README.
+      deterministic=False,
   )
   c.entry = ""               # "" = the single generate node
   c.dag = []

@@ -155,7 +155,7 @@ def rope(x_BxTxHxDh: jax.Array, positions_BxT: jax.Array, theta: float,
 class _CacheWriter:
   """Scatters each layer's new k/v into the stacked cache in place (one row/slot per token)."""
 
-  def __init__(self, cache: KVCache, cache_index_B: jax.Array, t: int):
+  def __init__(self, cache: KVCache, cache_index_B: jax.Array, t: int, windowed: bool = True):
     b = cache.batch
     self.k, self.v, self.layer = list(cache.k), list(cache.v), 0
     self.rows_Bx1 = jnp.arange(b)[:, None]
@@ -164,7 +164,9 @@ class _CacheWriter:
     self._old_pos = cache.pos
     # One past the furthest slot written: every key a query of this call can see lies before
     # it (slots past a row's own writes hold position -1 or nothing of this sequence).
-    self.end = jnp.max(self.slots_BxT[:, -1]) + 1
+    # Without windows (`windowed=False`) decode attention always reads the whole cache, so a
+    # row's numbers never depend on how far the other rows have got.
+    self.end = jnp.max(self.slots_BxT[:, -1]) + 1 if windowed else None
 
   def pos(self, own_pos_BxT: jax.Array) -> jax.Array:
     # Writes past the last slot are dropped rather than clamped onto it.
@@ -370,7 +372,8 @@ class Transformer(nnx.Module):
                mask_BxT: jax.Array | None = None, cache: KVCache | None = None,
                cache_index_B: jax.Array | None = None, *, return_hidden: bool = False,
                remat: bool = False, prefix: KVCache | None = None, prefix_repeat: int = 1,
-               return_kv: bool = False) -> tuple[jax.Array, KVCache | None]:
+               return_kv: bool = False, windowed: bool = True
+               ) -> tuple[jax.Array, KVCache | None]:
     """Returns `(logits_BxTxV or hidden_BxTxD, new_cache)`; see the module docstring.
 
     `remat=True` rematerialises each block in the backward pass (less activation
@@ -388,7 +391,7 @@ class Transformer(nnx.Module):
     if cache is not None:
       if cache_index_B is None:
         raise ValueError("Transformer: a cache needs cache_index_B (the slot of each row's first token)")
-      writer = _CacheWriter(cache, cache_index_B, t)
+      writer = _CacheWriter(cache, cache_index_B, t, windowed)
     elif prefix is not None:
       writer = _PrefixReader(prefix, prefix_repeat, b)
     elif return_kv:
@@ -420,10 +423,10 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxT: jax.Array,
             positions_BxT: jax.Array, mask_BxT: jax.Array | None = None,
             cache: KVCache | None = None, cache_index_B: jax.Array | None = None, *,
             return_hidden: bool = False, remat: bool = False, prefix: KVCache | None = None,
-            prefix_repeat: int = 1, return_kv: bool = False
+            prefix_repeat: int = 1, return_kv: bool = False, windowed: bool = True
             ) -> tuple[jax.Array, KVCache | None]:
   """Pure forward over `nnx.split(model)`: safe inside jit / while_loop / scan."""
   model = nnx.merge(graphdef, params)
   return model(tokens_BxT, positions_BxT, mask_BxT, cache, cache_index_B,
                return_hidden=return_hidden, remat=remat, prefix=prefix,
-               prefix_repeat=prefix_repeat, return_kv=return_kv)
+               prefix_repeat=prefix_repeat, return_kv=return_kv, windowed=windowed)

@@ -154,7 +154,7 @@ def prefill_insert(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState
 
 def decode_chunk(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState,
                  stop_on_free: jax.Array, *, sp: SamplingParams, stop_ids: Sequence[int],
-                 num_steps: int) -> tuple[DecodeState, StepOutput]:
+                 num_steps: int, windowed: bool = True) -> tuple[DecodeState, StepOutput]:
   """Up to `num_steps` decode steps for all slots in one `lax.while_loop`.
 
   Stops early when no slot is active, or (when `stop_on_free`) after the
@@ -177,7 +177,8 @@ def decode_chunk(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState,
   def body(carry):
     st, o = carry
     logits_Bx1xV, cache = forward(graphdef, params, st.tokens_B[:, None], st.index_B[:, None],
-                                  jnp.ones((b, 1), bool), st.cache, st.index_B)
+                                  jnp.ones((b, 1), bool), st.cache, st.index_B,
+                                  windowed=windowed)
     tok_B, lp_B, slp_B = sample(logits_Bx1xV[:, 0], st.keys_Bx2, st.generated_B, sp)
     live = st.active_B
     generated = st.generated_B + live.astype(jnp.int32)

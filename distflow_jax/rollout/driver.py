@@ -87,24 +87,34 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
   toks: list[list[int]] = [[] for _ in range(num)]
   lps: list[list[float]] = [[] for _ in range(num)]
   slps: list[list[float]] = [[] for _ in range(num)]
-  pending = collections.deque(range(num))
   b = engine.max_concurrent_decodes
+  fixed = engine.config.fixed_shapes
+  # Fixed shapes: request r always decodes in slot id % b and prefills in that row, so its
+  # numbers never depend on which other requests share the replica (see EngineConfig).
+  queues = [collections.deque(r for r in range(num) if ids[r] % b == s) for s in range(b)] \
+      if fixed else [collections.deque(range(num))]
   slot_req = np.full((b,), -1, np.int64)
   state = engine.init_decode_state()
-  while pending or (slot_req >= 0).any():
+  while any(queues) or (slot_req >= 0).any():
     started = None
     free = np.flatnonzero(slot_req < 0)
-    if pending and len(free):
-      reqs = [pending.popleft() for _ in range(min(len(free), len(pending)))]
-      groups = list(dict.fromkeys(r // n for r in reqs))
-      src = [groups.index(r // n) for r in reqs]
+    if fixed:
+      slots = np.array([s for s in free if queues[s]], np.int64)
+      reqs = [queues[s].popleft() for s in slots]
+    else:
+      reqs = [queues[0].popleft() for _ in range(min(len(free), len(queues[0])))]
       slots = free[:len(reqs)]
+    if reqs:
+      if fixed:
+        plist, src = [prompts[r // n] for r in reqs], list(range(len(reqs)))
+      else:  # the samples of a prompt share one prefill
+        groups = list(dict.fromkeys(r // n for r in reqs))
+        plist, src = [prompts[g] for g in groups], [groups.index(r // n) for r in reqs]
       state, tok, lp, slp = engine.prefill_insert(
-          params, state, [prompts[g] for g in groups], src, slots, keys_Rx2[reqs],
-          [n_max] * len(reqs))
+          params, state, plist, src, slots, keys_Rx2[reqs], [n_max] * len(reqs))
       slot_req[slots] = reqs
       started = (reqs, tok, lp, slp)
-    state, out = engine.generate_steps(params, state, stop_on_free=bool(pending))
+    state, out = engine.generate_steps(params, state, stop_on_free=any(queues))
     out = jax.device_get(out)
     if started is not None:
       reqs = started[0]

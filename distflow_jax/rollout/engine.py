@@ -57,6 +57,10 @@ class EngineConfig:
   sampling: SamplingParams = SamplingParams()
   decode_steps: int = 16      # tokens per compiled decode call (K)
   seed: int = 0
+  # Every prefill has all slots' rows and the largest bucket, and decode attention reads
+  # the whole cache: a request's numbers then never depend on which other requests share
+  # the replica (trainer.deterministic); costs padded prefill and unwindowed attention.
+  fixed_shapes: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "prefill_buckets", tuple(sorted(set(self.prefill_buckets))))
@@ -161,10 +165,11 @@ class Engine:
     self._init = jax.jit(functools.partial(decode.empty_state, model_cfg,
                                            c.max_concurrent_decodes, c.cache_len),
                          out_shardings=self._state_sh)
+    win = dict(windowed=not c.fixed_shapes)
     self._chunk = jax.jit(functools.partial(decode.decode_chunk, g, num_steps=c.decode_steps,
-                                            **kw),
+                                            **kw, **win),
                           donate_argnums=(1,), out_shardings=(self._state_sh, rep))
-    self._step = jax.jit(functools.partial(decode.decode_chunk, g, num_steps=1, **kw),
+    self._step = jax.jit(functools.partial(decode.decode_chunk, g, num_steps=1, **kw, **win),
                          donate_argnums=(1,), out_shardings=(self._state_sh, rep))
     self._prefill_insert = jax.jit(functools.partial(decode.prefill_insert, g, **kw),
                                    donate_argnums=(1,),
@@ -346,13 +351,21 @@ class Engine:
       raise ValueError(f"prefill_insert: slots must be distinct, in [0, {b}), got {slots}")
     t = self.bucket_for(max(lengths))
     p = min(_pow2_at_least(len(prompts)), b)
+    rows = np.arange(len(prompts))
+    if self.config.fixed_shapes:
+      # All rows, the largest bucket, and request q's own prompt in row slots[q].
+      if list(src) != list(range(q)):
+        raise ValueError("prefill_insert: fixed shapes need one prompt per request (src = "
+                         "0..q-1)")
+      t, p, rows = self.config.prefill_buckets[-1], b, np.asarray(slots, np.int64)
     tokens = np.zeros((p, t), np.int32)
     lens = np.ones((p,), np.int32)
-    for i, prompt in enumerate(prompts):
+    for i, prompt in zip(rows, prompts):
       tokens[i, :len(prompt)] = prompt
       lens[i] = len(prompt)
     pad = b - q
-    src_a = np.concatenate([np.asarray(src, np.int32), np.zeros(pad, np.int32)])
+    src_a = np.concatenate([rows[np.asarray(src, np.int64)].astype(np.int32),
+                            np.zeros(pad, np.int32)])
     slots_a = np.concatenate([np.asarray(slots, np.int32), np.full(pad, b, np.int32)])
     keys = np.zeros((b, 2), np.uint32)
     keys[:q] = np.asarray(keys_Qx2, np.uint32)

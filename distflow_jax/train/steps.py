@@ -28,8 +28,8 @@ communication, and groups stay whole.  The
 loss of each micro-batch is its *sum* divided by the whole batch's
 denominator, so the accumulated gradient is exactly the full-batch mean's.
 
-A step whose loss or gradient is not finite leaves parameters and optimizer
-state unchanged and reports ``skipped = 1``.
+A step whose loss, gradient, new parameters or new optimizer state are not all
+finite leaves parameters and optimizer state unchanged and reports ``skipped = 1``.
 """
 
 from __future__ import annotations
@@ -248,11 +248,10 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
     out_init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out0)
     (grads, out), _ = jax.lax.scan(one, (zeros, out_init), mbs)
     grad_norm = optax.global_norm(grads)
-    ok = jnp.isfinite(out.total) & jnp.isfinite(grad_norm)
     grouped = prompts_grouped(batch, group_size) if group_size > 1 else jnp.bool_(True)
-    ok = ok & grouped
     updates, new_opt = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
+    ok = step_ok(out.total, grad_norm, new_params, new_opt) & grouped
     keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
     new_params = jax.tree.map(keep, new_params, params)
     new_opt = jax.tree.map(keep, new_opt, opt_state)
@@ -262,7 +261,18 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
              **{f"m/{k}": v for k, v in out.metrics.items()}}
     return new_params, new_opt, stats
 
-  return _PinnedStep(step)
+  return PinnedStep(step)
+
+
+def step_ok(total: jax.Array, grad_norm: jax.Array, new_params: Any, new_opt: Any) -> jax.Array:
+  """Whether a step may be kept: a finite loss and gradient norm, and finite new
+  parameters and optimizer state (a finite gradient times an infinite or huge learning
+  rate is not)."""
+  ok = jnp.isfinite(total) & jnp.isfinite(grad_norm)
+  for leaf in jax.tree.leaves((new_params, new_opt)):
+    if jnp.issubdtype(leaf.dtype, jnp.inexact):
+      ok = ok & jnp.all(jnp.isfinite(leaf))
+  return ok
 
 
 def _mesh_of(params: nnx.State):
@@ -286,7 +296,7 @@ def init_opt_state(tx: optax.GradientTransformation, params: nnx.State) -> Any:
   return jax.tree.map(lambda x: jax.device_put(x, _on_mesh(x, mesh)), state)
 
 
-class _PinnedStep:
+class PinnedStep:
   """Jits ``step`` on first use with outputs pinned to the inputs' shardings.
 
   Left to sharding propagation, the updated state can come back laid out

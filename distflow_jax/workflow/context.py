@@ -81,11 +81,15 @@ class RunContext:
                         prefill_buckets=tuple(rollout.prefill_buckets),
                         max_new_tokens=rollout.max_new_tokens,
                         stop_ids=self.tokenizer.eos_ids, sampling=sp,
-                        seed=self.cfg.seed)
+                        seed=self.cfg.seed, fixed_shapes=self.cfg.trainer.deterministic)
     key = (conf, rollout.tensor_parallel)
     if key not in self._engines:
       actor_devices = set(self.roles[Role.ACTOR].mesh.devices.flat)
       local = [d for d in jax.local_devices() if d in actor_devices]
+      if self.cfg.trainer.deterministic:
+        # One tensor-parallel group per host (no data-parallel split of the slots), so
+        # the replica has the same shape whatever the host's device count.
+        local = local[:rollout.tensor_parallel]
       self._engines[key] = Engine(self.model_cfg, conf,
                                   mesh=replica_mesh(rollout.tensor_parallel, local))
     return self._engines[key]

@@ -22,7 +22,7 @@ from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, expand_groups, to_global, to_local
 from distflow_jax.rewards import registry as reward_registry
 from distflow_jax.rollout import driver
-from distflow_jax.train import steps as steps_lib
+from distflow_jax.train import deterministic, steps as steps_lib
 from distflow_jax.workflow.context import RunContext, put_local, shared_prompt_group
 from distflow_jax.workflow.metrics import gather_processes
 
@@ -110,8 +110,8 @@ def reward_model(ctx: RunContext, node: Node, lay: dlayout.Layout, batch: Batch)
   """The learned reward model's score of prompt + response, on the reward mesh; added to
   any rewards already in the batch (rule rewards), times ``reward.weight``."""
   state = ctx.roles[Role.REWARD]
-  fn = ctx.jitted(("reward_model", lay), lambda: jax.jit(
-      steps_lib.sequence_scores, static_argnums=0, out_shardings=lay.sharding))
+  fn = ctx.jitted(("reward_model", lay), lambda: _pass_fn(
+      ctx, lay, steps_lib.sequence_scores, ctx.cfg.actor.micro_batch_size))
   scores = fn(state.graphdef, state.params, _seq(batch))
   weight = ctx.section(node, "reward").weight
   ctx.metrics.add(f"reward/{node.id}", float(jnp.sum(scores)), scores.shape[0])
@@ -175,24 +175,30 @@ def _advantage(kind: str, ctx: RunContext, node: Node, lay: dlayout.Layout,
                                  mask, gamma=algo.gamma, lam=algo.lam, whiten=False)
   if kind in ("reinforce_pp_baseline", "reinforce_pp", "gae"):
     out = out._replace(advantages_BxT=global_whiten(np.asarray(out.advantages_BxT),
-                                                    np.asarray(mask)))
+                                                    np.asarray(mask), loc[SAMPLE_ID]))
   ctx.metrics.add_mean("reward", loc["rewards"])
   ctx.metrics.add("reward_sq", float(np.sum(np.square(loc["rewards"]))), loc["rewards"].size)
   return put_local(batch, lay, advantages=np.asarray(out.advantages_BxT, np.float32),
                    returns=np.asarray(out.returns_BxT, np.float32))
 
 
-def global_whiten(x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def global_whiten(x: np.ndarray, mask: np.ndarray, sample_ids: np.ndarray) -> np.ndarray:
   """``algos.advantages.masked_whiten`` over the whole batch of every host.
 
-  The statistics are two tiny all-gathers of sums, so the result does not depend
-  on how samples are spread over hosts (a per-host whitening would).
+  The statistics come from per-row sums gathered from every host and added in sample-id
+  order, so the result is bitwise the same however samples are spread over hosts.
   """
   m = mask.astype(np.float64)
   xr = np.where(m > 0, x.astype(np.float64), 0.0)
-  n, s1 = gather_processes(np.array([m.sum(), xr.sum()])).sum(0)
+
+  def ordered_total(per_row: np.ndarray) -> np.ndarray:
+    rows = gather_processes(np.concatenate([sample_ids[:, None].astype(np.float64), per_row],
+                                           axis=1)).reshape(-1, per_row.shape[1] + 1)
+    return rows[np.argsort(rows[:, 0], kind="stable"), 1:].sum(axis=0)
+
+  n, s1 = ordered_total(np.stack([m.sum(axis=1), xr.sum(axis=1)], axis=1))
   mean = s1 / max(n, 1.0)
-  s2 = gather_processes(np.array([((xr - mean) ** 2 * m).sum()])).sum(0)[0]
+  s2 = ordered_total(((xr - mean) ** 2 * m).sum(axis=1)[:, None])[0]
   var = s2 / max(n - 1.0, 1.0)
   return ((xr - mean) / np.sqrt(var + 1e-8) * m).astype(np.float32)
 
@@ -228,17 +234,25 @@ def _model_pass(field: str, role: Role, ctx: RunContext, node: Node, lay: dlayou
     return batch.replace(old_logprobs=batch.data["rollout_logprobs"])
   state = ctx.roles[role]
   if role is Role.CRITIC:
-    fn = ctx.jitted(("values", lay), lambda: jax.jit(
-        steps_lib.response_values, static_argnums=0, out_shardings=lay.sharding))
+    fn = ctx.jitted(("values", lay), lambda: _pass_fn(
+        ctx, lay, steps_lib.response_values, ctx.cfg.critic.micro_batch_size))
     out = fn(state.graphdef, state.params, _seq(batch))
   else:
     data = _seq(batch)
-    gs = _prompt_group(ctx, node, data, lay.num_shards)
-    fn = ctx.jitted(("logprobs", role, lay, gs), lambda: jax.jit(
-        lambda g, p, b: steps_lib.response_logprobs(g, p, b, group_size=gs)[0],
-        static_argnums=0, out_shardings=lay.sharding))
+    unit = ctx.cfg.actor.micro_batch_size
+    parts = data["response_mask"].shape[0] // unit if ctx.cfg.trainer.deterministic else None
+    gs = _prompt_group(ctx, node, data, parts or lay.num_shards)
+    fn = ctx.jitted(("logprobs", role, lay, gs), lambda: _pass_fn(
+        ctx, lay, lambda g, p, b: steps_lib.response_logprobs(g, p, b, group_size=gs)[0], unit))
     out = fn(state.graphdef, state.params, data)
   return batch.replace(**{field: out})
+
+
+def _pass_fn(ctx: RunContext, lay: dlayout.Layout, fn, unit_rows: int):
+  """A sequence pass, jitted onto the layout; in deterministic mode unit by unit."""
+  if ctx.cfg.trainer.deterministic:
+    return deterministic.per_unit(fn, lay.mesh, unit_rows)
+  return jax.jit(fn, static_argnums=0, out_shardings=lay.sharding)
 
 
 def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: Batch) -> Batch:
@@ -248,9 +262,11 @@ def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: 
   b = data["response_mask"].shape[0]
   minis = section.mini_batches if role is Role.ACTOR else 1
   micro = max(b // lay.num_shards // minis // section.micro_batch_size, 1)
+  det = ctx.cfg.trainer.deterministic
   gs = 1
   if role is Role.ACTOR:
-    gs = _prompt_group(ctx, node, data, lay.num_shards * minis * micro)
+    parts = b // section.micro_batch_size if det else lay.num_shards * minis * micro
+    gs = _prompt_group(ctx, node, data, parts)
     loss_cfg = steps_lib.ActorLoss.from_config(section, ctx.cfg.rollout.max_new_tokens, gs)
     data["advantages"] = batch.data["advantages"]
     data["old_logprobs"] = batch.data.get("old_logprobs", batch.data["rollout_logprobs"])
@@ -265,8 +281,14 @@ def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: 
     data.update(values=batch.data["values"], returns=batch.data["returns"])
     loss_fn = functools.partial(_critic_loss, value_clip=section.value_clip)
     agg = "token-mean"
-  step = ctx.jitted(("train", role, lay, micro, agg, loss_fn.keywords.get("cfg")), lambda:
-                    steps_lib.make_train_step(loss_fn, state.graphdef, state.tx, micro, agg, gs))
+  if det:
+    make = lambda: deterministic.make_train_step(  # noqa: E731
+        loss_fn, state.graphdef, state.tx, lay.mesh, section.micro_batch_size, agg,
+        section.optimizer.grad_clip, gs)
+  else:
+    make = lambda: steps_lib.make_train_step(  # noqa: E731
+        loss_fn, state.graphdef, state.tx, micro, agg, gs)
+  step = ctx.jitted(("train", role, lay, micro, agg, loss_fn.keywords.get("cfg"), det), make)
   # Mini-batch i: whole groups (blocks of gs rows) dealt round robin, as micro-batches are.
   take = ctx.jitted(("minibatch", minis, gs, lay), lambda: jax.jit(
       lambda d, i: jax.tree.map(lambda x: x[i], steps_lib.deal_rows(d, minis, gs)),

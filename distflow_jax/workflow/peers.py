@@ -8,17 +8,25 @@ When the dead peer is process 0, which hosts the coordination service, JAX's
 client terminates the survivors itself within seconds ("the leader task ...
 died"), and the launcher names process 0.
 
-``lost_peers`` asks the coordination service which processes are alive
-(bounded by a timeout: the query waits for every live process to ask too),
-so a survivor can say which process was lost before it exits non-zero.
+The coordination service only marks a peer dead after the heartbeat timeout, and at
+that moment JAX's client also aborts the survivor (SIGABRT from C++), so asking it
+races with that abort.  So each process records ``host:pid`` in the coordination
+service's key-value store at start-up (``distributed.initialize``); a survivor first checks the
+peers on its own host by pid, which answers at once, and asks the service about the
+others only after that (``lost_peers``, bounded by a timeout: the query waits for every
+live process to ask too).
 """
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 import threading
 
 import jax
+
+from distflow_jax import distributed
 
 # Errors a collective raises when its peer went away (not a bug of this process).
 _PEER_ERROR = re.compile(r"Gloo|Connection (closed|reset)|coordination service|UNAVAILABLE|"
@@ -33,10 +41,36 @@ def looks_like_peer_failure(error: BaseException) -> bool:
   return jax.process_count() > 1 and bool(_PEER_ERROR.search(f"{type(error).__name__}: {error}"))
 
 
+_KEY = distributed.HOST_PID_KEY
+_client = distributed.coordination_client
+
+
+def lost_local_peers(timeout_s: float = 2.0) -> list[int]:
+  """Peers on this host whose recorded process no longer exists (answers at once)."""
+  client = _client()
+  if client is None:
+    return []
+  lost, me = [], socket.gethostname()
+  for i in range(jax.process_count()):
+    try:
+      host, _, pid = client.blocking_key_value_get(_KEY.format(i), int(timeout_s * 1000)
+                                                   ).rpartition(":")
+    except Exception:  # noqa: BLE001 - not recorded, or the service is gone
+      continue
+    if host != me or i == jax.process_index():
+      continue
+    try:
+      os.kill(int(pid), 0)
+    except ProcessLookupError:
+      lost.append(i)
+    except (PermissionError, ValueError):
+      pass
+  return lost
+
+
 def lost_peers(timeout_s: float) -> list[int] | None:
   """Processes the coordination service no longer sees alive; None if it cannot tell in time."""
-  from jax._src import distributed as jdist  # the only handle on the coordination client
-  client = jdist.global_state.client
+  client = _client()
   if client is None:
     return None
   result: dict[str, object] = {}
@@ -59,7 +93,7 @@ def lost_peers(timeout_s: float) -> list[int] | None:
 def describe(error: BaseException, timeout_s: float = 45.0) -> str:
   """A one-line account of a failure caused by a lost peer."""
   me = jax.process_index()
-  lost = lost_peers(timeout_s)
+  lost = lost_local_peers() or lost_peers(timeout_s)
   first = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
   if lost:
     names = ", ".join(f"process {i}" for i in lost)

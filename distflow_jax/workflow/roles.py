@@ -129,6 +129,15 @@ def load_reward_model(path: str, mesh: Mesh, dtype: str, tokenizer: Tokenizer) -
   return rm
 
 
+def optimizer(cfg: ml_collections.ConfigDict, section: ml_collections.ConfigDict,
+              total_steps: int) -> optax.GradientTransformation:
+  """A role's optimizer; in deterministic mode without its clip, which the deterministic
+  step applies itself on the replicated gradient (train/deterministic.py)."""
+  if cfg.trainer.deterministic:
+    section = dict(section, grad_clip=0.0)
+  return optim.from_config(section, total_steps)
+
+
 def build_roles(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
                 model_path: str, tokenizer: Tokenizer) -> dict[Role, ModelState]:
   """Actor (+ optimizer), reference (frozen copy), critic (+ value head), reward model, as
@@ -140,7 +149,7 @@ def build_roles(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConf
   out: dict[Role, ModelState] = {}
   actor = build_actor(model_cfg, meshes[Role.ACTOR], model_path, cfg.seed)
   graphdef, params = nnx.split(actor)
-  tx = optim.from_config(cfg.actor.optimizer, steps) if Role.ACTOR in trained else None
+  tx = optimizer(cfg, cfg.actor.optimizer, steps) if Role.ACTOR in trained else None
   out[Role.ACTOR] = ModelState(Role.ACTOR, meshes[Role.ACTOR], graphdef, params, tx,
                                steps_lib.init_opt_state(tx, params) if tx else None)
   if Role.REFERENCE in meshes:
@@ -158,7 +167,7 @@ def build_roles(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConf
     backbone = jax.device_put(params, sharding.state_shardings(params, cmesh, rules))
     cparams["backbone"] = jax.tree.map(lambda x: x.copy(), backbone)
     steps_c = cfg.trainer.total_steps * cfg.critic.ppo_epochs
-    ctx = optim.from_config(cfg.critic.optimizer, steps_c) if Role.CRITIC in trained else None
+    ctx = optimizer(cfg, cfg.critic.optimizer, steps_c) if Role.CRITIC in trained else None
     out[Role.CRITIC] = ModelState(Role.CRITIC, cmesh, cgraph, cparams, ctx,
                                   steps_lib.init_opt_state(ctx, cparams) if ctx else None)
   if Role.REWARD in meshes and any(s.node.fn == "reward.model" for s in plan.steps):

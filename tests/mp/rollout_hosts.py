@@ -3,7 +3,9 @@
 The actor's weights live FSDP-sharded over all 4 devices of both processes;
 each host syncs them into its replica, generates for its own prompts (a
 different number per host, no cross-host synchronisation while decoding),
-and the gathered results must equal single-device generation of all prompts.
+and the gathered results must equal the same replica generating every prompt, bitwise
+(greedy and sampled with global request ids); a single-device replica agrees to
+float32 rounding.
 """
 
 import numpy as np
@@ -53,12 +55,43 @@ tokens[:len(mine)], logprobs[:len(mine)] = out.tokens_RxN, out.logprobs_RxN
 all_tokens = multihost_utils.process_allgather(tokens)      # [processes, ROWS, NEW]
 all_logprobs = multihost_utils.process_allgather(logprobs)
 
-# Reference: one device, all prompts, from the host copy of the weights.
-ref_engine = Engine(CFG, ecfg, replica_mesh(1, jax.local_devices()[:1]))
-ref = generate(ref_engine, ref_engine.load_params(model), PROMPTS)
+# Reference: this host's replica (the same shape: TP over its 2 devices) generating every
+# prompt itself.  Which prompts a replica holds, and next to which others they are batched,
+# must not change a token: bitwise, greedy and sampled.
+ref = generate(engine, params, PROMPTS)
 for i, _ in enumerate(PROMPTS):
   p, row = i % info.process_count, i // info.process_count
   np.testing.assert_array_equal(all_tokens[p, row], ref.tokens_RxN[i], err_msg=f"prompt {i}")
   np.testing.assert_allclose(all_logprobs[p, row], ref.logprobs_RxN[i], atol=1e-5)
 assert len({tuple(t) for t in ref.tokens_RxN.tolist()}) == len(PROMPTS)
+
+# Sampled, with global request ids: host p's samples of its prompts equal the samples of
+# the same requests when one replica generates all of them.
+N_SAMPLES = 2
+sampled = Engine(CFG, EngineConfig(max_concurrent_decodes=4, prefill_buckets=(8, 16),
+                                   max_new_tokens=NEW, sampling=SamplingParams(1.0),
+                                   decode_steps=3), replica_mesh(2))
+sp = sampled.update_params(train_state)
+key = jax.random.key(7)
+ids = [np.arange(N_SAMPLES) + N_SAMPLES * i for i in range(len(PROMPTS))]
+mine_ids = np.concatenate(ids[info.process_index::info.process_count])
+got = generate(sampled, sp, mine, N_SAMPLES, rng=key, request_ids=mine_ids)
+every = generate(sampled, sp, PROMPTS, N_SAMPLES, rng=key)
+for j, i in enumerate(range(info.process_index, len(PROMPTS), info.process_count)):
+  for s in range(N_SAMPLES):
+    np.testing.assert_array_equal(got.tokens_RxN[j * N_SAMPLES + s],
+                                  every.tokens_RxN[i * N_SAMPLES + s], err_msg=f"{i}/{s}")
+    np.testing.assert_allclose(got.logprobs_RxN[j * N_SAMPLES + s],
+                               every.logprobs_RxN[i * N_SAMPLES + s], atol=1e-5)
+
+# One device (another replica shape): the same policy, to float32 rounding.  Tokens may
+# differ at a near-tie, so only the log-probs of the tokens both chose are compared.
+one = Engine(CFG, ecfg, replica_mesh(1, jax.local_devices()[:1]))
+single = generate(one, one.load_params(model), PROMPTS)
+same = single.tokens_RxN == ref.tokens_RxN
+assert same.mean() > 0.8, same
+first_diff = np.where(same.all(1), NEW, np.argmin(same, axis=1))
+for i in range(len(PROMPTS)):
+  k = first_diff[i]
+  np.testing.assert_allclose(single.logprobs_RxN[i, :k], ref.logprobs_RxN[i, :k], atol=1e-4)
 print(f"OK process {info.process_index}/{info.process_count} generated {len(mine)} prompts")

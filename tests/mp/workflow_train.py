@@ -1,12 +1,19 @@
 """Child program: run the RL workflow for a config; process 0 writes the metrics as JSON.
 
   python tests/mp/workflow_train.py OUT.json CONFIG [override ...]
+
+With DISTFLOW_TEST_TAPE / DISTFLOW_TEST_TAPE_MODE set, the generate node records or
+replays rollouts (tests/plugin_rollout_tape.py).  The last row also carries
+``params_sha256``, a digest of the trained actor's parameters.
 """
 
 import json
+import os
 import sys
 
-from distflow_jax import distributed
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from distflow_jax import distributed  # noqa: E402
 
 
 def main() -> int:
@@ -14,9 +21,13 @@ def main() -> int:
   info = distributed.initialize()
   from distflow_jax.config import loading
   from distflow_jax.workflow import trainer
+  from workflow_util import params_digest, use_tape
   cfg = loading.load(name, overrides)
+  if os.environ.get("DISTFLOW_TEST_TAPE"):
+    use_tape(cfg, os.environ["DISTFLOW_TEST_TAPE"], os.environ["DISTFLOW_TEST_TAPE_MODE"])
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
   metrics = list(trainer.train(cfg, ctx, loaders))
+  metrics[-1]["params_sha256"] = params_digest(ctx)
   if info.process_index == 0:
     with open(out, "w") as f:
       json.dump(metrics, f)

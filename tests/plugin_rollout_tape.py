@@ -1,0 +1,50 @@
+"""Test plugin (config.plugins): ``generate.tape`` records one run's rollouts and replays them
+in another, so two layouts can be compared on the same samples (teacher-forced).
+
+DISTFLOW_TEST_TAPE=DIR and DISTFLOW_TEST_TAPE_MODE=record|replay.  Recording runs the
+built-in ``generate`` and saves each process's rows per step; replaying looks every row of
+this process's prompts up by global sample id, whatever process recorded it.
+"""
+
+import dataclasses
+import glob
+import os
+
+import numpy as np
+
+from distflow_jax.dag.registry import FUNCTIONS
+from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, expand_groups, to_global, to_local
+from distflow_jax.workflow import nodes
+
+FIELDS = ("prompt_tokens", "prompt_mask", "response_tokens", "response_mask",
+          "rollout_logprobs")
+
+
+def _path(ctx, process):
+  return os.path.join(os.environ["DISTFLOW_TEST_TAPE"], f"step{ctx.step}_p{process}.npz")
+
+
+def tape(ctx, node, lay, prompts):
+  if os.environ["DISTFLOW_TEST_TAPE_MODE"] == "record":
+    batch = nodes.generate(ctx, node, lay, prompts)
+    loc = to_local(Batch({k: batch.data[k] for k in (*FIELDS, SAMPLE_ID, GROUP_ID)}))
+    os.makedirs(os.environ["DISTFLOW_TEST_TAPE"], exist_ok=True)
+    np.savez(_path(ctx, ctx.process_index), **loc.data)
+    return batch
+  rows = {}
+  for f in glob.glob(_path(ctx, "*")):
+    with np.load(f) as z:
+      for i, sid in enumerate(z[SAMPLE_ID]):
+        rows[int(sid)] = {k: z[k][i] for k in FIELDS}
+  n = ctx.section(node, "rollout").n
+  groups = expand_groups(Batch({SAMPLE_ID: prompts.data[SAMPLE_ID],
+                                GROUP_ID: prompts.data[GROUP_ID]}, prompts.host), n)
+  picked = [rows[int(s)] for s in groups.data[SAMPLE_ID]]
+  local = Batch({**groups.data, **{k: np.stack([r[k] for r in picked]) for k in FIELDS}},
+                prompts.host)
+  ctx.metrics.add_mean("response_length", local.data["response_mask"].sum(axis=1))
+  return to_global(local, lay)
+
+
+FUNCTIONS.register(dataclasses.replace(FUNCTIONS.spec("generate"), name="generate.tape",
+                                       doc="test plugin: record / replay rollouts"), tape)
