@@ -15,6 +15,14 @@ process has finished), so a save killed half-way leaves the previous
 checkpoint intact and the half-written one is ignored with a message.
 Every process writes its own shards.
 
+Integrity: a save stores a checksum of every array in its ``meta``
+(``checksums``) and, once committed, the size of every file
+(``checkpoint_files``).  A restore checks both and names the damaged file or
+array; ``open_run`` then sets the step aside (``<step>.damaged``) and falls
+back to the one before, or under ``--resume`` refuses.  The processes agree on
+the verdict, but a read error inside orbax on only some of them still stalls
+the others in orbax's own barrier until its timeout.
+
 RNG: every random draw of a step is derived from (seed, step, node,
 process), see ``RunContext.step_rng``, so (seed, step) is the whole RNG
 state; a resumed run repeats the uninterrupted one exactly.
@@ -49,6 +57,10 @@ from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.loader import PromptLoader
 from distflow_jax.models.config import ModelConfig
+from distflow_jax.workflow import checksums
+from distflow_jax.workflow import checkpoint_files as files
+from distflow_jax.workflow.checkpoint_files import read_arrays, resolve  # noqa: F401 (export's)
+from distflow_jax.workflow.checksums import agree, gather_json
 from distflow_jax.workflow.roles import ModelState
 
 FORMAT = 1
@@ -60,6 +72,10 @@ _TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
 
 class CheckpointError(ConfigError):
   """A checkpoint that cannot be restored into this run (says what differs)."""
+
+
+class CheckpointDamaged(CheckpointError):
+  """A checkpoint whose files changed after the save (names the file or array)."""
 
 
 def checkpoint_dir(run_dir: str) -> str:
@@ -85,18 +101,10 @@ def abstract(tree: Any) -> Any:
                       tree)
 
 
-def _key_name(k: Any) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
-
-
 def flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
   """``{"actor.params.embed.embedding.value": (shape, dtype)}`` of a pytree or orbax metadata."""
-  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {".".join(_key_name(k) for k in path): (tuple(x.shape), str(np.dtype(x.dtype)))
-          for path, x in leaves}
+  return {name: (tuple(x.shape), str(np.dtype(x.dtype)))
+          for name, x in checksums.flatten(tree).items()}
 
 
 def compare_shapes(saved: dict, live: dict, where: str) -> None:
@@ -115,19 +123,6 @@ def compare_shapes(saved: dict, live: dict, where: str) -> None:
     more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
     raise CheckpointError(f"{where} does not match this run's models: "
                           + "; ".join(problems[:8]) + more)
-
-
-def gather_json(obj: Any) -> list[Any]:
-  """Every process's JSON-able ``obj``, in process order (a collective)."""
-  if jax.process_count() == 1:
-    return [obj]
-  from jax.experimental import multihost_utils
-  data = np.frombuffer(json.dumps(obj, sort_keys=True).encode(), np.uint8)
-  sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32)))
-  padded = np.zeros(int(sizes.max()), np.uint8)
-  padded[:data.size] = data
-  rows = np.asarray(multihost_utils.process_allgather(padded))
-  return [json.loads(bytes(rows[i, :int(sizes[i, 0])])) for i in range(rows.shape[0])]
 
 
 def restore_loader(loader: PromptLoader, states: list[dict], log: Callable[[str], None]) -> None:
@@ -153,6 +148,7 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     self.save_every = save_every
     self.log = log
+    self._pending: int | None = None  # a save whose file record is not written yet
     # Orbax deletes never-committed saves when the manager opens; say so first.
     for name in self.incomplete():
       log(f"checkpoint: ignoring the incomplete save {os.path.join(self.directory, name)} "
@@ -191,49 +187,61 @@ class Checkpointer:
            cfg: ml_collections.ConfigDict, model_cfg: ModelConfig, tokenizer: Any = None
            ) -> None:
     """Starts an asynchronous save of ``step`` (every process must call it)."""
+    self.wait()  # orbax would wait here anyway; the previous save's file record follows
     self._save_static(roles, tokenizer)
     loaders = gather_json(loader.get_state())
+    state = trained_state(roles)
     meta = {"format": FORMAT, "step": step, "seed": cfg.seed,
             "process_count": jax.process_count(), "device_count": jax.device_count(),
-            "roles": sorted(trained_state(roles)),
+            "roles": sorted(state),
             "model_config": dataclasses.asdict(model_cfg),
-            "config": json.loads(cfg.to_json_best_effort())}
-    self._manager.save(step, args=ocp.args.Composite(**{
-        STATE: ocp.args.StandardSave(trained_state(roles)),
+            "config": json.loads(cfg.to_json_best_effort()),
+            "checksums": checksums.checksums(state)}
+    if self._manager.save(step, args=ocp.args.Composite(**{
+        STATE: ocp.args.StandardSave(state),
         LOADER: ocp.args.JsonSave({"processes": loaders}),
-        META: ocp.args.JsonSave(meta)}))
+        META: ocp.args.JsonSave(meta)})):
+      self._pending = step
 
   def _save_static(self, roles: dict[Role, ModelState], tokenizer: Any) -> None:
     static = os.path.join(self.directory, STATIC)
     ref = os.path.join(static, "reference")
     if Role.REFERENCE in roles and not os.path.isdir(ref):
-      ckptr = ocp.StandardCheckpointer()
-      ckptr.save(ref, roles[Role.REFERENCE].params)
-      ckptr.wait_until_finished()
-      ckptr.close()
+      files.save_reference(ref, roles[Role.REFERENCE].params)
     tok = os.path.join(static, "tokenizer")
     if tokenizer is not None and jax.process_index() == 0 and not os.path.isdir(tok):
       tokenizer.save(tok + ".tmp")
       os.replace(tok + ".tmp", tok)
 
   def wait(self) -> None:
-    """Blocks until the last save is committed."""
+    """Blocks until the last save is committed; then writes its file record."""
     self._manager.wait_until_finished()
+    step, self._pending = self._pending, None
+    path = os.path.join(self.directory, str(step))
+    if step is not None and jax.process_index() == 0 and os.path.isdir(path):
+      files.write_record(path)
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
+    self.wait()
     self._manager.close()
 
   # -- restoring --
 
   def read_meta(self, step: int) -> dict[str, Any]:
+    """The step's meta, once its files pass ``checkpoint_files.file_problem``."""
     path = os.path.join(self.directory, str(step))
     present = sorted(os.listdir(path)) if os.path.isdir(path) else []
     missing = [i for i in ITEMS if i not in present]
     if missing:
-      raise CheckpointError(f"checkpoint {path} is missing item(s) {missing} (it has "
-                            f"{[p for p in present if not p.startswith('_')]}); it was not "
-                            f"written by this version or was damaged")
+      problem = (f"is missing item(s) {missing} (it has "
+                 f"{[p for p in present if not p.startswith('_')]}); it was not written by "
+                 f"this version or was damaged")
+    else:
+      damage = files.step_problem(path, ITEMS, STATE)
+      problem = damage and f"is damaged: {damage}"
+    problem = agree(problem)
+    if problem:
+      raise CheckpointDamaged(f"checkpoint {path} (step {step}) {problem}")
     meta = self._manager.restore(step, args=ocp.args.Composite(
         **{META: ocp.args.JsonRestore()}))[META]
     if meta.get("format") != FORMAT:
@@ -243,8 +251,12 @@ class Checkpointer:
 
   def restore(self, step: int, roles: dict[Role, ModelState], loader: PromptLoader,
               cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-    """Loads ``step`` into ``roles`` (resharded to their meshes) and ``loader``."""
-    where = f"checkpoint {os.path.join(self.directory, str(step))}"
+    """Loads ``step`` into ``roles`` (resharded to their meshes) and ``loader``.
+
+    Raises ``CheckpointDamaged`` naming the file or array when the step's
+    files changed after the save (nothing is loaded then).
+    """
+    where = f"checkpoint {os.path.join(self.directory, str(step))} (step {step})"
     meta = self.read_meta(step)
     if meta["seed"] != cfg.seed:
       raise CheckpointError(f"{where} was written with seed={meta['seed']} but this run has "
@@ -255,11 +267,13 @@ class Checkpointer:
                             f"{sorted(live)}")
     saved = self._manager.item_metadata(step)[STATE]
     compare_shapes(flat_shapes(saved), flat_shapes(live), where)
-    try:
-      out = self._manager.restore(step, args=ocp.args.Composite(**{
-          STATE: ocp.args.StandardRestore(abstract(live)), LOADER: ocp.args.JsonRestore()}))
-    except (ValueError, FileNotFoundError, OSError) as e:
-      raise CheckpointError(f"{where} cannot be read: {e}") from e
+    out, problem = files.read_checked(lambda: self._manager.restore(
+        step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract(live)),
+                                          LOADER: ocp.args.JsonRestore()})))
+    problem = agree(problem) or checksums.check(where, meta.get("checksums"), out[STATE],
+                                                self.log)
+    if problem:
+      raise CheckpointDamaged(f"{where} is damaged: {problem}")
     for name, tree in out[STATE].items():
       s = roles[Role(name.upper())]
       s.params = tree["params"]
@@ -269,6 +283,18 @@ class Checkpointer:
     self._restore_reference(roles)
     return meta
 
+  def set_aside(self, step: int) -> str:
+    """Renames a damaged step to ``<step>.damaged`` (kept for a look, out of orbax's way)."""
+    path = os.path.join(self.directory, str(step))
+    dest, n = path + ".damaged", 1
+    while os.path.exists(dest):
+      dest, n = f"{path}.damaged{n}", n + 1
+    if jax.process_index() == 0:
+      os.rename(path, dest)
+    dest = gather_json(dest)[0]  # process 0's; every process waits for the rename
+    self._manager.reload()
+    return dest
+
   def _restore_reference(self, roles: dict[Role, ModelState]) -> None:
     ref = os.path.join(self.directory, STATIC, "reference")
     if Role.REFERENCE not in roles:
@@ -276,19 +302,12 @@ class Checkpointer:
     if not os.path.isdir(ref):
       self.log("checkpoint: no saved reference model; using the one built from the model path")
       return
-    live = roles[Role.REFERENCE].params
-    ckptr = ocp.StandardCheckpointer()
-    try:
-      compare_shapes(flat_shapes(ckptr.metadata(ref).item_metadata), flat_shapes(live),
-                     f"reference checkpoint {ref}")
-      roles[Role.REFERENCE].params = ckptr.restore(ref, abstract(live))
-    finally:
-      ckptr.close()
+    roles[Role.REFERENCE].params = files.restore_reference(ref, roles[Role.REFERENCE].params,
+                                                           self.log)
 
 
 def model_config_from_meta(meta: dict[str, Any]) -> ModelConfig:
   return ModelConfig(**meta["model_config"])
-
 
 
 # ---- the run's entry point --------------------------------------------------------------------
@@ -301,6 +320,8 @@ def open_run(cfg: ml_collections.ConfigDict, roles: dict[Role, ModelState],
   ``resume=None`` continues from the latest complete checkpoint in the run
   directory if there is one; ``True`` requires one; ``False`` refuses to
   start over a run directory that holds checkpoints (they would collide).
+  A damaged checkpoint is set aside with a message and the one before it
+  restored; under ``resume=True`` it is refused instead.
   """
   t = cfg.trainer
   ck = Checkpointer(checkpoint_dir(cfg.run_dir), save_every=t.save_every, keep=t.keep,
@@ -313,11 +334,32 @@ def open_run(cfg: ml_collections.ConfigDict, roles: dict[Role, ModelState],
   if resume is False:
     raise CheckpointError(f"{ck.directory} holds checkpoints of steps {ck.steps()}; continue "
                           f"them with --resume or choose another --config.run_dir")
-  ck.restore(latest, roles, train_loader, cfg)
+  latest = restore_latest(ck, roles, train_loader, cfg, strict=bool(resume))
   log(f"checkpoint: resumed from {os.path.join(ck.directory, str(latest))} (step {latest})")
   if jax.process_index() == 0:
     trim_metrics(os.path.join(cfg.run_dir, "metrics.jsonl"), latest)
   return ck, latest
+
+
+def restore_latest(ck: Checkpointer, roles: dict[Role, ModelState], loader: PromptLoader,
+                   cfg: ml_collections.ConfigDict, *, strict: bool) -> int:
+  """Restores the newest undamaged step; ``strict``: a damaged newest step is refused."""
+  steps = ck.steps()
+  while True:
+    step = steps.pop()
+    try:
+      ck.restore(step, roles, loader, cfg)
+      return step
+    except CheckpointDamaged as e:
+      if strict:
+        alt = f"; without --resume the run falls back to step {steps[-1]}" if steps else ""
+        raise CheckpointError(f"--resume: {e}{alt}") from e
+      if not steps:
+        raise CheckpointError(f"{e}; there is no earlier checkpoint to fall back to (move it "
+                              f"away to start the run over)") from e
+      what = str(e).removeprefix("checkpoint ")
+      ck.log(f"checkpoint: {what}; moved it to {ck.set_aside(step)}; falling back to step "
+             f"{steps[-1]}")
 
 
 def trim_metrics(path: str, step: int) -> None:
@@ -338,44 +380,3 @@ def trim_metrics(path: str, step: int) -> None:
     with open(path + ".tmp", "w") as f:
       f.writelines(keep)
     os.replace(path + ".tmp", path)
-
-
-# ---- reading without a live run (export, tests) -----------------------------------------------
-
-def resolve(path: str) -> tuple[str, int | None]:
-  """``(checkpoints root, step or None)`` from a run dir, a checkpoints dir or a step dir."""
-  path = os.path.abspath(path)
-  if os.path.isdir(os.path.join(path, "checkpoints")):
-    return os.path.join(path, "checkpoints"), None
-  base = os.path.basename(path)
-  if base.isdigit() and os.path.isdir(os.path.join(path, META)):
-    return os.path.dirname(path), int(base)
-  return path, None
-
-
-def read_arrays(directory: str, step: int | None = None
-                ) -> tuple[int, dict[str, np.ndarray], dict[str, Any]]:
-  """``(step, {"actor.params.embed.embedding.value": array}, meta)`` on the host, any topology."""
-  directory = os.path.abspath(directory)
-  mgr = ocp.CheckpointManager(directory, item_handlers={
-      STATE: ocp.PyTreeCheckpointHandler(), META: ocp.JsonCheckpointHandler()})
-  try:
-    steps = sorted(mgr.all_steps())
-    if not steps:
-      raise CheckpointError(f"{directory} holds no complete checkpoint (expected "
-                            f"<run_dir>/checkpoints or one of its numbered step directories)")
-    if step is None:
-      step = steps[-1]
-    elif step not in steps:
-      raise CheckpointError(f"{directory} has no checkpoint of step {step}; it has {steps}")
-    md = mgr.item_metadata(step)[STATE]
-    if md is None:
-      raise CheckpointError(f"checkpoint {directory}/{step} has no {STATE!r} item")
-    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), md)
-    out = mgr.restore(step, args=ocp.args.Composite(**{
-        STATE: ocp.args.PyTreeRestore(restore_args=args), META: ocp.args.JsonRestore()}))
-  finally:
-    mgr.close()
-  leaves = jax.tree_util.tree_flatten_with_path(out[STATE])[0]
-  arrays = {".".join(_key_name(k) for k in p): np.asarray(x) for p, x in leaves}
-  return step, arrays, out[META]
