@@ -138,19 +138,8 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
     grads, out, grad_norm = jax.shard_map(
         local, mesh=mesh, in_specs=(P(), P(AXIS), P()), out_specs=P(),
         check_vma=False)(params, dict(batch), denom)
-    grouped = (steps_lib.prompts_grouped(batch, group_size) if group_size > 1
-               else jnp.bool_(True))
-    updates, new_opt = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    ok = steps_lib.step_ok(out.total, grad_norm, new_params, new_opt) & grouped
-    keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
-    new_params = jax.tree.map(keep, new_params, params)
-    new_opt = jax.tree.map(keep, new_opt, opt_state)
-    stats = {"total": out.total, "count": out.count, "token_count": out.token_count,
-             "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32),
-             "ungrouped": (~grouped).astype(jnp.int32),
-             **{f"m/{k}": v for k, v in out.metrics.items()}}
-    return new_params, new_opt, stats
+    return steps_lib.apply_update(tx, params, opt_state, batch, grads, out, grad_norm,
+                                  group_size)
 
   return steps_lib.PinnedStep(step)
 

@@ -247,21 +247,28 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
     out0 = jax.eval_shape(lambda p, b: loss_fn(graphdef, p, b), params, first)
     out_init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out0)
     (grads, out), _ = jax.lax.scan(one, (zeros, out_init), mbs)
-    grad_norm = optax.global_norm(grads)
-    grouped = prompts_grouped(batch, group_size) if group_size > 1 else jnp.bool_(True)
-    updates, new_opt = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    ok = step_ok(out.total, grad_norm, new_params, new_opt) & grouped
-    keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
-    new_params = jax.tree.map(keep, new_params, params)
-    new_opt = jax.tree.map(keep, new_opt, opt_state)
-    stats = {"total": out.total, "count": out.count, "token_count": out.token_count,
-             "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32),
-             "ungrouped": (~grouped).astype(jnp.int32),
-             **{f"m/{k}": v for k, v in out.metrics.items()}}
-    return new_params, new_opt, stats
+    return apply_update(tx, params, opt_state, batch, grads, out, optax.global_norm(grads),
+                        group_size)
 
   return PinnedStep(step)
+
+
+def apply_update(tx: optax.GradientTransformation, params, opt_state, batch: Batch, grads,
+                 out: losses.LossOutput, grad_norm: jax.Array, group_size: int):
+  """The optimizer step on summed gradients, kept only if `step_ok` and the rows are
+  grouped; returns ``(params, opt_state, stats)``."""
+  grouped = prompts_grouped(batch, group_size) if group_size > 1 else jnp.bool_(True)
+  updates, new_opt = tx.update(grads, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  ok = step_ok(out.total, grad_norm, new_params, new_opt) & grouped
+  keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+  new_params = jax.tree.map(keep, new_params, params)
+  new_opt = jax.tree.map(keep, new_opt, opt_state)
+  stats = {"total": out.total, "count": out.count, "token_count": out.token_count,
+           "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32),
+           "ungrouped": (~grouped).astype(jnp.int32),
+           **{f"m/{k}": v for k, v in out.metrics.items()}}
+  return new_params, new_opt, stats
 
 
 def step_ok(total: jax.Array, grad_norm: jax.Array, new_params: Any, new_opt: Any) -> jax.Array:
