@@ -21,6 +21,7 @@ import time
 from typing import IO, Sequence
 
 from distflow_jax import distributed
+from distflow_jax.config.loading import ConfigError
 
 
 @dataclasses.dataclass
@@ -85,15 +86,20 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
 
 def launch(num_processes: int, devices_per_process: int, command: Sequence[str],
            *, timeout_s: float = 600.0, grace_s: float = 5.0,
-           env: dict[str, str] | None = None, out: IO[str] | None = sys.stdout,
+           env: dict[str, str] | None = None, out: IO[str] | None | str = "stdout",
            poll_s: float = 0.05) -> LaunchResult:
-  """Runs ``command`` as ``num_processes`` cooperating JAX processes."""
+  """Runs ``command`` as ``num_processes`` cooperating JAX processes; their output goes to
+  ``out`` ("stdout": the current ``sys.stdout``; None: nowhere)."""
   if num_processes < 1:
-    raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+    raise ConfigError(f"-n/--num-processes must be >= 1, got {num_processes}")
   if devices_per_process < 1:
-    raise ValueError(f"devices_per_process must be >= 1, got {devices_per_process}")
+    raise ConfigError(f"--devices-per-process must be >= 1, got {devices_per_process}")
+  if timeout_s <= 0 or grace_s < 0:
+    raise ConfigError(f"--timeout must be > 0 and --grace >= 0, got {timeout_s} and {grace_s}")
   if not command:
-    raise ValueError("launch needs a command to run, e.g. -- python train.py")
+    raise ConfigError("launch needs a command to run, e.g. -- python train.py")
+  if out == "stdout":
+    out = sys.stdout
   coordinator = f"127.0.0.1:{free_port()}"
   base = dict(os.environ if env is None else env)
   lock = threading.Lock()

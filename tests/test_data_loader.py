@@ -180,7 +180,7 @@ def test_bad_rows_are_counted_and_skipped(tmp_path, caplog):
       want[reason] += 1
   assert ld.counts == {"ok": 2, **want, "blank_lines": 0}
   assert sum(ld.counts.values()) == len(BAD_ROWS)
-  assert "record 1: bad_json" in caplog.text
+  assert f"{path}:2: bad_json" in caplog.text
   with pytest.raises(StopIteration):
     next(ld)
 
@@ -188,9 +188,15 @@ def test_bad_rows_are_counted_and_skipped(tmp_path, caplog):
 def test_bad_rows_refused_with_error_policy(tmp_path):
   path = _write_jsonl(tmp_path / "d.jsonl", [r for r, _ in BAD_ROWS])
   ld = _loader(path, shuffle=False, on_bad_row="error")
-  with pytest.raises(BadRowError, match=r"record 1: bad_json"):
+  with pytest.raises(BadRowError, match=r"d\.jsonl:2: bad_json.*on_bad_row=skip"):
     next(ld)
   assert ld.counts["bad_json"] == 1
+  # Blank lines count in the line number a user looks up in an editor.
+  lines = open(path, "rb").read().splitlines()
+  blanked = tmp_path / "blank.jsonl"
+  blanked.write_bytes(b"\n\n" + lines[0] + b"\n\n" + b"\n".join(lines[1:]) + b"\n")
+  with pytest.raises(BadRowError, match=r"blank\.jsonl:5: bad_json"):
+    next(_loader(str(blanked), shuffle=False, on_bad_row="error"))
   with pytest.raises(ValueError, match=r"valid values: \['skip', 'error'\]"):
     _loader(path, on_bad_row="drop")
 

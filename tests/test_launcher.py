@@ -7,6 +7,7 @@ import time
 import pytest
 
 from distflow_jax import launcher
+from distflow_jax.config.loading import ConfigError
 
 pytestmark = pytest.mark.multiprocess
 
@@ -61,7 +62,9 @@ def test_child_env_sets_device_count_and_coordinator():
 
 
 def test_bad_arguments():
-  with pytest.raises(ValueError, match="num_processes"):
+  with pytest.raises(ConfigError, match="num-processes must be >= 1"):
     launcher.launch(0, 1, ["true"])
-  with pytest.raises(ValueError, match="command"):
+  with pytest.raises(ConfigError, match="devices-per-process"):
+    launcher.launch(1, -2, ["true"])
+  with pytest.raises(ConfigError, match="command"):
     launcher.launch(1, 1, [])

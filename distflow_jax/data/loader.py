@@ -55,8 +55,8 @@ class OnBadRow(enum.Enum):
   ERROR = "error"
 
 
-class BadRowError(ValueError):
-  """A malformed row met with ``on_bad_row="error"``."""
+class BadRowError(ConfigError):
+  """A malformed row met with ``on_bad_row="error"``; names the file and line."""
 
 
 class TooFewRowsError(ConfigError):
@@ -258,9 +258,10 @@ class PromptLoader:
         self._counts["ok"] += 1
         return self._epoch, item
       self._counts[item.reason] += 1
-      where = f"{self.source.path!r} record {record}: {item.reason}: {item.detail}"
+      where = f"{_where(self.source, record)}: {item.reason}: {item.detail}"
       if self.on_bad_row is OnBadRow.ERROR:
-        raise BadRowError(where)
+        raise BadRowError(f"{where} (data.on_bad_row=error; fix the row or set "
+                          f"--config.data.on_bad_row=skip to count and skip such rows)")
       if self._counts[item.reason] == 1:
         log.warning("skipping malformed row %s (further %s rows are counted, "
                     "see loader.counts)", where, item.reason)
@@ -324,3 +325,9 @@ class PromptLoader:
     self._position = int(state["position"])
     self._counts = {"ok": 0, **{r: 0 for r in REASONS}, **state["counts"]}
     self._dataset = self._epoch_dataset(self._epoch)
+
+
+def _where(source: Any, record: int) -> str:
+  """Where record ``record`` is in its file: ``path:line`` for JSONL, else ``path row N``."""
+  where = getattr(source, "where", None)
+  return where(record) if where is not None else f"{source.path} record {record}"

@@ -29,6 +29,8 @@ class RecordSource(Protocol):
 
   def __getitem__(self, index: int) -> dict[str, Any] | BadRow: ...
 
+  def where(self, index: int) -> str: ...
+
 
 class JsonlSource:
   """One JSON object per non-blank line; blank lines are not records, but are counted
@@ -36,7 +38,7 @@ class JsonlSource:
 
   def __init__(self, path: str):
     self.path = os.fspath(path)
-    offsets = []
+    offsets, numbers = [], []
     self.blank_lines = 0
     self.first_blank_line: int | None = None
     with open(self.path, "rb") as f:
@@ -44,14 +46,20 @@ class JsonlSource:
       for number, line in enumerate(f, 1):
         if line.strip():
           offsets.append(pos)
+          numbers.append(number)
         else:
           self.blank_lines += 1
           self.first_blank_line = self.first_blank_line or number
         pos += len(line)
     self._offsets = offsets
+    self._line_numbers = numbers
 
   def __len__(self) -> int:
     return len(self._offsets)
+
+  def where(self, index: int) -> str:
+    """``path:line`` of record ``index`` (1-based line number, blank lines counted)."""
+    return f"{self.path}:{self._line_numbers[index]}"
 
   def __getitem__(self, index: int) -> dict[str, Any] | BadRow:
     with open(self.path, "rb") as f:
@@ -80,6 +88,9 @@ class ParquetSource:
 
   def __len__(self) -> int:
     return self._table.num_rows
+
+  def where(self, index: int) -> str:
+    return f"{self.path} row {index}"
 
   def __getitem__(self, index: int) -> dict[str, Any] | BadRow:
     return self._table.slice(index, 1).to_pylist()[0]

@@ -19,9 +19,9 @@ def bar(done: int, total: int, width: int = 24) -> str:
 class Logger:
   """Prints on process 0 only; ``step`` renders one training step's line."""
 
-  def __init__(self, enabled: bool, out: IO[str] = sys.stdout):
+  def __init__(self, enabled: bool, out: IO[str] | None = None):
     self.enabled = enabled
-    self.out = out
+    self.out = out if out is not None else sys.stdout  # now, not at import time
     self.start = time.perf_counter()
 
   def __call__(self, message: str) -> None:
