@@ -3,8 +3,8 @@
 import dataclasses
 
 from distflow_jax.dag.registry import FUNCTIONS
+from distflow_jax.nodes.rewards import rule_reward_node
 from distflow_jax.rewards import registry
-from distflow_jax.workflow import nodes
 
 
 def boom(completion: str, ground_truth: str) -> float:
@@ -14,4 +14,4 @@ def boom(completion: str, ground_truth: str) -> float:
 if "boom" not in registry.reward_names():
   registry.register_reward("boom", boom)
 FUNCTIONS.register(dataclasses.replace(FUNCTIONS.spec("reward.math"), name="reward.boom"),
-                   nodes.rule_reward_node("boom"))
+                   rule_reward_node("boom"))

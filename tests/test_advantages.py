@@ -259,7 +259,7 @@ def test_jit_matches_eager():
 
 
 def test_global_whiten_matches_masked_whiten_on_one_process():
-  from distflow_jax.workflow.nodes import global_whiten
+  from distflow_jax.nodes.advantages import global_whiten
   rng = np.random.default_rng(3)
   x = rng.normal(size=(6, 5)).astype(np.float32)
   mask = rng.random((6, 5)) > 0.3

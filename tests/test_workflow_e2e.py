@@ -42,7 +42,7 @@ def test_grpo_three_steps(tmp_path):
 
 
 def test_prompt_width_is_the_smallest_bucket_that_fits():
-  from distflow_jax.workflow.nodes import prompt_width
+  from distflow_jax.nodes.rollout import prompt_width
   assert prompt_width(10, (16, 32, 64), 64) == 16
   assert prompt_width(16, (16, 32, 64), 64) == 16
   assert prompt_width(17, (16, 32, 64), 64) == 32

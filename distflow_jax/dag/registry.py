@@ -7,7 +7,12 @@ bound to a name separately (``bind``) by the modules that define them, so the
 planner can validate and plan a workflow without importing model code.
 
 Users add functions without editing the package: a module listed in
-``config.plugins`` calls ``FUNCTIONS.register(FunctionSpec(...), impl)``.
+``config.plugins`` calls ``FUNCTIONS.register(FunctionSpec(...), impl)`` (an advantage
+estimator: ``nodes.advantages.register_estimator(Estimator(...))``).
+
+The advantage estimators' specs are derived from their table
+(``nodes.estimators``, which imports no jax) by ``estimator_spec``, so a spec and its
+estimator cannot disagree on group needs or inputs.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import enum
 from collections.abc import Callable, Iterable
 
 from distflow_jax.dag.spec import DagError, NodeType, Role
+from distflow_jax.nodes.estimators import BUILTIN_ESTIMATORS, Estimator
 
 
 class Placement(enum.Enum):
@@ -44,6 +50,9 @@ class FunctionSpec:
   produces: frozenset[str] = frozenset()
   # Needs every sample of a prompt group on one host (group statistics).
   needs_groups: bool = False
+  # Subtracts actor.kl's per-token penalty from its rewards when actor.kl.in_reward, so
+  # it reads 'ref_logprobs' then (the advantages that use per-token rewards).
+  kl_reward: bool = False
   doc: str = ""
 
   def implied_type(self) -> NodeType | None:
@@ -74,6 +83,12 @@ class Registry:
     self.spec(name)  # must be registered first
     self._impls[name] = impl
 
+  def unregister(self, name: str) -> None:
+    """Removes a function (spec and implementation), e.g. one a test registered."""
+    self.spec(name)
+    del self._specs[name]
+    self._impls.pop(name, None)
+
   def names(self) -> list[str]:
     return sorted(self._specs)
 
@@ -103,14 +118,25 @@ def unknown_name_message(what: str, name: str, valid: Iterable[str]) -> str:
 
 
 def _spec(name, types, roles, placement, section, requires=(), produces=(),
-          needs_groups=False, doc=""):
+          needs_groups=False, kl_reward=False, doc=""):
   return FunctionSpec(name=name, types=frozenset(types), roles=frozenset(roles),
                       placement=placement, section=section,
                       requires=frozenset(requires), produces=frozenset(produces),
-                      needs_groups=needs_groups, doc=doc)
+                      needs_groups=needs_groups, kl_reward=kl_reward, doc=doc)
 
 
 _INF, _TRAIN, _COMP = NodeType.MODEL_INFERENCE, NodeType.MODEL_TRAIN, NodeType.COMPUTE
+
+
+def estimator_spec(est: Estimator) -> FunctionSpec:
+  """The spec of an advantage estimator's node: host-side where the rewards are, patched
+  by ``algo`` overrides; reads rewards (and values), makes advantages (and returns)."""
+  return _spec(est.name, [_COMP], [None], Placement.INHERIT, "algo",
+               requires=["rewards", *(["values"] if est.values else [])],
+               produces=["advantages", *(["returns"] if est.values else [])],
+               needs_groups=est.needs_groups, kl_reward=est.token_rewards, doc=est.doc)
+
+
 _ROLLOUT_FIELDS = ("tokens", "rollout_logprobs")
 
 BUILTIN_SPECS = (
@@ -129,21 +155,7 @@ BUILTIN_SPECS = (
           requires=["tokens"], produces=["ref_logprobs"], doc="frozen reference log-probs"),
     _spec("values", [_INF], [Role.CRITIC], Placement.ROLE_MESH, "critic",
           requires=["tokens"], produces=["values"], doc="critic values per token"),
-    _spec("advantage.gae", [_COMP], [None], Placement.INHERIT, "algo",
-          requires=["rewards", "values"], produces=["advantages", "returns"],
-          doc="GAE(gamma, lambda) per token"),
-    _spec("advantage.grpo", [_COMP], [None], Placement.INHERIT, "algo",
-          requires=["rewards"], produces=["advantages"], needs_groups=True,
-          doc="group-normalised outcome reward (Dr.GRPO: no std)"),
-    _spec("advantage.rloo", [_COMP], [None], Placement.INHERIT, "algo",
-          requires=["rewards"], produces=["advantages"], needs_groups=True,
-          doc="leave-one-out baseline"),
-    _spec("advantage.reinforce_pp", [_COMP], [None], Placement.INHERIT, "algo",
-          requires=["rewards"], produces=["advantages"],
-          doc="REINFORCE++: discounted return, whitened over the batch"),
-    _spec("advantage.reinforce_pp_baseline", [_COMP], [None], Placement.INHERIT, "algo",
-          requires=["rewards"], produces=["advantages"], needs_groups=True,
-          doc="REINFORCE++ with a group-mean baseline"),
+    *(estimator_spec(est) for est in BUILTIN_ESTIMATORS),
     _spec("train.actor", [_TRAIN], [Role.ACTOR], Placement.ROLE_MESH, "actor",
           requires=["advantages", "tokens"], doc="policy-gradient update"),
     _spec("train.critic", [_TRAIN], [Role.CRITIC], Placement.ROLE_MESH, "critic",

@@ -1,0 +1,108 @@
+"""Advantage nodes: ``advantage.<kind>`` runs one ``Estimator`` of ``nodes.estimators``.
+
+The node gathers this host's rows, checks prompt groups are whole when the estimator
+needs them, builds the per-token rewards (with the KL penalty) or reads the critic's
+values only for estimators that read them, runs the estimator, and whitens over the
+whole batch when the estimator says so.  ``register_estimator`` adds an estimator
+(spec and node) in one call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from distflow_jax.algos import advantages as adv_lib
+from distflow_jax.algos import kl as kl_lib
+from distflow_jax.dag.registry import FUNCTIONS, Registry, estimator_spec
+from distflow_jax.dag.spec import DagError, Node
+from distflow_jax.data import layout as dlayout
+from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch
+from distflow_jax.nodes.common import NodeFn, NodeTable, local_fields
+from distflow_jax.nodes.estimators import BUILTIN_ESTIMATORS, AdvantageInput, Estimator
+from distflow_jax.workflow.context import RunContext, put_local
+from distflow_jax.workflow.metrics import gather_processes
+
+
+def advantage_node(est: Estimator) -> NodeFn:
+  """The node function that runs ``est``."""
+  return functools.partial(_advantage, est)
+
+
+def register_estimator(est: Estimator, registry: Registry = FUNCTIONS) -> None:
+  """Makes ``est`` a DAG function: registers its spec (derived from ``est``, so the
+  planner's view and the node's agree) and binds its node."""
+  registry.register(estimator_spec(est), advantage_node(est))
+
+
+def _check_groups(node: Node, group_ids: np.ndarray, n: int) -> None:
+  blocks = group_ids.reshape(-1, n) if group_ids.size % n == 0 else None
+  if blocks is None or (blocks != blocks[:, :1]).any():
+    raise DagError(f"DAG node {node.id!r} needs the {n} samples of each prompt together on "
+                   f"this host, but its rows hold groups {group_ids[:2 * n].tolist()}...: "
+                   f"a group was split (check rollout.n and the re-partition before it)")
+
+
+def _token_rewards(ctx: RunContext, node: Node, loc: dict, mask: jax.Array) -> jax.Array:
+  token_rewards = adv_lib.outcome_to_token_rewards(jnp.asarray(loc["rewards"]), mask)
+  kl_cfg = ctx.cfg.actor.kl
+  coef = ctx.kl_coef if ctx.kl_coef is not None else kl_cfg.coef
+  if kl_cfg.in_reward and coef:
+    if "ref_logprobs" not in loc:
+      raise DagError(f"DAG node {node.id!r}: actor.kl.in_reward needs 'ref_logprobs'; add a "
+                     f"ref_logprob node to its dependencies")
+    logp = loc.get("old_logprobs", loc["rollout_logprobs"])
+    kl = kl_lib.kl_divergence(logp, loc["ref_logprobs"], kl_cfg.estimator)
+    token_rewards = kl_lib.apply_kl_penalty(token_rewards, kl, mask, coef)
+    ctx.metrics.add("kl_coef", coef)
+    ctx.metrics.add("kl_penalty", float(jnp.sum(kl * mask)), float(mask.sum()))
+  return token_rewards
+
+
+def _advantage(est: Estimator, ctx: RunContext, node: Node, lay: dlayout.Layout,
+               batch: Batch) -> Batch:
+  algo, n = ctx.section(node, "algo"), ctx.cfg.rollout.n
+  keys = ["rewards", "response_mask", "rollout_logprobs"] + [
+      k for k in ("values", "old_logprobs", "ref_logprobs") if k in batch.data]
+  loc = local_fields(batch, *keys)
+  mask = jnp.asarray(loc["response_mask"]).astype(jnp.float32)
+  if est.needs_groups:
+    _check_groups(node, loc[GROUP_ID], n)
+  out = est.fn(AdvantageInput(
+      rewards_B=jnp.asarray(loc["rewards"]), mask_BxT=mask, group_size=n, algo=algo,
+      token_rewards_BxT=_token_rewards(ctx, node, loc, mask) if est.token_rewards else None,
+      values_BxT=jnp.asarray(loc["values"]) if est.values else None))
+  advantages = out.advantages_BxT
+  if est.whiten:
+    advantages = global_whiten(np.asarray(advantages), np.asarray(mask), loc[SAMPLE_ID])
+  ctx.metrics.add_mean("reward", loc["rewards"])
+  ctx.metrics.add("reward_sq", float(np.sum(np.square(loc["rewards"]))), loc["rewards"].size)
+  return put_local(batch, lay, advantages=np.asarray(advantages, np.float32),
+                   returns=np.asarray(out.returns_BxT, np.float32))
+
+
+def global_whiten(x: np.ndarray, mask: np.ndarray, sample_ids: np.ndarray) -> np.ndarray:
+  """``algos.advantages.masked_whiten`` over the whole batch of every host.
+
+  The statistics come from per-row sums gathered from every host and added in sample-id
+  order, so the result is bitwise the same however samples are spread over hosts.
+  """
+  m = mask.astype(np.float64)
+  xr = np.where(m > 0, x.astype(np.float64), 0.0)
+
+  def ordered_total(per_row: np.ndarray) -> np.ndarray:
+    rows = gather_processes(np.concatenate([sample_ids[:, None].astype(np.float64), per_row],
+                                           axis=1)).reshape(-1, per_row.shape[1] + 1)
+    return rows[np.argsort(rows[:, 0], kind="stable"), 1:].sum(axis=0)
+
+  n, s1 = ordered_total(np.stack([m.sum(axis=1), xr.sum(axis=1)], axis=1))
+  mean = s1 / max(n, 1.0)
+  s2 = ordered_total(((xr - mean) ** 2 * m).sum(axis=1)[:, None])[0]
+  var = s2 / max(n - 1.0, 1.0)
+  return ((xr - mean) / np.sqrt(var + 1e-8) * m).astype(np.float32)
+
+
+NODES: NodeTable = {est.name: advantage_node(est) for est in BUILTIN_ESTIMATORS}

@@ -1,0 +1,98 @@
+"""The advantage estimators: one ``Estimator`` per ``advantage.<kind>`` DAG function.
+
+An estimator is a function from a small typed input (``AdvantageInput``) to
+``AdvantageOutput`` plus the facts the planner and the node need about it (group
+statistics, batch whitening, which inputs it reads).  The registry derives each
+estimator's ``FunctionSpec`` from its entry here (``dag.registry.estimator_spec``), and
+``nodes.advantages`` runs it, so the two cannot disagree.
+
+Adding a built-in estimator is one function and one entry of ``BUILTIN_ESTIMATORS``; a
+plugin calls ``nodes.advantages.register_estimator(Estimator(...))`` instead.
+
+This module does not import jax (the maths is imported when an estimator runs): the
+registry reads the table, and the planner plans a workflow without jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+  import jax
+
+  from distflow_jax.algos.advantages import AdvantageOutput
+
+
+class AdvantageInput(NamedTuple):
+  """What an estimator reads: this host's rows, whole prompt groups if it needs them."""
+  rewards_B: jax.Array  # outcome reward per sample, float32
+  mask_BxT: jax.Array  # response mask, float32 (1 = real token)
+  group_size: int  # rollout.n; the samples of a prompt are contiguous rows
+  algo: Any  # the node's ``algo`` config section (gamma, lam, norm_by_std, ...)
+  # Per-token rewards (outcome reward on the last real token, minus the KL penalty when
+  # actor.kl.in_reward); only for estimators with ``token_rewards``.
+  token_rewards_BxT: jax.Array | None = None
+  values_BxT: jax.Array | None = None  # the critic's values; only with ``values``
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+  """One advantage estimator, as a DAG function named ``name``."""
+  name: str  # the registry name, "advantage.<kind>"
+  fn: Callable[[AdvantageInput], AdvantageOutput]
+  # Group statistics: every sample of a prompt on one host (planned for, checked on the
+  # host, and rollout.n >= 2 is required).
+  needs_groups: bool = False
+  # The advantages are whitened over the whole batch of every host after ``fn``
+  # (bitwise the same however samples are spread); ``fn`` must not whiten itself.
+  whiten: bool = False
+  # Reads per-token rewards, so a KL penalty in the reward (actor.kl.in_reward) applies.
+  token_rewards: bool = False
+  # Reads the critic's values and makes the returns that train.critic fits.
+  values: bool = False
+  doc: str = ""
+
+
+def _maths():
+  # Imported when an estimator runs, not with this module: see the module docstring.
+  from distflow_jax.algos import advantages
+  return advantages
+
+
+def gae(x: AdvantageInput) -> AdvantageOutput:
+  return _maths().gae_advantages(x.token_rewards_BxT, x.values_BxT, x.mask_BxT,
+                                 gamma=x.algo.gamma, lam=x.algo.lam, whiten=False)
+
+
+def grpo(x: AdvantageInput) -> AdvantageOutput:
+  return _maths().grpo_advantages(x.rewards_B, x.mask_BxT, group_size=x.group_size,
+                                  normalize_by_std=x.algo.norm_by_std)
+
+
+def rloo(x: AdvantageInput) -> AdvantageOutput:
+  return _maths().rloo_advantages(x.rewards_B, x.mask_BxT, group_size=x.group_size)
+
+
+def reinforce_pp(x: AdvantageInput) -> AdvantageOutput:
+  return _maths().reinforce_pp_advantages(x.token_rewards_BxT, x.mask_BxT,
+                                          gamma=x.algo.gamma, whiten=False)
+
+
+def reinforce_pp_baseline(x: AdvantageInput) -> AdvantageOutput:
+  return _maths().reinforce_pp_baseline_advantages(x.rewards_B, x.mask_BxT,
+                                                   group_size=x.group_size, whiten=False)
+
+
+BUILTIN_ESTIMATORS: tuple[Estimator, ...] = (
+    Estimator("advantage.gae", gae, whiten=True, token_rewards=True, values=True,
+              doc="GAE(gamma, lambda) per token"),
+    Estimator("advantage.grpo", grpo, needs_groups=True,
+              doc="group-normalised outcome reward (Dr.GRPO: no std)"),
+    Estimator("advantage.rloo", rloo, needs_groups=True, doc="leave-one-out baseline"),
+    Estimator("advantage.reinforce_pp", reinforce_pp, whiten=True, token_rewards=True,
+              doc="REINFORCE++: discounted return, whitened over the batch"),
+    Estimator("advantage.reinforce_pp_baseline", reinforce_pp_baseline, needs_groups=True,
+              whiten=True, doc="REINFORCE++ with a group-mean baseline"),
+)

@@ -1,0 +1,75 @@
+"""Sequence-pass nodes: one forward pass of a model over prompt + response.
+
+``logprob`` (the actor's log-probs before the update, i.e. the old policy), ``ref_logprob``
+(the frozen reference's) and ``values`` (the critic's per-token values).  ``pass_fn`` and
+``prompt_group`` are shared with the reward model and the train steps.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+
+from distflow_jax.dag.spec import Node, Role
+from distflow_jax.data import layout as dlayout
+from distflow_jax.data.batch import Batch
+from distflow_jax.nodes.common import NodeTable, seq
+from distflow_jax.train import deterministic, steps as steps_lib
+from distflow_jax.workflow.context import RunContext, shared_prompt_group
+
+
+def on_policy(ctx: RunContext) -> bool:
+  """One epoch over one mini-batch: the policy is still the one that sampled, so the
+  rollout's own log-probs (untruncated, temperature 1) are the old log-probs."""
+  actor = ctx.cfg.actor
+  return actor.ppo_epochs == 1 and actor.mini_batches == 1 and not actor.recompute_old_logprobs
+
+
+def prompt_group(ctx: RunContext, node: Node, data: dict, num_parts: int) -> int:
+  """Rows per shared prompt for this pass: rollout.n when sharing is on, `num_parts` parts of
+  the batch hold whole groups and the rows are so grouped (checked on device), else 1."""
+  gs = shared_prompt_group(ctx.cfg, data["response_mask"].shape[0], num_parts)
+  if gs > 1:
+    check = ctx.jitted(("grouped", gs), lambda: jax.jit(
+        functools.partial(steps_lib.prompts_grouped, group_size=gs)))
+    if not bool(check(data)):
+      gs = 1
+  ctx.metrics.add(f"prompt_group/{node.id}", float(gs))
+  return gs
+
+
+def pass_fn(ctx: RunContext, lay: dlayout.Layout, fn: Callable, unit_rows: int) -> Callable:
+  """A sequence pass, jitted onto the layout; in deterministic mode unit by unit."""
+  if ctx.cfg.trainer.deterministic:
+    return deterministic.per_unit(fn, lay.mesh, unit_rows)
+  return jax.jit(fn, static_argnums=0, out_shardings=lay.sharding)
+
+
+def _model_pass(field: str, role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout,
+                batch: Batch) -> Batch:
+  if field == "old_logprobs" and on_policy(ctx):
+    ctx.metrics.add("old_logprob_from_rollout", 1.0)
+    return batch.replace(old_logprobs=batch.data["rollout_logprobs"])
+  state = ctx.roles[role]
+  if role is Role.CRITIC:
+    fn = ctx.jitted(("values", lay), lambda: pass_fn(
+        ctx, lay, steps_lib.response_values, ctx.cfg.critic.micro_batch_size))
+    out = fn(state.graphdef, state.params, seq(batch))
+  else:
+    data = seq(batch)
+    unit = ctx.cfg.actor.micro_batch_size
+    parts = data["response_mask"].shape[0] // unit if ctx.cfg.trainer.deterministic else None
+    gs = prompt_group(ctx, node, data, parts or lay.num_shards)
+    fn = ctx.jitted(("logprobs", role, lay, gs), lambda: pass_fn(
+        ctx, lay, lambda g, p, b: steps_lib.response_logprobs(g, p, b, group_size=gs)[0], unit))
+    out = fn(state.graphdef, state.params, data)
+  return batch.replace(**{field: out})
+
+
+NODES: NodeTable = {
+    "logprob": functools.partial(_model_pass, "old_logprobs", Role.ACTOR),
+    "ref_logprob": functools.partial(_model_pass, "ref_logprobs", Role.REFERENCE),
+    "values": functools.partial(_model_pass, "values", Role.CRITIC),
+}

@@ -1,0 +1,74 @@
+"""Reward nodes: rule rewards (``reward.<name>`` of ``distflow_jax.rewards``) and the
+learned reward model.  Each adds its (weighted) score to any rewards already in the batch."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+
+from distflow_jax.dag.spec import DagError, Node, Role
+from distflow_jax.data import layout as dlayout
+from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, to_local
+from distflow_jax.nodes.common import NodeFn, NodeTable, seq
+from distflow_jax.nodes.passes import pass_fn
+from distflow_jax.rewards import registry as reward_registry
+from distflow_jax.train import steps as steps_lib
+from distflow_jax.workflow.context import RunContext, put_local
+
+
+def _rule_reward(name: str, ctx: RunContext, node: Node, lay: dlayout.Layout,
+                 batch: Batch) -> Batch:
+  local = to_local(Batch({k: batch.data[k] for k in
+                          ("response_tokens", "response_mask", SAMPLE_ID, GROUP_ID)},
+                         batch.host))
+  toks, mask = local.data["response_tokens"], local.data["response_mask"]
+  texts = [ctx.tokenizer.decode(toks[i][mask[i]].tolist()) for i in range(len(toks))]
+  fields = local.host_fields(local.data[GROUP_ID])
+  missing = [int(g) for g, f in zip(local.data[GROUP_ID], fields) if f is None]
+  if missing:
+    raise DagError(f"DAG node {node.id!r}: prompt groups {missing[:4]} are not on the host "
+                   f"that loaded them, so their ground truth is not here; run rule rewards "
+                   f"before any node that re-partitions the batch")
+  truths = [f["answer"] for f in fields]
+  scores = reward_registry.score_batch(reward_registry.get_reward(name), texts, truths,
+                                       sample_ids=local.data[SAMPLE_ID].tolist())
+  weight = ctx.section(node, "reward").weight
+  ctx.metrics.add_mean(f"reward/{node.id}", scores)
+  if name == "math":  # the verifier's score is correctness, so it is also the accuracy
+    ctx.metrics.add_mean("accuracy", scores > 0)
+  rewards = weight * scores.astype(np.float32)
+  if "rewards" in batch.data:
+    rewards = rewards + to_local(Batch({"rewards": batch.data["rewards"],
+                                        SAMPLE_ID: batch.data[SAMPLE_ID],
+                                        GROUP_ID: batch.data[GROUP_ID]})).data["rewards"]
+  return put_local(batch, lay, rewards=rewards)
+
+
+def rule_reward_node(name: str) -> NodeFn:
+  """The node function of a rule reward registered in ``distflow_jax.rewards`` as ``name``;
+  plugins use it to expose their own rewards as DAG functions."""
+  return functools.partial(_rule_reward, name)
+
+
+def reward_model(ctx: RunContext, node: Node, lay: dlayout.Layout, batch: Batch) -> Batch:
+  """The learned reward model's score of prompt + response, on the reward mesh; added to
+  any rewards already in the batch (rule rewards), times ``reward.weight``."""
+  state = ctx.roles[Role.REWARD]
+  fn = ctx.jitted(("reward_model", lay), lambda: pass_fn(
+      ctx, lay, steps_lib.sequence_scores, ctx.cfg.actor.micro_batch_size))
+  scores = fn(state.graphdef, state.params, seq(batch))
+  weight = ctx.section(node, "reward").weight
+  ctx.metrics.add(f"reward/{node.id}", float(jnp.sum(scores)), scores.shape[0])
+  rewards = weight * scores
+  if "rewards" in batch.data:
+    rewards = rewards + batch.data["rewards"]
+  return batch.replace(rewards=rewards)
+
+
+NODES: NodeTable = {
+    "reward.math": rule_reward_node("math"),
+    "reward.format": rule_reward_node("format"),
+    "reward.model": reward_model,
+}

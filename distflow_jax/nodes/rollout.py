@@ -1,0 +1,59 @@
+"""Rollout nodes: ``generate`` samples ``rollout.n`` responses per prompt."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from distflow_jax.dag.spec import Node, Role
+from distflow_jax.data import layout as dlayout
+from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, expand_groups, to_global
+from distflow_jax.nodes.common import NodeTable
+from distflow_jax.rollout import driver
+from distflow_jax.workflow.context import RunContext
+from distflow_jax.workflow.metrics import gather_processes
+
+
+def generate(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Batch) -> Batch:
+  """n samples per prompt on this host's rollout replica; weight sync first."""
+  rollout = ctx.section(node, "rollout")
+  engine = ctx.engine(rollout)
+  params = engine.update_params(ctx.roles[Role.ACTOR].params)
+  ids, lens = np.asarray(prompts.data["prompt_ids"]), np.asarray(prompts.data["prompt_len"])
+  plist = [ids[i, :lens[i]] for i in range(len(lens))]
+  n = rollout.n
+  # Keys from (seed, step, node, global sample id): samples do not depend on how prompts
+  # are spread over hosts, so 1 x 8 and 2 x 2 devices generate the same tokens.
+  sample_ids = np.asarray(prompts.data[SAMPLE_ID]).astype(np.int64)[:, None] * n + np.arange(n)
+  ro = driver.generate(engine, params, plist, n, rng=ctx.step_rng(node),
+                       pad_id=ctx.tokenizer.pad_id, request_ids=sample_ids.reshape(-1))
+  p_max = prompt_width(int(lens.max(initial=0)), rollout.prefill_buckets,
+                       ctx.cfg.data.max_prompt_len)
+  rows = np.repeat(np.arange(len(plist)), n)
+  prompt_tokens = np.full((len(rows), p_max), ctx.tokenizer.pad_id, np.int32)
+  prompt_mask = np.zeros((len(rows), p_max), bool)
+  for r, i in enumerate(rows):  # left-pad: the response follows the prompt directly
+    prompt_tokens[r, p_max - lens[i]:] = plist[i]
+    prompt_mask[r, p_max - lens[i]:] = True
+  groups = expand_groups(Batch({SAMPLE_ID: prompts.data[SAMPLE_ID],
+                                GROUP_ID: prompts.data[GROUP_ID]}, prompts.host), n)
+  local = Batch({**groups.data, "prompt_tokens": prompt_tokens, "prompt_mask": prompt_mask,
+                 "response_tokens": ro.tokens_RxN, "response_mask": ro.mask_RxN,
+                 "rollout_logprobs": ro.logprobs_RxN}, prompts.host)
+  ctx.metrics.add_mean("response_length", ro.lengths_R)
+  ctx.metrics.add_mean("prompt_length", lens[rows])
+  ctx.metrics.set_max("prompt_width", p_max)
+  ctx.metrics.add_mean("response_stopped", ro.stopped_R)
+  return to_global(local, lay)
+
+
+def prompt_width(longest_here: int, buckets, max_prompt_len: int) -> int:
+  """How wide the batch's prompt columns are: the smallest prefill bucket that holds the
+  longest prompt on any host (else ``max_prompt_len``).  Length bucketing: short prompts
+  are not padded to ``max_prompt_len`` through the reference and training passes, and
+  the few widths bound the number of compiles.  One tiny all-gather keeps hosts agreed."""
+  longest = int(gather_processes(np.array([longest_here], np.int64)).max())
+  fits = [b for b in sorted(buckets) if longest <= b <= max_prompt_len]
+  return fits[0] if fits else max_prompt_len
+
+
+NODES: NodeTable = {"generate": generate}

@@ -1,0 +1,83 @@
+"""Train nodes: ``train.actor`` (policy gradient) and ``train.critic`` (value regression).
+
+Each runs ``ppo_epochs`` epochs over ``mini_batches`` mini-batches of the step's batch,
+updating the role's parameters and optimizer state in place on ``ctx.roles``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from distflow_jax.algos.losses import LossAggMode
+from distflow_jax.dag.spec import DagError, Node, Role
+from distflow_jax.data import layout as dlayout
+from distflow_jax.data.batch import Batch
+from distflow_jax.nodes.common import NodeTable, seq
+from distflow_jax.nodes.passes import prompt_group
+from distflow_jax.train import deterministic, steps as steps_lib
+from distflow_jax.workflow.context import RunContext
+
+
+def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: Batch) -> Batch:
+  state = ctx.roles[role]
+  section = ctx.section(node, role.value.lower())
+  data = seq(batch)
+  b = data["response_mask"].shape[0]
+  minis = section.mini_batches if role is Role.ACTOR else 1
+  micro = max(b // lay.num_shards // minis // section.micro_batch_size, 1)
+  det = ctx.cfg.trainer.deterministic
+  gs = 1
+  if role is Role.ACTOR:
+    parts = b // section.micro_batch_size if det else lay.num_shards * minis * micro
+    gs = prompt_group(ctx, node, data, parts)
+    loss_cfg = steps_lib.ActorLoss.from_config(section, ctx.cfg.rollout.max_new_tokens, gs)
+    data["advantages"] = batch.data["advantages"]
+    data["old_logprobs"] = batch.data.get("old_logprobs", batch.data["rollout_logprobs"])
+    if loss_cfg.kl_in_loss and loss_cfg.kl_coef:
+      if "ref_logprobs" not in batch.data:
+        raise DagError(f"DAG node {node.id!r}: actor.kl.coef > 0 needs 'ref_logprobs'; add a "
+                       f"ref_logprob node to its deps or set actor.kl.coef=0")
+      data["ref_logprobs"] = batch.data["ref_logprobs"]
+    loss_fn = functools.partial(_actor_loss, cfg=loss_cfg)
+    agg = loss_cfg.loss_agg
+  else:
+    data.update(values=batch.data["values"], returns=batch.data["returns"])
+    loss_fn = functools.partial(_critic_loss, value_clip=section.value_clip)
+    agg = LossAggMode.TOKEN_MEAN.value  # the train steps take the config's spelling
+  if det:
+    make = lambda: deterministic.make_train_step(  # noqa: E731
+        loss_fn, state.graphdef, state.tx, lay.mesh, section.micro_batch_size, agg,
+        section.optimizer.grad_clip, gs)
+  else:
+    make = lambda: steps_lib.make_train_step(  # noqa: E731
+        loss_fn, state.graphdef, state.tx, micro, agg, gs)
+  step = ctx.jitted(("train", role, lay, micro, agg, loss_fn.keywords.get("cfg"), det), make)
+  # Mini-batch i: whole groups (blocks of gs rows) dealt round robin, as micro-batches are.
+  take = ctx.jitted(("minibatch", minis, gs, lay), lambda: jax.jit(
+      lambda d, i: jax.tree.map(lambda x: x[i], steps_lib.deal_rows(d, minis, gs)),
+      out_shardings=lay.sharding))
+  prefix = "actor" if role is Role.ACTOR else "critic"
+  for _ in range(section.ppo_epochs):
+    for i in range(minis):
+      mb = data if minis == 1 else take(data, i)
+      state.params, state.opt_state, stats = step(state.params, state.opt_state, mb)
+      result = steps_lib.finalize_stats(jax.device_get(stats), node.id)
+      for k, v in result.items():
+        ctx.metrics.add(f"{prefix}/{k}", v)
+  return batch
+
+
+def _actor_loss(g, p, mb, cfg):
+  return steps_lib.actor_loss(g, p, mb, cfg, 512)
+
+
+def _critic_loss(g, p, mb, value_clip):
+  return steps_lib.critic_loss(g, p, mb, value_clip)
+
+
+NODES: NodeTable = {
+    "train.actor": functools.partial(_train, Role.ACTOR),
+    "train.critic": functools.partial(_train, Role.CRITIC),
+}
