@@ -1,0 +1,92 @@
+"""The training-health monitor: each signal provoked by a metric stream, and quiet on a
+healthy one."""
+
+import pytest
+
+from distflow_jax.workflow.health import HealthConfig, HealthMonitor, Signal
+
+HEALTHY = {"reward": 0.3, "response_length": 40.0, "actor/kl": 0.02, "actor/entropy": 0.8,
+           "actor/pg_clipfrac": 0.01}
+
+
+def run(stream, cfg=HealthConfig(), clip_configured=True):
+  mon = HealthMonitor(cfg, clip_configured)
+  fired = []
+  for step, m in enumerate(stream, 1):
+    m = dict(m)
+    for alarm in mon.update(step, m):
+      fired.append((alarm.signal, alarm.step))
+  return fired, m
+
+
+def test_a_healthy_run_raises_nothing():
+  fired, last = run([HEALTHY] * 50)
+  assert fired == []
+  assert all(last[f"health/{s.value}"] == 0.0 for s in Signal)
+
+
+def test_kl_high_fires_at_once_and_once():
+  stream = [HEALTHY] * 3 + [dict(HEALTHY, **{"actor/kl": 2.5})] * 4
+  fired, last = run(stream)
+  assert fired == [(Signal.KL_HIGH, 4)]
+  assert last["health/kl_high"] == 1.0
+
+
+def test_kl_in_reward_is_read_when_there_is_no_kl_loss():
+  m = {k: v for k, v in HEALTHY.items() if k != "actor/kl"}
+  fired, _ = run([m, dict(m, kl_penalty=3.0)])
+  assert fired == [(Signal.KL_HIGH, 2)]
+
+
+def test_length_collapse_needs_patience():
+  short = dict(HEALTHY, response_length=2.0)
+  fired, _ = run([HEALTHY] * 3 + [short] * 2 + [HEALTHY] + [short] * 3)
+  assert fired == [(Signal.LENGTH_COLLAPSE, 9)]
+
+
+def test_reward_zero_for_k_steps():
+  zero = dict(HEALTHY, reward=0.0)
+  fired, _ = run([zero] * 4, HealthConfig(zero_reward_steps=4))
+  assert fired == [(Signal.REWARD_ZERO, 4)]
+  fired, _ = run([zero] * 3 + [HEALTHY] + [zero] * 3, HealthConfig(zero_reward_steps=4))
+  assert fired == []
+
+
+def test_entropy_collapse_from_the_loss_or_the_rollout():
+  low = dict(HEALTHY, **{"actor/entropy": 0.001})
+  assert run([low] * 3)[0] == [(Signal.ENTROPY_COLLAPSE, 3)]
+  m = {k: v for k, v in HEALTHY.items() if k != "actor/entropy"}
+  assert run([dict(m, rollout_nll=0.001)] * 3)[0] == [(Signal.ENTROPY_COLLAPSE, 3)]
+
+
+def test_clip_idle_only_when_clipping_is_configured():
+  idle = dict(HEALTHY, **{"actor/pg_clipfrac": 0.0})
+  assert run([idle] * 10)[0] == [(Signal.CLIP_IDLE, 10)]
+  assert run([idle] * 10, clip_configured=False)[0] == []
+  assert not Signal.CLIP_IDLE.is_collapse and Signal.KL_HIGH.is_collapse
+
+
+def test_signal_fires_again_after_recovery():
+  bad = dict(HEALTHY, **{"actor/kl": 5.0})
+  fired, _ = run([bad, HEALTHY, bad])
+  assert fired == [(Signal.KL_HIGH, 1), (Signal.KL_HIGH, 3)]
+
+
+def test_state_round_trip_resumes_counters():
+  zero = dict(HEALTHY, reward=0.0)
+  cfg = HealthConfig(zero_reward_steps=4)
+  a = HealthMonitor(cfg)
+  for step in range(1, 3):
+    a.update(step, dict(zero))
+  b = HealthMonitor(cfg)
+  b.load_state_dict(a.state_dict())
+  assert b.update(3, dict(zero)) == []
+  assert [x.signal for x in b.update(4, dict(zero))] == [Signal.REWARD_ZERO]
+
+
+@pytest.mark.parametrize("kw", [dict(kl_max=-1.0), dict(kl_max=float("nan")),
+                                dict(length_fraction=1.5), dict(patience=0),
+                                dict(zero_reward_steps=-1)])
+def test_bad_settings_are_refused(kw):
+  with pytest.raises(ValueError, match="trainer.health"):
+    HealthConfig(**kw)
