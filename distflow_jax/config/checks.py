@@ -17,7 +17,7 @@ from distflow_jax.config import values
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag import planner as planner_lib
 from distflow_jax.dag.registry import Placement, Registry, unknown_name_message
-from distflow_jax.dag.spec import DagError
+from distflow_jax.dag.spec import DagError, NodeType
 from distflow_jax.dag.validate import Dag, build_dag
 
 
@@ -157,7 +157,7 @@ def _check_batches(cfg, plan: planner_lib.Plan, dag: Dag, registry: Registry) ->
           f"the step's {samples} samples (data.prompts_per_step={prompts} x rollout.n={n}) "
           f"do not divide by the data-parallel size {lay.dp_size} of node "
           f"{step.node.id!r} ({lay.name})")
-    if step.node.role is not None and step.node.type.value == "MODEL_TRAIN":
+    if step.node.role is not None and step.node.type is NodeType.MODEL_TRAIN:
       section = node_section(cfg, step.node, registry)
       per_shard = samples // lay.dp_size
       mini = section.get("mini_batches", 1)

@@ -5,14 +5,16 @@
 one with the node's ``config=dict(...)`` overrides applied).  Each failure is
 one ``ConfigError`` line naming the key, the bad value and what is valid.
 
-The option lists come from the code that consumes them (``train.optim``,
-``algos.losses``, ``algos.kl``, ``models.config``, ``data.loader``,
-``data.redistribute``); they are imported when a check runs, so importing
-this module does not import jax.
+The valid options of each key are the enum (or tuple) of the code that consumes
+them (``train.optim``, ``algos.losses``, ``algos.kl``, ``models.config``,
+``data.loader``, ``data.redistribute``), see ``option_types``; a value is looked
+up in the enum as the consumer parses it.  They are imported when a check runs,
+so importing this module does not import jax.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 from collections.abc import Iterable
@@ -25,27 +27,50 @@ MAX_LR = 1.0
 
 
 @functools.cache
-def options() -> dict[str, tuple[str, ...]]:
-  """Valid names of the option keys, read from the modules that use them."""
+def option_types() -> dict[str, type[enum.Enum] | tuple[str, ...]]:
+  """The valid values of each option key: the enum (or tuple of names) of the module that
+  uses them, so a new member there is valid here with no edit."""
   from distflow_jax.algos.kl import KLEstimator
   from distflow_jax.algos.losses import LossAggMode, RatioLevel
   from distflow_jax.data.loader import OnBadRow
   from distflow_jax.data.redistribute import Mode
   from distflow_jax.models.config import DTYPES
-  from distflow_jax.train.optim import OPTIMIZERS, SCHEDULES
-  values = lambda enum: tuple(e.value for e in enum)  # noqa: E731
+  from distflow_jax.train.optim import Optimizer, Schedule
   return {
-      "loss_agg": values(LossAggMode), "ratio_level": values(RatioLevel),
-      "kl_estimator": values(KLEstimator), "on_bad_row": values(OnBadRow),
-      "redistribute": values(Mode), "dtype": tuple(DTYPES),
-      "optimizer": tuple(OPTIMIZERS), "schedule": tuple(SCHEDULES),
+      "loss_agg": LossAggMode, "ratio_level": RatioLevel, "kl_estimator": KLEstimator,
+      "on_bad_row": OnBadRow, "redistribute": Mode, "dtype": tuple(DTYPES),
+      "optimizer": Optimizer, "schedule": Schedule,
   }
 
 
-def one_of(value, valid: Iterable, key: str) -> None:
-  valid = list(valid)
-  if value not in valid:
-    raise ConfigError(f"{key}={value!r} is not valid; choose one of {valid}")
+def options() -> dict[str, tuple[str, ...]]:
+  """The valid names of each option key, as the config spells them."""
+  return {key: _names(valid) for key, valid in option_types().items()}
+
+
+def _names(valid: type[enum.Enum] | Iterable[str]) -> tuple[str, ...]:
+  if isinstance(valid, type) and issubclass(valid, enum.Enum):
+    return tuple(member.value for member in valid)
+  return tuple(valid)
+
+
+def one_of(value, valid: type[enum.Enum] | Iterable, key: str) -> None:
+  """``value`` is one of ``valid``: names a member of an option enum (looked up as the
+  enum parses it, not by comparing name strings), or is in a tuple."""
+  if isinstance(valid, type) and issubclass(valid, enum.Enum):
+    try:
+      valid(value)
+      return
+    except ValueError:
+      pass
+  elif value in list(valid):
+    return
+  raise ConfigError(f"{key}={value!r} is not valid; choose one of {list(_names(valid))}")
+
+
+def option(value, key: str, name: str) -> None:
+  """``value`` of config key ``key`` is valid for option ``name`` of ``option_types``."""
+  one_of(value, option_types()[name], key)
 
 
 def positive(value, key: str, allow_zero: bool = False, note: str = "") -> None:
@@ -118,12 +143,12 @@ def _check_data(d) -> None:
   positive(d.max_prompt_len, "data.max_prompt_len")
   positive(d.prompts_per_step, "data.prompts_per_step")
   positive(d.eval_size, "data.eval_size")
-  one_of(d.on_bad_row, options()["on_bad_row"], "data.on_bad_row")
-  one_of(d.redistribute, options()["redistribute"], "data.redistribute")
+  option(d.on_bad_row, "data.on_bad_row", "on_bad_row")
+  option(d.redistribute, "data.redistribute", "redistribute")
 
 
 def _check_model(m) -> None:
-  one_of(m.dtype, options()["dtype"], "model.dtype")
+  option(m.dtype, "model.dtype", "dtype")
   positive(m.max_seq_len, "model.max_seq_len")
   w = m.warmstart
   positive(w.steps, "model.warmstart.steps", allow_zero=True)
@@ -134,9 +159,9 @@ def _check_model(m) -> None:
 
 
 def _check_actor(a) -> None:
-  one_of(a.loss_agg, options()["loss_agg"], "actor.loss_agg")
-  one_of(a.ratio_level, options()["ratio_level"], "actor.ratio_level")
-  one_of(a.kl.estimator, options()["kl_estimator"], "actor.kl.estimator")
+  option(a.loss_agg, "actor.loss_agg", "loss_agg")
+  option(a.ratio_level, "actor.ratio_level", "ratio_level")
+  option(a.kl.estimator, "actor.kl.estimator", "kl_estimator")
   in_range(a.clip_ratio_low, "actor.clip_ratio_low", 0)
   in_range(a.clip_ratio_high, "actor.clip_ratio_high", 0)
   in_range(a.entropy_coef, "actor.entropy_coef")
@@ -160,8 +185,8 @@ def check_lr(lr, key: str, optimizer: str) -> None:
 
 def check_optimizer(o, key: str) -> None:
   """A ``<role>.optimizer`` section (see ``defaults.optimizer``)."""
-  one_of(o.name, options()["optimizer"], f"{key}.name")
-  one_of(o.schedule, options()["schedule"], f"{key}.schedule")
+  option(o.name, f"{key}.name", "optimizer")
+  option(o.schedule, f"{key}.schedule", "schedule")
   check_lr(o.lr, f"{key}.lr", o.name)
   in_range(o.weight_decay, f"{key}.weight_decay", 0)
   in_range(o.grad_clip, f"{key}.grad_clip", 0, note=" (0 = no clipping)")

@@ -1,25 +1,53 @@
-"""optax optimizers built from a config section (``actor.optimizer``...)."""
+"""optax optimizers built from a config section (``actor.optimizer``...).
+
+``Optimizer`` and ``Schedule`` are the option enums the config's ``name`` and
+``schedule`` are checked against (``config.values``); dispatch is by member.
+"""
 
 from __future__ import annotations
 
 import optax
 
-OPTIMIZERS = ("adamw", "adam", "sgd")
-SCHEDULES = ("constant", "cosine", "linear")
+from distflow_jax.algos.choice import Choice
 
 
-def learning_rate(lr: float, schedule: str, warmup_steps: int, total_steps: int) -> optax.Schedule:
+class Optimizer(Choice):
+  """optimizer"""
+  ADAMW = "adamw"
+  ADAM = "adam"
+  SGD = "sgd"
+
+
+class Schedule(Choice):
+  """learning-rate schedule"""
+  CONSTANT = "constant"
+  COSINE = "cosine"
+  LINEAR = "linear"
+
+
+# The config's spellings, for messages and docs.
+OPTIMIZERS = tuple(o.value for o in Optimizer)
+SCHEDULES = tuple(s.value for s in Schedule)
+
+
+def _parse(choice: type[Choice], value, key: str, names: tuple[str, ...]) -> Choice:
+  try:
+    return choice.parse(value)
+  except ValueError:
+    raise ValueError(f"{key}={value!r} is not valid; choose one of {list(names)}") from None
+
+
+def learning_rate(lr: float, schedule: str | Schedule, warmup_steps: int,
+                  total_steps: int) -> optax.Schedule:
   """Linear warm-up to ``lr`` over ``warmup_steps``, then constant, cosine or linear decay."""
-  if schedule not in SCHEDULES:
-    raise ValueError(f"optimizer.schedule={schedule!r} is not valid; choose one of "
-                     f"{list(SCHEDULES)}")
+  kind = _parse(Schedule, schedule, "optimizer.schedule", SCHEDULES)
   if warmup_steps < 0 or total_steps < 1:
     raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 and total_steps="
                      f"{total_steps} >= 1")
   decay_steps = max(total_steps - warmup_steps, 1)
-  if schedule == "constant":
+  if kind is Schedule.CONSTANT:
     after = optax.constant_schedule(lr)
-  elif schedule == "cosine":
+  elif kind is Schedule.COSINE:
     after = optax.cosine_decay_schedule(lr, decay_steps)
   else:
     after = optax.linear_schedule(lr, 0.0, decay_steps)
@@ -29,19 +57,18 @@ def learning_rate(lr: float, schedule: str, warmup_steps: int, total_steps: int)
   return optax.join_schedules([warm, after], [warmup_steps])
 
 
-def make_optimizer(*, name: str, lr: float, weight_decay: float, b1: float, b2: float,
-                   eps: float, schedule: str, warmup_steps: int, grad_clip: float,
-                   total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(*, name: str | Optimizer, lr: float, weight_decay: float, b1: float,
+                   b2: float, eps: float, schedule: str | Schedule, warmup_steps: int,
+                   grad_clip: float, total_steps: int) -> optax.GradientTransformation:
   """The optimizer of one role; keyword names match the config section's keys."""
   sched = learning_rate(lr, schedule, warmup_steps, total_steps)
-  if name == "adamw":
+  kind = _parse(Optimizer, name, "optimizer.name", OPTIMIZERS)
+  if kind is Optimizer.ADAMW:
     opt = optax.adamw(sched, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
-  elif name == "adam":
+  elif kind is Optimizer.ADAM:
     opt = optax.adam(sched, b1=b1, b2=b2, eps=eps)
-  elif name == "sgd":
-    opt = optax.sgd(sched)
   else:
-    raise ValueError(f"optimizer.name={name!r} is not valid; choose one of {list(OPTIMIZERS)}")
+    opt = optax.sgd(sched)
   if grad_clip and grad_clip > 0:
     opt = optax.chain(optax.clip_by_global_norm(grad_clip), opt)
   return opt
