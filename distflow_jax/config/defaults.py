@@ -76,6 +76,10 @@ def base() -> ml_collections.ConfigDict:
       max_concurrent_decodes=16,
       prefill_buckets=(32, 64),
       tensor_parallel=1,     # devices per rollout replica, inside one host
+      # Which generator serves rollouts (rollout/backend.py): engine (JetStream-API engine,
+      # KV cache, continuous batching) | reference (a full forward per token, no cache:
+      # slow, the tests' oracle).  An unknown name is refused, listing the valid ones.
+      backend="engine",
   )
   c.actor = dict(
       optimizer=optimizer(1e-5),

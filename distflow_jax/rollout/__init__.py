@@ -8,17 +8,24 @@
     params = engine.update_params(actor_params)     # training layout -> rollout layout
     out = generate(engine, params, prompts, n=4, rng=key)
 
+    backend = make_backend("engine", model_cfg, engine_config)   # or "reference"
+    out = backend.generate(backend.update_weights(actor_params), prompts, n=4, rng=key)
+
 Modules: sampling (greedy / temperature / top-k / top-p, per-request PRNG),
 decode (pure prefill / insert / multi-step decode loop), engine (JetStream
 Engine API + batched extensions, placement, compile counts), driver
 (continuous batching for RL), weight_sync (training layout -> rollout
-layout), jetstream_adapter (optional registration with JetStream),
-generate_cmd (`distflow-jax generate`).
+layout), jetstream_adapter (optional registration with JetStream).  The
+`distflow-jax generate` command is distflow_jax/commands/generate.py.
 """
 
+from distflow_jax.rollout.backend import (BACKENDS, EngineBackend, RolloutBackend, RolloutResult,
+                                          make_backend)
 from distflow_jax.rollout.driver import Rollout, generate
 from distflow_jax.rollout.engine import Engine, EngineConfig, ResultTokens, replica_mesh
+from distflow_jax.rollout.reference import ReferenceSampler
 from distflow_jax.rollout.sampling import SamplingParams
 
-__all__ = ["Engine", "EngineConfig", "ResultTokens", "Rollout", "SamplingParams", "generate",
-           "replica_mesh"]
+__all__ = ["BACKENDS", "Engine", "EngineBackend", "EngineConfig", "ReferenceSampler",
+           "ResultTokens", "Rollout", "RolloutBackend", "RolloutResult", "SamplingParams",
+           "generate", "make_backend", "replica_mesh"]

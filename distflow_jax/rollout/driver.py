@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import numpy as np
 
-from distflow_jax.rollout.engine import Engine
+from distflow_jax.rollout.engine import Engine, EngineConfig
 from distflow_jax.rollout.sampling import request_keys
 
 
@@ -51,6 +51,44 @@ class Rollout:
     return int(self.lengths_R.sum())
 
 
+class Requests(NamedTuple):
+  """A checked `generate` call: what every backend needs to serve it identically."""
+  prompts: list[list[int]]
+  max_new_tokens: int    # the response budget of this call
+  ids_R: np.ndarray      # uint32 request ids, row r = sample r % n of prompt r // n
+  keys_Rx2: np.ndarray   # uint32 raw key of each request's PRNG stream
+
+
+def prepare_requests(cfg: EngineConfig, prompts: Sequence[Sequence[int]], n: int, *,
+                     max_new_tokens: int | None = None, rng: jax.Array | None = None,
+                     request_ids: Sequence[int] | None = None) -> Requests:
+  """Checks a `generate` call against `cfg` and derives each request's key (see `generate`).
+
+  Shared by the rollout backends (`backend`), so they refuse the same calls
+  and request r draws from `fold_in(rng, request_ids[r])` in all of them.
+  """
+  n_max = cfg.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+  if not 0 < n_max <= cfg.max_new_tokens:
+    raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be in "
+                     f"[1, {cfg.max_new_tokens}] (the engine's cache size)")
+  if n <= 0:
+    raise ValueError(f"generate: n={n} samples per prompt must be positive")
+  prompts = [list(map(int, p)) for p in prompts]
+  for i, p in enumerate(prompts):
+    if not p:
+      raise ValueError(f"generate: prompt {i} is empty")
+    cfg.bucket_for(len(p))  # fail before anything runs
+  num = len(prompts) * n
+  if rng is None:
+    rng = jax.random.key(cfg.seed)
+  ids = (np.arange(num, dtype=np.uint32) if request_ids is None
+         else np.asarray(request_ids, dtype=np.uint32).reshape(-1))
+  if ids.shape != (num,):
+    raise ValueError(f"generate: {ids.size} request_ids for {num} requests "
+                     f"({len(prompts)} prompts x n={n})")
+  return Requests(prompts, n_max, ids, np.asarray(request_keys(rng, ids)))
+
+
 def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 1, *,
              max_new_tokens: int | None = None, rng: jax.Array | None = None,
              pad_id: int = 0, request_ids: Sequence[int] | None = None) -> Rollout:
@@ -62,27 +100,10 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
   over hosts; with local indices, give each host its own (e.g. folded with the process
   index) or they will sample alike.  Default: the engine's seed.
   """
-  cfg = engine.config
-  n_max = cfg.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-  if not 0 < n_max <= cfg.max_new_tokens:
-    raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be in "
-                     f"[1, {cfg.max_new_tokens}] (the engine's cache size)")
-  if n <= 0:
-    raise ValueError(f"generate: n={n} samples per prompt must be positive")
-  prompts = [list(map(int, p)) for p in prompts]
-  for i, p in enumerate(prompts):
-    if not p:
-      raise ValueError(f"generate: prompt {i} is empty")
-    engine.bucket_for(len(p))  # fail before anything runs
+  req = prepare_requests(engine.config, prompts, n, max_new_tokens=max_new_tokens, rng=rng,
+                         request_ids=request_ids)
+  prompts, n_max, ids, keys_Rx2 = req.prompts, req.max_new_tokens, req.ids_R, req.keys_Rx2
   num = len(prompts) * n
-  if rng is None:
-    rng = jax.random.key(cfg.seed)
-  ids = (np.arange(num, dtype=np.uint32) if request_ids is None
-         else np.asarray(request_ids, dtype=np.uint32).reshape(-1))
-  if ids.shape != (num,):
-    raise ValueError(f"generate: {ids.size} request_ids for {num} requests "
-                     f"({len(prompts)} prompts x n={n})")
-  keys_Rx2 = np.asarray(request_keys(rng, ids))
 
   toks: list[list[int]] = [[] for _ in range(num)]
   lps: list[list[float]] = [[] for _ in range(num)]
@@ -132,10 +153,12 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
       slps[r].extend(out.sampling_logprobs_BxK[s, :steps][valid].tolist())
       if not out.active_B[s]:
         slot_req[s] = -1
-  return _assemble(toks, lps, slps, n, n_max, engine.config.stop_ids, pad_id)
+  return assemble(toks, lps, slps, n, n_max, engine.config.stop_ids, pad_id)
 
 
-def _assemble(toks, lps, slps, n, n_max, stop_ids, pad_id) -> Rollout:
+def assemble(toks: list[list[int]], lps: list[list[float]], slps: list[list[float]], n: int,
+             n_max: int, stop_ids: Sequence[int], pad_id: int) -> Rollout:
+  """A `Rollout` from each request's tokens, log-probs and sampling log-probs (ragged)."""
   num = len(toks)
   tokens = np.full((num, n_max), pad_id, np.int32)
   mask = np.zeros((num, n_max), bool)

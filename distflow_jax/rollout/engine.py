@@ -29,9 +29,8 @@ the same prompts, and every call is a cross-host collective step.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -44,96 +43,12 @@ from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import KVCache, Transformer
 from distflow_jax.rollout import decode, weight_sync
 from distflow_jax.rollout.decode import DecodeState, Prefix, StepOutput
-from distflow_jax.rollout.sampling import SamplingParams, request_keys
+# The settings, placement and result types live in their own modules; re-exported here.
+from distflow_jax.rollout.engine_config import EngineConfig, place_params, replica_mesh
+from distflow_jax.rollout.results import ResultTokens, SlotData
+from distflow_jax.rollout.sampling import request_keys
 
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-  """Static shape of the engine: changing any field means new compiles."""
-  max_concurrent_decodes: int = 16
-  prefill_buckets: tuple[int, ...] = (32, 64)
-  max_new_tokens: int = 32
-  stop_ids: tuple[int, ...] = ()
-  sampling: SamplingParams = SamplingParams()
-  decode_steps: int = 16      # tokens per compiled decode call (K)
-  seed: int = 0
-  # Every prefill has all slots' rows and the largest bucket, and decode attention reads
-  # the whole cache: a request's numbers then never depend on which other requests share
-  # the replica (trainer.deterministic); costs padded prefill and unwindowed attention.
-  fixed_shapes: bool = False
-
-  def __post_init__(self):
-    object.__setattr__(self, "prefill_buckets", tuple(sorted(set(self.prefill_buckets))))
-    object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
-    for name in ("max_concurrent_decodes", "max_new_tokens", "decode_steps"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"EngineConfig.{name}={value!r} must be a positive int")
-    if not self.prefill_buckets or any(not isinstance(b, int) or b <= 0
-                                       for b in self.prefill_buckets):
-      raise ValueError(f"EngineConfig.prefill_buckets={self.prefill_buckets!r} must be "
-                       "positive ints")
-
-  @classmethod
-  def from_config(cls, rollout: Any, *, stop_ids: Sequence[int] = (), seed: int = 0,
-                  max_new_tokens: int | None = None) -> "EngineConfig":
-    """From the `rollout` block of the run config (see config/defaults.py)."""
-    return cls(max_concurrent_decodes=int(rollout.max_concurrent_decodes),
-               prefill_buckets=tuple(int(b) for b in rollout.prefill_buckets),
-               max_new_tokens=int(rollout.max_new_tokens if max_new_tokens is None
-                                  else max_new_tokens),
-               stop_ids=tuple(stop_ids),
-               sampling=SamplingParams(temperature=float(rollout.temperature),
-                                       top_p=float(rollout.top_p), top_k=int(rollout.top_k)),
-               seed=int(seed))
-
-  @property
-  def cache_len(self) -> int:
-    return self.prefill_buckets[-1] + self.max_new_tokens
-
-
-class SlotData(NamedTuple):
-  tokens: Any
-  valid: Any
-  lengths: Any
-  logprobs: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class ResultTokens:
-  """Tokens of one call for every slot: `[B, K]` tokens / valid / logprobs, `[B]` lengths.
-
-  `lengths` is the number of tokens each slot has generated so far.
-  """
-  tokens: Any
-  valid: Any
-  lengths: Any
-  logprobs: Any
-  samples_per_slot: int = 1
-
-  def copy_to_host_async(self) -> None:
-    for x in (self.tokens, self.valid, self.lengths, self.logprobs):
-      if isinstance(x, jax.Array):
-        x.copy_to_host_async()
-
-  def convert_to_numpy(self) -> "ResultTokens":
-    return ResultTokens(*(np.asarray(x) for x in (self.tokens, self.valid, self.lengths,
-                                                  self.logprobs)), self.samples_per_slot)
-
-  def get_result_at_slot(self, slot: int) -> SlotData:
-    lo, hi = slot * self.samples_per_slot, (slot + 1) * self.samples_per_slot
-    return SlotData(self.tokens[lo:hi], self.valid[lo:hi], self.lengths[lo:hi],
-                    self.logprobs[lo:hi])
-
-
-def replica_mesh(tensor_parallel: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """One rollout replica over `devices` (default: this host's): `data` x `tensor` axes."""
-  devices = list(jax.local_devices() if devices is None else devices)
-  if tensor_parallel <= 0 or len(devices) % tensor_parallel:
-    raise ValueError(f"rollout tensor_parallel={tensor_parallel} must divide the replica's "
-                     f"{len(devices)} devices")
-  return msharding.make_mesh({"data": len(devices) // tensor_parallel,
-                              "tensor": tensor_parallel}, devices)
+__all__ = ["Engine", "EngineConfig", "ResultTokens", "SlotData", "replica_mesh"]
 
 
 def _pow2_at_least(n: int) -> int:
@@ -231,25 +146,15 @@ class Engine:
 
   def bucket_for(self, length: int) -> int:
     """The smallest prefill bucket that holds `length` tokens."""
-    for b in self.config.prefill_buckets:
-      if length <= b:
-        return b
-    raise ValueError(f"prompt of {length} tokens is longer than the largest prefill bucket; "
-                     f"buckets: {self.config.prefill_buckets}")
+    return self.config.bucket_for(length)
 
   # ---- parameters --------------------------------------------------------------------------
 
   def load_params(self, params: nnx.State | nnx.Module | None = None,
                   seed: int | None = None) -> nnx.State:
     """Places `params` (a model or its state) in the rollout layout; random init when None."""
-    if params is None:
-      seed = self.config.seed if seed is None else seed
-      model = msharding.create_sharded(
-          lambda: Transformer(self.model_cfg, rngs=nnx.Rngs(seed)), self._mesh, self.rules)
-      return nnx.state(model)
-    if isinstance(params, nnx.Module):
-      params = nnx.state(params)
-    return jax.device_put(params, self.param_shardings)
+    return place_params(self.model_cfg, params, self._mesh, self.rules, self.param_shardings,
+                        self.config.seed if seed is None else seed)
 
   def update_params(self, train_params: nnx.State) -> nnx.State:
     """The actor's parameters, in any training layout, resharded into this engine's layout."""

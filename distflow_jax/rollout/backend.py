@@ -1,0 +1,123 @@
+"""The rollout-backend seam: what a node needs from a generator, and the table of backends.
+
+    backend = make_backend(cfg.rollout.backend, model_cfg, EngineConfig(...), mesh)
+    params = backend.update_weights(actor_params)   # training layout -> the backend's
+    out = backend.generate(params, prompts, n=4, rng=key, request_ids=sample_ids)
+
+A `RolloutBackend` syncs weights and generates `n` responses per prompt,
+returning a `RolloutResult` (`driver.Rollout`: tokens, mask, untruncated
+temperature-1 log-probs, sampling log-probs, lengths, stopped).  Request r
+draws from `fold_in(rng, request_ids[r])` in every backend, so backends are
+interchangeable sample for sample (up to float rounding).
+
+`BACKENDS`, chosen by the config key `rollout.backend`:
+
+* `engine`: the JetStream-API engine (`engine.Engine`: prefill / insert /
+  generate over slots with a KV cache) driven by `driver.generate`;
+* `reference`: `reference.ReferenceSampler`, a full forward pass per token
+  and no cache; slow, the tests' oracle for the engine.
+
+A new backend (another inference server, say) is a class with this
+protocol's methods and a constructor `(model_cfg, config, mesh)`, added to
+`BACKENDS`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from distflow_jax.config.loading import ConfigError
+from distflow_jax.models import sharding as msharding
+from distflow_jax.models.config import ModelConfig
+from distflow_jax.rollout import driver
+from distflow_jax.rollout.engine import Engine
+from distflow_jax.rollout.engine_config import EngineConfig
+from distflow_jax.rollout.reference import ReferenceSampler
+
+# What every backend's `generate` returns.
+RolloutResult = driver.Rollout
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+  """A rollout generator: weight sync plus batch generation (see module doc)."""
+
+  name: str
+  config: EngineConfig  # sampling, stop ids, max_new_tokens, prompt-length limit, seed
+
+  def load_params(self, params: nnx.State | nnx.Module | None = None) -> Any:
+    """A model (or its state) placed for this backend; random init when None."""
+
+  def update_weights(self, train_params: nnx.State) -> Any:
+    """The actor's parameters, in their training layout, as this backend's parameters."""
+
+  def generate(self, params: Any, prompts: Sequence[Sequence[int]], n: int = 1, *,
+               rng: jax.Array | None = None, request_ids: Sequence[int] | None = None,
+               pad_id: int = 0, max_new_tokens: int | None = None) -> RolloutResult:
+    """`n` responses per prompt; row r answers prompt r // n (see `driver.generate`)."""
+
+
+class EngineBackend:
+  """The `engine` backend: `engine.Engine` driven by `driver.generate`, unchanged."""
+
+  name = "engine"
+
+  def __init__(self, model_cfg: ModelConfig, config: EngineConfig, mesh: Mesh | None = None,
+               rules: msharding.Rules | None = None, *, engine: Engine | None = None):
+    self.engine = engine if engine is not None else Engine(model_cfg, config, mesh, rules)
+
+  @classmethod
+  def wrap(cls, engine: Engine) -> "EngineBackend":
+    """The backend over an existing engine (shares its compiles and weight sync)."""
+    return cls(engine.model_cfg, engine.config, engine=engine)
+
+  @property
+  def config(self) -> EngineConfig:
+    return self.engine.config
+
+  def load_params(self, params: nnx.State | nnx.Module | None = None) -> nnx.State:
+    return self.engine.load_params(params)
+
+  def update_weights(self, train_params: nnx.State) -> nnx.State:
+    return self.engine.update_params(train_params)
+
+  def generate(self, params: Any, prompts: Sequence[Sequence[int]], n: int = 1, *,
+               rng: jax.Array | None = None, request_ids: Sequence[int] | None = None,
+               pad_id: int = 0, max_new_tokens: int | None = None) -> RolloutResult:
+    return driver.generate(self.engine, params, prompts, n, max_new_tokens=max_new_tokens,
+                           rng=rng, pad_id=pad_id, request_ids=request_ids)
+
+
+# (model_cfg, config, mesh) -> backend.
+BackendFactory = Callable[[ModelConfig, EngineConfig, Mesh | None], RolloutBackend]
+
+BACKENDS: dict[str, BackendFactory] = {
+    "engine": EngineBackend,
+    "reference": ReferenceSampler,
+}
+
+
+def backend_factory(name: str) -> BackendFactory:
+  """The table entry for `rollout.backend`; one clear error naming the valid ones."""
+  if not isinstance(name, str) or name not in BACKENDS:
+    raise ConfigError(f"rollout.backend={name!r} is unknown; valid: {', '.join(BACKENDS)}")
+  return BACKENDS[name]
+
+
+def make_backend(name: str, model_cfg: ModelConfig, config: EngineConfig,
+                 mesh: Mesh | None = None) -> RolloutBackend:
+  """A `name` backend (a key of `BACKENDS`) for `model_cfg` with `config` on `mesh`."""
+  return backend_factory(name)(model_cfg, config, mesh)
+
+
+def engine_of(backend: RolloutBackend) -> Engine:
+  """The `Engine` under an `engine` backend, for callers still on `driver.generate`."""
+  if not isinstance(backend, EngineBackend):
+    raise ConfigError(f"rollout.backend={backend.name!r}: this caller uses the engine API "
+                      "(RunContext.engine + driver.generate), which only the 'engine' backend "
+                      "has; call RunContext.backend(...).generate instead")
+  return backend.engine

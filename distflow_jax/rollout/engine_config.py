@@ -1,0 +1,95 @@
+"""The engine's static settings and placement: `EngineConfig`, `replica_mesh`, `place_params`.
+
+Split from `engine` so that other rollout backends (`backend`, `reference`)
+read the same settings without pulling in the engine.  Both names are
+re-exported by `distflow_jax.rollout.engine`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from distflow_jax.models import sharding as msharding
+from distflow_jax.models.config import ModelConfig
+from distflow_jax.models.transformer import Transformer
+from distflow_jax.rollout.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Static shape of the engine: changing any field means new compiles."""
+  max_concurrent_decodes: int = 16
+  prefill_buckets: tuple[int, ...] = (32, 64)
+  max_new_tokens: int = 32
+  stop_ids: tuple[int, ...] = ()
+  sampling: SamplingParams = SamplingParams()
+  decode_steps: int = 16      # tokens per compiled decode call (K)
+  seed: int = 0
+  # Every prefill has all slots' rows and the largest bucket, and decode attention reads
+  # the whole cache: a request's numbers then never depend on which other requests share
+  # the replica (trainer.deterministic); costs padded prefill and unwindowed attention.
+  fixed_shapes: bool = False
+
+  def __post_init__(self):
+    object.__setattr__(self, "prefill_buckets", tuple(sorted(set(self.prefill_buckets))))
+    object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
+    for name in ("max_concurrent_decodes", "max_new_tokens", "decode_steps"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"EngineConfig.{name}={value!r} must be a positive int")
+    if not self.prefill_buckets or any(not isinstance(b, int) or b <= 0
+                                       for b in self.prefill_buckets):
+      raise ValueError(f"EngineConfig.prefill_buckets={self.prefill_buckets!r} must be "
+                       "positive ints")
+
+  @classmethod
+  def from_config(cls, rollout: Any, *, stop_ids: Sequence[int] = (), seed: int = 0,
+                  max_new_tokens: int | None = None) -> "EngineConfig":
+    """From the `rollout` block of the run config (see config/defaults.py)."""
+    return cls(max_concurrent_decodes=int(rollout.max_concurrent_decodes),
+               prefill_buckets=tuple(int(b) for b in rollout.prefill_buckets),
+               max_new_tokens=int(rollout.max_new_tokens if max_new_tokens is None
+                                  else max_new_tokens),
+               stop_ids=tuple(stop_ids),
+               sampling=SamplingParams(temperature=float(rollout.temperature),
+                                       top_p=float(rollout.top_p), top_k=int(rollout.top_k)),
+               seed=int(seed))
+
+  @property
+  def cache_len(self) -> int:
+    return self.prefill_buckets[-1] + self.max_new_tokens
+
+  def bucket_for(self, length: int) -> int:
+    """The smallest prefill bucket that holds `length` tokens."""
+    for b in self.prefill_buckets:
+      if length <= b:
+        return b
+    raise ValueError(f"prompt of {length} tokens is longer than the largest prefill bucket; "
+                     f"buckets: {self.prefill_buckets}")
+
+
+def replica_mesh(tensor_parallel: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """One rollout replica over `devices` (default: this host's): `data` x `tensor` axes."""
+  devices = list(jax.local_devices() if devices is None else devices)
+  if tensor_parallel <= 0 or len(devices) % tensor_parallel:
+    raise ValueError(f"rollout tensor_parallel={tensor_parallel} must divide the replica's "
+                     f"{len(devices)} devices")
+  return msharding.make_mesh({"data": len(devices) // tensor_parallel,
+                              "tensor": tensor_parallel}, devices)
+
+
+def place_params(model_cfg: ModelConfig, params: nnx.State | nnx.Module | None, mesh: Mesh,
+                 rules: msharding.Rules, shardings: Any, seed: int) -> nnx.State:
+  """`params` (a model or its state) placed in a replica's layout; random init when None."""
+  if params is None:
+    model = msharding.create_sharded(
+        lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed)), mesh, rules)
+    return nnx.state(model)
+  if isinstance(params, nnx.Module):
+    params = nnx.state(params)
+  return jax.device_put(params, shardings)
