@@ -23,6 +23,7 @@ from distflow_jax.data.batch import Batch
 from distflow_jax.models import sharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.tokenizer import Tokenizer
+from distflow_jax.rollout.backend import RolloutBackend, backend_factory, engine_of
 from distflow_jax.rollout.engine import Engine, EngineConfig, replica_mesh
 from distflow_jax.rollout.sampling import SamplingParams
 from distflow_jax.workflow import roles as roles_lib
@@ -72,8 +73,10 @@ class RunContext:
       self._jitted[key] = make()
     return self._jitted[key]
 
-  def engine(self, rollout: ml_collections.ConfigDict, greedy: bool = False) -> Engine:
-    """This host's rollout replica for these rollout settings (built once)."""
+  def backend(self, rollout: ml_collections.ConfigDict, greedy: bool = False
+              ) -> RolloutBackend:
+    """This host's rollout replica for these rollout settings (built once), of the kind
+    ``rollout.backend`` names (rollout/backend.py; a config without the key: "engine")."""
     sp = (SamplingParams(temperature=0.0) if greedy else
           SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p,
                          top_k=rollout.top_k))
@@ -82,7 +85,9 @@ class RunContext:
                         max_new_tokens=rollout.max_new_tokens,
                         stop_ids=self.tokenizer.eos_ids, sampling=sp,
                         seed=self.cfg.seed, fixed_shapes=self.cfg.trainer.deterministic)
-    key = (conf, rollout.tensor_parallel)
+    name = rollout.get("backend", "engine")
+    make = backend_factory(name)  # refuses an unknown name, listing the valid ones
+    key = (name, conf, rollout.tensor_parallel)
     if key not in self._engines:
       actor_devices = set(self.roles[Role.ACTOR].mesh.devices.flat)
       local = [d for d in jax.local_devices() if d in actor_devices]
@@ -90,9 +95,14 @@ class RunContext:
         # One tensor-parallel group per host (no data-parallel split of the slots), so
         # the replica has the same shape whatever the host's device count.
         local = local[:rollout.tensor_parallel]
-      self._engines[key] = Engine(self.model_cfg, conf,
-                                  mesh=replica_mesh(rollout.tensor_parallel, local))
+      self._engines[key] = make(self.model_cfg, conf,
+                                replica_mesh(rollout.tensor_parallel, local))
     return self._engines[key]
+
+  def engine(self, rollout: ml_collections.ConfigDict, greedy: bool = False) -> Engine:
+    """The ``engine`` backend's `Engine`, for callers still on ``driver.generate``; an
+    alias of ``backend`` until they move to ``backend(...).generate``."""
+    return engine_of(self.backend(rollout, greedy))
 
   def step_rng(self, node: Node) -> jax.Array:
     """A key for this step and node, the same on every process: fold in global ids
