@@ -28,6 +28,28 @@ def test_missing_jetstream_raises_a_clear_import_error():
     jetstream_adapter.as_jetstream(engine())
 
 
+def _greedy_through_api(js, params, prompt, slot=1, steps=8):
+  """Prefill, insert and generate through the JetStream API, as its orchestrator does:
+  the first token comes from prefill (newer API) or from the first generate (0.2.2)."""
+  padded = np.zeros(8, np.int32)
+  padded[:len(prompt)] = prompt
+  out = js.prefill(params=params, padded_tokens=padded, true_length=len(prompt))
+  got = []
+  if isinstance(out, tuple):
+    prefix, first = out
+    got.append(int(first.get_result_at_slot(0).tokens[0, 0]))
+  else:
+    prefix = out
+  state = js.insert(prefix, js.init_decode_state(), slot)
+  while len(got) < steps:
+    state, result = js.generate(params, state)
+    data = result.convert_to_numpy().get_result_at_slot(slot)
+    if not data.valid[0, 0]:
+      break
+    got.append(int(data.tokens[0, 0]))
+  return got
+
+
 @pytest.mark.skipif(not HAVE_JETSTREAM, reason="optional jetstream extra (google-jetstream) not "
                     "installed or not importable under this JAX")
 @pytest.mark.timeout(300)
@@ -37,16 +59,71 @@ def test_adapter_is_a_jetstream_engine_and_decodes_greedily():
   js = jetstream_adapter.as_jetstream(engine())
   assert isinstance(js, engine_api.Engine)
   params = js.load_params(model)
-  state = js.init_decode_state()
-  prompt = PROMPTS[0]
-  padded = np.zeros(8, np.int32)
-  padded[:len(prompt)] = prompt
-  prefix, first = js.prefill(params=params, padded_tokens=padded, true_length=len(prompt))
-  got = [int(first.get_result_at_slot(0).tokens[0, 0])]
-  state = js.insert(prefix, state, 1)
-  for _ in range(7):
-    state, result = js.generate(params, state)
-    slot = result.get_result_at_slot(1)
-    if slot.valid[0, 0]:
-      got.append(int(slot.tokens[0, 0]))
-  assert got == full_forward_greedy(model, prompt, 8)
+  assert _greedy_through_api(js, params, PROMPTS[0]) == full_forward_greedy(model, PROMPTS[0], 8)
+
+
+def _fake_jetstream(monkeypatch, prefill_returns_tuple):
+  """Just enough of `jetstream.engine` (engine_api, tokenizer_api) to run the adapter without
+  the package, in either API generation (0.2.2: prefill -> prefix; newer: a tuple)."""
+  import abc
+  import dataclasses
+  import sys
+  import types
+  from typing import Any, Tuple
+
+  @dataclasses.dataclass
+  class ResultTokens:
+    data: Any
+    tokens_idx: tuple
+    valid_idx: tuple
+    length_idx: tuple
+    samples_per_slot: int
+
+    def convert_to_numpy(self):
+      return dataclasses.replace(self, data=np.asarray(self.data))
+
+    def get_result_at_slot(self, slot):
+      rows = self.data[slot:slot + 1]
+      return types.SimpleNamespace(tokens=rows[:, slice(*self.tokens_idx)],
+                                   valid=rows[:, slice(*self.valid_idx)],
+                                   lengths=rows[:, slice(*self.length_idx)][:, 0])
+
+  class Engine(abc.ABC):
+    pass
+
+  def prefill(self, *, params, padded_tokens, true_length) -> Any:
+    del params, padded_tokens, true_length
+  if prefill_returns_tuple:
+    prefill.__annotations__["return"] = Tuple[Any, ResultTokens]
+  Engine.prefill = prefill
+
+  class Tokenizer(abc.ABC):
+    pass
+
+  api = types.ModuleType("jetstream.engine.engine_api")
+  api.Engine, api.ResultTokens = Engine, ResultTokens
+  tok = types.ModuleType("jetstream.engine.tokenizer_api")
+  tok.Tokenizer = Tokenizer
+  pkg, eng = types.ModuleType("jetstream"), types.ModuleType("jetstream.engine")
+  pkg.engine, eng.engine_api, eng.tokenizer_api = eng, api, tok
+  for name, mod in (("jetstream", pkg), ("jetstream.engine", eng),
+                    ("jetstream.engine.engine_api", api),
+                    ("jetstream.engine.tokenizer_api", tok)):
+    monkeypatch.setitem(sys.modules, name, mod)
+
+
+@pytest.mark.parametrize("new_api", [False, True], ids=["jetstream-0.2.2", "newer"])
+@pytest.mark.timeout(300)
+def test_adapter_serves_both_api_generations(monkeypatch, new_api):
+  """Against 0.2.2's API the first token (sampled at prefill) is replayed by generate, one
+  step late per inserted slot; either way the stream is the greedy continuation."""
+  _fake_jetstream(monkeypatch, new_api)
+  model = peaky_model()
+  eng = engine()
+  js = jetstream_adapter.as_jetstream(eng, bos_id=5)
+  assert jetstream_adapter.prefill_returns_first_token() == new_api
+  params = js.load_params(model)
+  for slot, prompt in ((1, PROMPTS[0]), (3, PROMPTS[2])):
+    assert _greedy_through_api(js, params, prompt, slot) == full_forward_greedy(model, prompt, 8)
+  tok = js.build_tokenizer(js.get_tokenizer())
+  assert (tok.bos_id, tok.stop_tokens, tok.decode([4, 2])) == (5, set(eng.config.stop_ids), "4 2")

@@ -8,13 +8,29 @@ array; the adapter converts ours into it.  It has no logprob column, so the
 per-token logprobs stay available through the wrapped engine
 (`js_engine.engine.generate`).  Importing this module never needs JetStream;
 `as_jetstream` raises ImportError with the install hint when it is missing.
+
+Two generations of the API: newer JetStream's `prefill` returns `(prefix,
+first-token result)` and its orchestrator streams that first token; in the
+PyPI release (0.2.2) `prefill` returns the prefix alone and the first token a
+client sees comes from `generate`.  Our engine samples the first token at
+prefill either way, so against the old API the adapter returns the prefix
+alone and replays that token: each slot inserted since has a host-side queue,
+and `generate` emits every such slot's tokens one step late (a host sync per
+step: fine for serving demos, not for the RL path).  Which API is installed is
+read off `engine_api.Engine.prefill`'s return annotation (a tuple = new).
+
+`build_tokenizer` gives JetStream's orchestrator a token-id tokenizer (ids in,
+ids as text out; stop tokens = the engine's stop ids) unless one is passed.
 """
 
 from __future__ import annotations
 
+import inspect
+import typing
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from distflow_jax.rollout.engine import Engine, ResultTokens
 
@@ -42,29 +58,69 @@ def to_jetstream_result(result: ResultTokens, engine_api: Any = None) -> Any:
                                  samples_per_slot=result.samples_per_slot)
 
 
-def as_jetstream(engine: Engine) -> Any:
-  """Wraps `engine` in a subclass of `jetstream.engine.engine_api.Engine`."""
+def prefill_returns_first_token(engine_api: Any = None) -> bool:
+  """Whether the installed `Engine.prefill` returns `(prefix, first-token result)` (newer
+  JetStream) rather than the prefix alone (the 0.2.2 release)."""
+  engine_api = engine_api or _engine_api()
+  ret = inspect.signature(engine_api.Engine.prefill).return_annotation
+  if isinstance(ret, str):  # postponed annotations
+    return ret.replace(" ", "").lower().startswith("tuple")
+  return typing.get_origin(ret) is tuple
+
+
+def as_jetstream(engine: Engine, *, tokenizer: Any = None, bos_id: int = 0) -> Any:
+  """Wraps `engine` in a subclass of `jetstream.engine.engine_api.Engine`.
+
+  `tokenizer` (a `jetstream.engine.tokenizer_api.Tokenizer`) is what
+  `build_tokenizer` returns; by default a token-id one whose BOS (which
+  JetStream's orchestrator prepends to token requests) is `bos_id`.
+  """
   api = _engine_api()
+  legacy = not prefill_returns_first_token(api)
+  if tokenizer is None:
+    tokenizer = _id_tokenizer(engine, bos_id)
 
   class DistflowJetStreamEngine(api.Engine):
     """JetStream's Engine interface, delegating to a distflow_jax rollout Engine."""
 
     def __init__(self, inner: Engine):
       self.engine = inner
+      # Old API only: per slot, the (token, valid, length, logprob) rows still to emit.
+      self._lagged: dict[int, list[tuple[int, bool, int, float]]] = {}
 
     def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length,
                 sampler=None, rng=None):
       prefix, first = self.engine.prefill(params=params, existing_prefix=existing_prefix,
                                           padded_tokens=padded_tokens, true_length=true_length,
                                           sampler=sampler, rng=rng)
+      if legacy:
+        return prefix  # the first token rides in prefix.tokens_P; `insert` queues it
       return prefix, to_jetstream_result(first, api)
 
     def generate(self, params, decode_state, sampler=None, rng=None):
       del sampler, rng
       state, result = self.engine.generate(params, decode_state)
+      if legacy and self._lagged:
+        result = self._replay(result)
       return state, to_jetstream_result(result, api)
 
+    def _replay(self, result: ResultTokens) -> ResultTokens:
+      """Queues this step's token of every lagged slot and emits the oldest one instead."""
+      r = result.convert_to_numpy()
+      cols = [np.array(x) for x in (r.tokens, r.valid, r.lengths, r.logprobs)]
+      tokens, valid, lengths, logprobs = cols
+      for slot, queue in self._lagged.items():
+        queue.append((int(r.tokens[slot, 0]), bool(r.valid[slot, 0]), int(r.lengths[slot]),
+                      float(r.logprobs[slot, 0])))
+        tokens[slot, 0], valid[slot, 0], lengths[slot], logprobs[slot, 0] = queue.pop(0)
+      return ResultTokens(tokens, valid, lengths, logprobs, r.samples_per_slot)
+
     def insert(self, prefix, decode_state, slot):
+      if isinstance(prefix, tuple):  # a new-API prefill result handed back whole
+        prefix = prefix[0]
+      if legacy:
+        self._lagged[slot] = [(int(np.asarray(prefix.tokens_P)[0]), True, 1,
+                               float(np.asarray(prefix.logprobs_P)[0]))]
       return self.engine.insert(prefix, decode_state, slot)
 
     def load_params(self, *args, **kwargs):
@@ -75,6 +131,10 @@ def as_jetstream(engine: Engine) -> Any:
 
     def get_tokenizer(self):
       return self.engine.get_tokenizer()
+
+    def build_tokenizer(self, metadata):
+      del metadata
+      return tokenizer
 
     def init_decode_state(self, *args, **kwargs):
       return self.engine.init_decode_state(*args, **kwargs)
@@ -103,3 +163,37 @@ def as_jetstream(engine: Engine) -> Any:
       return self.engine.colocated_cpus
 
   return DistflowJetStreamEngine(engine)
+
+
+def _id_tokenizer(engine: Engine, bos_id: int) -> Any:
+  """A `tokenizer_api.Tokenizer` over raw ids: requests carry token ids, text is the ids."""
+  from jetstream.engine import tokenizer_api  # pylint: disable=import-outside-toplevel
+  stops = set(engine.config.stop_ids)
+
+  class IdTokenizer(tokenizer_api.Tokenizer):
+    """Token ids in, ids as text out; stops on the engine's stop ids."""
+
+    def encode(self, s, **kwargs):
+      raise NotImplementedError("IdTokenizer: send token ids, not text (or pass a tokenizer "
+                                "to as_jetstream)")
+
+    def decode(self, token_ids, **kwargs):
+      return " ".join(str(int(t)) for t in token_ids)
+
+    @property
+    def pad_id(self):
+      return 0
+
+    @property
+    def eos_id(self):
+      return min(stops) if stops else -1
+
+    @property
+    def bos_id(self):
+      return bos_id
+
+    @property
+    def stop_tokens(self):
+      return stops
+
+  return IdTokenizer()
