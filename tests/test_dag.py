@@ -7,6 +7,7 @@ import pytest
 from distflow_jax.config import loading
 from distflow_jax.config.checks import plan_from_config
 from distflow_jax.dag import FUNCTIONS, DagError, Topology, build_dag, make_plan, render
+from distflow_jax.dag.planner import LayoutKind, Move
 from distflow_jax.dag.registry import FunctionSpec, Placement, Registry, default_registry
 from distflow_jax.dag.spec import NodeType, Role
 
@@ -47,9 +48,9 @@ def test_layout_change_gives_repartition_edge():
                                          "rollout.tensor_parallel=2"])
   assert plan.repartitions() == [("advantage", "old_logprob")]
   kinds = {(e.src, e.dst): e.kind for e in plan.edges}
-  assert kinds[("generate", "reward")] == "fast"
-  assert kinds[("generate", "old_logprob")] == "repartition"
-  assert kinds[("old_logprob", "train_actor")] == "fast"
+  assert kinds[("generate", "reward")] is Move.FAST
+  assert kinds[("generate", "old_logprob")] is Move.REPARTITION
+  assert kinds[("old_logprob", "train_actor")] is Move.FAST
   # Group advantages ran before the re-partition, so groups were whole.
   assert plan.step("advantage").groups_intact
   assert not plan.step("train_actor").groups_intact
@@ -65,7 +66,7 @@ def test_group_node_after_repartition_moves_back_to_rollout_layout():
   ], FUNCTIONS)
   plan = make_plan(dag, FUNCTIONS, TOPO_2x4, rollout_tensor_parallel=2)
   adv = plan.step("adv")
-  assert adv.layout.name.startswith("rollout") and adv.groups_intact
+  assert adv.layout.kind is LayoutKind.ROLLOUT and adv.groups_intact
   assert plan.repartitions() == [("gen", "lp"), ("rw", "adv"), ("adv", "train")]
 
 
@@ -75,7 +76,7 @@ def test_disaggregated_placement():
   critic = next(m for m in plan.meshes if m.role is Role.CRITIC)
   assert critic.devices == (4, 5, 6, 7) and critic.dp_size == 4
   assert ("generate", "values") in [(e.src, e.dst) for e in plan.edges
-                                    if e.kind == "repartition"]
+                                    if e.kind is Move.REPARTITION]
   # Process portions: with 2 processes, process 0 holds no critic devices.
   plan2 = plan_of("ppo:tiny", TOPO_2x4, ["cluster.devices_per_process=4",
                                          "placement.critic.devices=4:8",

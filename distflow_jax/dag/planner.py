@@ -21,11 +21,16 @@ devices (``tensor_parallel`` devices each, inside one host); model nodes run
 on their role's mesh (DP = data x fsdp); host-side COMPUTE nodes run where the
 batch is, except that a node needing whole prompt groups after a
 re-partition moves the batch back to the rollout layout.
+
+Transitions and layouts are typed (``Move``, ``LayoutKind``): code decides
+on the enum members; a layout's ``name`` and the members' values are for
+display only (``render``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,6 +43,19 @@ from distflow_jax.dag.validate import Dag
 
 MESH_AXES = ("data", "fsdp", "tensor")
 DP_AXES = ("data", "fsdp")
+
+
+class Move(enum.Enum):
+  """How the batch reaches a chain step, or travels along a DAG edge."""
+  ENTRY = "entry"  # the chain's first step: the batch starts here
+  FAST = "fast"  # same devices and DP size: nothing is copied
+  REPARTITION = "repartition"  # one all-to-all into the next layout
+
+
+class LayoutKind(enum.Enum):
+  """Where a layout comes from (host-side nodes inherit the batch's layout)."""
+  ROLLOUT = "rollout"  # per-host rollout replicas over the actor's devices
+  ROLE_MESH = "mesh"  # a role's model mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +96,8 @@ class RoleMesh:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  name: str
+  name: str  # display only
+  kind: LayoutKind
   devices: tuple[int, ...]
   dp_size: int
 
@@ -91,7 +110,7 @@ class Step:
   index: int
   node: Node
   layout: Layout
-  move_in: str  # "entry" | "fast" | "repartition"
+  move_in: Move
   groups_intact: bool  # every prompt group on one host when the node runs
 
 
@@ -99,7 +118,7 @@ class Step:
 class Edge:
   src: str
   dst: str
-  kind: str  # "fast" | "repartition"
+  kind: Move  # FAST or REPARTITION
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +143,7 @@ class Plan:
   def repartitions(self) -> list[tuple[str, str]]:
     """Chain transitions where the batch is re-partitioned (one all-to-all each)."""
     return [(self.steps[s.index - 1].node.id, s.node.id)
-            for s in self.steps if s.move_in == "repartition"]
+            for s in self.steps if s.move_in is Move.REPARTITION]
 
   def portion(self, process: int) -> list[tuple[Step, tuple[int, ...]]]:
     """The steps this process takes part in, with its local devices for each."""
@@ -227,8 +246,8 @@ def rollout_layout(actor: RoleMesh, tp: int, topo: Topology) -> Layout:
     if len(local) % tp:
       raise DagError(f"rollout.tensor_parallel={tp} does not divide the {len(local)} actor "
                      f"devices of process {p}: a rollout replica must stay inside one host")
-  return Layout(name=f"rollout(actor, tp={tp})", devices=actor.devices,
-                dp_size=len(actor.devices) // tp)
+  return Layout(name=f"rollout(actor, tp={tp})", kind=LayoutKind.ROLLOUT,
+                devices=actor.devices, dp_size=len(actor.devices) // tp)
 
 
 def make_plan(dag: Dag, registry: Registry, topo: Topology,
@@ -258,7 +277,7 @@ def make_plan(dag: Dag, registry: Registry, topo: Topology,
                        f"has no role")
       m = meshes[node.role]
       return Layout(name=f"mesh({node.role.value.lower()}, dp={m.dp_size})",
-                    devices=m.devices, dp_size=m.dp_size)
+                    kind=LayoutKind.ROLE_MESH, devices=m.devices, dp_size=m.dp_size)
     if current is None:
       raise DagError(f"DAG node {node.id!r}: a host-side COMPUTE node cannot start the "
                      f"workflow; it needs data from a model node")
@@ -284,14 +303,14 @@ def make_plan(dag: Dag, registry: Registry, topo: Topology,
                       and layout_of(n, current, intact).same_data_layout(current))
     lay = layout_of(node, current, intact)
     if current is None:
-      move = "entry"
+      move = Move.ENTRY
     elif lay.same_data_layout(current):
-      move = "fast"
+      move = Move.FAST
     else:
-      move = "repartition"
+      move = Move.REPARTITION
     if registry.spec(node.fn).placement is Placement.ROLLOUT:
       intact = True  # fresh samples are generated group by group on one host
-    elif move == "repartition":
+    elif move is Move.REPARTITION:
       intact = lay is rollout
     steps.append(Step(index=len(steps), node=node, layout=lay, move_in=move,
                       groups_intact=intact))
@@ -300,7 +319,8 @@ def make_plan(dag: Dag, registry: Registry, topo: Topology,
   by_id = {s.node.id: s for s in steps}
   edges = tuple(
       Edge(src=d, dst=n.id,
-           kind="fast" if by_id[d].layout.same_data_layout(by_id[n.id].layout) else "repartition")
+           kind=(Move.FAST if by_id[d].layout.same_data_layout(by_id[n.id].layout)
+                 else Move.REPARTITION))
       for n in dag.nodes for d in n.deps)
   return Plan(steps=tuple(steps), edges=edges, topology=topo,
               meshes=tuple(meshes[r] for r in used),

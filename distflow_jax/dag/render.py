@@ -1,4 +1,8 @@
-"""The plan as deterministic text (``distflow-jax plan``), for all processes or one."""
+"""The plan as deterministic text (``distflow-jax plan``), for all processes or one.
+
+Layout names and the ``Move`` members' values are only written here; the
+text is what tests and users compare, so it stays stable.
+"""
 
 from __future__ import annotations
 
@@ -27,14 +31,14 @@ def render(plan: Plan, process: int | None = None) -> str:
   for s in plan.steps:
     deps = ",".join(s.node.deps) or "-"
     lines.append(f"  {s.index}. {s.node.describe():<{w_node}}  deps={deps:<{w_deps}}  "
-                 f"layout={s.layout.name:<{w_lay}}  in={s.move_in}"
+                 f"layout={s.layout.name:<{w_lay}}  in={s.move_in.value}"
                  + ("" if s.groups_intact else "  groups=split"))
   reparts = plan.repartitions()
   lines.append(f"re-partitions per step: {len(reparts)}"
                + "".join(f"\n  {a} -> {b} (all-to-all)" for a, b in reparts))
   lines.append("edges:")
   for e in plan.edges:
-    lines.append(f"  {e.src} -> {e.dst}: {e.kind}")
+    lines.append(f"  {e.src} -> {e.dst}: {e.kind.value}")
   procs = range(t.num_processes) if process is None else [process]
   for p in procs:
     lines.append(f"process {p} (devices {_span(t.devices_of(p))}):")

@@ -4,7 +4,8 @@ Layout under ``<run_dir>/checkpoints`` (an orbax ``CheckpointManager`` root)::
 
     <step>/state    trained roles: {"actor": {params, opt_state}, "critic": {...}}
     <step>/loader   every process's train-loader state (gathered; JSON)
-    <step>/meta     step, seed, process count, model config, the run's config (JSON)
+    <step>/meta     step, seed, process count, model config, the run's config, the
+                    algorithm state (``algo_state``: the adaptive KL coefficient) (JSON)
     static/reference  the frozen reference model, written once
     static/tokenizer  the tokenizer, written once (for ``distflow-jax export``)
 
@@ -25,7 +26,12 @@ the others in orbax's own barrier until its timeout.
 
 RNG: every random draw of a step is derived from (seed, step, node,
 process), see ``RunContext.step_rng``, so (seed, step) is the whole RNG
-state; a resumed run repeats the uninterrupted one exactly.
+state; a resumed run repeats the uninterrupted one exactly.  State an
+algorithm carries from step to step (``RunContext.algo_state``) is saved in
+``meta`` when ``open_run`` is given the run's context; a checkpoint without it
+(an older version's) restores the config's defaults, or is refused when the
+run adapts its KL coefficient (it would silently restart).  What is checked
+against the run, part by part, is in ``checkpoint_contents``.
 
 Restores go straight into the shardings of the current run (abstract
 targets built from the live state), so a checkpoint written on one mesh or
@@ -46,19 +52,21 @@ import json
 import os
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import ml_collections
-import numpy as np
 import orbax.checkpoint as ocp
 
-from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.loader import PromptLoader
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.workflow import checksums
 from distflow_jax.workflow import checkpoint_files as files
+from distflow_jax.workflow.algo_state import AlgoState
+from distflow_jax.workflow.checkpoint_contents import (  # noqa: F401 (re-exported)
+    CheckpointDamaged, CheckpointError, abstract, compare_shapes, flat_shapes,
+    restore_algo_state, restore_loader, trained_state)
 from distflow_jax.workflow.checkpoint_files import read_arrays, resolve  # noqa: F401 (export's)
 from distflow_jax.workflow.checksums import agree, gather_json
 from distflow_jax.workflow.roles import ModelState
@@ -70,72 +78,13 @@ STATIC = "static"
 _TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
 
 
-class CheckpointError(ConfigError):
-  """A checkpoint that cannot be restored into this run (says what differs)."""
-
-
-class CheckpointDamaged(CheckpointError):
-  """A checkpoint whose files changed after the save (names the file or array)."""
+class HasAlgoState(Protocol):
+  """Where the run keeps its algorithm state (a ``RunContext``)."""
+  algo_state: AlgoState
 
 
 def checkpoint_dir(run_dir: str) -> str:
   return os.path.join(os.path.abspath(run_dir), "checkpoints")
-
-
-# ---- what is saved ----------------------------------------------------------------------------
-
-def trained_state(roles: dict[Role, ModelState]) -> dict[str, dict[str, Any]]:
-  """The pytree saved every time: the actor's and critic's parameters (+ optimizer)."""
-  out = {}
-  for role in (Role.ACTOR, Role.CRITIC):
-    if role in roles:
-      s = roles[role]
-      out[role.value.lower()] = ({"params": s.params, "opt_state": s.opt_state}
-                                 if s.trainable else {"params": s.params})
-  return out
-
-
-def abstract(tree: Any) -> Any:
-  """Shape, dtype and *current* sharding of every leaf: the restore target (reshards)."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                      tree)
-
-
-def flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-  """``{"actor.params.embed.embedding.value": (shape, dtype)}`` of a pytree or orbax metadata."""
-  return {name: (tuple(x.shape), str(np.dtype(x.dtype)))
-          for name, x in checksums.flatten(tree).items()}
-
-
-def compare_shapes(saved: dict, live: dict, where: str) -> None:
-  """Raises naming every array whose presence, shape or dtype differs."""
-  problems = []
-  # Parameters first: an optimizer mismatch usually just echoes them.
-  for name in sorted(set(saved) | set(live), key=lambda n: (".opt_state." in n, n)):
-    if name not in live:
-      problems.append(f"{name}: in the checkpoint but not in this run")
-    elif name not in saved:
-      problems.append(f"{name}: in this run but missing from the checkpoint")
-    elif saved[name] != live[name]:
-      (ss, sd), (ls, ld) = saved[name], live[name]
-      problems.append(f"{name}: checkpoint has shape {ss} {sd}, this run has {ls} {ld}")
-  if problems:
-    more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-    raise CheckpointError(f"{where} does not match this run's models: "
-                          + "; ".join(problems[:8]) + more)
-
-
-def restore_loader(loader: PromptLoader, states: list[dict], log: Callable[[str], None]) -> None:
-  """This process's saved position; a fresh epoch if the process count changed."""
-  if len(states) == loader.process_count:
-    loader.set_state(states[loader.process_index])
-    return
-  epoch = max(int(s["epoch"]) for s in states) + 1
-  log(f"checkpoint: the data position was saved by {len(states)} process(es) and this run "
-      f"has {loader.process_count}; the loaders continue at the start of epoch {epoch}")
-  loader.set_state({"epoch": epoch, "position": 0, "counts": {}, "seed": loader.seed,
-                    "num_records": loader.num_records, "process_index": loader.process_index,
-                    "process_count": loader.process_count})
 
 
 # ---- the manager ------------------------------------------------------------------------------
@@ -144,10 +93,11 @@ class Checkpointer:
   """Saves every ``save_every`` steps and at the end, keeps the last ``keep``."""
 
   def __init__(self, directory: str, *, save_every: int, keep: int, async_save: bool = True,
-               log: Callable[[str], None] = print):
+               log: Callable[[str], None] = print, ctx: HasAlgoState | None = None):
     self.directory = os.path.abspath(directory)
     self.save_every = save_every
     self.log = log
+    self.ctx = ctx  # saves its algo_state; restores set it (None: saved without one)
     self._pending: int | None = None  # a save whose file record is not written yet
     # Orbax deletes never-committed saves when the manager opens; say so first.
     for name in self.incomplete():
@@ -197,6 +147,8 @@ class Checkpointer:
             "model_config": dataclasses.asdict(model_cfg),
             "config": json.loads(cfg.to_json_best_effort()),
             "checksums": checksums.checksums(state)}
+    if self.ctx is not None:
+      meta["algo_state"] = self.ctx.algo_state.to_dict()
     if self._manager.save(step, args=ocp.args.Composite(**{
         STATE: ocp.args.StandardSave(state),
         LOADER: ocp.args.JsonSave({"processes": loaders}),
@@ -251,7 +203,8 @@ class Checkpointer:
 
   def restore(self, step: int, roles: dict[Role, ModelState], loader: PromptLoader,
               cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-    """Loads ``step`` into ``roles`` (resharded to their meshes) and ``loader``.
+    """Loads ``step`` into ``roles`` (resharded to their meshes), ``loader`` and the
+    checkpointer's ``ctx`` (its algorithm state).
 
     Raises ``CheckpointDamaged`` naming the file or array when the step's
     files changed after the save (nothing is loaded then).
@@ -261,6 +214,10 @@ class Checkpointer:
     if meta["seed"] != cfg.seed:
       raise CheckpointError(f"{where} was written with seed={meta['seed']} but this run has "
                             f"seed={cfg.seed}; a resumed run must keep its seed")
+    algo = restore_algo_state(cfg, meta.get("algo_state"), where)
+    if self.ctx is None and algo != AlgoState():
+      raise ValueError("Checkpointer.restore: this run keeps algorithm state across steps; "
+                       "give the checkpointer the run's context (open_run(..., ctx=ctx))")
     live = trained_state(roles)
     if sorted(live) != meta["roles"]:
       raise CheckpointError(f"{where} holds roles {meta['roles']} but this run trains "
@@ -280,6 +237,8 @@ class Checkpointer:
       if s.trainable:
         s.opt_state = tree["opt_state"]
     restore_loader(loader, out[LOADER]["processes"], self.log)
+    if self.ctx is not None:
+      self.ctx.algo_state = algo
     self._restore_reference(roles)
     return meta
 
@@ -314,18 +273,21 @@ def model_config_from_meta(meta: dict[str, Any]) -> ModelConfig:
 
 def open_run(cfg: ml_collections.ConfigDict, roles: dict[Role, ModelState],
              train_loader: PromptLoader, *, resume: bool | None = None,
-             log: Callable[[str], None] = print) -> tuple[Checkpointer, int]:
+             log: Callable[[str], None] = print, ctx: HasAlgoState | None = None
+             ) -> tuple[Checkpointer, int]:
   """The run's checkpointer and the step to start from.
 
   ``resume=None`` continues from the latest complete checkpoint in the run
   directory if there is one; ``True`` requires one; ``False`` refuses to
   start over a run directory that holds checkpoints (they would collide).
   A damaged checkpoint is set aside with a message and the one before it
-  restored; under ``resume=True`` it is refused instead.
+  restored; under ``resume=True`` it is refused instead.  ``ctx`` (the run's
+  ``RunContext``): its algorithm state is saved with every checkpoint and
+  restored on resume.
   """
   t = cfg.trainer
   ck = Checkpointer(checkpoint_dir(cfg.run_dir), save_every=t.save_every, keep=t.keep,
-                    async_save=t.async_save, log=log)
+                    async_save=t.async_save, log=log, ctx=ctx)
   latest = ck.latest_step()
   if latest is None:
     if resume:

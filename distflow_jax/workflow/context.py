@@ -27,6 +27,7 @@ from distflow_jax.rollout.backend import RolloutBackend, backend_factory, engine
 from distflow_jax.rollout.engine import Engine, EngineConfig, replica_mesh
 from distflow_jax.rollout.sampling import SamplingParams
 from distflow_jax.workflow import roles as roles_lib
+from distflow_jax.workflow.algo_state import AlgoState
 from distflow_jax.workflow.metrics import Metrics
 
 
@@ -40,12 +41,18 @@ class RunContext:
   model_cfg: ModelConfig
   roles: dict[Role, roles_lib.ModelState]
   step: int = 0
-  # The KL-in-reward coefficient when it adapts (actor.kl.target > 0); None = fixed.
-  kl_coef: float | None = None
+  # State that changes from step to step (saved with the checkpoint): see algo_state.py.
+  algo_state: AlgoState = dataclasses.field(default_factory=AlgoState)
   metrics: Metrics = dataclasses.field(default_factory=Metrics)
-  _layouts: dict[str, dlayout.Layout] = dataclasses.field(default_factory=dict)
+  _layouts: dict[PlanLayout, dlayout.Layout] = dataclasses.field(default_factory=dict)
   _engines: dict[Any, Engine] = dataclasses.field(default_factory=dict)
   _jitted: dict[Any, Callable] = dataclasses.field(default_factory=dict)
+
+  @property
+  def kl_coef(self) -> float | None:
+    """The KL-in-reward coefficient once it has adapted (actor.kl.target > 0); None: the
+    fixed actor.kl.coef."""
+    return self.algo_state.kl_coef
 
   def section(self, node: Node, name: str) -> ml_collections.ConfigDict:
     """``config.<name>`` with the node's overrides applied (when it is the node's section)."""
@@ -58,14 +65,14 @@ class RunContext:
     return merged
 
   def layout(self, plan_layout: PlanLayout) -> dlayout.Layout:
-    """The data layout (mesh + sample axes) of a plan layout; cached by name."""
-    if plan_layout.name not in self._layouts:
+    """The data layout (mesh + sample axes) of a plan layout; cached per layout."""
+    if plan_layout not in self._layouts:
       devs = roles_lib.ordered_devices()
       devices = [devs[i] for i in plan_layout.devices]
       rest = len(devices) // plan_layout.dp_size
       mesh = sharding.make_mesh({"data": plan_layout.dp_size, "tensor": rest}, devices)
-      self._layouts[plan_layout.name] = dlayout.Layout(mesh, ("data",))
-    return self._layouts[plan_layout.name]
+      self._layouts[plan_layout] = dlayout.Layout(mesh, ("data",))
+    return self._layouts[plan_layout]
 
   def jitted(self, key: Any, make: Callable[[], Callable]) -> Callable:
     """A compiled function, built once per key (so shapes never recompile per step)."""

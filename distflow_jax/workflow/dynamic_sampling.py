@@ -9,18 +9,22 @@ batch.  The decision to try again is taken from a small all-gather of every
 host's count, so all hosts make the same number of tries (their jitted calls
 stay in step).  When the tries run out, the batch is filled with constant
 groups (zero advantage) and the number filled is reported.
+
+``sample_prefix`` is the executor's hook before the chain: it runs the
+prefix this way when dynamic sampling is on, and does nothing otherwise.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from distflow_jax.dag.planner import Plan
+from distflow_jax.dag.planner import Move, Plan, Step
 from distflow_jax.dag.registry import FUNCTIONS
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch, to_global, to_local
+from distflow_jax.workflow.context import RunContext
 from distflow_jax.workflow.metrics import Metrics, gather_processes
 
 
@@ -28,11 +32,34 @@ def prefix_length(plan: Plan) -> int:
   """Steps up to the last reward node, if they all stay on the rollout layout (else 0)."""
   last = -1
   for s in plan.steps:
-    if s.move_in == "repartition" or not s.groups_intact:
+    if s.move_in is Move.REPARTITION or not s.groups_intact:
       break
     if "rewards" in FUNCTIONS.spec(s.node.fn).produces:
       last = s.index
   return last + 1
+
+
+RunSteps = Callable[[Sequence[Step], Batch, dlayout.Layout | None],
+                   tuple[Batch, dlayout.Layout]]
+
+
+def sample_prefix(ctx: RunContext, prompts: Batch, more_prompts: Callable[[], Batch] | None,
+                  run_steps: RunSteps) -> tuple[Batch, dlayout.Layout | None, int]:
+  """The executor's hook before the chain: (batch, its layout, chain steps already run).
+
+  With ``algo.dynamic_sampling_tries`` the chain's sampling prefix runs here (see
+  ``sample``); otherwise nothing has run: (prompts, None, 0).
+  """
+  tries = ctx.cfg.algo.dynamic_sampling_tries
+  k = prefix_length(ctx.plan) if tries else 0
+  if not k:
+    return prompts, None, 0
+  if more_prompts is None:
+    raise ValueError("dynamic sampling needs a source of more prompts")
+  prefix = ctx.plan.steps[:k]
+  batch, lay = sample(lambda p: run_steps(prefix, p, None), prompts, more_prompts,
+                      n=ctx.cfg.rollout.n, max_tries=tries, metrics=ctx.metrics)
+  return batch, lay, k
 
 
 def _all_have(have: int, need: int) -> bool:

@@ -6,6 +6,10 @@ the same devices, nothing is copied) or is re-partitioned with one
 all-to-all to the next node's layout, length-balanced by prompt + response
 tokens.  Host-side nodes work on their own rows; nothing waits on a central
 process.  Per-node wall time is recorded (the slowest host's).
+
+Algorithm variants hook in at two named points instead of branching here:
+``dynamic_sampling.sample_prefix`` before the chain (DAPO's filter) and
+``algo_state.after_step`` after it (the adaptive KL coefficient).
 """
 
 from __future__ import annotations
@@ -16,11 +20,11 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from distflow_jax.algos import kl as kl_lib
+from distflow_jax.dag.planner import LayoutKind, Move
 from distflow_jax.dag.registry import FUNCTIONS
 from distflow_jax.data import redistribute as rd
 from distflow_jax.data.batch import Batch, redistribute_batch
-from distflow_jax.workflow import dynamic_sampling
+from distflow_jax.workflow import algo_state, dynamic_sampling
 from distflow_jax.workflow.context import RunContext, shared_prompt_group
 
 
@@ -42,9 +46,10 @@ def _run_steps(ctx: RunContext, steps, batch: Batch, current):
     node = step.node
     lay = ctx.layout(step.layout)
     t0 = time.perf_counter()
-    if current is not None and step.move_in == "repartition":
+    to_rollout = step.layout.kind is LayoutKind.ROLLOUT
+    if current is not None and step.move_in is Move.REPARTITION:
       lengths = _token_lengths(batch)
-      if step.layout.name.startswith("rollout"):
+      if to_rollout:
         group = ctx.cfg.rollout.n
       else:  # keep groups whole where the sequence passes can share their prompt
         group = shared_prompt_group(ctx.cfg, batch.num_samples, lay.num_shards)
@@ -52,7 +57,7 @@ def _run_steps(ctx: RunContext, steps, batch: Batch, current):
         batch, _ = redistribute_batch(batch, lengths, current, lay,
                                       mode=ctx.cfg.data.redistribute, group_size=group)
       except ValueError:
-        if group == 1 or step.layout.name.startswith("rollout"):
+        if group == 1 or to_rollout:
           raise
         # The source layout splits groups over devices: move rows singly (the passes then
         # see ungrouped rows and run each row's prompt).  Every process decides alike.
@@ -61,24 +66,13 @@ def _run_steps(ctx: RunContext, steps, batch: Batch, current):
       _block(batch)
       ctx.metrics.add_time(f"time/move_to/{node.id}", time.perf_counter() - t0)
       t0 = time.perf_counter()
-    elif current is not None and step.move_in == "fast":
+    elif current is not None and step.move_in is Move.FAST:
       batch, _ = redistribute_batch(batch, np.zeros(0, np.int32), current, lay)
     batch = FUNCTIONS.impl(node.fn)(ctx, node, lay, batch)
     _block(batch)
     ctx.metrics.add_time(f"time/{node.id}", time.perf_counter() - t0)
     current = lay
   return batch, current
-
-
-def _adapt_kl(ctx: RunContext, out: dict[str, float]) -> None:
-  """Adaptive KL-in-reward coefficient (Ziegler et al.); every host sees the same ``out``."""
-  kl = ctx.cfg.actor.kl
-  if not (kl.in_reward and kl.target > 0) or "kl_penalty" not in out:
-    return
-  coef = ctx.kl_coef if ctx.kl_coef is not None else kl.coef
-  ctx.kl_coef = float(kl_lib.adaptive_kl_coef(coef, out["kl_penalty"], kl.target, kl.horizon,
-                                              int(ctx.cfg.data.prompts_per_step
-                                                  * ctx.cfg.rollout.n)))
 
 
 def run_step(ctx: RunContext, prompts: Batch,
@@ -90,17 +84,9 @@ def run_step(ctx: RunContext, prompts: Batch,
   ctx.metrics = type(ctx.metrics)()
   start = time.perf_counter()
   steps = ctx.plan.steps
-  tries = ctx.cfg.algo.dynamic_sampling_tries
-  k = dynamic_sampling.prefix_length(ctx.plan) if tries else 0
-  if k:
-    if more_prompts is None:
-      raise ValueError("dynamic sampling needs a source of more prompts")
-    batch, current = dynamic_sampling.sample(
-        lambda p: _run_steps(ctx, steps[:k], p, None), prompts, more_prompts,
-        n=ctx.cfg.rollout.n, max_tries=tries, metrics=ctx.metrics)
-  else:
-    batch, current = prompts, None
-  batch, _ = _run_steps(ctx, steps[k:], batch, current)
+  batch, current, done = dynamic_sampling.sample_prefix(
+      ctx, prompts, more_prompts, lambda part, b, lay: _run_steps(ctx, part, b, lay))
+  batch, _ = _run_steps(ctx, steps[done:], batch, current)
   tokens = float(_token_lengths(batch).sum())
   ctx.metrics.set_max("time/step", time.perf_counter() - start)
   out = ctx.metrics.reduce()
@@ -108,7 +94,7 @@ def run_step(ctx: RunContext, prompts: Batch,
   out["tokens_per_s"] = tokens / max(out["time/step"], 1e-9)
   for step in steps:  # DistFlow's throughput: prompt + response tokens per second
     out[f"tokens_per_s/{step.node.id}"] = tokens / max(out[f"time/{step.node.id}"], 1e-9)
-  _adapt_kl(ctx, out)
+  ctx.algo_state = algo_state.after_step(ctx.cfg, ctx.algo_state, out)
   if "reward" in out and "reward_sq" in out:
     out["reward_std"] = float(np.sqrt(max(out.pop("reward_sq") - out["reward"] ** 2, 0.0)))
   return out

@@ -1,0 +1,104 @@
+"""What a run checkpoint holds, and how each part is checked against this run.
+
+The trained roles' arrays (``trained_state``, compared by name, shape and
+dtype), every process's data position (``restore_loader``) and the
+algorithm state (``restore_algo_state``: the adaptive KL coefficient, see
+``algo_state``).  ``checkpoint`` saves and restores them (and re-exports
+what is here); this module needs nothing from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from distflow_jax.config.loading import ConfigError
+from distflow_jax.dag.spec import Role
+from distflow_jax.data.loader import PromptLoader
+from distflow_jax.workflow import algo_state, checksums
+from distflow_jax.workflow.roles import ModelState
+
+
+class CheckpointError(ConfigError):
+  """A checkpoint that cannot be restored into this run (says what differs)."""
+
+
+class CheckpointDamaged(CheckpointError):
+  """A checkpoint whose files changed after the save (names the file or array)."""
+
+def trained_state(roles: dict[Role, ModelState]) -> dict[str, dict[str, Any]]:
+  """The pytree saved every time: the actor's and critic's parameters (+ optimizer)."""
+  out = {}
+  for role in (Role.ACTOR, Role.CRITIC):
+    if role in roles:
+      s = roles[role]
+      out[role.value.lower()] = ({"params": s.params, "opt_state": s.opt_state}
+                                 if s.trainable else {"params": s.params})
+  return out
+
+
+def abstract(tree: Any) -> Any:
+  """Shape, dtype and *current* sharding of every leaf: the restore target (reshards)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                      tree)
+
+
+def flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+  """``{"actor.params.embed.embedding.value": (shape, dtype)}`` of a pytree or orbax metadata."""
+  return {name: (tuple(x.shape), str(np.dtype(x.dtype)))
+          for name, x in checksums.flatten(tree).items()}
+
+
+def compare_shapes(saved: dict, live: dict, where: str) -> None:
+  """Raises naming every array whose presence, shape or dtype differs."""
+  problems = []
+  # Parameters first: an optimizer mismatch usually just echoes them.
+  for name in sorted(set(saved) | set(live), key=lambda n: (".opt_state." in n, n)):
+    if name not in live:
+      problems.append(f"{name}: in the checkpoint but not in this run")
+    elif name not in saved:
+      problems.append(f"{name}: in this run but missing from the checkpoint")
+    elif saved[name] != live[name]:
+      (ss, sd), (ls, ld) = saved[name], live[name]
+      problems.append(f"{name}: checkpoint has shape {ss} {sd}, this run has {ls} {ld}")
+  if problems:
+    more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+    raise CheckpointError(f"{where} does not match this run's models: "
+                          + "; ".join(problems[:8]) + more)
+
+
+def restore_loader(loader: PromptLoader, states: list[dict], log: Callable[[str], None]) -> None:
+  """This process's saved position; a fresh epoch if the process count changed."""
+  if len(states) == loader.process_count:
+    loader.set_state(states[loader.process_index])
+    return
+  epoch = max(int(s["epoch"]) for s in states) + 1
+  log(f"checkpoint: the data position was saved by {len(states)} process(es) and this run "
+      f"has {loader.process_count}; the loaders continue at the start of epoch {epoch}")
+  loader.set_state({"epoch": epoch, "position": 0, "counts": {}, "seed": loader.seed,
+                    "num_records": loader.num_records, "process_index": loader.process_index,
+                    "process_count": loader.process_count})
+
+
+def restore_algo_state(cfg: ml_collections.ConfigDict, saved: Mapping[str, Any] | None,
+                       where: str) -> algo_state.AlgoState:
+  """The saved algorithm state for this run.  A checkpoint without one (written before it
+  was saved) restores the config's defaults when this run keeps no state across steps, and
+  is refused when it does: its adapted KL coefficient would silently restart."""
+  try:
+    state = algo_state.restored(cfg, saved)
+  except (TypeError, ValueError) as e:
+    raise CheckpointError(f"{where}: {e}") from None
+  if state is None:
+    kl = cfg.actor.kl
+    raise CheckpointError(
+        f"{where} holds no algorithm state (it was written before it was saved) and this run "
+        f"adapts the KL coefficient (actor.kl.target={kl.target}), which would restart at "
+        f"actor.kl.coef={kl.coef}; start a new run_dir, or continue with a fixed coefficient "
+        f"(--config.actor.kl.target=0 --config.actor.kl.coef=<the last kl_coef in "
+        f"metrics.jsonl>)")
+  return state
