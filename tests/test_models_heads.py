@@ -94,6 +94,11 @@ def test_critic_values_and_reference_copy():
   pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
   values = jax.jit(critic_values)(g, p, tok, pos)
   assert values.shape == (2, 5) and values.dtype == jnp.float32
+  np.testing.assert_array_equal(values, 0.0)  # a fresh critic predicts zero
+  critic.value_head.kernel.set_value(jax.random.normal(jax.random.key(4), (cfg.hidden_size, 1)))
+  critic.value_head.bias.set_value(jnp.full((1,), 0.5))
+  g, p = nnx.split(critic)
+  values = jax.jit(critic_values)(g, p, tok, pos)
   hidden, _ = jax.jit(forward, static_argnames="return_hidden")(
       *nnx.split(actor), tok, pos, return_hidden=True)
   w = critic.value_head.kernel.get_value()

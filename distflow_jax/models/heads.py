@@ -71,13 +71,18 @@ def token_logprobs_and_entropy(hidden_BxTxD: jax.Array, unembed_DxV: jax.Array,
 
 
 class Critic(nnx.Module):
-  """Transformer backbone + scalar value head: `values_BxT = head(hidden_BxTxD)`."""
+  """Transformer backbone + scalar value head: `values_BxT = head(hidden_BxTxD)`.
+
+  The head starts at zero, so a fresh critic predicts 0 for every token: the first
+  advantages are the returns themselves, not the noise of a random head (whose values
+  scale with the hidden state's norm, ~sqrt(D)).
+  """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs,
                backbone: Transformer | None = None):
     self.backbone = backbone if backbone is not None else Transformer(cfg, rngs=rngs)
     self.value_head = nnx.Linear(cfg.hidden_size, 1, dtype=jnp.float32, param_dtype=jnp.float32,
-                                 kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+                                 kernel_init=nnx.initializers.zeros_init(), rngs=rngs)
 
   def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
                mask_BxT: jax.Array | None = None) -> jax.Array:
