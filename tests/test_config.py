@@ -34,6 +34,35 @@ def test_missing_config_file_lists_builtins():
     loading.load("configs/nope.py")
 
 
+def test_configs_path_names_the_shipped_file_outside_the_checkout(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # no configs/ here: the README's path form still works
+  assert loading.load("configs/grpo.py:tiny").name == "grpo-tiny"
+  assert loading.resolve_config_path("configs/ppo.py:tiny") == (
+      f"{loading.configs_dir()}/ppo.py:tiny")
+  with pytest.raises(loading.ConfigError, match=r"'configs/nope.py' not found"):
+    loading.load("configs/nope.py")
+
+
+def test_a_user_file_wins_over_the_shipped_one(tmp_path, monkeypatch):
+  (tmp_path / "configs").mkdir()
+  (tmp_path / "configs" / "grpo.py").write_text(
+      "from distflow_jax.config import defaults\n\n"
+      "def get_config(arg='x'):\n  c = defaults.base()\n  c.name = 'mine-' + arg\n  return c\n")
+  monkeypatch.chdir(tmp_path)
+  assert loading.load("configs/grpo.py:tiny").name == "mine-tiny"
+  assert loading.load("grpo:tiny").name == "grpo-tiny"  # a bare name is always shipped
+
+
+def test_configs_dir_is_the_packaged_one_in_an_install(tmp_path, monkeypatch):
+  # A wheel puts configs/ under the package; a checkout keeps it beside the package.
+  pkg = tmp_path / "site-packages" / "distflow_jax"
+  (pkg / "config").mkdir(parents=True)
+  monkeypatch.setattr(loading, "__file__", str(pkg / "config" / "loading.py"))
+  assert loading.configs_dir() == str(tmp_path / "site-packages" / "configs")
+  (pkg / "configs").mkdir()
+  assert loading.configs_dir() == str(pkg / "configs")
+
+
 def test_unknown_variant():
   with pytest.raises(loading.ConfigError, match=r"unknown variant 'huge'"):
     loading.load("grpo:huge")

@@ -1,8 +1,9 @@
 """Loads an ml_collections config file with ``--config.x=y`` overrides.
 
-``--config=configs/grpo.py:tiny`` calls ``get_config("tiny")`` in that file;
-the config is locked, so an override of a key that does not exist is refused.
-Failures come back as ``ConfigError`` with a one-line reason (the raw
+``--config=configs/grpo.py:tiny`` calls ``get_config("tiny")`` in that file
+(``grpo:tiny`` names the same shipped file, and so does ``configs/grpo.py`` from a
+directory that has no such file); the config is locked, so an override of a key
+that does not exist is refused.  Failures come back as ``ConfigError`` with a one-line reason (the raw
 absl/ml_collections exceptions are long tracebacks that bury the culprit).
 """
 
@@ -23,18 +24,37 @@ class ConfigError(ValueError):
 
 
 def configs_dir() -> str:
-  """The repository's configs/ folder (next to the package)."""
-  return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-      os.path.abspath(__file__)))), "configs")
+  """The shipped configs: ``distflow_jax/configs`` in an installed wheel.
+
+  pyproject.toml maps the repository's top-level configs/ folder (the single source)
+  into the package.  An editable install or a plain checkout imports the package from
+  the source tree, where that folder sits next to ``distflow_jax/`` instead.
+  """
+  pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  packaged = os.path.join(pkg, "configs")
+  if os.path.isdir(packaged):
+    return packaged
+  return os.path.join(os.path.dirname(pkg), "configs")
 
 
 def resolve_config_path(spec: str) -> str:
-  """Accepts 'path/to/file.py[:arg]' or a built-in name such as 'grpo:tiny'."""
+  """Accepts 'path/to/file.py[:arg]' or a built-in name such as 'grpo:tiny'.
+
+  A user file wins; 'configs/<file>' that is not on disk (run outside the checkout,
+  or from an installed wheel) means the shipped config of that name.
+  """
   path, sep, arg = spec.partition(":")
-  if not path.endswith(".py") and not os.path.exists(path):
-    builtin = os.path.join(configs_dir(), path + ".py")
-    if os.path.exists(builtin):
-      path = builtin
+  if not os.path.exists(path):
+    rel = os.path.normpath(path)
+    head, _, rest = rel.partition(os.sep)
+    if head == "configs" and rest:
+      candidate = os.path.join(configs_dir(), rest)
+    elif not path.endswith(".py"):
+      candidate = os.path.join(configs_dir(), path + ".py")
+    else:
+      candidate = ""
+    if candidate and os.path.exists(candidate):
+      path = candidate
   if not os.path.exists(path):
     avail = sorted(f[:-3] for f in os.listdir(configs_dir()) if f.endswith(".py")
                    and not f.startswith("_")) if os.path.isdir(configs_dir()) else []
