@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 from distflow_jax.models.config import ModelConfig
-from distflow_jax.models.transformer import (Transformer, cache_insert, decode_windows, forward,
+from distflow_jax.models.attention import decode_windows
+from distflow_jax.models.transformer import (Transformer, cache_insert, forward,
                                              init_cache, positions_from_mask)
 
 ARCHS = ["llama", "qwen2", "qwen3"]

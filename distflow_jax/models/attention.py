@@ -1,0 +1,133 @@
+"""Attention with RoPE: the general masked path and the one-query decode path.
+
+A query at position p attends to every real key at position <= p; a key's
+position -1 marks padding or an empty cache slot (see transformer.py).  Decode
+(one token per row) reads only the smallest window of the cache that holds
+every written slot, from `decode_windows`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from distflow_jax.models.config import ModelConfig
+from distflow_jax.models.kv_cache import CacheWriter, heads_major
+from distflow_jax.models.layers import RMSNorm, linear
+
+# Finite so that a query with no visible key (a padding row) gives a uniform
+# softmax instead of NaNs that would poison gradients.
+_MASK_VALUE = -1e30
+
+
+def rope_inv_freq(dh: int, theta: float, llama3: tuple = ()) -> jax.Array:
+  """RoPE frequencies ``[dh / 2]``; with ``llama3`` = (factor, low, high, original
+  positions), Llama 3's scaling: long wavelengths slowed by ``factor``, short ones
+  kept, the band between interpolated smoothly."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+  if not llama3:
+    return inv_freq
+  factor, low, high, orig = llama3
+  wavelen = 2 * jnp.pi / inv_freq
+  scaled = jnp.where(wavelen > orig / low, inv_freq / factor, inv_freq)
+  smooth = (orig / wavelen - low) / (high - low)
+  blended = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = (wavelen >= orig / high) & (wavelen <= orig / low)
+  return jnp.where(medium, blended, scaled)
+
+
+def rope(x_BxTxHxDh: jax.Array, positions_BxT: jax.Array, theta: float,
+         llama3: tuple = ()) -> jax.Array:
+  """Rotary embedding, HF "rotate half" layout (first half / second half pairs)."""
+  dh = x_BxTxHxDh.shape[-1]
+  inv_freq = rope_inv_freq(dh, theta, llama3)
+  angles_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
+  cos = jnp.cos(angles_BxTxF)[:, :, None, :]
+  sin = jnp.sin(angles_BxTxF)[:, :, None, :]
+  x = x_BxTxHxDh.astype(jnp.float32)
+  x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxHxDh.dtype)
+
+
+def decode_windows(s: int) -> tuple[int, ...]:
+  """The key windows one-token attention over an S-slot cache picks from (the last is S):
+  multiples of max(16, S / 8), so a layer holds at most 8 variants."""
+  step = max(16, -(-s // 8))
+  return tuple(range(step, s, step)) + (s,)
+
+
+def _attend_one(q_BxKxGxDh: jax.Array, k_BxKxSxDh: jax.Array, v_BxKxSxDh: jax.Array,
+                key_pos_BxS: jax.Array, pos_B: jax.Array, end: jax.Array | None = None
+                ) -> jax.Array:
+  """One query per row (decode): the general path's masked softmax attention without its
+  T axis.  With `end` (no key at or past that slot is visible to any row), only the
+  smallest of `decode_windows(S)` that holds `end` slots is read: early decode steps of a
+  long cache touch a fraction of it."""
+  s = k_BxKxSxDh.shape[2]
+  windows = decode_windows(s) if end is not None else (s,)
+
+  def attend(w):
+    def within(q, k, v, key_pos, pos):
+      dh = q.shape[-1]
+      scores_BxKxGxW = jnp.einsum("bkgd,bkwd->bkgw", q * (dh ** -0.5), k[:, :, :w],
+                                  preferred_element_type=jnp.float32)
+      visible_BxW = (key_pos[:, :w] >= 0) & (key_pos[:, :w] <= pos[:, None])
+      scores_BxKxGxW = jnp.where(visible_BxW[:, None, None], scores_BxKxGxW, _MASK_VALUE)
+      probs = jax.nn.softmax(scores_BxKxGxW, axis=-1).astype(v.dtype)
+      return jnp.einsum("bkgw,bkwd->bkgd", probs, v[:, :, :w])
+    return within
+
+  args = (q_BxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, key_pos_BxS, pos_B)
+  if len(windows) == 1:
+    return attend(s)(*args)
+  # The first window holding `end` slots; past the cache's end, switch clamps to the last.
+  pick = jnp.searchsorted(jnp.asarray(windows, jnp.int32), end.astype(jnp.int32))
+  return jax.lax.switch(pick, [attend(w) for w in windows], *args)
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, dh = cfg.hidden_size, cfg.head_dim
+    self.q_proj = linear(cfg, d, cfg.num_heads * dh, cfg.qkv_bias, rngs)
+    self.k_proj = linear(cfg, d, cfg.num_kv_heads * dh, cfg.qkv_bias, rngs)
+    self.v_proj = linear(cfg, d, cfg.num_kv_heads * dh, cfg.qkv_bias, rngs)
+    self.o_proj = linear(cfg, cfg.num_heads * dh, d, False, rngs)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, cfg.jnp_dtype)
+      self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, cfg.jnp_dtype)
+
+  def __call__(self, x_BxTxD, positions_BxT, key_pos_BxS, writer):
+    """`writer` is None (attend within x) or one of kv_cache.py's writers for this layer's k/v."""
+    cfg = self.cfg
+    b, t, _ = x_BxTxD.shape
+    hkv, dh = cfg.num_kv_heads, cfg.head_dim
+    g = cfg.num_heads // hkv
+    q_BxTxHxDh = self.q_proj(x_BxTxD).reshape(b, t, cfg.num_heads, dh)
+    k_BxTxKxDh = self.k_proj(x_BxTxD).reshape(b, t, hkv, dh)
+    v_BxTxKxDh = self.v_proj(x_BxTxD).reshape(b, t, hkv, dh)
+    if cfg.qk_norm:
+      q_BxTxHxDh = self.q_norm(q_BxTxHxDh)
+      k_BxTxKxDh = self.k_norm(k_BxTxKxDh)
+    q_BxTxHxDh = rope(q_BxTxHxDh, positions_BxT, cfg.rope_theta, cfg.rope_llama3)
+    k_BxTxKxDh = rope(k_BxTxKxDh, positions_BxT, cfg.rope_theta, cfg.rope_llama3)
+    if writer is None:
+      k_BxKxSxDh, v_BxKxSxDh = heads_major(k_BxTxKxDh), heads_major(v_BxTxKxDh)
+    else:
+      k_BxKxSxDh, v_BxKxSxDh = writer(k_BxTxKxDh, v_BxTxKxDh)
+    if t == 1:  # decode
+      end = writer.end if isinstance(writer, CacheWriter) else None
+      out_BxKxGxDh = _attend_one(q_BxTxHxDh.reshape(b, hkv, g, dh), k_BxKxSxDh, v_BxKxSxDh,
+                                 key_pos_BxS, positions_BxT[:, 0], end)
+      return self.o_proj(out_BxKxGxDh.reshape(b, 1, cfg.num_heads * dh))
+    q_BxTxKxGxDh = q_BxTxHxDh.reshape(b, t, hkv, g, dh)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q_BxTxKxGxDh, k_BxKxSxDh,
+                        preferred_element_type=jnp.float32) * (dh ** -0.5)
+    visible_BxTxS = ((key_pos_BxS[:, None, :] >= 0)
+                     & (key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]))
+    scores = jnp.where(visible_BxTxS[:, None, None], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxDh.dtype)
+    out_BxTxKxGxDh = jnp.einsum("bkgts,bksd->btkgd", probs, v_BxKxSxDh)
+    return self.o_proj(out_BxTxKxGxDh.reshape(b, t, cfg.num_heads * dh))
