@@ -67,3 +67,14 @@ def test_user_error_deep_in_a_command_is_one_line_and_debug_shows_the_traceback(
   assert "Traceback" not in r.stderr
   r = run("--debug", *args)
   assert r.returncode == 2 and "Traceback" in r.stderr, r.stderr[-2000:]
+
+
+def test_dispatcher_imports_commands_only_when_they_run():
+  """train/eval set the simulated device count before jax is imported; report needs no jax."""
+  code = ("import sys; from distflow_jax import cli; "
+          "assert 'jax' not in sys.modules and not any(m.startswith('distflow_jax.commands.') "
+          "for m in sys.modules), sorted(sys.modules); "
+          "assert list(cli.COMMANDS) == ['plan', 'launch', 'train', 'generate', 'export', "
+          "'report', 'eval']")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+  assert r.returncode == 0, r.stderr[-2000:]

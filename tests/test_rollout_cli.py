@@ -1,4 +1,4 @@
-"""`distflow-jax generate` (rollout.generate_cmd.run): JSONL in, JSONL out."""
+"""`distflow-jax generate` (commands/generate.py): JSONL in, JSONL out."""
 
 import json
 import os
@@ -12,14 +12,14 @@ from flax import nnx
 from distflow_jax.config import loading
 from distflow_jax.models import ModelConfig, Transformer, hf_io
 from distflow_jax.models.tokenizer import Tokenizer
-from distflow_jax.rollout import generate_cmd
+from distflow_jax.commands import generate as generate_cmd
 
 PROMPTS = ["12 + 7 =", "What is 3 * 4?", "hello"]
 
 
 def run_cli(*args):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  code = ("import sys; from distflow_jax.rollout.generate_cmd import run; "
+  code = ("import sys; from distflow_jax.commands.generate import run; "
           "sys.exit(run(sys.argv[1:]))")
   return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                         timeout=240, env=env)
@@ -86,3 +86,38 @@ def test_bad_inputs_are_named(tmp_path):
     generate_cmd.run(["--config=configs/grpo.py:tiny"])
   with pytest.raises(loading.ConfigError, match="not found|No such file"):
     generate_cmd.run(["--config=configs/grpo.py:tiny", f"--prompts={tmp_path / 'missing'}"])
+
+
+def _model_dir_without_tokenizer(tmp_path):
+  tok = Tokenizer.builtin()
+  cfg = ModelConfig(arch="llama", vocab_size=tok.vocab_size, hidden_size=32,
+                    intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+  ckpt = tmp_path / "no_tok"
+  hf_io.save_pretrained(ckpt, Transformer(cfg, rngs=nnx.Rngs(0)))  # no tokenizer saved
+  assert not any("token" in f for f in os.listdir(ckpt))
+  return ckpt
+
+
+def test_model_folder_without_a_tokenizer_is_named_before_any_weight_is_read(tmp_path,
+                                                                             monkeypatch):
+  """Issue 16: the tokenizer files are checked first, not after loading (maybe GBs of)
+  weights."""
+  ckpt = _model_dir_without_tokenizer(tmp_path)
+  loads = []
+  monkeypatch.setattr(hf_io, "load_pretrained", lambda *a, **k: loads.append(a))
+  with pytest.raises(loading.ConfigError, match=r"^model\.path=.* has no tokenizer\.json"):
+    generate_cmd.run(["--config=configs/grpo.py:tiny", f"--prompts={write_prompts(tmp_path)}",
+                      f"--config.model.path={ckpt}"])
+  assert loads == []
+
+
+@pytest.mark.timeout(240)
+def test_model_folder_without_a_tokenizer_is_one_line_exit_2(tmp_path):
+  ckpt = _model_dir_without_tokenizer(tmp_path)
+  r = subprocess.run([sys.executable, "-m", "distflow_jax.cli", "generate",
+                      "--config=configs/grpo.py:tiny", f"--prompts={write_prompts(tmp_path)}",
+                      f"--config.model.path={ckpt}"], capture_output=True, text=True,
+                     timeout=240)
+  assert r.returncode == 2, r.stderr
+  lines = r.stderr.strip().splitlines()
+  assert len(lines) == 1 and "has no tokenizer.json" in lines[0], r.stderr

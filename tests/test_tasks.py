@@ -143,3 +143,38 @@ def test_mixed_convention_teacher():
                                    for r in recs]
   with pytest.raises(ValueError, match="plain_answer_prob"):
     ar.sft_examples(recs, plain_answer_prob=1.5)
+
+
+# ---- the built-in task registry (tasks/registry.py) ----------------------------------------
+
+def test_registry_parses_specs_with_the_default_level():
+  from distflow_jax.tasks import registry
+  task, level = registry.parse("builtin:arithmetic")
+  assert task.name == "arithmetic" and level == task.default_level == "medium"
+  assert registry.parse("builtin:arithmetic:easy")[1] == "easy"
+  assert set(task.levels) == set(ar.PRESETS)
+  assert registry.is_builtin("builtin:x") and not registry.is_builtin("/data/train.jsonl")
+
+
+def test_registry_errors_list_the_valid_names_and_levels():
+  from distflow_jax.tasks import registry
+  with pytest.raises(registry.UnknownTaskError,
+                     match=r"unknown built-in task 'algebra'; valid: \['arithmetic'\]"):
+    registry.parse("builtin:algebra")
+  with pytest.raises(registry.UnknownTaskError,
+                     match=r"no level 'impossible'; valid: easy\|basic\|medium\|hard"):
+    registry.parse("builtin:arithmetic:impossible")
+  with pytest.raises(ValueError, match="already registered"):
+    registry.register(registry.ArithmeticTask())
+
+
+def test_registry_task_matches_the_generator_it_wraps():
+  """The trainer and the warm start draw exactly what they drew before the registry."""
+  from distflow_jax.tasks import registry
+  task = registry.get("arithmetic")
+  assert task.generate_split("medium", "eval", 20, seed=4) == ar.generate(
+      ar.preset("medium"), "eval", 20, seed=4)
+  demos = task.demonstrations("basic", 30, seed=2, plain_answer_prob=0.5)
+  assert demos == ar.sft_examples(ar.generate(ar.preset("basic"), "train", 30, seed=3,
+                                              unique=False), plain_answer_prob=0.5, seed=2)
+  assert all(set(d) == {"prompt", "completion"} for d in demos)

@@ -8,7 +8,7 @@ summary.png and report.md to RUN_DIR/report (or --out).  Needs matplotlib.
 
 import sys
 
-from distflow_jax.workflow import report
+from distflow_jax.commands import report
 
 if __name__ == "__main__":
   sys.exit(report.run(sys.argv[1:]))

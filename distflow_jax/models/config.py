@@ -1,7 +1,8 @@
 """Model configuration for the Llama / Qwen2 / Qwen3 decoder family.
 
-`ModelConfig` is a frozen, validated dataclass.  `ModelConfig.tiny(vocab)` is
-the built-in preset used by the default run and the tests;
+`ModelConfig` is a frozen, validated dataclass.  `PRESETS` is the one table
+of built-in architectures (`model.preset`, used when no `model.path` is
+given): `preset("tiny", vocab_size)` is the default run's model;
 `ModelConfig.from_hf_dict(d)` / `cfg.to_hf_dict()` convert to and from a
 Hugging Face `config.json` dictionary.
 """
@@ -9,6 +10,7 @@ Hugging Face `config.json` dictionary.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -201,3 +203,32 @@ class ModelConfig:
     if eos_token_id is not None:
       d["eos_token_id"] = eos_token_id
     return d
+
+
+# --------------------------------------------------------------------------
+# Built-in architectures (`model.preset`): name -> factory(vocab_size).  Every
+# user of a preset (roles, generate, eval, warm start, config checks) goes through
+# this table, so a new entry is usable everywhere and listed in every error.
+
+PRESETS: dict[str, Callable[[int], ModelConfig]] = {
+    # The default run's model: ~1.2 M parameters, Qwen2-shaped.
+    "tiny": lambda vocab_size: ModelConfig.tiny(vocab_size=vocab_size),
+    # One small layer: for smoke tests of the whole workflow, compiles in seconds.
+    "micro": lambda vocab_size: ModelConfig(
+        arch="qwen2", vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+        num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True),
+}
+
+
+def preset_names() -> list[str]:
+  return sorted(PRESETS)
+
+
+def preset(name: str, vocab_size: int, dtype: str = "float32") -> ModelConfig:
+  """The built-in architecture ``name`` for a tokenizer of ``vocab_size`` tokens.
+
+  Raises ValueError listing the valid names when ``name`` is not one.
+  """
+  if name not in PRESETS:
+    raise ValueError(f"unknown model preset {name!r}; built-in: {preset_names()}")
+  return PRESETS[name](vocab_size).replace(dtype=dtype)

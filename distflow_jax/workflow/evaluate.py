@@ -1,14 +1,22 @@
 """Held-out evaluation: greedy (or sampled, for pass@k) answers scored by a rule verifier.
 
-Each process evaluates its own shard of the evaluation set on its rollout
-replica; accuracies are reduced across hosts by sample count.
+``evaluate`` scores one batch of prompts (the trainer's periodic evaluation);
+``evaluate_file`` scores every row of a dataset file in chunks (``distflow-jax
+eval``).  Each process evaluates its own shard on its rollout replica;
+accuracies are reduced across hosts by sample count.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
 import ml_collections
 import numpy as np
 
+from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.batch import Batch
 from distflow_jax.rewards import registry as reward_registry
@@ -57,3 +65,77 @@ def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1,
   m.add_mean("eval/formatted", reward_registry.score_batch(
       reward_registry.get_reward("format"), texts, truths) > 0)
   return m.reduce()
+
+
+class _Head:
+  """The first ``n`` records of a source (``--limit``)."""
+
+  def __init__(self, source: Any, n: int):
+    self.source, self.n, self.path = source, min(n, len(source)), source.path
+
+  def __len__(self) -> int:
+    return self.n
+
+  def __getitem__(self, index: int) -> Any:
+    if not 0 <= index < self.n:
+      raise IndexError(index)
+    return self.source[index]
+
+
+def _concat(batches: list[Batch]) -> Batch:
+  data = {k: np.concatenate([np.asarray(b.data[k]) for b in batches]) for k in batches[0].data}
+  host = {}
+  for b in batches:
+    host.update(b.host)
+  return Batch(data, host)
+
+
+def _global_sum(x: float) -> float:
+  if jax.process_count() == 1:
+    return float(x)
+  from jax.experimental import multihost_utils
+  return float(np.asarray(multihost_utils.process_allgather(np.array([x], np.float64))).sum())
+
+
+def load_shard(ctx: RunContext, path: str, limit: int = 0
+               ) -> tuple[list[Batch], dict[str, int], int]:
+  """This process's valid prompts as one-row batches, the loader's counts, and the row count."""
+  from distflow_jax.data.loader import PromptLoader
+  from distflow_jax.data.sources import open_source
+  cfg = ctx.cfg
+  source = open_source(path)
+  if limit:
+    source = _Head(source, limit)
+  loader = PromptLoader(source, ctx.tokenizer, batch_size=1, max_prompt_len=cfg.data.max_prompt_len,
+                        shuffle=False, num_epochs=1, pad_id=ctx.tokenizer.pad_id,
+                        prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
+                        use_chat_template=cfg.data.chat_template,
+                        on_bad_row=cfg.data.on_bad_row)
+  return list(loader), loader.counts, len(source)
+
+
+def evaluate_file(ctx: RunContext, path: str, *, k: int = 1, batch_size: int = 64,
+                  limit: int = 0, reward: str = "math",
+                  log: Callable[[str], None] = print) -> dict[str, float | int]:
+  """Metrics over every valid row of ``path``: means weighted by each chunk's prompt count."""
+  rows, counts, num_records = load_shard(ctx, path, limit)
+  nproc = jax.process_count()
+  # Same on every process (from the row count alone), so collectives stay in step.
+  chunks = max(math.ceil(math.ceil(num_records / nproc) / batch_size), 1)
+  if len(rows) < chunks:
+    raise ConfigError(f"{path!r}: this process has {len(rows)} valid prompt(s) for {chunks} "
+                      f"chunk(s) (loader counts {counts}); raise --batch_size or fix the rows")
+  totals: dict[str, float] = {}
+  done = 0.0
+  for c, part in enumerate(np.array_split(np.arange(len(rows)), chunks)):
+    m = evaluate(ctx, _concat([rows[i] for i in part]), k=k, reward=reward)
+    n = _global_sum(len(part))
+    for key, v in m.items():
+      totals[key] = totals.get(key, 0.0) + v * n
+    done += n
+    acc = totals.get("eval/accuracy", float("nan")) / done
+    log(f"eval chunk {c + 1}/{chunks}: {int(done)} prompts, accuracy so far {acc:.4f}")
+  out = {key: v / done for key, v in totals.items()}
+  out["prompts"] = int(done)
+  out["skipped_rows"] = int(_global_sum(sum(v for key, v in counts.items() if key != "ok")))
+  return out

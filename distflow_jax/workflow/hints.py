@@ -42,8 +42,10 @@ def check_model_dir(path: str, key: str = "model.path") -> None:
            f"safe_serialization=True (transformers' default) or convert it" if pickles else "")
     raise ConfigError(f"{where} has no *.safetensors weights{why}")
   if "tokenizer.json" not in have:
-    raise ConfigError(f"{where} has no tokenizer.json (the fast-tokenizer file); copy it from "
-                      f"the model's Hugging Face folder (only tokenizer.json is supported)")
+    # Checked before any weight is read: a missing tokenizer should cost seconds, not a load.
+    raise ConfigError(f"{where} has no tokenizer.json (the fast-tokenizer file; missing "
+                      f"{os.path.join(path, 'tokenizer.json')}); copy it from the model's "
+                      f"Hugging Face folder (only tokenizer.json is supported)")
   from distflow_jax.models import hf_io
   try:
     hf_io.read_config(path)

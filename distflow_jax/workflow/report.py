@@ -1,6 +1,7 @@
 """Plots and a summary of a run from its ``metrics.jsonl``.
 
-  distflow-jax report RUN_DIR [--out DIR]
+  distflow-jax report RUN_DIR [--out DIR]      (commands/report.py)
+  paths = report(run_dir, out_dir)
 
 Writes PNGs next to the metrics (or to ``--out``): ``reward.png`` (mean
 reward with a +-1 std band, per-reward components), ``accuracy.png`` (train
@@ -14,11 +15,9 @@ jax, so it runs on a laptop against a copied run directory.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -248,7 +247,8 @@ def write_plots(rows: Rows, out_dir: str, title: str = "") -> list[str]:
 # ---------------------------------------------------------------- summary
 
 
-def _fmt(v: float | None) -> str:
+def fmt(v: float | None) -> str:
+  """A metric value for text: 4 significant digits, '-' when the run has none."""
   if v is None:
     return "-"
   return f"{v:.4g}"
@@ -285,8 +285,8 @@ def write_markdown(rows: Rows, images: Sequence[str], path: str, title: str = ""
            f"includes compilation).", "",
            "| metric | first | last | max |", "|---|---|---|---|"]
   for k, m in s["metrics"].items():
-    lines.append(f"| {k} | {_fmt(m['first'])} (step {m['first_step']}) | "
-                 f"{_fmt(m['last'])} (step {m['last_step']}) | {_fmt(m['max'])} |")
+    lines.append(f"| {k} | {fmt(m['first'])} (step {m['first_step']}) | "
+                 f"{fmt(m['last'])} (step {m['last_step']}) | {fmt(m['max'])} |")
   if s["time_share"]:
     lines += ["", "| node | share of step time |", "|---|---|"]
     for n, share in sorted(s["time_share"].items(), key=lambda kv: -kv[1]):
@@ -307,26 +307,3 @@ def report(run_dir: str, out_dir: str | None = None) -> list[str]:
   md = os.path.join(out_dir, "report.md")
   write_markdown(rows, images, md, title)
   return images + [md]
-
-
-def run(argv: Sequence[str]) -> int:
-  parser = argparse.ArgumentParser(prog="distflow-jax report",
-                                   description="PNG plots + report.md of a run's metrics.")
-  parser.add_argument("run_dir", help="the run directory (holds metrics.jsonl)")
-  parser.add_argument("--out", default=None, help="where to write (default RUN_DIR/report)")
-  args = parser.parse_args(list(argv))
-  try:
-    paths = report(args.run_dir, args.out)
-  except (FileNotFoundError, ValueError) as e:
-    print(f"distflow-jax report: error: {e}", file=sys.stderr)
-    return 2
-  except ImportError as e:
-    print(f"distflow-jax report: error: {e}; plots need matplotlib (`pip install matplotlib`)",
-          file=sys.stderr)
-    return 2
-  s = summary(read_metrics(args.run_dir))
-  for k, m in s["metrics"].items():
-    print(f"{k:>16}: {_fmt(m['first'])} -> {_fmt(m['last'])} (max {_fmt(m['max'])})")
-  for p in paths:
-    print(f"wrote {p}")
-  return 0

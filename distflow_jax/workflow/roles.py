@@ -22,22 +22,12 @@ from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.planner import Plan, RoleMesh, Topology
 from distflow_jax.dag.spec import Role
 from distflow_jax.models import hf_io, sharding
+from distflow_jax.models import config as model_configs
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.heads import Critic
 from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.models.transformer import Transformer
 from distflow_jax.train import optim, steps as steps_lib
-
-
-PRESETS = {
-    # The default run's model: ~1.2 M parameters, Qwen2-shaped.
-    "tiny": lambda vocab, dtype: dataclasses.replace(ModelConfig.tiny(vocab_size=vocab),
-                                                     dtype=dtype),
-    # One small layer: for smoke tests of the whole workflow, compiles in seconds.
-    "micro": lambda vocab, dtype: ModelConfig(
-        arch="qwen2", vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=1,
-        num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, dtype=dtype),
-}
 
 
 def ordered_devices() -> list[jax.Device]:
@@ -82,16 +72,19 @@ def load_tokenizer(model_cfg: ml_collections.ConfigDict) -> Tokenizer:
 
 def model_config(cfg: ml_collections.ConfigDict, tokenizer: Tokenizer,
                  path: str | None = None) -> ModelConfig:
+  """The model's shape: ``path``'s config.json (default ``model.path``), else the built-in
+  ``model.preset`` (models.config.PRESETS) sized to the tokenizer."""
   path = path if path is not None else cfg.model.path
   if path:
     if not os.path.isfile(os.path.join(path, "config.json")):
       raise ConfigError(f"model.path={path!r} has no config.json: point it at a local "
                         f"Hugging Face model directory (config.json + *.safetensors)")
     return hf_io.read_config(path, dtype=cfg.model.dtype)
-  if cfg.model.preset not in PRESETS:
+  if cfg.model.preset not in model_configs.PRESETS:
     raise ConfigError(f"model.preset={cfg.model.preset!r} is unknown; built-in: "
-                      f"{sorted(PRESETS)} (or set model.path to a local Hugging Face directory)")
-  return PRESETS[cfg.model.preset](tokenizer.vocab_size, cfg.model.dtype)
+                      f"{model_configs.preset_names()} (or set model.path to a local Hugging "
+                      f"Face directory)")
+  return model_configs.preset(cfg.model.preset, tokenizer.vocab_size, cfg.model.dtype)
 
 
 def build_actor(model_cfg: ModelConfig, mesh: Mesh, path: str, seed: int) -> nnx.Module:

@@ -4,23 +4,36 @@ RL needs a policy that is right some of the time.  With no checkpoint given,
 the built-in tiny model is first trained on worked answers (prompt ->
 completion + EOS) for a few hundred steps, then written as a Hugging Face
 directory in the run directory, so the next run loads it and skips this.
-Prompts are encoded exactly as the RL loader encodes them.
+Prompts are encoded exactly as the RL loader encodes them.  The
+demonstrations come from the built-in task named by ``data.train``
+(tasks/registry.py).
+
+    model_dir = ensure_model(cfg, plan, tokenizer, log)   # cached, or warm-started now
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import ml_collections
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distflow_jax.algos import losses
+from distflow_jax.config.loading import ConfigError
+from distflow_jax.dag.planner import Plan
+from distflow_jax.dag.spec import Role
 from distflow_jax.data.loader import parse_row
+from distflow_jax.models import hf_io
 from distflow_jax.models.tokenizer import Tokenizer
+from distflow_jax.tasks import registry as tasks
 from distflow_jax.train import steps as steps_lib
+from distflow_jax.workflow import roles as roles_lib
 from distflow_jax.workflow.roles import ModelState
 
 
@@ -88,3 +101,53 @@ def run(state: ModelState, data: dict[str, np.ndarray], *, steps: int, batch_siz
       loss = float(stats["total"]) / max(float(stats["count"]), 1.0)
       on_step(i, loss)
   return loss
+
+
+def model_dir(cfg: ml_collections.ConfigDict) -> str:
+  """Where the warm-started built-in model of a run is cached."""
+  return os.path.join(cfg.run_dir, "warmstart")
+
+
+def ensure_model(cfg: ml_collections.ConfigDict, plan: Plan, tokenizer: Tokenizer,
+                 log: Callable[[str], None]) -> str:
+  """The model directory to load: ``model.path``, else the built-in ``model.preset`` model
+  warm-started on ``data.train``'s built-in task (cached in the run dir, made now if absent)."""
+  if cfg.model.path:
+    return cfg.model.path
+  if not tasks.is_builtin(cfg.data.train):
+    raise ConfigError(f"model.path is empty, so the built-in {cfg.model.preset!r} model would "
+                      f"be used, but it is warm-started on a built-in task only "
+                      f"(data.train={tasks.PREFIX}<task>, valid: {tasks.names()}), not on "
+                      f"data.train={cfg.data.train!r}; set --config.model.path to a local "
+                      f"Hugging Face model directory")
+  try:
+    task, level = tasks.parse(cfg.data.train)
+  except tasks.UnknownTaskError as e:
+    raise ConfigError(f"data.train={cfg.data.train!r}: {e}") from None
+  wdir = model_dir(cfg)
+  if os.path.isfile(os.path.join(wdir, "config.json")):
+    log(f"warm start: using the cached model in {wdir}")
+    return wdir
+  model_cfg = roles_lib.model_config(cfg, tokenizer, "")
+  actor_mesh = roles_lib.jax_mesh(next(m for m in plan.meshes if m.role is Role.ACTOR))
+  model = roles_lib.build_actor(model_cfg, actor_mesh, "", cfg.seed)
+  from flax import nnx
+  graphdef, params = nnx.split(model)
+  state = ModelState(Role.ACTOR, actor_mesh, graphdef, params)
+  ws = cfg.model.warmstart
+  if ws.steps > 0:
+    records = task.demonstrations(level, ws.examples, seed=cfg.seed,
+                                  plain_answer_prob=ws.plain_answer_prob)
+    data = encode_examples(records, tokenizer, max_prompt_len=cfg.data.max_prompt_len,
+                           max_new_tokens=cfg.rollout.max_new_tokens,
+                           use_chat_template=cfg.data.chat_template)
+    t0 = time.perf_counter()
+    loss = run(state, data, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=cfg.seed,
+               on_step=lambda i, l: log(f"warm start {i + 1}/{ws.steps} loss {l:.3f}"))
+    log(f"warm start: {ws.steps} supervised steps in {time.perf_counter() - t0:.0f}s, "
+        f"final loss {loss:.3f}")
+  hf_io.save_pretrained(wdir, nnx.merge(graphdef, state.params), tokenizer)
+  if jax.process_count() > 1:  # only process 0 writes; the others read it next
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("distflow_warmstart_written")
+  return wdir

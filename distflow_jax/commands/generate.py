@@ -1,20 +1,22 @@
-"""`distflow-jax generate`: completions for a JSONL file of prompts, written as JSONL.
+"""``distflow-jax generate``: completions for a JSONL file of prompts, written as JSONL.
 
-  distflow-jax generate --config=grpo:tiny --prompts=prompts.jsonl --out=completions.jsonl \
+  distflow-jax generate --config=grpo:tiny --prompts=prompts.jsonl --out=completions.jsonl \\
       [--n=4] [--max_new_tokens=64] [--config.rollout.temperature=0]
 
-Each input line is a JSON object whose `data.prompt_key` field (default
-"prompt") is the prompt text; with `data.chat_template` it is wrapped as a
-user turn.  Each output line is `{"index", "sample", "prompt", "completion",
-"tokens", "logprobs", "finish_reason"}` ("stop" on an EOS token, else
+Each input line is a JSON object whose ``data.prompt_key`` field (default
+"prompt") is the prompt text; with ``data.chat_template`` it is wrapped as a
+user turn.  Each output line is ``{"index", "sample", "prompt", "completion",
+"tokens", "logprobs", "finish_reason"}`` ("stop" on an EOS token, else
 "length"), in input order, samples together.
 
-The model is `model.path` (a local Hugging Face dir: config.json, safetensors,
-tokenizer.json) or, when empty, the built-in tiny preset with random weights
-seeded by `seed` and the built-in tokenizer.  Sampling, slots and prefill
-buckets come from `rollout.*`.  Under several processes each host generates
-lines `process_index::process_count` on its own replica and writes
-`<out>.<process_index>`.
+The model is ``model.path`` (a local Hugging Face dir: config.json,
+safetensors, tokenizer.json; checked before any weight is read) or, when
+empty, the built-in ``model.preset`` with random weights seeded by ``seed``
+and the built-in tokenizer.  Sampling, slots and prefill buckets come from
+``rollout.*``; the devices are this machine's unless ``--config.cluster.*``
+says otherwise.  Under several processes each host generates lines
+``process_index::process_count`` on its own replica and writes
+``<out>.<process_index>``.
 """
 
 from __future__ import annotations
@@ -22,13 +24,12 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from absl import flags
 
+from distflow_jax.commands import use_local_devices
 from distflow_jax.config import loading
-
-PRESETS = ("tiny",)
 
 
 def _read_prompts(path: str, key: str) -> list[str]:
@@ -53,26 +54,12 @@ def _read_prompts(path: str, key: str) -> list[str]:
   return prompts
 
 
-def _load_model(cfg):
-  from flax import nnx
-
-  from distflow_jax.models import ModelConfig, Transformer
-  from distflow_jax.models.tokenizer import Tokenizer
-
-  if cfg.model.path:
-    from distflow_jax.models import hf_io
-    model = hf_io.load_pretrained(cfg.model.path, dtype=cfg.model.dtype)
-    return model, Tokenizer.from_dir(cfg.model.path)
-  if cfg.model.preset not in PRESETS:
-    raise loading.ConfigError(f"model.preset={cfg.model.preset!r} is unknown; valid: {PRESETS} "
-                              "(or set model.path to a local Hugging Face directory)")
-  tok = Tokenizer.builtin()
-  mcfg = ModelConfig.tiny(vocab_size=tok.vocab_size).replace(dtype=cfg.model.dtype)
-  return Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), tok
+def _log(message: str) -> None:
+  print(message, file=sys.stderr)  # stdout may be the output JSONL
 
 
 def run(argv: Sequence[str]) -> int:
-  """Entry point of `distflow-jax generate`; returns the exit code."""
+  """Entry point of ``distflow-jax generate``; returns the exit code."""
   fv = flags.FlagValues()
   flags.DEFINE_string("prompts", None, "JSONL file of prompts", flag_values=fv)
   flags.DEFINE_string("out", "-", "output JSONL file ('-' = stdout)", flag_values=fv)
@@ -89,14 +76,24 @@ def run(argv: Sequence[str]) -> int:
   if n <= 0 or new <= 0:
     raise loading.ConfigError(f"--n={n} and --max_new_tokens={new} must be positive")
   texts = _read_prompts(fv.prompts, cfg.data.prompt_key)
+  use_local_devices(cfg, list(argv))
+  if cfg.model.path:
+    # A folder without tokenizer files (or config, or weights) fails here in one line,
+    # before jax starts and any weight is read.
+    from distflow_jax.workflow import hints
+    hints.check_model_dir(cfg.model.path)
 
   import jax
+  import ml_collections
 
   from distflow_jax import distributed
-  from distflow_jax.rollout import Engine, EngineConfig, generate, replica_mesh
+  from distflow_jax.dag.spec import Role
+  from distflow_jax.rollout import generate
+  from distflow_jax.workflow.setup import prepare_run
 
   info = distributed.initialize()
-  model, tok = _load_model(cfg)
+  ctx = prepare_run(cfg, roles="actor", log=_log).ctx
+  tok = ctx.tokenizer
   if cfg.data.chat_template:
     texts_in = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
   else:
@@ -109,13 +106,13 @@ def run(argv: Sequence[str]) -> int:
       raise loading.ConfigError(
           f"prompt {i} has {len(p)} tokens; it must be 1..{max(buckets)} (the largest of "
           f"rollout.prefill_buckets={buckets})")
+  rollout = ml_collections.ConfigDict(cfg.rollout.to_dict())
+  rollout.max_new_tokens = new
   try:
-    ecfg = EngineConfig.from_config(cfg.rollout, stop_ids=tok.eos_ids, seed=cfg.seed,
-                                    max_new_tokens=new)
-    engine = Engine(model.cfg, ecfg, replica_mesh(int(cfg.rollout.tensor_parallel)))
+    engine = ctx.engine(rollout)
   except ValueError as e:
     raise loading.ConfigError(f"rollout config: {e}") from None
-  params = engine.load_params(model)
+  params = engine.update_params(ctx.roles[Role.ACTOR].params)
   rng = jax.random.fold_in(jax.random.key(cfg.seed), info.process_index)
   start = time.perf_counter()
   out = generate(engine, params, ids, n=n, rng=rng, pad_id=tok.pad_id) if ids else None

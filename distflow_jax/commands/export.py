@@ -7,6 +7,8 @@ numbered step in it (default: the latest complete step).  Writes
 ``config.json`` + ``model.safetensors`` (+ the tokenizer saved with the run),
 loadable by ``transformers`` and by ``--config.model.path``.  Runs on one
 process on the host, whatever mesh the checkpoint was written from.
+
+``export(checkpoint, out, step)`` is the same as a library call.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def export(checkpoint_path: str, out: str, step: int | None = None) -> int:
 
 
 def run(argv: Sequence[str]) -> int:
+  """Entry point of ``distflow-jax export``; returns the exit code."""
   parser = argparse.ArgumentParser(prog="distflow-jax export", description=__doc__.split("\n")[0])
   parser.add_argument("--checkpoint", required=True,
                       help="run dir, its checkpoints dir, or one step dir")

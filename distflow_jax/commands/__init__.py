@@ -1,0 +1,42 @@
+"""The bodies of the ``distflow-jax`` commands, one module per command.
+
+Each module has ``run(argv) -> int`` (the exit code) and parses its own
+flags; ``distflow_jax.cli`` dispatches to it and turns errors into one line.
+A module is imported only when its command runs: train and eval must set the
+simulated device count before anything imports jax, and report needs no jax.
+
+    plan      the plan (placements, re-partitions) of a config
+    launch    N local jax.distributed processes running one command
+    train     the RL run of a config
+    eval      accuracy / pass@k of a local model on a dataset
+    generate  completions for a JSONL file of prompts
+    export    a run checkpoint's actor as a Hugging Face directory
+    report    PNG plots + report.md of a run's metrics
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import ml_collections
+
+NAMES = ("plan", "launch", "train", "generate", "export", "report", "eval")
+
+
+def with_default_config(argv: Sequence[str], default: str) -> list[str]:
+  """``argv`` with ``--config=<default>`` first unless it names a config itself."""
+  argv = list(argv)
+  if not any(a == "--config" or a.startswith("--config=") for a in argv):
+    argv.insert(0, f"--config={default}")
+  return argv
+
+
+def use_local_devices(cfg: ml_collections.ConfigDict, argv: Sequence[str]) -> None:
+  """For commands that run a model without the training topology (eval, generate): the
+  devices this machine has, unless ``--config.cluster.*`` asks for a layout.  Call it before
+  anything imports jax: a simulated CPU device count only takes effect then."""
+  with cfg.unlocked():
+    if not any(a.startswith("--config.cluster.") for a in argv):
+      cfg.cluster.num_processes = cfg.cluster.devices_per_process = 0
+  from distflow_jax import distributed
+  distributed.simulate_cpu_devices(cfg.cluster.devices_per_process)

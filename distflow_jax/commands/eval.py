@@ -1,0 +1,106 @@
+"""``distflow-jax eval``: accuracy and pass@k of a local model on a dataset.
+
+  distflow-jax eval --model=runs/grpo_tiny/warmstart --data=runs/grpo_tiny/data/arithmetic_medium_eval.jsonl
+  distflow-jax eval --config=configs/grpo.py:qwen0.5b --model=/models/Qwen2.5-0.5B-Instruct \\
+      --data=/data/gsm8k_test.jsonl --k=8 --out=eval.json
+
+``--model`` is a local Hugging Face directory (the warm start writes one in
+``run_dir/warmstart``).  The config (default ``grpo:tiny``) says how prompts
+are rendered (``data.prompt_key``, ``data.chat_template``,
+``data.max_prompt_len``) and decoded (``rollout.max_new_tokens``, slots, and
+``rollout.temperature`` for pass@k); override it with ``--config.x=y`` as for
+``train``.  ``--k=1`` (default) is greedy accuracy; ``--k>1`` draws k samples
+per prompt and reports the unbiased pass@k and the per-sample accuracy.
+
+Every row of the file is evaluated (rows the loader refuses are counted and
+reported), in chunks of ``--batch_size`` prompts per process; each process
+evaluates its own shard on its rollout replica (see
+``workflow.evaluate.evaluate_file``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from absl import flags
+
+from distflow_jax.commands import use_local_devices, with_default_config
+from distflow_jax.config import loading
+from distflow_jax.config.loading import ConfigError
+
+DEFAULT_CONFIG = "grpo:tiny"
+
+
+def run(argv: Sequence[str]) -> int:
+  fv = flags.FlagValues()
+  flags.DEFINE_string("model", None, "local Hugging Face model directory", flag_values=fv)
+  flags.DEFINE_string("checkpoint", None, "a training checkpoint (not yet: export it to a "
+                      "Hugging Face directory first)", flag_values=fv)
+  flags.DEFINE_string("data", None, "JSONL/Parquet dataset (prompt + answer fields)",
+                      flag_values=fv)
+  flags.DEFINE_integer("k", 1, "1: greedy accuracy; >1: k samples per prompt, pass@k",
+                       flag_values=fv)
+  flags.DEFINE_integer("batch_size", 64, "prompts per chunk per process", flag_values=fv)
+  flags.DEFINE_integer("limit", 0, "evaluate only the first N rows (0: all)", flag_values=fv)
+  flags.DEFINE_string("reward", "math", "rule verifier (rewards registry name)",
+                      flag_values=fv)
+  flags.DEFINE_string("out", None, "also write the results as JSON here", flag_values=fv)
+  argv = with_default_config(argv, DEFAULT_CONFIG)
+  rest = loading.parse(fv, argv)
+  if rest:
+    raise ConfigError(f"eval takes no positional arguments, got {rest}")
+  if fv.checkpoint:
+    raise ConfigError("--checkpoint is not supported yet: convert it with `distflow-jax export "
+                      "--checkpoint DIR --out HF_DIR`, then pass --model=HF_DIR")
+  if not fv.model or not fv.data:
+    raise ConfigError("eval needs --model=HF_DIR (a local Hugging Face directory) and "
+                      "--data=FILE.jsonl")
+  if fv.k < 1 or fv.batch_size < 1 or fv.limit < 0:
+    raise ConfigError(f"--k={fv.k} and --batch_size={fv.batch_size} must be >= 1, "
+                      f"--limit={fv.limit} >= 0")
+  cfg = fv.config
+  with cfg.unlocked():
+    cfg.model.path = fv.model
+    cfg.data.eval = fv.data
+  # Before anything imports jax (hints and the rewards registry do).
+  use_local_devices(cfg, argv)
+
+  from distflow_jax.rewards import registry as reward_registry
+  if fv.reward not in reward_registry.reward_names():
+    raise ConfigError(f"--reward={fv.reward!r} is unknown; valid: "
+                      f"{reward_registry.reward_names()}")
+  if not os.path.exists(fv.data):
+    raise ConfigError(f"--data={fv.data!r} does not exist")
+  from distflow_jax.workflow import hints
+  hints.check_model_dir(fv.model, "--model")
+  hints.check_dataset_fields(fv.data, cfg.data.prompt_key, cfg.data.answer_key, "--data")
+
+  from distflow_jax import distributed
+  info = distributed.initialize()
+  from distflow_jax.workflow import evaluate, progress
+  from distflow_jax.workflow.setup import prepare_run
+  log = progress.Logger(info.process_index == 0)
+  try:
+    ctx = prepare_run(cfg, roles="actor", log=log).ctx
+    log(f"eval {fv.model} on {fv.data} ({'greedy' if fv.k == 1 else f'pass@{fv.k}'}), "
+        f"{info.process_count} process(es) x {info.local_device_count} device(s)")
+    result = evaluate.evaluate_file(ctx, fv.data, k=fv.k, batch_size=fv.batch_size,
+                                    limit=fv.limit, reward=fv.reward, log=log)
+  except Exception as e:  # pylint: disable=broad-except
+    hint = hints.oom_hint(e, cfg)
+    if hint is None:
+      raise
+    print(f"distflow-jax eval: {hint}", file=sys.stderr)
+    return 1
+  result = {"model": fv.model, "data": fv.data, "k": fv.k, "reward": fv.reward, **result}
+  if info.process_index == 0:
+    for key, v in result.items():
+      print(f"{key}: {v:.4f}" if isinstance(v, float) else f"{key}: {v}")
+    if fv.out:
+      os.makedirs(os.path.dirname(os.path.abspath(fv.out)), exist_ok=True)
+      with open(fv.out, "w") as f:
+        json.dump(result, f, indent=2, sort_keys=True)
+  return 0

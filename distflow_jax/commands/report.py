@@ -1,0 +1,41 @@
+"""``distflow-jax report``: PNG plots and a report.md of a run's metrics.
+
+  distflow-jax report RUN_DIR [--out DIR]
+
+The plots and the summary are ``workflow.report``; this parses the command
+line and prints the first/last values and the written paths.  A missing or
+empty metrics file, or no matplotlib, is one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def run(argv: Sequence[str]) -> int:
+  """Entry point of ``distflow-jax report``; returns the exit code."""
+  from distflow_jax.workflow import report
+
+  parser = argparse.ArgumentParser(prog="distflow-jax report",
+                                   description="PNG plots + report.md of a run's metrics.")
+  parser.add_argument("run_dir", help="the run directory (holds metrics.jsonl)")
+  parser.add_argument("--out", default=None, help="where to write (default RUN_DIR/report)")
+  args = parser.parse_args(list(argv))
+  try:
+    paths = report.report(args.run_dir, args.out)
+  except (FileNotFoundError, ValueError) as e:
+    print(f"distflow-jax report: error: {e}", file=sys.stderr)
+    return 2
+  except ImportError as e:
+    print(f"distflow-jax report: error: {e}; plots need matplotlib (`pip install matplotlib`)",
+          file=sys.stderr)
+    return 2
+  s = report.summary(report.read_metrics(args.run_dir))
+  for k, m in s["metrics"].items():
+    print(f"{k:>16}: {report.fmt(m['first'])} -> {report.fmt(m['last'])} "
+          f"(max {report.fmt(m['max'])})")
+  for p in paths:
+    print(f"wrote {p}")
+  return 0

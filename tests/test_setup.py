@@ -1,0 +1,72 @@
+"""workflow/setup.py: the one run set-up of train, eval and generate; the model preset table."""
+
+import pytest
+
+from distflow_jax.config import loading
+from distflow_jax.dag.spec import Role
+from distflow_jax.models import config as model_configs
+from distflow_jax.workflow.setup import prepare_run
+from workflow_util import smoke_overrides
+
+
+def test_preset_table_is_the_one_every_user_reads():
+  assert model_configs.preset_names() == ["micro", "tiny"]
+  tiny = model_configs.preset("tiny", 100, "bfloat16")
+  assert tiny == model_configs.ModelConfig.tiny(vocab_size=100).replace(dtype="bfloat16")
+  assert model_configs.preset("micro", 64).num_layers == 1
+  with pytest.raises(ValueError, match=r"unknown model preset 'huge'; built-in: \['micro', "
+                                       r"'tiny'\]"):
+    model_configs.preset("huge", 64)
+
+
+def test_unknown_preset_lists_the_table(tmp_path):
+  cfg = loading.load("grpo:tiny", smoke_overrides(tmp_path, "model.preset=huge"))
+  with pytest.raises(loading.ConfigError, match=r"model.preset='huge' is unknown; built-in: "
+                                                r"\['micro', 'tiny'\]"):
+    prepare_run(cfg, roles="actor", log=lambda m: None)
+
+
+@pytest.mark.timeout(300)
+def test_actor_only_and_all_roles(tmp_path):
+  cfg = loading.load("grpo:tiny", smoke_overrides(tmp_path))
+  seen = []
+  run = prepare_run(cfg, roles="actor", check_inputs=lambda: seen.append(1) or "checked",
+                    log=lambda m: None)
+  assert list(run.ctx.roles) == [Role.ACTOR] and not run.ctx.roles[Role.ACTOR].trainable
+  assert run.model_path == "" and run.inputs == "checked" and seen == [1]
+  full = prepare_run(cfg, roles="all", log=lambda m: None)
+  assert full.ctx.roles[Role.ACTOR].trainable and Role.REFERENCE in full.ctx.roles
+  # The same seed, the same fresh weights, whichever set of roles was asked for.
+  import jax
+  import numpy as np
+  for a, b in zip(jax.tree.leaves(run.ctx.roles[Role.ACTOR].params),
+                  jax.tree.leaves(full.ctx.roles[Role.ACTOR].params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="roles='critic'"):
+    prepare_run(cfg, roles="critic")
+
+
+def test_inputs_are_checked_before_any_weights(tmp_path, monkeypatch):
+  from distflow_jax.workflow import roles as roles_lib
+  built = []
+  monkeypatch.setattr(roles_lib, "build_actor", lambda *a, **k: built.append(a))
+  cfg = loading.load("grpo:tiny", smoke_overrides(tmp_path))
+
+  def bad_inputs():
+    raise loading.ConfigError("data.train: bad")
+  with pytest.raises(loading.ConfigError, match="data.train: bad"):
+    prepare_run(cfg, roles="actor", check_inputs=bad_inputs, log=lambda m: None)
+  assert built == []
+
+
+def test_train_rejects_an_unknown_builtin_task_naming_the_valid_ones(tmp_path):
+  from distflow_jax.workflow import trainer
+  cfg = loading.load("grpo:tiny", smoke_overrides(tmp_path, "data.train=builtin:algebra"))
+  with pytest.raises(loading.ConfigError, match=r"^data.train='builtin:algebra': unknown "
+                                                r"built-in task 'algebra'; valid: "
+                                                r"\['arithmetic'\]"):
+    trainer.setup(cfg, log=lambda m: None)
+  cfg = loading.load("grpo:tiny", smoke_overrides(tmp_path, "data.eval=builtin:arithmetic:x",
+                                                  "trainer.eval_every=1"))
+  with pytest.raises(loading.ConfigError, match=r"^data.eval=.*has no level 'x'"):
+    trainer.setup(cfg, log=lambda m: None)
