@@ -1,6 +1,8 @@
 """Rollout backends: the engine against the reference sampler (full forward per token, no
 cache) as an oracle, greedy and sampled; the backend table and its config key."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -71,6 +73,21 @@ def test_sampled_engine_equals_reference_under_the_same_request_ids():
   want = ref_s.generate(ref_params, PROMPTS, n=2, rng=rng, request_ids=ids, max_new_tokens=6)
   _assert_same(out, want)
   assert out.stopped_R.any() and (out.lengths_R <= 6).all()
+
+
+@pytest.mark.timeout(300)
+def test_fixed_shapes_engine_equals_reference_sampler():
+  """trainer.deterministic's engine (slot = request id mod slots, padded prefill, whole-cache
+  attention) samples what the reference does too."""
+  model = peaky_model(2, sharpness=1.0)
+  cfg = dataclasses.replace(engine(SAMPLED).config, fixed_shapes=True)
+  mesh = engine_lib.replica_mesh(1, jax.devices()[:1])
+  eng, ref = backend.EngineBackend(CFG, cfg, mesh), reference.ReferenceSampler(CFG, cfg, mesh)
+  ids, rng = [5, 0, 9, 2, 6, 4], jax.random.key(3)
+  prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
+  out = eng.generate(eng.load_params(model), prompts, n=2, rng=rng, request_ids=ids)
+  _assert_same(out, ref.generate(ref.load_params(model), prompts, n=2, rng=rng,
+                                 request_ids=ids))
 
 
 def test_backends_satisfy_the_protocol_and_share_weight_sync():

@@ -88,7 +88,13 @@ async def serve(driver, orchestrator, prompts: list[list[int]], max_tokens: int
       out.extend(samples[0].token_ids)  # one sample per slot
     return out
 
-  return list(await asyncio.gather(*(collect(r) for r in requests)))
+  out = list(await asyncio.gather(*(collect(r) for r in requests)))
+  # A channel's close() posts two callbacks to this loop (the end marker, then its done
+  # flag) from JetStream's detokenize thread; the stream ends at the first, and if the loop
+  # closed before the second, that thread would raise and JetStream kills the process.
+  while not all(r.return_channel.done() for r in requests):
+    await asyncio.sleep(0.01)
+  return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,9 +153,10 @@ def run(args: argparse.Namespace) -> int:
     if ours.stopped_R[i]:
       mine = mine[:-1]
     same += served[i] == mine
+    end = f"then stop id {stop}" if ours.stopped_R[i] else "length"
     print(f"prompt {i} {p}\n  jetstream orchestrator: {served[i]}\n"
-          f"  distflow driver:        {mine}  {'same' if served[i] == mine else 'DIFFERENT'}",
-          flush=True)
+          f"  distflow driver:        {mine} ({end})  "
+          f"{'same' if served[i] == mine else 'DIFFERENT'}", flush=True)
   print(f"{len(prompts)} requests through jetstream.core.orchestrator.Driver in {elapsed:.1f}s "
         f"(compiles included); {same}/{len(prompts)} equal to distflow_jax.rollout.generate")
   return 0 if same == len(prompts) else 1
