@@ -88,6 +88,11 @@ def parse(fv: flags.FlagValues, argv: Sequence[str]) -> list[str]:
     raise ConfigError(_bad_override(e, argv)) from None
   except OSError as e:
     raise ConfigError(str(e)) from None
+  except Exception as e:  # noqa: BLE001 - the user's config file raised (or did not compile)
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "--config")
+    detail = " ".join(str(e).split()) or "(no message)"
+    raise ConfigError(f"config file {spec.partition(':')[0]} failed to load: "
+                      f"{type(e).__name__}: {detail}") from None
   if cfg is None or not isinstance(cfg, ml_collections.ConfigDict):
     raise ConfigError("no config given: pass --config=configs/grpo.py:tiny (or another file)")
   return rest[1:]
