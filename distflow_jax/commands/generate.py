@@ -13,10 +13,10 @@ The model is ``model.path`` (a local Hugging Face dir: config.json,
 safetensors, tokenizer.json; checked before any weight is read) or, when
 empty, the built-in ``model.preset`` with random weights seeded by ``seed``
 and the built-in tokenizer.  Sampling, slots and prefill buckets come from
-``rollout.*``; the devices are this machine's unless ``--config.cluster.*``
-says otherwise.  Under several processes each host generates lines
-``process_index::process_count`` on its own replica and writes
-``<out>.<process_index>``.
+``rollout.*``, and ``rollout.backend`` picks the generator; the devices are
+this machine's unless ``--config.cluster.*`` says otherwise.  Under several
+processes each host generates lines ``process_index::process_count`` on its
+own replica and writes ``<out>.<process_index>``.
 """
 
 from __future__ import annotations
@@ -88,7 +88,6 @@ def run(argv: Sequence[str]) -> int:
 
   from distflow_jax import distributed
   from distflow_jax.dag.spec import Role
-  from distflow_jax.rollout import generate
   from distflow_jax.workflow.setup import prepare_run
 
   info = distributed.initialize()
@@ -109,13 +108,15 @@ def run(argv: Sequence[str]) -> int:
   rollout = ml_collections.ConfigDict(cfg.rollout.to_dict())
   rollout.max_new_tokens = new
   try:
-    engine = ctx.engine(rollout)
+    backend = ctx.backend(rollout)  # rollout.backend's kind, as the trainer's generate node
+  except loading.ConfigError:
+    raise
   except ValueError as e:
     raise loading.ConfigError(f"rollout config: {e}") from None
-  params = engine.update_params(ctx.roles[Role.ACTOR].params)
+  params = backend.update_weights(ctx.roles[Role.ACTOR].params)
   rng = jax.random.fold_in(jax.random.key(cfg.seed), info.process_index)
   start = time.perf_counter()
-  out = generate(engine, params, ids, n=n, rng=rng, pad_id=tok.pad_id) if ids else None
+  out = backend.generate(params, ids, n=n, rng=rng, pad_id=tok.pad_id) if ids else None
   elapsed = time.perf_counter() - start
 
   path = fv.out if info.process_count == 1 or fv.out == "-" else f"{fv.out}.{info.process_index}"

@@ -20,7 +20,6 @@ from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.batch import Batch
 from distflow_jax.rewards import registry as reward_registry
-from distflow_jax.rollout import driver
 from distflow_jax.workflow.context import RunContext
 from distflow_jax.workflow.metrics import Metrics
 
@@ -42,11 +41,11 @@ def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1,
   if k > 1:
     rollout = ml_collections.ConfigDict(rollout.to_dict())
     rollout.n = k
-  engine = ctx.engine(rollout, greedy=(k == 1))
-  params = engine.update_params(ctx.roles[Role.ACTOR].params)
+  backend = ctx.backend(rollout, greedy=(k == 1))
+  params = backend.update_weights(ctx.roles[Role.ACTOR].params)
   ids, lens = np.asarray(prompts.data["prompt_ids"]), np.asarray(prompts.data["prompt_len"])
   plist = [ids[i, :lens[i]] for i in range(len(lens))]
-  ro = driver.generate(engine, params, plist, k, pad_id=ctx.tokenizer.pad_id)
+  ro = backend.generate(params, plist, k, pad_id=ctx.tokenizer.pad_id)
   fields = prompts.host_fields(prompts.data["group_id"])
   texts = [ctx.tokenizer.decode(ro.tokens_RxN[r][ro.mask_RxN[r]].tolist())
            for r in range(len(ro.lengths_R))]
