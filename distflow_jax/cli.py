@@ -93,10 +93,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from distflow_jax.dag.registry import unknown_name_message
     print(f"distflow-jax: {unknown_name_message('command', cmd, COMMANDS)}", file=sys.stderr)
     return 2
+  from distflow_jax.rewards.registry import RewardFunctionError
   try:
     return COMMANDS[cmd](rest)
   except (loading.ConfigError, DagError) as e:
     return _fail(cmd, f"error: {e}", 2, debug)
+  except RewardFunctionError as e:  # the user's reward code raised or returned a non-number
+    return _fail(cmd, f"error: {_one_line(str(e))}", 2, debug)
   except OSError as e:
     code = 2 if e.errno in _USER_ERRNOS else 1
     return _fail(cmd, f"error: {_describe_os_error(e)}", code, debug)

@@ -90,3 +90,59 @@ def test_state_round_trip_resumes_counters():
 def test_bad_settings_are_refused(kw):
   with pytest.raises(ValueError, match="trainer.health"):
     HealthConfig(**kw)
+
+
+@pytest.mark.timeout(300)
+def test_stop_on_collapse_names_the_signal_and_the_last_good_checkpoint(tmp_path, capsys):
+  """A random model never answers the arithmetic task: the reward is 0 every step, so with
+  zero_reward_steps=2 the run stops at step 2, after step 1's checkpoint."""
+  import json
+
+  from flax import nnx
+
+  from distflow_jax import cli
+  from distflow_jax.models.config import ModelConfig
+  from distflow_jax.models.hf_io import save_pretrained
+  from distflow_jax.models.tokenizer import Tokenizer
+  from distflow_jax.models.transformer import Transformer
+
+  tok = Tokenizer.builtin()
+  cfg = ModelConfig(arch="llama", vocab_size=tok.vocab_size, hidden_size=32,
+                    intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8)
+  save_pretrained(str(tmp_path / "model"), Transformer(cfg, rngs=nnx.Rngs(0)), tokenizer=tok)
+  run_dir = tmp_path / "run"
+  code = cli.main(["train", "--config=grpo:tiny", f"--config.run_dir={run_dir}",
+                   f"--config.model.path={tmp_path / 'model'}", "--config.data.eval=",
+                   "--config.data.prompts_per_step=8", "--config.rollout.n=2",
+                   "--config.rollout.max_new_tokens=8", "--config.actor.micro_batch_size=1",
+                   "--config.trainer.eval_every=0", "--config.trainer.total_steps=4",
+                   "--config.trainer.save_every=1", "--config.trainer.async_save=False",
+                   "--config.trainer.health.zero_reward_steps=2",
+                   "--config.trainer.stop_on_collapse=True"])
+  out, err = capsys.readouterr()
+  assert code == 1, err
+  lines = [l for l in err.splitlines() if l.startswith("distflow-jax")]
+  assert len(lines) == 1 and "Traceback" not in err, err
+  assert "health collapse at step 2: reward_zero" in lines[0]
+  assert "last good checkpoint is step 1" in lines[0]
+  assert "health collapse at step 2: reward_zero" in out  # also on the progress log
+  rows = [json.loads(l) for l in open(run_dir / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == [1, 2]
+  assert rows[0]["health/reward_zero"] == 0.0 and rows[1]["health/reward_zero"] == 1.0
+  assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()
+                if p.name.isdigit()) == ["1"]
+
+
+def test_progress_line_shows_skipped_steps_and_alarms():
+  import io
+
+  from distflow_jax.workflow.progress import Logger
+
+  out = io.StringIO()
+  log = Logger(True, out)
+  log.step({"step": 3, "reward": 0.5, "actor/skipped": 1.0, "critic/skipped": 0.0,
+            "health/kl_high": 1.0, "health/clip_idle": 0.0}, 10)
+  log.step({"step": 4, "reward": 0.5, "actor/skipped": 0.0, "health/kl_high": 0.0}, 10)
+  first, second = out.getvalue().splitlines()
+  assert "SKIPPED(actor)" in first and "!kl_high" in first and "clip_idle" not in first
+  assert "SKIPPED" not in second and "!" not in second

@@ -42,12 +42,16 @@ def run(argv: Sequence[str]) -> int:
       f"device(s); run dir {cfg.run_dir}")
   try:
     ctx, loaders = trainer.setup(cfg, log)
-    ckpt, start = checkpoint.open_run(cfg, ctx.roles, loaders.train, resume=fv.resume, log=log)
-    for m in trainer.train(cfg, ctx, loaders, start, checkpointer=ckpt):
+    ckpt, start = checkpoint.open_run(cfg, ctx.roles, loaders.train, resume=fv.resume, log=log,
+                                      ctx=ctx)
+    for m in trainer.train(cfg, ctx, loaders, start, checkpointer=ckpt, log=log):
       log.step(m, cfg.trainer.total_steps)
     ckpt.close()
   except Exception as e:  # pylint: disable=broad-except
-    from distflow_jax.workflow import hints, peers
+    from distflow_jax.workflow import health, hints, peers
+    if isinstance(e, health.CollapseError):
+      print(f"distflow-jax train: {e}", file=sys.stderr)
+      return 1
     if peers.looks_like_peer_failure(e):
       # A dead peer, not a bug here: say which one instead of a collective's traceback.
       print(f"distflow-jax train: {peers.describe(e)}", file=sys.stderr)

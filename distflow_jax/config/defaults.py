@@ -134,6 +134,20 @@ def base() -> ml_collections.ConfigDict:
       # over units of <role>.micro_batch_size rows (train/deterministic.py).  Costs memory
       # (parameters whole on each device in a step) and speed; see the README.
       deterministic=False,
+      # Training health (workflow/health.py): warn on the progress line and in the metrics
+      # (health/<signal>) when a run looks like it is collapsing; 0 disables a signal.
+      health=dict(
+          kl_max=1.0,             # KL to the reference, nats per token
+          length_fraction=0.25,   # mean response length below this x its first steps' mean
+          baseline_steps=3,
+          patience=3,             # steps a length / entropy signal must hold
+          zero_reward_steps=20,   # mean reward exactly 0 this many steps in a row
+          min_entropy=0.02,       # policy entropy (or sampled tokens' NLL), nats per token
+          clip_idle_steps=10,     # PPO clip fraction exactly 0 this many steps in a row
+      ),
+      # Stop on a collapse signal (not on idle clipping) with one line naming it and the
+      # last checkpoint saved before it.
+      stop_on_collapse=False,
   )
   c.entry = ""               # "" = the single generate node
   c.dag = []

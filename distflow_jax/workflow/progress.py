@@ -32,6 +32,14 @@ class Logger:
   def step(self, m: dict[str, float], total: int) -> None:
     parts = [bar(int(m["step"]), total)]
     parts += [fmt.format(m[k]) for k, fmt in _KEYS if k in m]
+    # A step whose update was refused (non-finite loss, gradient or new parameters) and
+    # the health signals holding now: visible here, not only in metrics.jsonl.
+    skipped = [k.split("/")[0] for k in m if k.endswith("/skipped") and m[k]]
+    if skipped:
+      parts.append("SKIPPED(" + ",".join(sorted(skipped)) + ")")
+    alarms = [k[len("health/"):] for k in m if k.startswith("health/") and m[k]]
+    if alarms:
+      parts.append("!" + ",".join(sorted(alarms)))
     times = sorted((k[5:], v) for k, v in m.items()
                    if k.startswith("time/") and k != "time/step" and "/move_to/" not in k)
     if times:

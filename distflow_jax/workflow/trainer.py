@@ -22,7 +22,7 @@ from distflow_jax.data.loader import PromptLoader
 from distflow_jax.tasks import registry as tasks
 from distflow_jax.workflow import checkpoint
 from distflow_jax.workflow import evaluate as eval_lib
-from distflow_jax.workflow import executor, hints
+from distflow_jax.workflow import executor, health as health_lib, hints
 from distflow_jax.workflow.context import RunContext
 from distflow_jax.workflow import tensorboard
 from distflow_jax.workflow.metrics import JsonlWriter, Writers
@@ -103,14 +103,27 @@ def setup(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print
   return ctx, Loaders(train, ev)
 
 
+def health_monitor(cfg: ml_collections.ConfigDict) -> health_lib.HealthMonitor:
+  """The run's health monitor; clipping counts as configured only when it can act (the
+  ratio differs from 1: several epochs or mini-batches, or recomputed old log-probs)."""
+  a = cfg.actor
+  acts = a.ppo_epochs > 1 or a.mini_batches > 1 or a.recompute_old_logprobs
+  return health_lib.HealthMonitor(health_lib.HealthConfig.from_config(cfg.trainer.health),
+                                  clip_configured=bool(acts))
+
+
 def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
-          start_step: int = 0, checkpointer: "checkpoint.Checkpointer | None" = None
-          ) -> Iterator[dict[str, float]]:
+          start_step: int = 0, checkpointer: "checkpoint.Checkpointer | None" = None,
+          log: Callable[[str], None] | None = None) -> Iterator[dict[str, float]]:
   """Yields each step's metrics (the same on every process).
 
   With a ``checkpointer`` (see ``checkpoint.open_run``) it saves when due,
-  asynchronously, and waits for the last save before returning.
+  asynchronously, and waits for the last save before returning.  Health alarms
+  (``workflow/health.py``) go to ``log`` when they start; with
+  ``trainer.stop_on_collapse`` a collapse signal raises ``health.CollapseError`` naming
+  the last checkpoint saved before it (the collapsed step is not saved).
   """
+  monitor = health_monitor(cfg)
   is_writer = ctx.process_index == 0
   writer = Writers(JsonlWriter(os.path.join(cfg.run_dir, "metrics.jsonl"), is_writer),
                    tensorboard.TensorBoardWriter(os.path.join(cfg.run_dir, tensorboard.SUBDIR),
@@ -130,9 +143,27 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
     if eval_batch is not None and ((step + 1) % cfg.trainer.eval_every == 0
                                    or step + 1 == cfg.trainer.total_steps):
       metrics.update(eval_lib.evaluate(ctx, eval_batch))
+    alarms = monitor.update(step + 1, metrics)
     writer.write(metrics)
+    for alarm in alarms:
+      if log is not None:
+        log(alarm.line())
+    collapse = next((a for a in alarms if a.signal.is_collapse), None)
+    if collapse is not None and cfg.trainer.stop_on_collapse:
+      raise health_lib.CollapseError(_collapse_message(collapse, checkpointer))
     if checkpointer is not None and checkpointer.due(step + 1, cfg.trainer.total_steps):
       checkpointer.save(step + 1, ctx.roles, loaders.train, cfg, ctx.model_cfg, ctx.tokenizer)
     yield metrics
   if checkpointer is not None:
     checkpointer.wait()
+
+
+def _collapse_message(alarm: health_lib.Alarm, checkpointer) -> str:
+  last = None
+  if checkpointer is not None:
+    checkpointer.wait()
+    last = checkpointer.latest_step()
+  where = (f"the last good checkpoint is step {last} in {checkpointer.directory}"
+           if last is not None else "no checkpoint was saved before it")
+  return (f"{alarm.line()}; stopped (trainer.stop_on_collapse); {where}; the collapsed "
+          f"step was not saved")
