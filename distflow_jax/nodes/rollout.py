@@ -1,4 +1,5 @@
-"""Rollout nodes: ``generate`` samples ``rollout.n`` responses per prompt."""
+"""Rollout nodes: ``generate`` samples ``rollout.n`` responses per prompt with the
+rollout backend the config names (``rollout.backend``, see ``rollout/backend.py``)."""
 
 from __future__ import annotations
 
@@ -8,24 +9,24 @@ from distflow_jax.dag.spec import Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, expand_groups, to_global
 from distflow_jax.nodes.common import NodeTable
-from distflow_jax.rollout import driver
 from distflow_jax.workflow.context import RunContext
 from distflow_jax.workflow.metrics import gather_processes
 
 
 def generate(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Batch) -> Batch:
-  """n samples per prompt on this host's rollout replica; weight sync first."""
+  """n samples per prompt on this host's rollout replica (the ``rollout.backend``);
+  weight sync first."""
   rollout = ctx.section(node, "rollout")
-  engine = ctx.engine(rollout)
-  params = engine.update_params(ctx.roles[Role.ACTOR].params)
+  backend = ctx.backend(rollout)
+  params = backend.update_weights(ctx.roles[Role.ACTOR].params)
   ids, lens = np.asarray(prompts.data["prompt_ids"]), np.asarray(prompts.data["prompt_len"])
   plist = [ids[i, :lens[i]] for i in range(len(lens))]
   n = rollout.n
   # Keys from (seed, step, node, global sample id): samples do not depend on how prompts
   # are spread over hosts, so 1 x 8 and 2 x 2 devices generate the same tokens.
   sample_ids = np.asarray(prompts.data[SAMPLE_ID]).astype(np.int64)[:, None] * n + np.arange(n)
-  ro = driver.generate(engine, params, plist, n, rng=ctx.step_rng(node),
-                       pad_id=ctx.tokenizer.pad_id, request_ids=sample_ids.reshape(-1))
+  ro = backend.generate(params, plist, n, rng=ctx.step_rng(node), pad_id=ctx.tokenizer.pad_id,
+                        request_ids=sample_ids.reshape(-1))
   p_max = prompt_width(int(lens.max(initial=0)), rollout.prefill_buckets,
                        ctx.cfg.data.max_prompt_len)
   rows = np.repeat(np.arange(len(plist)), n)
