@@ -24,6 +24,16 @@ from distflow_jax.dag.validate import Dag, build_dag
 def topology(cfg: ml_collections.ConfigDict, num_processes: int | None = None,
              devices_per_process: int | None = None) -> planner_lib.Topology:
   """The topology to plan for: explicit values win, then config, then jax."""
+  for where, value in (("--num_processes", num_processes),
+                       ("--devices_per_process", devices_per_process),
+                       ("cluster.num_processes", cfg.cluster.num_processes),
+                       ("cluster.devices_per_process", cfg.cluster.devices_per_process)):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 0):
+      raise ConfigError(f"{where}={value!r} must be a whole number >= 1 (0 in the config "
+                        f"= take it from the running jax)")
+    if value == 0 and where.startswith("--"):
+      raise ConfigError(f"{where}=0 must be >= 1")
   np_ = num_processes or cfg.cluster.num_processes
   dpp = devices_per_process or cfg.cluster.devices_per_process
   if not np_ or not dpp:
@@ -59,6 +69,9 @@ def load_plugins(cfg: ml_collections.ConfigDict) -> None:
 def plan_from_config(cfg: ml_collections.ConfigDict, topo: planner_lib.Topology,
                      registry: Registry) -> planner_lib.Plan:
   load_plugins(cfg)
+  if not isinstance(cfg.dag, (list, tuple)):
+    raise ConfigError(f"dag must be a list of node dicts (id, fn, deps, ...), got "
+                      f"{type(cfg.dag).__name__}; see configs/grpo.py")
   dag = build_dag(list(cfg.dag), registry, entry=cfg.entry or None)
   _check_overrides(dag, cfg, registry)
   plan = planner_lib.make_plan(dag, registry, topo, placement=_placement_dict(cfg),

@@ -24,10 +24,10 @@ if TYPE_CHECKING:
   from distflow_jax.dag.validate import Dag
 
 # Functions that read 'ref_logprobs' when actor.kl.coef > 0: the actor's loss term
-# (actor.kl.in_reward False) and the advantages that subtract a per-token KL penalty
-# from the rewards (in_reward True).  Group advantages use outcome rewards only.
+# (actor.kl.in_reward False), and every function whose spec says ``kl_reward`` (the
+# advantages that subtract a per-token KL penalty from the rewards, in_reward True,
+# plugin estimators included).  Group advantages use outcome rewards only.
 KL_LOSS_FNS = frozenset({"train.actor"})
-KL_REWARD_FNS = frozenset({"advantage.gae", "advantage.reinforce_pp"})
 REF_FIELD = "ref_logprobs"
 
 
@@ -88,7 +88,7 @@ def check_kl_reference(steps: Iterable[Any], registry: Registry, coef: Any,
       c, r, where = _node_kl(node, registry, coef, in_reward)
       if c > 0 and not r:
         need = f"{where}kl.coef={c} > 0 with kl.in_reward=False (a KL loss term)"
-    elif node.fn in KL_REWARD_FNS:
+    elif registry.spec(node.fn).kl_reward:
       c, r = _number(coef, "actor.kl.coef", node), _flag(in_reward, "actor.kl.in_reward", node)
       if c > 0 and r:
         need = f"actor.kl.coef={c} > 0 with actor.kl.in_reward=True (a KL penalty in its rewards)"

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from distflow_jax.dag import graph, rules
-from distflow_jax.dag.registry import SUMMED_FIELDS, FunctionSpec, Registry
+from distflow_jax.dag.registry import SUMMED_FIELDS, FunctionSpec, Placement, Registry
 from distflow_jax.dag.spec import DagError, Node, NodeType, Role, parse_node
 
 
@@ -136,7 +136,7 @@ def _entry(nodes: list[Node], registry: Registry, entry: str | None) -> str:
     if next(n for n in nodes if n.id == entry).deps:
       raise DagError(f"entry node {entry!r} must have no dependencies")
     return entry
-  gens = [n.id for n in nodes if not n.deps and registry.spec(n.fn).placement.value == "rollout"]
+  gens = [n.id for n in nodes if not n.deps and registry.spec(n.fn).placement is Placement.ROLLOUT]
   if len(gens) == 1:
     return gens[0]
   roots = [n.id for n in nodes if not n.deps]

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.planner import Plan, RoleMesh, Topology
-from distflow_jax.dag.spec import Role
+from distflow_jax.dag.spec import NodeType, Role
 from distflow_jax.models import hf_io, sharding
 from distflow_jax.models import config as model_configs
 from distflow_jax.models.config import ModelConfig
@@ -136,7 +136,7 @@ def build_roles(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConf
   """Actor (+ optimizer), reference (frozen copy), critic (+ value head), reward model, as
   the plan needs."""
   meshes = {m.role: jax_mesh(m) for m in plan.meshes}
-  trained = {s.node.role for s in plan.steps if s.node.type.value == "MODEL_TRAIN"}
+  trained = {s.node.role for s in plan.steps if s.node.type is NodeType.MODEL_TRAIN}
   rules = sharding.fsdp_tp_rules()
   steps = cfg.trainer.total_steps * max(cfg.actor.ppo_epochs * cfg.actor.mini_batches, 1)
   out: dict[Role, ModelState] = {}

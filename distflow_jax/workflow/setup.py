@@ -37,7 +37,8 @@ from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag import FUNCTIONS
 from distflow_jax.dag.planner import Plan, Topology
 from distflow_jax.dag.spec import Role
-from distflow_jax.workflow import hints, nodes, roles as roles_lib, warmstart
+from distflow_jax import nodes
+from distflow_jax.workflow import hints, roles as roles_lib, warmstart
 from distflow_jax.workflow.context import RunContext
 
 RoleSet = Literal["all", "actor"]
