@@ -13,18 +13,15 @@ demonstrations come from the built-in task named by ``data.train``
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import ml_collections
-import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from distflow_jax.algos import losses
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.planner import Plan
 from distflow_jax.dag.spec import Role
@@ -33,8 +30,11 @@ from distflow_jax.models import hf_io
 from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.tasks import registry as tasks
 from distflow_jax.train import steps as steps_lib
-from distflow_jax.workflow import roles as roles_lib
+from distflow_jax.workflow import roles as roles_lib, sft
 from distflow_jax.workflow.roles import ModelState
+
+# The loss, shared with `distflow-jax sft` (kept importable here).
+sft_loss = sft.sft_loss
 
 
 def encode_examples(records: Sequence[dict], tokenizer: Tokenizer, *, max_prompt_len: int,
@@ -61,45 +61,29 @@ def encode_examples(records: Sequence[dict], tokenizer: Tokenizer, *, max_prompt
           "response_mask": resp_mask}
 
 
-def sft_loss(graphdef, params, mb) -> losses.LossOutput:
-  logp, _ = steps_lib.response_logprobs(graphdef, params, mb)
-  m = mb["response_mask"].astype(jnp.float32)
-  return losses.LossOutput(-jnp.sum(logp * m), jnp.sum(m), jnp.sum(m), {})
-
-
 def run(state: ModelState, data: dict[str, np.ndarray], *, steps: int, batch_size: int,
         lr: float, seed: int, on_step: Callable[[int, float], None] | None = None) -> float:
-  """Trains ``state`` in place on ``data`` (global rows, same on every process).
+  """Trains ``state`` in place on ``data`` (global rows, same on every process) with the
+  SFT loop (workflow/sft.py) that ``distflow-jax sft`` runs too.
 
-  Returns the final loss (mean token NLL).  Batches are drawn with a seeded
-  permutation, the same on every process; each batch is placed on the
-  actor's mesh sharded over its data-parallel axes.
+  Returns the final loss (mean token NLL); ``on_step(i, loss)`` every 10 steps and at the
+  last.  AdamW, warm-up over a tenth of the steps, cosine decay, clip 1, no weight decay.
   """
-  tx = optax.chain(optax.clip_by_global_norm(1.0),
-                   optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(steps // 10, 1),
-                                                                  steps), weight_decay=0.0))
-  opt_state = steps_lib.init_opt_state(tx, state.params)
-  step_fn = steps_lib.make_train_step(sft_loss, state.graphdef, tx, 1, "token-mean")
-  mesh = state.mesh
-  dp = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
-  sharding = NamedSharding(mesh, P(dp))
-  rng = np.random.default_rng(seed)
   n = len(data["response_mask"])
   if batch_size > n:
     raise ValueError(f"warm-start batch_size={batch_size} exceeds the {n} examples")
-  order = rng.permutation(n)
-  pos, loss = 0, float("nan")
-  for i in range(steps):
-    if pos + batch_size > n:
-      order, pos = rng.permutation(n), 0
-    idx = np.sort(order[pos:pos + batch_size])
-    pos += batch_size
-    mb = {k: jax.device_put(v[idx], sharding) for k, v in data.items()}
-    state.params, opt_state, stats = step_fn(state.params, opt_state, mb)
-    if on_step is not None and (i % 10 == 0 or i == steps - 1):
-      stats = jax.device_get(stats)
-      loss = float(stats["total"]) / max(float(stats["count"]), 1.0)
-      on_step(i, loss)
+  tx = sft.optimizer(lr=lr, steps=steps, warmup_steps=max(steps // 10, 1))
+  # A trainable copy: the caller's state keeps no optimizer.
+  st = dataclasses.replace(state, tx=tx, opt_state=steps_lib.init_opt_state(tx, state.params))
+  loss = float("nan")
+
+  def report(done: int, stats: dict) -> None:
+    nonlocal loss
+    if on_step is not None and ((done - 1) % 10 == 0 or done == steps):
+      loss = sft.mean_loss(stats)
+      on_step(done - 1, loss)
+  sft.train(st, data, steps=steps, batch_size=batch_size, seed=seed, on_step=report)
+  state.params = st.params
   return loss
 
 
