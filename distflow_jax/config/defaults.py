@@ -110,6 +110,10 @@ def base() -> ml_collections.ConfigDict:
       correct=1.0,
       wrong=0.0,
       tolerance=1e-6,
+      # How reward.math compares the final answer with the ground truth: numeric (equal
+      # values: "09" is right for "009") | exact (equal strings) | math_verify (symbolic,
+      # LaTeX; needs the math-verify package: pip install 'distflow-jax[math]').
+      match="numeric",
       # For 'reward.model' nodes: a local *ForSequenceClassification checkpoint (num_labels=1)
       # sharing the actor's tokenizer; it scores prompt + response at the last real token.
       model_path="",

@@ -35,11 +35,12 @@ def option_types() -> dict[str, type[enum.Enum] | tuple[str, ...]]:
   from distflow_jax.data.loader import OnBadRow
   from distflow_jax.data.redistribute import Mode
   from distflow_jax.models.config import DTYPES
+  from distflow_jax.rewards.math_answer import MATCH_MODES
   from distflow_jax.train.optim import Optimizer, Schedule
   return {
       "loss_agg": LossAggMode, "ratio_level": RatioLevel, "kl_estimator": KLEstimator,
       "on_bad_row": OnBadRow, "redistribute": Mode, "dtype": tuple(DTYPES),
-      "optimizer": Optimizer, "schedule": Schedule,
+      "optimizer": Optimizer, "schedule": Schedule, "match": MATCH_MODES,
   }
 
 
@@ -202,6 +203,11 @@ def _check_reward(r) -> None:
   in_range(r.tolerance, "reward.tolerance", 0)
 
 
+  option(r.match, "reward.match", "match")
+  if r.match == "math_verify":
+    from distflow_jax.rewards import math_answer
+    if not math_answer.has_math_verify():
+      raise ConfigError(math_answer.MATH_VERIFY_MISSING)
 def _check_algo(a) -> None:
   in_range(a.gamma, "algo.gamma", 0, 1)
   in_range(a.lam, "algo.lam", 0, 1)

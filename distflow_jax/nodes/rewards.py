@@ -32,7 +32,9 @@ def _rule_reward(name: str, ctx: RunContext, node: Node, lay: dlayout.Layout,
                    f"that loaded them, so their ground truth is not here; run rule rewards "
                    f"before any node that re-partitions the batch")
   truths = [f["answer"] for f in fields]
-  scores = reward_registry.score_batch(reward_registry.get_reward(name), texts, truths,
+  # reward.match (numeric | exact | math_verify) sets how reward.math compares answers.
+  fn = reward_registry.configured_reward(name, ctx.section(node, "reward"))
+  scores = reward_registry.score_batch(fn, texts, truths,
                                        sample_ids=local.data[SAMPLE_ID].tolist())
   weight = ctx.section(node, "reward").weight
   ctx.metrics.add_mean(f"reward/{node.id}", scores)

@@ -6,12 +6,22 @@ after its last ``#### `` marker (GSM8K style) or inside its last
 in the text when neither marker is present.  Numbers are parsed to exact
 ``Fraction``s ("1,000", "3.50", "-2", "1/2", "\\frac{1}{2}", "$5", "50%" are
 all understood), so "3.50" equals "7/2" exactly.
+
+How answers are compared (``reward.match``, see ``MATCH_MODES``): ``numeric``
+(the default: equal values, so ``#### 09`` is right for ``009``), ``exact``
+(the extracted strings are equal, surrounding whitespace aside: ``09`` is not
+``009``), or ``math_verify`` (the ``math-verify`` package's symbolic check, for
+LaTeX and expressions: ``\\frac{1}{\\sqrt{2}}`` equals ``\\sqrt{2}/2``; an optional
+extra, ``pip install 'distflow-jax[math]'``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
+import threading
+from collections.abc import Callable
 from fractions import Fraction
 
 _HASH_RE = re.compile(r"####[ \t]*([^\n]*)")
@@ -146,6 +156,58 @@ def math_reward(completion: str, ground_truth: str, *,
   ok = answers_match(predicted, ground_truth_answer(ground_truth), numeric=numeric,
                      rel_tol=rel_tol, abs_tol=abs_tol)
   return 1.0 if ok else 0.0
+
+
+MATCH_MODES = ("numeric", "exact", "math_verify")
+MATH_VERIFY_MISSING = ("reward.match='math_verify' needs the math-verify package, which is not "
+                       "installed: pip install 'distflow-jax[math]' (or pip install math-verify), "
+                       "or set --config.reward.match=numeric")
+
+
+def has_math_verify() -> bool:
+  return importlib.util.find_spec("math_verify") is not None
+
+
+def exact_reward(completion: str, ground_truth: str) -> float:
+  """1.0 if the completion's final answer is the ground truth's answer string exactly
+  (surrounding whitespace aside): no number parsing, so ``09`` is wrong for ``009``."""
+  predicted = extract_answer(completion)
+  truth = ground_truth_answer(ground_truth)
+  return 1.0 if predicted is not None and predicted.strip() == truth != "" else 0.0
+
+
+def math_verify_reward(completion: str, ground_truth: str) -> float:
+  """1.0 if ``math_verify.verify`` finds the answers equal (LaTeX, fractions, radicals,
+  expressions).  The completion's ``####`` / ``\\boxed{}`` answer is what is compared when it
+  has one; otherwise math-verify looks for an answer in the whole text."""
+  try:
+    import math_verify  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise ImportError(MATH_VERIFY_MISSING) from None
+  # math-verify's timeouts use signal.alarm, which only works on the main thread.
+  timeout = 5 if threading.current_thread() is threading.main_thread() else None
+  predicted = extract_answer(completion)
+  pred_text = completion if predicted is None else f"\\boxed{{{predicted}}}"
+  gold = math_verify.parse(f"\\boxed{{{ground_truth_answer(ground_truth)}}}",
+                           parsing_timeout=timeout)
+  pred = math_verify.parse(pred_text, parsing_timeout=timeout)
+  if not gold or not pred:
+    return 0.0
+  return 1.0 if math_verify.verify(gold, pred, timeout_seconds=timeout) else 0.0
+
+
+def math_reward_for(match: str = "numeric") -> Callable[[str, str], float]:
+  """The ``math`` verifier in one of ``MATCH_MODES`` (``reward.match``); ValueError names a
+  bad mode, ImportError says how to install math-verify."""
+  if match == "numeric":
+    return math_reward
+  if match == "exact":
+    return exact_reward
+  if match == "math_verify":
+    if not has_math_verify():
+      raise ImportError(MATH_VERIFY_MISSING)
+    return math_verify_reward
+  raise ValueError(f"reward.match={match!r} is not valid; valid: {list(MATCH_MODES)}")
 
 
 _FINAL_LINE_RE = re.compile(rf"^####[ \t]*[+-]?(?:{_DECIMAL})$")

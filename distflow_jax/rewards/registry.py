@@ -2,8 +2,11 @@
 
 A reward function is ``fn(completion: str, ground_truth: str) -> float``.
 Built-ins: ``math`` (#### / \\boxed{} answer, exact numeric match), ``math_lenient``
-(also the last number in the text), ``math_string`` (exact string match),
-``format`` (ends with a ``#### <number>`` line).  ``register_reward`` adds
+(also the last number in the text), ``math_string`` (normalised string match),
+``math_exact`` (exact string match), ``math_verify`` (symbolic, needs the
+math-verify package), ``format`` (ends with a ``#### <number>`` line).
+``configured_reward(name, section)`` is what a reward node or ``eval`` scores
+with: ``math`` follows the section's ``reward.match``.  ``register_reward`` adds
 more; ``weighted_reward`` builds a weighted sum of registered ones.
 """
 
@@ -48,6 +51,16 @@ def get_reward(name: str) -> RewardFn:
   except KeyError:
     raise ValueError(f"unknown reward function {name!r}; valid: "
                      f"{', '.join(reward_names())}") from None
+
+
+def configured_reward(name: str, section: Any = None) -> RewardFn:
+  """The reward ``name`` as a config section sets it up: ``math`` compares answers as
+  ``section.match`` says (numeric | exact | math_verify); other names are the registry's.
+  ValueError / ImportError (math-verify missing) name the setting."""
+  match = getattr(section, "match", "numeric") if section is not None else "numeric"
+  if name == "math" and match != "numeric":
+    return math_answer.math_reward_for(match)
+  return get_reward(name)
 
 
 def weighted_reward(weights: Mapping[str, float]) -> RewardFn:
@@ -115,4 +128,6 @@ register_reward("math_lenient", functools.partial(math_answer.math_reward,
                                                   last_number_fallback=True))
 register_reward("math_string", functools.partial(math_answer.math_reward,
                                                  numeric=False))
+register_reward("math_exact", math_answer.exact_reward)
+register_reward("math_verify", math_answer.math_verify_reward)
 register_reward("format", math_answer.format_reward)

@@ -50,7 +50,8 @@ def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1,
   texts = [ctx.tokenizer.decode(ro.tokens_RxN[r][ro.mask_RxN[r]].tolist())
            for r in range(len(ro.lengths_R))]
   truths = [fields[r // k]["answer"] for r in range(len(texts))]
-  scores = reward_registry.score_batch(reward_registry.get_reward(reward), texts, truths)
+  scores = reward_registry.score_batch(
+      reward_registry.configured_reward(reward, ctx.cfg.reward), texts, truths)
   m = Metrics()
   correct = (scores > 0).reshape(len(plist), k)
   if k == 1:
