@@ -13,6 +13,13 @@ numbers of bad rows.  Its state (epoch, position in the shard, bad-row counts)
 is a small JSON-able dict; restoring it reproduces the following batches
 exactly.
 
+Row fields: ``prompt_key`` / ``answer_key`` / ``source_key`` are column names or dotted
+paths into nested rows (``reward_model.ground_truth``, see :func:`field_value`), so
+verl's Parquet layout (``prompt`` as chat messages, ``reward_model.ground_truth``)
+reads as it is.  A prompt is text or a list of ``{"role", "content"}`` messages;
+messages are always rendered with the tokenizer's chat template when it has one
+(``use_chat_template`` decides only for plain text), else their contents are joined.
+
 Malformed rows (unreadable JSON, non-UTF-8, missing field, empty prompt,
 prompt longer than ``max_prompt_len`` tokens) are counted by reason and either
 skipped (``on_bad_row="skip"``, with a warning on the first of each reason) or
@@ -39,7 +46,8 @@ import numpy as np
 
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch
-from distflow_jax.data.sources import BadRow, RecordSource, open_source
+from distflow_jax.data.sources import (BadRow, RecordSource, answer_text, field_value,
+                                       messages_of, open_source)
 
 log = logging.getLogger(__name__)
 
@@ -70,42 +78,6 @@ class Example:
   host: dict[str, Any]
 
 
-def _text(value: Any, field: str) -> str | BadRow:
-  if isinstance(value, bytes):
-    try:
-      value = value.decode("utf-8")
-    except UnicodeDecodeError:
-      return BadRow("not_utf8", f"field {field!r} holds bytes that are not UTF-8")
-  if not isinstance(value, str):
-    return BadRow("missing_field", f"field {field!r} must be text, got "
-                  f"{type(value).__name__}")
-  try:
-    value.encode("utf-8")
-  except UnicodeEncodeError:
-    return BadRow("not_utf8", f"field {field!r} holds unpaired surrogates")
-  return value
-
-
-def _messages(prompt: Any, field: str) -> list[dict[str, str]] | BadRow:
-  """A prompt as chat messages: plain text becomes one user message."""
-  if isinstance(prompt, (str, bytes)):
-    text = _text(prompt, field)
-    return text if isinstance(text, BadRow) else [{"role": "user", "content": text}]
-  if isinstance(prompt, (list, tuple)):
-    out = []
-    for m in prompt:
-      if not isinstance(m, dict) or "content" not in m:
-        return BadRow("missing_field", f"field {field!r} must be text or a list "
-                      f"of {{'role', 'content'}} messages")
-      text = _text(m["content"], f"{field}.content")
-      if isinstance(text, BadRow):
-        return text
-      out.append({"role": str(m.get("role", "user")), "content": text})
-    return out
-  return BadRow("missing_field", f"field {field!r} must be text or messages, "
-                f"got {type(prompt).__name__}")
-
-
 def parse_row(raw: dict[str, Any] | BadRow, record: int, *, tokenizer: Tokenizer,
               max_prompt_len: int, prompt_key: str = "prompt",
               answer_key: str = "answer", source_key: str = "data_source",
@@ -115,20 +87,23 @@ def parse_row(raw: dict[str, Any] | BadRow, record: int, *, tokenizer: Tokenizer
   if isinstance(raw, BadRow):
     return raw
   for key in (prompt_key, answer_key):
-    if raw.get(key) is None:
+    if field_value(raw, key) is None:
       return BadRow("missing_field", f"no {key!r} field (row has {sorted(raw)})")
-  messages = _messages(raw[prompt_key], prompt_key)
+  prompt_value = field_value(raw, prompt_key)
+  messages = messages_of(prompt_value, prompt_key)
   if isinstance(messages, BadRow):
     return messages
   if not any(m["content"].strip() for m in messages):
     return BadRow("empty_prompt", f"field {prompt_key!r} is empty")
-  answer = raw[answer_key]
-  if isinstance(answer, bytes):
-    answer = _text(answer, answer_key)
-    if isinstance(answer, BadRow):
-      return answer
+  answer = answer_text(field_value(raw, answer_key), answer_key)
+  if isinstance(answer, BadRow):
+    return answer
   template = getattr(tokenizer, "apply_chat_template", None)
-  if use_chat_template and template is not None:
+  if getattr(tokenizer, "chat_template", "") is None:  # our Tokenizer without a template
+    template = None
+  is_chat = not isinstance(prompt_value, (str, bytes))
+  # Messages are a conversation: joined without their roles they would be another prompt.
+  if template is not None and (use_chat_template or is_chat):
     rendered = template(messages, add_generation_prompt=True)
   else:
     rendered = "\n".join(m["content"] for m in messages)
@@ -137,11 +112,10 @@ def parse_row(raw: dict[str, Any] | BadRow, record: int, *, tokenizer: Tokenizer
   if ids.size == 0:
     return BadRow("empty_prompt", "the prompt tokenizes to nothing")
   if ids.size > max_prompt_len:
-    return BadRow("too_long", f"{ids.size} prompt tokens > max_prompt_len "
-                  f"{max_prompt_len}")
-  source = raw.get(source_key)
-  prompt = (messages[0]["content"] if isinstance(raw[prompt_key], (str, bytes))
-            else raw[prompt_key])
+    return BadRow("too_long", f"{ids.size} prompt tokens > data.max_prompt_len="
+                  f"{max_prompt_len} (raise it, with rollout.prefill_buckets, to keep such rows)")
+  source = field_value(raw, source_key)
+  prompt = messages[0]["content"] if not is_chat else prompt_value
   host = {"prompt": prompt, "prompt_text": rendered if isinstance(
       rendered, str) else None, "answer": answer,
       "data_source": default_source if source is None else source,
@@ -289,7 +263,10 @@ class PromptLoader:
             f"{self.source.path!r}: {self.num_epochs} pass(es) over shard "
             f"{self.process_index}/{self.process_count} ({len(self._dataset)} records) gave "
             f"{len(pairs)} valid prompt(s), fewer than one batch of {self.batch_size}; "
-            f"{self._bad_summary()}") from None
+            f"{self._bad_summary()}" + (
+                f"; for an evaluation set, lower data.eval_size so that each of the "
+                f"{self.process_count} process(es) needs at most {len(pairs)}" if pairs
+                else "")) from None
     ids = np.full((self.batch_size, self.max_prompt_len), self.pad_id, np.int32)
     for r, (_, ex) in enumerate(pairs):
       ids[r, :ex.prompt_ids.size] = ex.prompt_ids

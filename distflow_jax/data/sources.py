@@ -3,7 +3,9 @@
 A source maps a record index to a raw row (a dict) or a :class:`BadRow` that
 says why the row cannot be read.  Reading is lazy: a process only decodes the
 rows its shard asks for (JSONL: one scan for line offsets, then a seek per
-row; Parquet: a memory-mapped table, one row converted per access).
+row; Parquet: a memory-mapped table, one row converted per access).  The
+helpers below read a row's fields: dotted paths into nested rows, text, chat
+messages, answers.
 """
 
 from __future__ import annotations
@@ -94,6 +96,68 @@ class ParquetSource:
 
   def __getitem__(self, index: int) -> dict[str, Any] | BadRow:
     return self._table.slice(index, 1).to_pylist()[0]
+
+
+def field_value(row: dict[str, Any], key: str) -> Any:
+  """``row[key]``, or for a dotted ``key`` the value down that path through nested dicts
+  (``"reward_model.ground_truth"``); None when any step is missing.  A column whose own
+  name contains dots is found first."""
+  if key in row:
+    return row[key]
+  value: Any = row
+  for part in key.split("."):
+    if not isinstance(value, dict) or part not in value:
+      return None
+    value = value[part]
+  return value
+
+
+def answer_text(value: Any, field: str) -> str | BadRow:
+  """An answer field as text (numbers written out); else why it is unusable."""
+  if isinstance(value, (str, bytes)):
+    return text_of(value, field)
+  if isinstance(value, (int, float)) and not isinstance(value, bool):
+    return str(value)
+  return BadRow("missing_field", f"field {field!r} must be text or a number, got "
+                f"{type(value).__name__} (point data.answer_key at the text inside it, e.g. "
+                f"data.answer_key=reward_model.ground_truth)")
+
+
+def text_of(value: Any, field: str) -> str | BadRow:
+  """A text field as str (UTF-8 bytes decoded); else why it is unusable."""
+  if isinstance(value, bytes):
+    try:
+      value = value.decode("utf-8")
+    except UnicodeDecodeError:
+      return BadRow("not_utf8", f"field {field!r} holds bytes that are not UTF-8")
+  if not isinstance(value, str):
+    return BadRow("missing_field", f"field {field!r} must be text, got "
+                  f"{type(value).__name__}")
+  try:
+    value.encode("utf-8")
+  except UnicodeEncodeError:
+    return BadRow("not_utf8", f"field {field!r} holds unpaired surrogates")
+  return value
+
+
+def messages_of(prompt: Any, field: str) -> list[dict[str, str]] | BadRow:
+  """A prompt as chat messages: plain text becomes one user message."""
+  if isinstance(prompt, (str, bytes)):
+    text = text_of(prompt, field)
+    return text if isinstance(text, BadRow) else [{"role": "user", "content": text}]
+  if isinstance(prompt, (list, tuple)):
+    out = []
+    for m in prompt:
+      if not isinstance(m, dict) or "content" not in m:
+        return BadRow("missing_field", f"field {field!r} must be text or a list "
+                      f"of {{'role', 'content'}} messages")
+      text = text_of(m["content"], f"{field}.content")
+      if isinstance(text, BadRow):
+        return text
+      out.append({"role": str(m.get("role", "user")), "content": text})
+    return out
+  return BadRow("missing_field", f"field {field!r} must be text or messages, "
+                f"got {type(prompt).__name__}")
 
 
 def open_source(path: str) -> RecordSource:

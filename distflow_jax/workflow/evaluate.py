@@ -123,8 +123,13 @@ def evaluate_file(ctx: RunContext, path: str, *, k: int = 1, batch_size: int = 6
   # Same on every process (from the row count alone), so collectives stay in step.
   chunks = max(math.ceil(math.ceil(num_records / nproc) / batch_size), 1)
   if len(rows) < chunks:
+    bad = {key: v for key, v in counts.items() if key != "ok" and v}
+    # Rows too long for the prompt budget are the usual cause: name the setting that keeps them.
+    fix = (f"raise --config.data.max_prompt_len (now {ctx.cfg.data.max_prompt_len}; rows longer "
+           f"are skipped) and rollout.prefill_buckets with it" if bad.get("too_long") else
+           "fix the rows (see data.prompt_key, data.answer_key)")
     raise ConfigError(f"{path!r}: this process has {len(rows)} valid prompt(s) for {chunks} "
-                      f"chunk(s) (loader counts {counts}); raise --batch_size or fix the rows")
+                      f"chunk(s) of --batch_size={batch_size} (bad rows {bad}); {fix}")
   totals: dict[str, float] = {}
   done = 0.0
   for c, part in enumerate(np.array_split(np.arange(len(rows)), chunks)):

@@ -17,7 +17,8 @@ import ml_collections
 from distflow_jax.config.loading import ConfigError
 
 PROMPT_KEYS = ("prompt", "question", "problem", "query", "instruction", "input")
-ANSWER_KEYS = ("answer", "solution", "ground_truth", "target", "final_answer", "output")
+ANSWER_KEYS = ("answer", "solution", "ground_truth", "target", "final_answer", "output",
+               "reward_model.ground_truth")  # the last: verl's Parquet layout
 
 
 def check_model_dir(path: str, key: str = "model.path") -> None:
@@ -54,7 +55,8 @@ def check_model_dir(path: str, key: str = "model.path") -> None:
 
 
 def _suggest(row: dict[str, Any], candidates: tuple[str, ...], flag: str) -> str:
-  present = [k for k in candidates if k in row]
+  from distflow_jax.data.sources import field_value
+  present = [k for k in candidates if field_value(row, k) is not None]
   return f"; set --config.{flag}={present[0]}" if present else ""
 
 
@@ -72,12 +74,14 @@ def first_row(path: str) -> dict[str, Any] | None:
 def check_dataset_fields(path: str, prompt_key: str, answer_key: str,
                          key: str = "data.train") -> None:
   """Refuses a dataset whose rows lack the prompt or answer field (before every row is skipped)."""
+  from distflow_jax.data.sources import field_value
   row = first_row(path)
   if row is None:
     return  # the loader reports unreadable rows itself, with counts by reason
   for field, flag, candidates in ((prompt_key, "data.prompt_key", PROMPT_KEYS),
                                   (answer_key, "data.answer_key", ANSWER_KEYS)):
-    if field not in row:
+    # A column, or a dotted path into nested ones (reward_model.ground_truth).
+    if field not in row and field_value(row, field) is None:
       raise ConfigError(f"{key}={path!r}: rows have no {field!r} field ({flag}={field!r}); "
                         f"the first row has {sorted(row)}{_suggest(row, candidates, flag)}")
 
