@@ -14,7 +14,7 @@ import numpy as np
 
 from distflow_jax.dag.registry import FUNCTIONS
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, expand_groups, to_global, to_local
-from distflow_jax.nodes.rollout import generate
+from distflow_jax.nodes.rollout import generate_node
 
 FIELDS = ("prompt_tokens", "prompt_mask", "response_tokens", "response_mask",
           "rollout_logprobs")
@@ -26,7 +26,7 @@ def _path(ctx, process):
 
 def tape(ctx, node, lay, prompts):
   if os.environ["DISTFLOW_TEST_TAPE_MODE"] == "record":
-    batch = generate(ctx, node, lay, prompts)
+    batch = generate_node(ctx, node, lay, prompts)
     loc = to_local(Batch({k: batch.data[k] for k in (*FIELDS, SAMPLE_ID, GROUP_ID)}))
     os.makedirs(os.environ["DISTFLOW_TEST_TAPE"], exist_ok=True)
     np.savez(_path(ctx, ctx.process_index), **loc.data)

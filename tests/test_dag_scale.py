@@ -177,7 +177,7 @@ def reference_order(dag, topo, placement=None, tp=1):
       return rollout
     if spec.placement is Placement.ROLE_MESH:
       m = meshes[node.role]
-      return planner_lib.Layout("", planner_lib.LayoutKind.ROLE_MESH, m.devices, m.dp_size)
+      return planner_lib.NodeLayout("", planner_lib.LayoutKind.ROLE_MESH, m.devices, m.dp_size)
     return rollout if spec.needs_groups and not intact else current
 
   depth = {}

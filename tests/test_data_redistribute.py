@@ -9,7 +9,7 @@ from jax.sharding import Mesh
 from distflow_jax.data import assign
 from distflow_jax.data import redistribute as rd
 from distflow_jax.data.layout import Layout, equivalent, placed_as
-from distflow_jax.data.plan import make_plan
+from distflow_jax.data.plan import make_repartition_plan
 
 MESH_SHAPES = [((8,), ("a",)), ((2, 4), ("a", "b")), ((4, 2), ("a", "b")),
                ((2, 2, 2), ("a", "b", "c"))]
@@ -66,7 +66,7 @@ def test_property_every_sample_arrives_once_unchanged(src, dst, mult, seed, mode
   out, perm = rd.redistribute(x, lengths, src, dst, mode=mode)
   _check_moved(host, out, perm, dst, num_rows)
   if not equivalent(src, dst, num_rows):
-    plan = make_plan(lengths, src, dst)
+    plan = make_repartition_plan(lengths, src, dst)
     np.testing.assert_array_equal(perm, plan.perm_B)
     # The rows each destination shard got are the balanced assignment's.
     per = num_rows // dst.num_shards
@@ -81,7 +81,7 @@ def test_rollout_to_fsdp_moves_balanced_rows_with_one_all_to_all():
   num_rows = 64
   lengths = np.random.default_rng(1).integers(1, 1000, num_rows)
   host, x = _batch(num_rows, src)
-  plan = make_plan(lengths, src, dst)
+  plan = make_repartition_plan(lengths, src, dst)
   # 64 rows / 8 senders = 8 rows each, one per destination: no padding.
   assert plan.rows_per_sender == 8 and plan.block == 1
   text = rd.compiled_text(x, plan, "distributed")
@@ -107,7 +107,7 @@ def test_centralized_matches_distributed_and_uses_process_zero():
   np.testing.assert_array_equal(pa, pb)
   for k in host:
     np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]))
-  plan = make_plan(lengths, src, dst)
+  plan = make_repartition_plan(lengths, src, dst)
   text = rd.compiled_text(x, plan, "centralized")
   assert "all-to-all(" not in text and "collective-permute" in text
 
@@ -160,9 +160,9 @@ def test_errors_name_the_culprit():
   sub = Layout(Mesh(np.array(jax.devices()[:4]), ("x",),
                     axis_types=(jax.sharding.AxisType.Auto,)), ("x",))
   with pytest.raises(ValueError, match="different devices"):
-    make_plan(np.ones(16), src, sub)
+    make_repartition_plan(np.ones(16), src, sub)
   with pytest.raises(ValueError, match="multiple of 8"):
-    make_plan(np.ones(12), src, dst)
+    make_repartition_plan(np.ones(12), src, dst)
 
 
 class _FakeDevice:
@@ -173,7 +173,7 @@ class _FakeDevice:
 def test_traffic_accounting_by_hand():
   mesh = _mesh((2, 4), ("host", "local"))
   src, dst = Layout(mesh, ("host",)), Layout(mesh, ("host", "local"))
-  plan = make_plan(np.arange(32) + 1, src, dst)  # R = 4 rows per sender, C = 1
+  plan = make_repartition_plan(np.arange(32) + 1, src, dst)  # R = 4 rows per sender, C = 1
   assert plan.block == 1
   # Pretend the 8 devices are 2 processes x 4 devices.
   import dataclasses

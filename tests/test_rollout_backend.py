@@ -111,37 +111,32 @@ def test_backend_table_and_config_key():
   mesh = engine_lib.replica_mesh(1, jax.devices()[:1])
   assert isinstance(backend.make_backend("reference", CFG, conf, mesh), reference.ReferenceSampler)
   made = backend.make_backend("engine", CFG, conf, mesh)
-  assert isinstance(made, backend.EngineBackend) and backend.engine_of(made) is made.engine
+  assert isinstance(made, backend.EngineBackend)
   with pytest.raises(loading.ConfigError,
                      match=r"^rollout.backend='vllm' is unknown; valid: engine, reference$"):
     backend.make_backend("vllm", CFG, conf, mesh)
-  with pytest.raises(loading.ConfigError, match="only the 'engine' backend"):
-    backend.engine_of(backend.make_backend("reference", CFG, conf, mesh))
 
 
 def test_run_context_builds_the_configured_backend_once():
-  """RunContext.backend follows rollout.backend; the old engine() alias still gives the
-  Engine of the engine backend and refuses the others in one line."""
+  """RunContext.backend follows rollout.backend, built once per settings."""
   import types
 
   from distflow_jax.dag.spec import Role
   from distflow_jax.workflow.context import RunContext
   cfg = loading.load("grpo:tiny")
   ctx = object.__new__(RunContext)  # only what backend() reads; no plan, roles or data
-  ctx.cfg, ctx.model_cfg, ctx._engines = cfg, CFG, {}
+  ctx.cfg, ctx.model_cfg, ctx._backends = cfg, CFG, {}
   ctx.tokenizer = types.SimpleNamespace(eos_ids=(2,))
   ctx.roles = {Role.ACTOR: types.SimpleNamespace(
       mesh=engine_lib.replica_mesh(1, jax.devices()[:1]))}
   rollout = cfg.rollout
   made = ctx.backend(rollout)
   assert isinstance(made, backend.EngineBackend) and ctx.backend(rollout) is made
-  assert ctx.engine(rollout) is made.engine and made.config.stop_ids == (2,)
+  assert made.config.stop_ids == (2,)
   assert ctx.backend(rollout, greedy=True).config.sampling.greedy
   rollout.backend = "reference"
   ref = ctx.backend(rollout)
   assert isinstance(ref, reference.ReferenceSampler) and ref.config == made.config
-  with pytest.raises(loading.ConfigError, match="only the 'engine' backend"):
-    ctx.engine(rollout)
   rollout.backend = "sglang"
   with pytest.raises(loading.ConfigError, match="valid: engine, reference$"):
     ctx.backend(rollout)

@@ -32,7 +32,7 @@ def test_worked_answer_hand_example():
 
 
 def test_records_are_correct_and_well_formed():
-  recs = ar.generate(ar.preset("medium"), "train", 400, seed=3)
+  recs = ar.make_examples(ar.preset("medium"), "train", 400, seed=3)
   assert len(recs) == 400
   n_ops = set()
   for r in recs:
@@ -59,9 +59,9 @@ def test_records_are_correct_and_well_formed():
 
 def test_deterministic_by_seed_and_unique():
   cfg = ar.preset("medium")
-  a = ar.generate(cfg, "train", 200, seed=7)
-  assert a == ar.generate(cfg, "train", 200, seed=7)
-  assert a != ar.generate(cfg, "train", 200, seed=8)
+  a = ar.make_examples(cfg, "train", 200, seed=7)
+  assert a == ar.make_examples(cfg, "train", 200, seed=7)
+  assert a != ar.make_examples(cfg, "train", 200, seed=8)
   assert len({r["prompt"] for r in a}) == 200
 
 
@@ -70,22 +70,22 @@ def test_train_and_eval_are_disjoint(name):
   cfg = ar.preset(name)
   n_eval = {"easy": 12, "basic": 300, "medium": 300}[name]
   n_train = {"easy": 100, "basic": 1500, "medium": 3000}[name]
-  train = [r for s in (0, 1) for r in ar.generate(cfg, "train", n_train, seed=s)]
-  evals = [r for s in (0, 5) for r in ar.generate(cfg, "eval", n_eval, seed=s)]
+  train = [r for s in (0, 1) for r in ar.make_examples(cfg, "train", n_train, seed=s)]
+  evals = [r for s in (0, 5) for r in ar.make_examples(cfg, "eval", n_eval, seed=s)]
   assert not {r["prompt"] for r in train} & {r["prompt"] for r in evals}
   assert not {r["answer"] for r in train} & {r["answer"] for r in evals}
 
 
 def test_word_problems_stay_disjoint_and_correct():
   cfg = ar.ArithmeticConfig(word_problem_prob=1.0)
-  train = ar.generate(cfg, "train", 1000, seed=0)
-  evals = ar.generate(cfg, "eval", 200, seed=0)
+  train = ar.make_examples(cfg, "train", 1000, seed=0)
+  evals = ar.make_examples(cfg, "eval", 200, seed=0)
   words = [r for r in train if not r["prompt"].startswith("What is")]
   assert len(words) > 500
   # Splits go by worked answer, which spells out the expression: disjoint
   # answers mean disjoint questions whatever the wording.
   assert not {r["answer"] for r in train} & {r["answer"] for r in evals}
-  r = ar.generate(cfg, "train", 1, seed=0)[0]
+  r = ar.make_examples(cfg, "train", 1, seed=0)[0]
   assert r["prompt"].endswith("have now?")
 
 
@@ -101,9 +101,9 @@ def test_word_problem_text_hand_example():
 def test_small_space_and_bad_inputs():
   tiny = ar.ArithmeticConfig(max_operands=2, max_value=2, operators=("+",))
   with pytest.raises(ValueError, match="distinct eval questions"):
-    ar.generate(tiny, "eval", 50, seed=0)
+    ar.make_examples(tiny, "eval", 50, seed=0)
   with pytest.raises(ValueError, match="unknown split 'test'; valid: train, eval"):
-    ar.generate(tiny, "test", 1, seed=0)
+    ar.make_examples(tiny, "test", 1, seed=0)
   with pytest.raises(ValueError, match=r"unknown \['/'\]; valid: \+, -, \*"):
     ar.ArithmeticConfig(operators=("+", "/"))
   with pytest.raises(ValueError, match="min_operands"):
@@ -113,7 +113,7 @@ def test_small_space_and_bad_inputs():
 
 
 def test_jsonl_roundtrip_and_sft(tmp_path):
-  recs = ar.generate(ar.preset("easy"), "eval", 10, seed=0)
+  recs = ar.make_examples(ar.preset("easy"), "eval", 10, seed=0)
   path = str(tmp_path / "sub" / "eval.jsonl")
   ar.write_jsonl(recs, path)
   assert ar.read_jsonl(path) == recs
@@ -126,7 +126,7 @@ def test_jsonl_roundtrip_and_sft(tmp_path):
 
 
 def test_mixed_convention_teacher():
-  recs = ar.generate(ar.preset("basic"), "train", 400, seed=1)
+  recs = ar.make_examples(ar.preset("basic"), "train", 400, seed=1)
   sft = ar.sft_examples(recs, plain_answer_prob=0.5, seed=3)
   assert sft == ar.sft_examples(recs, plain_answer_prob=0.5, seed=3)
   plain = [s for s in sft if "####" not in s["completion"]]
@@ -172,9 +172,9 @@ def test_registry_task_matches_the_generator_it_wraps():
   """The trainer and the warm start draw exactly what they drew before the registry."""
   from distflow_jax.tasks import registry
   task = registry.get("arithmetic")
-  assert task.generate_split("medium", "eval", 20, seed=4) == ar.generate(
+  assert task.generate_split("medium", "eval", 20, seed=4) == ar.make_examples(
       ar.preset("medium"), "eval", 20, seed=4)
   demos = task.demonstrations("basic", 30, seed=2, plain_answer_prob=0.5)
-  assert demos == ar.sft_examples(ar.generate(ar.preset("basic"), "train", 30, seed=3,
+  assert demos == ar.sft_examples(ar.make_examples(ar.preset("basic"), "train", 30, seed=3,
                                               unique=False), plain_answer_prob=0.5, seed=2)
   assert all(set(d) == {"prompt", "completion"} for d in demos)

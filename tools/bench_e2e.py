@@ -109,7 +109,7 @@ def write_inputs(workdir: str, args) -> dict:
   hf_io.save_pretrained(model_dir, Transformer(ModelConfig(**bc.BENCH_MODEL),
                                                rngs=nnx.Rngs(0)), tok)
   count = args.prompts * (args.steps + 2)
-  rows = arithmetic.generate(arithmetic.preset("medium"), "train", count, seed=0)
+  rows = arithmetic.make_examples(arithmetic.preset("medium"), "train", count, seed=0)
   prompts = os.path.join(workdir, "prompts.jsonl")
   arithmetic.write_jsonl(rows, prompts)
   too_long = [r["prompt"] for r in rows if len(tok.encode(r["prompt"])) > args.prompt_len]

@@ -55,7 +55,7 @@ def child(mode: str, rows_per_host: int, tokens: int, iters: int) -> None:
 
   from distflow_jax.data import redistribute as rd
   from distflow_jax.data.layout import Layout, flat_mesh, host_major_mesh
-  from distflow_jax.data.plan import make_plan
+  from distflow_jax.data.plan import make_repartition_plan
 
   src = Layout(host_major_mesh(), ("host",))
   dst = Layout(flat_mesh("fsdp"), ("fsdp",))
@@ -74,7 +74,7 @@ def child(mode: str, rows_per_host: int, tokens: int, iters: int) -> None:
   jax.block_until_ready(batch)
   # Compile once without running, so the peak measured below is data, not
   # compiler memory (a second compile of the same program peaks no higher).
-  rd.compiled_text(batch, make_plan(lengths, src, dst), mode)
+  rd.compiled_text(batch, make_repartition_plan(lengths, src, dst), mode)
   rss_before = _rss_mb()
   times = []
   for i in range(iters + 1):  # the first call compiles
@@ -87,7 +87,7 @@ def child(mode: str, rows_per_host: int, tokens: int, iters: int) -> None:
       times.append(time.perf_counter() - t0)
     del out
   io1 = _io_bytes()
-  plan = make_plan(lengths, src, dst)
+  plan = make_repartition_plan(lengths, src, dst)
   sent, recv = plan.traffic(rd.row_bytes(batch), centralized=mode == "centralized")[
       info.process_index]
   print(_PREFIX + json.dumps({

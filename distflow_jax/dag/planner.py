@@ -95,13 +95,13 @@ class RoleMesh:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class NodeLayout:
   name: str  # display only
   kind: LayoutKind
   devices: tuple[int, ...]
   dp_size: int
 
-  def same_data_layout(self, other: "Layout") -> bool:
+  def same_data_layout(self, other: "NodeLayout") -> bool:
     return self.devices == other.devices and self.dp_size == other.dp_size
 
 
@@ -109,7 +109,7 @@ class Layout:
 class Step:
   index: int
   node: Node
-  layout: Layout
+  layout: NodeLayout
   move_in: Move
   groups_intact: bool  # every prompt group on one host when the node runs
 
@@ -238,7 +238,7 @@ def role_mesh(role: Role, placement: Mapping[str, Any] | None, topo: Topology) -
   return RoleMesh(role=role, devices=devs, axes=tuple((a, sizes[a]) for a in MESH_AXES))
 
 
-def rollout_layout(actor: RoleMesh, tp: int, topo: Topology) -> Layout:
+def rollout_layout(actor: RoleMesh, tp: int, topo: Topology) -> NodeLayout:
   if not _is_int(tp) or tp < 1:
     raise DagError(f"rollout.tensor_parallel must be an int >= 1, got {tp!r}")
   for p in range(topo.num_processes):
@@ -246,7 +246,7 @@ def rollout_layout(actor: RoleMesh, tp: int, topo: Topology) -> Layout:
     if len(local) % tp:
       raise DagError(f"rollout.tensor_parallel={tp} does not divide the {len(local)} actor "
                      f"devices of process {p}: a rollout replica must stay inside one host")
-  return Layout(name=f"rollout(actor, tp={tp})", kind=LayoutKind.ROLLOUT,
+  return NodeLayout(name=f"rollout(actor, tp={tp})", kind=LayoutKind.ROLLOUT,
                 devices=actor.devices, dp_size=len(actor.devices) // tp)
 
 
@@ -267,7 +267,7 @@ def make_plan(dag: Dag, registry: Registry, topo: Topology,
   rollout = (rollout_layout(meshes[Role.ACTOR], rollout_tensor_parallel, topo)
              if Role.ACTOR in meshes else None)
 
-  def layout_of(node: Node, current: Layout | None, intact: bool) -> Layout:
+  def layout_of(node: Node, current: NodeLayout | None, intact: bool) -> NodeLayout:
     spec = registry.spec(node.fn)
     if spec.placement is Placement.ROLLOUT:
       return rollout
@@ -276,7 +276,7 @@ def make_plan(dag: Dag, registry: Registry, topo: Topology,
         raise DagError(f"DAG node {node.id!r} (fn {node.fn!r}) runs on a role's mesh but "
                        f"has no role")
       m = meshes[node.role]
-      return Layout(name=f"mesh({node.role.value.lower()}, dp={m.dp_size})",
+      return NodeLayout(name=f"mesh({node.role.value.lower()}, dp={m.dp_size})",
                     kind=LayoutKind.ROLE_MESH, devices=m.devices, dp_size=m.dp_size)
     if current is None:
       raise DagError(f"DAG node {node.id!r}: a host-side COMPUTE node cannot start the "
@@ -296,7 +296,7 @@ def make_plan(dag: Dag, registry: Registry, topo: Topology,
 
   ready = ReadyQueue(dag.nodes, group_of)
   steps: list[Step] = []
-  current: Layout | None = None
+  current: NodeLayout | None = None
   intact = True
   while ready.left:
     node = ready.take(lambda n: current is not None

@@ -1,6 +1,6 @@
 """The re-partition plan: who sends which row where, as index arrays.
 
-Every process builds the same :class:`Plan` from the same lengths and layouts.
+Every process builds the same :class:`RepartitionPlan` from the same lengths and layouts.
 Senders are the devices of the source layout, each responsible for a
 contiguous block of ``R`` input rows (a shard replicated over ``r`` devices is
 split ``r`` ways locally, which costs no communication).  Receivers are the
@@ -21,7 +21,7 @@ from distflow_jax.data.layout import Layout
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Plan:
+class RepartitionPlan:
   num_rows: int                        # B
   senders: tuple[jax.Device, ...]      # flat device order; sender i holds rows [i*R, (i+1)*R)
   rows_per_sender: int                 # R
@@ -85,8 +85,8 @@ def _senders(src: Layout, num_rows: int) -> tuple[list[jax.Device], int]:
   return senders, shard_rows // replicas
 
 
-def make_plan(lengths_B: np.ndarray, src: Layout, dst: Layout,
-              group_size: int = 1) -> Plan:
+def make_repartition_plan(lengths_B: np.ndarray, src: Layout, dst: Layout,
+              group_size: int = 1) -> RepartitionPlan:
   """Computes the length-balanced plan moving a batch from ``src`` to ``dst``.
 
   ``group_size > 1`` keeps each run of that many consecutive samples (a GRPO
@@ -131,7 +131,7 @@ def make_plan(lengths_B: np.ndarray, src: Layout, dst: Layout,
   recv = np.stack([sender_B[rows_by_shard[s]] * block + rank_B[rows_by_shard[s]]
                    for s in dst_shard_N]).astype(np.int32)
   gather = np.stack([rows_by_shard[s] for s in dst_shard_N]).astype(np.int32)
-  return Plan(num_rows=num_rows, senders=tuple(senders),
+  return RepartitionPlan(num_rows=num_rows, senders=tuple(senders),
               rows_per_sender=rows_per_sender,
               rows_per_receiver=rows_per_receiver, block=block, dst_B=dst_B,
               dst_shard_N=dst_shard_N, perm_B=perm_B, send_idx_NxNC=send,

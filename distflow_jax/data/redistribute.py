@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from distflow_jax.data import layout as layout_lib
 from distflow_jax.data.layout import Layout
-from distflow_jax.data.plan import Plan, make_plan
+from distflow_jax.data.plan import RepartitionPlan, make_repartition_plan
 
 _AXIS = "redistribute"
 
@@ -118,12 +118,12 @@ def _program(mesh: Mesh, mode: Mode, like: tuple[jax.ShapeDtypeStruct, ...]):
       out_specs=(P(_AXIS),) * n_leaves, check_vma=False))
 
 
-def _flat_mesh(plan: Plan) -> Mesh:
+def _flat_mesh(plan: RepartitionPlan) -> Mesh:
   return Mesh(np.array(plan.senders, dtype=object), (_AXIS,),
               axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def _to_senders(x: jax.Array, plan: Plan, mesh: Mesh) -> jax.Array:
+def _to_senders(x: jax.Array, plan: RepartitionPlan, mesh: Mesh) -> jax.Array:
   """Re-labels ``x`` as sender blocks on the flat mesh; local slices only."""
   r = plan.rows_per_sender
   pos = {d: i for i, d in enumerate(plan.senders)}
@@ -137,7 +137,7 @@ def _to_senders(x: jax.Array, plan: Plan, mesh: Mesh) -> jax.Array:
       (plan.num_devices * r,) + x.shape[1:], NamedSharding(mesh, P(_AXIS)), blocks)
 
 
-def _from_receivers(y: jax.Array, plan: Plan, dst: Layout) -> jax.Array:
+def _from_receivers(y: jax.Array, plan: RepartitionPlan, dst: Layout) -> jax.Array:
   """Re-labels per-position output blocks as the destination layout; no copy."""
   shape = (plan.num_rows,) + y.shape[1:]
   return jax.make_array_from_single_device_arrays(
@@ -195,11 +195,11 @@ def redistribute(tree: Any, lengths_B: np.ndarray, src: Layout, dst: Layout,
         jax.make_array_from_single_device_arrays(
             x.shape, dst.sharding, [s.data for s in x.addressable_shards])
         for x in leaves]), identity
-  plan = make_plan(np.asarray(lengths_B), src, dst, group_size=group_size)
+  plan = make_repartition_plan(np.asarray(lengths_B), src, dst, group_size=group_size)
   return execute(tree, plan, dst, mode), plan.perm_B
 
 
-def _prepare(tree: Any, plan: Plan, mode: Mode):
+def _prepare(tree: Any, plan: RepartitionPlan, mode: Mode):
   """The jitted program and its arguments for ``tree`` under ``plan``."""
   leaves, treedef = jax.tree.flatten(tree)
   mesh = _flat_mesh(plan)
@@ -213,7 +213,7 @@ def _prepare(tree: Any, plan: Plan, mode: Mode):
   return _program(mesh, mode, like), (*idx, *flat), treedef
 
 
-def execute(tree: Any, plan: Plan, dst: Layout,
+def execute(tree: Any, plan: RepartitionPlan, dst: Layout,
             mode: Mode | str = Mode.DISTRIBUTED) -> Any:
   """Runs a precomputed plan (no fast-path check)."""
   fn, args, treedef = _prepare(tree, plan, parse_mode(mode))
@@ -221,7 +221,7 @@ def execute(tree: Any, plan: Plan, dst: Layout,
   return jax.tree.unflatten(treedef, [_from_receivers(y, plan, dst) for y in out])
 
 
-def compiled_text(tree: Any, plan: Plan, mode: Mode | str = Mode.DISTRIBUTED) -> str:
+def compiled_text(tree: Any, plan: RepartitionPlan, mode: Mode | str = Mode.DISTRIBUTED) -> str:
   """HLO of the compiled re-partition program (to count its collectives)."""
   fn, args, _ = _prepare(tree, plan, parse_mode(mode))
   return fn.lower(*args).compile().as_text()

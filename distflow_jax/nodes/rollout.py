@@ -13,7 +13,7 @@ from distflow_jax.workflow.context import RunContext
 from distflow_jax.workflow.metrics import gather_processes
 
 
-def generate(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Batch) -> Batch:
+def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Batch) -> Batch:
   """n samples per prompt on this host's rollout replica (the ``rollout.backend``);
   weight sync first."""
   rollout = ctx.section(node, "rollout")
@@ -57,4 +57,4 @@ def prompt_width(longest_here: int, buckets, max_prompt_len: int) -> int:
   return fits[0] if fits else max_prompt_len
 
 
-NODES: NodeTable = {"generate": generate}
+NODES: NodeTable = {"generate": generate_node}

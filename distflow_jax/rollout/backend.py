@@ -113,11 +113,3 @@ def make_backend(name: str, model_cfg: ModelConfig, config: EngineConfig,
   """A `name` backend (a key of `BACKENDS`) for `model_cfg` with `config` on `mesh`."""
   return backend_factory(name)(model_cfg, config, mesh)
 
-
-def engine_of(backend: RolloutBackend) -> Engine:
-  """The `Engine` under an `engine` backend, for callers still on `driver.generate`."""
-  if not isinstance(backend, EngineBackend):
-    raise ConfigError(f"rollout.backend={backend.name!r}: this caller uses the engine API "
-                      "(RunContext.engine + driver.generate), which only the 'engine' backend "
-                      "has; call RunContext.backend(...).generate instead")
-  return backend.engine

@@ -210,7 +210,7 @@ def _sample(cfg: ArithmeticConfig, rng: random.Random
   return operands, ops
 
 
-def generate(config: ArithmeticConfig, split: str, num_examples: int, seed: int,
+def make_examples(config: ArithmeticConfig, split: str, num_examples: int, seed: int,
              *, unique: bool = True) -> list[dict[str, str]]:
   """``num_examples`` deterministic records of ``split`` for ``seed``.
 
@@ -305,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   cfg = preset(args.preset)
   for split, n in (("train", args.train), ("eval", args.eval)):
     path = os.path.join(args.out, f"{split}.jsonl")
-    write_jsonl(generate(cfg, split, n, args.seed), path)
+    write_jsonl(make_examples(cfg, split, n, args.seed), path)
     print(f"wrote {n} {split} records to {path}")
 
 

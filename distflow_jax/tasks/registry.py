@@ -61,13 +61,13 @@ class ArithmeticTask:
 
   def generate_split(self, level: str, split: str, count: int, *, seed: int,
                      unique: bool = True) -> list[dict[str, str]]:
-    return arithmetic.generate(arithmetic.preset(level), split, count, seed=seed, unique=unique)
+    return arithmetic.make_examples(arithmetic.preset(level), split, count, seed=seed, unique=unique)
 
   def demonstrations(self, level: str, count: int, *, seed: int,
                      plain_answer_prob: float = 0.0) -> list[dict[str, str]]:
     # Questions are drawn with seed + 1: the RL train split of the same run is drawn with
     # `seed`, so the warm start sees other questions than the ones RL then trains on.
-    records = arithmetic.generate(arithmetic.preset(level), "train", count, seed=seed + 1,
+    records = arithmetic.make_examples(arithmetic.preset(level), "train", count, seed=seed + 1,
                                   unique=False)
     return arithmetic.sft_examples(records, plain_answer_prob=plain_answer_prob, seed=seed)
 

@@ -16,15 +16,15 @@ import jax
 import ml_collections
 import numpy as np
 
-from distflow_jax.dag.planner import Layout as PlanLayout, Plan, Topology
+from distflow_jax.dag.planner import NodeLayout, Plan, Topology
 from distflow_jax.dag.spec import Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch
 from distflow_jax.models import sharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.tokenizer import Tokenizer
-from distflow_jax.rollout.backend import RolloutBackend, backend_factory, engine_of
-from distflow_jax.rollout.engine import Engine, EngineConfig, replica_mesh
+from distflow_jax.rollout.backend import RolloutBackend, backend_factory
+from distflow_jax.rollout.engine import EngineConfig, replica_mesh
 from distflow_jax.rollout.sampling import SamplingParams
 from distflow_jax.workflow import roles as roles_lib
 from distflow_jax.workflow.algo_state import AlgoState
@@ -44,8 +44,8 @@ class RunContext:
   # State that changes from step to step (saved with the checkpoint): see algo_state.py.
   algo_state: AlgoState = dataclasses.field(default_factory=AlgoState)
   metrics: Metrics = dataclasses.field(default_factory=Metrics)
-  _layouts: dict[PlanLayout, dlayout.Layout] = dataclasses.field(default_factory=dict)
-  _engines: dict[Any, Engine] = dataclasses.field(default_factory=dict)
+  _layouts: dict[NodeLayout, dlayout.Layout] = dataclasses.field(default_factory=dict)
+  _backends: dict[Any, RolloutBackend] = dataclasses.field(default_factory=dict)
   _jitted: dict[Any, Callable] = dataclasses.field(default_factory=dict)
 
   @property
@@ -64,7 +64,7 @@ class RunContext:
     merged.update(dict(node.overrides))
     return merged
 
-  def layout(self, plan_layout: PlanLayout) -> dlayout.Layout:
+  def layout(self, plan_layout: NodeLayout) -> dlayout.Layout:
     """The data layout (mesh + sample axes) of a plan layout; cached per layout."""
     if plan_layout not in self._layouts:
       devs = roles_lib.ordered_devices()
@@ -95,21 +95,16 @@ class RunContext:
     name = rollout.get("backend", "engine")
     make = backend_factory(name)  # refuses an unknown name, listing the valid ones
     key = (name, conf, rollout.tensor_parallel)
-    if key not in self._engines:
+    if key not in self._backends:
       actor_devices = set(self.roles[Role.ACTOR].mesh.devices.flat)
       local = [d for d in jax.local_devices() if d in actor_devices]
       if self.cfg.trainer.deterministic:
         # One tensor-parallel group per host (no data-parallel split of the slots), so
         # the replica has the same shape whatever the host's device count.
         local = local[:rollout.tensor_parallel]
-      self._engines[key] = make(self.model_cfg, conf,
+      self._backends[key] = make(self.model_cfg, conf,
                                 replica_mesh(rollout.tensor_parallel, local))
-    return self._engines[key]
-
-  def engine(self, rollout: ml_collections.ConfigDict, greedy: bool = False) -> Engine:
-    """The ``engine`` backend's `Engine`, for callers still on ``driver.generate``; an
-    alias of ``backend`` until they move to ``backend(...).generate``."""
-    return engine_of(self.backend(rollout, greedy))
+    return self._backends[key]
 
   def step_rng(self, node: Node) -> jax.Array:
     """A key for this step and node, the same on every process: fold in global ids

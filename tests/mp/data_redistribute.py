@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from distflow_jax.data import redistribute as rd  # noqa: E402
 from distflow_jax.data.batch import Batch, redistribute_batch, to_global  # noqa: E402
 from distflow_jax.data.layout import Layout, flat_mesh, host_major_mesh, placed_as  # noqa: E402
-from distflow_jax.data.plan import make_plan  # noqa: E402
+from distflow_jax.data.plan import make_repartition_plan  # noqa: E402
 
 rows_per_host = 8
 num_rows = rows_per_host * info.process_count
@@ -41,7 +41,7 @@ lengths_g = jax.make_array_from_process_local_data(src.sharding, len_local)
 lengths = rd.replicate_lengths(lengths_g)
 np.testing.assert_array_equal(lengths, (np.arange(num_rows) * 37) % 101 + 1)
 
-plan = make_plan(lengths, src, dst)
+plan = make_repartition_plan(lengths, src, dst)
 text = rd.compiled_text(dict(batch.data), plan, "distributed")
 assert text.count("all-to-all(") == 1, text.count("all-to-all(")
 
