@@ -3,6 +3,7 @@
   distflow-jax plan   --config=configs/grpo.py:tiny [--process=N] [--num_processes=P]
   distflow-jax launch -n 2 --devices-per-process 2 -- python prog.py
   distflow-jax train  --config=configs/grpo.py:tiny [--resume] [--distributed=auto]
+  distflow-jax sft    --config.data.train=FILE.jsonl [--eval_data=FILE] [--resume]
   distflow-jax generate --config=... --prompts=FILE.jsonl --out=OUT.jsonl
   distflow-jax export --checkpoint RUN_DIR --out HF_DIR [--step N]  (actor -> safetensors)
   distflow-jax report RUN_DIR [--out DIR]        (PNG plots + report.md of metrics.jsonl)

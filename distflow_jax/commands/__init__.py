@@ -8,6 +8,7 @@ simulated device count before anything imports jax, and report needs no jax.
     plan      the plan (placements, re-partitions) of a config
     launch    N local jax.distributed processes running one command
     train     the RL run of a config
+    sft       supervised fine-tuning on prompt/answer or chat rows
     eval      accuracy / pass@k of a local model on a dataset
     generate  completions for a JSONL file of prompts
     export    a run checkpoint's actor as a Hugging Face directory
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 
 import ml_collections
 
-NAMES = ("plan", "launch", "train", "generate", "export", "report", "eval")
+NAMES = ("plan", "launch", "train", "sft", "generate", "export", "report", "eval")
 
 
 def with_default_config(argv: Sequence[str], default: str) -> list[str]:

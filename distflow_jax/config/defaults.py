@@ -153,6 +153,22 @@ def base() -> ml_collections.ConfigDict:
       # last checkpoint saved before it.
       stop_on_collapse=False,
   )
+  # `distflow-jax sft` (workflow/sft_run.py): supervised fine-tuning on data.train's
+  # prompt/answer (or chat `messages`) rows.  Its checkpoints and metrics.jsonl go to
+  # <run_dir>/sft; the final Hugging Face folder to `out` ("" = <run_dir>/sft/model).
+  c.sft = dict(
+      steps=200,
+      lr=1e-4,
+      batch_size=16,         # global rows per step; a multiple of the actor's data-parallel size
+      warmup_steps=20,       # linear warm-up to lr, then cosine decay to 0 at `steps`
+      weight_decay=0.0,
+      grad_clip=1.0,         # global-norm clip; 0 disables
+      eval_every=50,         # held-out loss (and accuracy) every K steps, first and last; 0 = off
+      eval_size=64,          # held-out rows: of --eval_data, else split off data.train
+      save_every=100,        # checkpoint every K steps (and at the end); 0 = only at the end
+      keep=2,                # keep the last N checkpoints; 0 = all
+      out="",
+  )
   c.entry = ""               # "" = the single generate node
   c.dag = []
   return c

@@ -124,6 +124,8 @@ def check_values(cfg) -> None:
   _check_reward(cfg.reward)
   _check_algo(cfg.algo)
   _check_trainer(cfg.trainer)
+  if "sft" in cfg:
+    _check_sft(cfg.sft)
 
 
 def _check_rollout(r) -> None:
@@ -221,3 +223,19 @@ def _check_trainer(t) -> None:
   positive(t.save_every, "trainer.save_every", allow_zero=True,
            note=" (0 = a checkpoint only at the end)")
   positive(t.keep, "trainer.keep", allow_zero=True, note=" (0 = keep every checkpoint)")
+
+
+def _check_sft(s) -> None:
+  positive(s.steps, "sft.steps")
+  check_lr(s.lr, "sft.lr", "adamw")
+  positive(s.batch_size, "sft.batch_size")
+  positive(s.warmup_steps, "sft.warmup_steps", allow_zero=True, note=" (0 = no warm-up)")
+  if s.warmup_steps and s.warmup_steps >= s.steps:
+    raise ConfigError(f"sft.warmup_steps={s.warmup_steps} must be below sft.steps={s.steps}")
+  in_range(s.weight_decay, "sft.weight_decay", 0)
+  in_range(s.grad_clip, "sft.grad_clip", 0, note=" (0 = no clipping)")
+  positive(s.eval_every, "sft.eval_every", allow_zero=True, note=" (0 = no evaluation)")
+  positive(s.eval_size, "sft.eval_size", allow_zero=True, note=" (0 = no held-out rows)")
+  positive(s.save_every, "sft.save_every", allow_zero=True,
+           note=" (0 = a checkpoint only at the end)")
+  positive(s.keep, "sft.keep", allow_zero=True, note=" (0 = keep every checkpoint)")
