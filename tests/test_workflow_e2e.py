@@ -226,3 +226,42 @@ def test_reward_model_node_adds_its_score_to_the_rule_reward(tmp_path):
     assert math.isfinite(m["reward/rm"]) and m["reward/rm"] != 0.0
     assert m["reward"] == pytest.approx(m["reward/reward_math"] + 0.5 * m["reward/rm"],
                                         abs=1e-5)
+
+
+@pytest.mark.timeout(600)
+def test_critic_warmup_trains_the_critic_alone_first(tmp_path):
+  """critic.warmup_steps=1: step 1 updates the critic only; step 2 the actor too.  The
+  value head starts at zero, and the rollout's NLL (the entropy signal) is reported."""
+  cfg = loading.load("ppo:tiny", smoke_overrides(
+      tmp_path, "cluster.devices_per_process=8", "data.prompts_per_step=16",
+      "actor.micro_batch_size=1", "critic.micro_batch_size=1", "critic.warmup_steps=1",
+      "trainer.total_steps=2"))
+  ctx, loaders = trainer.setup(cfg, log=lambda m: None)
+  snap = lambda role: jax.tree.map(np.asarray, ctx.roles[role].params)  # noqa: E731
+  same = lambda a, b: all(np.array_equal(x, y) for x, y in  # noqa: E731
+                          zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  actor0, critic0 = snap(Role.ACTOR), snap(Role.CRITIC)
+  steps = trainer.train(cfg, ctx, loaders)
+  m1 = next(steps)
+  actor1, critic1 = snap(Role.ACTOR), snap(Role.CRITIC)
+  assert same(actor0, actor1) and not same(critic0, critic1)
+  assert m1["actor/critic_warmup"] == 1.0 and "actor/loss" not in m1
+  assert m1["rollout_nll"] > 0 and math.isfinite(m1["critic/loss"])
+  m2 = next(steps)
+  assert not same(actor1, snap(Role.ACTOR)) and "actor/critic_warmup" not in m2
+  assert math.isfinite(m2["actor/loss"])
+
+
+def test_critic_warmup_needs_a_critic_and_a_step_left(tmp_path):
+  from distflow_jax.config.loading import ConfigError
+  with pytest.raises(ConfigError, match="no train.critic node"):
+    plan_of("grpo:tiny", tmp_path, "critic.warmup_steps=2")
+  with pytest.raises(ConfigError, match="leaves no step for the actor"):
+    plan_of("ppo:tiny", tmp_path, "critic.warmup_steps=3")
+
+
+def plan_of(name, tmp_path, *extra):
+  from distflow_jax.config import checks
+  from distflow_jax.dag import FUNCTIONS
+  cfg = loading.load(name, smoke_overrides(tmp_path, "cluster.devices_per_process=8", *extra))
+  return checks.plan_from_config(cfg, checks.topology(cfg, 1, 8), FUNCTIONS)

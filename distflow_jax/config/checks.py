@@ -79,6 +79,9 @@ def plan_from_config(cfg: ml_collections.ConfigDict, topo: planner_lib.Topology,
   from distflow_jax.dag.rules import check_kl_reference  # KL > 0 needs ref_logprobs first
   check_kl_reference(plan.steps, registry, cfg.actor.kl.coef, cfg.actor.kl.in_reward)
   values.check_values(cfg)
+  if cfg.critic.warmup_steps and not any(n.fn == "train.critic" for n in dag.nodes):
+    raise ConfigError(f"critic.warmup_steps={cfg.critic.warmup_steps} but no train.critic node "
+                      f"trains a critic; set it to 0 or add the critic to the DAG")
   _check_node_values(dag, cfg, registry)
   _check_batches(cfg, plan, dag, registry)
   return plan

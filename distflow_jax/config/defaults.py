@@ -103,6 +103,9 @@ def base() -> ml_collections.ConfigDict:
       micro_batch_size=8,
       ppo_epochs=1,
       value_clip=0.2,
+      # Steps at the start in which only the critic trains (the actor's update is skipped):
+      # a fresh critic's values are not yet worth subtracting from the returns.
+      warmup_steps=0,
   )
   c.reference = dict()
   c.reward = dict(

@@ -121,6 +121,11 @@ def check_values(cfg) -> None:
     positive(section.ppo_epochs, f"{role}.ppo_epochs")
     check_optimizer(section.optimizer, f"{role}.optimizer")
   in_range(cfg.critic.value_clip, "critic.value_clip", 0)
+  positive(cfg.critic.warmup_steps, "critic.warmup_steps", allow_zero=True,
+           note=" (0 = the actor trains from the first step)")
+  if cfg.critic.warmup_steps >= cfg.trainer.total_steps > 0:
+    raise ConfigError(f"critic.warmup_steps={cfg.critic.warmup_steps} leaves no step for the "
+                      f"actor (trainer.total_steps={cfg.trainer.total_steps})")
   _check_reward(cfg.reward)
   _check_algo(cfg.algo)
   _check_trainer(cfg.trainer)
@@ -203,13 +208,13 @@ def _check_reward(r) -> None:
   for name in ("weight", "correct", "wrong"):
     in_range(r[name], f"reward.{name}")
   in_range(r.tolerance, "reward.tolerance", 0)
-
-
   option(r.match, "reward.match", "match")
   if r.match == "math_verify":
     from distflow_jax.rewards import math_answer
     if not math_answer.has_math_verify():
       raise ConfigError(math_answer.MATH_VERIFY_MISSING)
+
+
 def _check_algo(a) -> None:
   in_range(a.gamma, "algo.gamma", 0, 1)
   in_range(a.lam, "algo.lam", 0, 1)

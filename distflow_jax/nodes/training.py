@@ -21,6 +21,9 @@ from distflow_jax.workflow.context import RunContext
 
 
 def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: Batch) -> Batch:
+  if role is Role.ACTOR and ctx.step < ctx.cfg.critic.warmup_steps:
+    ctx.metrics.add("actor/critic_warmup", 1.0)  # the critic learns first; actor unchanged
+    return batch
   state = ctx.roles[role]
   section = ctx.section(node, role.value.lower())
   data = seq(batch)
