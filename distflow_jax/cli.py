@@ -8,6 +8,10 @@
   distflow-jax export --checkpoint RUN_DIR --out HF_DIR [--step N]  (actor -> safetensors)
   distflow-jax report RUN_DIR [--out DIR]        (PNG plots + report.md of metrics.jsonl)
   distflow-jax eval   --model=HF_DIR --data=FILE.jsonl [--k=8] [--config=...]
+  distflow-jax config --config=... [--config.x=y] [--diff]  (the resolved config)
+
+`distflow-jax <command> --help` (or `distflow-jax help <command>`) shows a
+command's usage and flags.
 
 Errors are one line on stderr: a mistake in the command, config or files
 (a bad flag, a missing or unreadable path, a broken model folder) exits 2, a
@@ -85,6 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   """Runs one command; returns its exit code.  Never raises (but SystemExit and
   KeyboardInterrupt): errors become one line on stderr (see the module doc)."""
   argv, debug = _take_debug(list(sys.argv[1:] if argv is None else argv))
+  if argv[:1] == ["help"] and len(argv) > 1 and argv[1] in COMMANDS:
+    argv = [argv[1], "--help"]  # `distflow-jax help train` = `distflow-jax train --help`
   if not argv or argv[0] in ("-h", "--help", "help"):
     print(__doc__.strip())
     print(f"\ncommands: {', '.join(COMMANDS)}")
@@ -94,6 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from distflow_jax.dag.registry import unknown_name_message
     print(f"distflow-jax: {unknown_name_message('command', cmd, COMMANDS)}", file=sys.stderr)
     return 2
+  from distflow_jax.commands import usage
+  if usage.wants_help(rest):
+    return usage.show(cmd, COMMANDS[cmd])
   from distflow_jax.rewards.registry import RewardFunctionError
   try:
     return COMMANDS[cmd](rest)

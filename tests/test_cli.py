@@ -74,7 +74,7 @@ def test_dispatcher_imports_commands_only_when_they_run():
   code = ("import sys; from distflow_jax import cli; "
           "assert 'jax' not in sys.modules and not any(m.startswith('distflow_jax.commands.') "
           "for m in sys.modules), sorted(sys.modules); "
-          "assert list(cli.COMMANDS) == ['plan', 'launch', 'train', 'generate', 'export', "
-          "'report', 'eval']")
+          "assert list(cli.COMMANDS) == ['plan', 'launch', 'train', 'sft', 'generate', 'export', "
+          "'report', 'eval', 'config']")
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
   assert r.returncode == 0, r.stderr[-2000:]

@@ -13,6 +13,7 @@ simulated device count before anything imports jax, and report needs no jax.
     generate  completions for a JSONL file of prompts
     export    a run checkpoint's actor as a Hugging Face directory
     report    PNG plots + report.md of a run's metrics
+    config    the resolved config (file + overrides), or what differs from the defaults
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 
 import ml_collections
 
-NAMES = ("plan", "launch", "train", "sft", "generate", "export", "report", "eval")
+NAMES = ("plan", "launch", "train", "sft", "generate", "export", "report", "eval", "config")
 
 
 def with_default_config(argv: Sequence[str], default: str) -> list[str]:

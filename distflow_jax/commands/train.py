@@ -1,15 +1,24 @@
 """``distflow-jax train``: the RL run of a config, resumable.
 
   distflow-jax train [--config=configs/grpo.py:tiny] [--resume|--noresume]
-      [--distributed=env|auto|none] [--config.x=y ...]
+      [--distributed=env|auto|none] [--allow_config_change] [--config.x=y ...]
 
 Without ``--config`` it runs the built-in default (``grpo:tiny``).  A dead
 peer or running out of memory ends the run with one line saying so (exit 1).
+The resolved config goes to ``run_dir/config.json`` (each start appended to
+``run_dir/config_history.jsonl``).  A resume compares the config with the
+checkpoint's: keys that change what the run computes are refused unless
+``--allow_config_change``; others (total_steps, eval_every, save_every, keep,
+run_dir, health alarms, layout) pass and are reported (workflow/run_config.py).
+A finished run (latest checkpoint at trainer.total_steps) has nothing to do
+(exit 0).  Ctrl-C says which checkpoint is saved and exits 130.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from collections.abc import Sequence
 
 from absl import flags
@@ -29,25 +38,49 @@ def run(argv: Sequence[str]) -> int:
   flags.DEFINE_boolean("resume", None, "continue from the latest complete checkpoint in the "
                        "run dir (default: when there is one); --noresume refuses to start "
                        "over a run dir that holds checkpoints", flag_values=fv)
+  flags.DEFINE_boolean("allow_config_change", False, "resume even when the config changes "
+                       "keys that change what the run computes (lr, rollout.n, the DAG, ...)",
+                       flag_values=fv)
   rest = loading.parse(fv, with_default_config(argv, DEFAULT_CONFIG))
   if rest:
     raise loading.ConfigError(f"train takes no positional arguments, got {rest}")
   cfg = fv.config
   from distflow_jax import distributed
   distributed.simulate_cpu_devices(cfg.cluster.devices_per_process)  # before jax is imported
-  from distflow_jax.workflow import checkpoint, progress, trainer
+  from distflow_jax.workflow import checkpoint, progress, run_config, trainer
   info = distributed.initialize(auto=fv.distributed == "auto")
   log = progress.Logger(info.process_index == 0)
   log(f"config {cfg.name}: {info.process_count} process(es) x {info.local_device_count} "
       f"device(s); run dir {cfg.run_dir}")
+  # Before any weights: a refused config change or a finished run costs no warm start.
+  resumed = run_config.preflight(cfg, resume=fv.resume, allow_change=fv.allow_config_change,
+                                 log=log)
+  if resumed.finished:
+    log(run_config.finished_message(cfg, resumed))
+    return 0
+  run_config.write_resolved(cfg, resumed, writer=info.process_index == 0)
+  ckpt, t0 = None, time.perf_counter()
   try:
     ctx, loaders = trainer.setup(cfg, log)
+    log.nodes = [s.node.id for s in ctx.plan.steps]  # the times line in run order
     ckpt, start = checkpoint.open_run(cfg, ctx.roles, loaders.train, resume=fv.resume, log=log,
                                       ctx=ctx)
+    t0 = time.perf_counter()
     for m in trainer.train(cfg, ctx, loaders, start, checkpointer=ckpt, log=log):
       log.step(m, cfg.trainer.total_steps)
+    ckpt.wait()
+    last = ckpt.latest_step()
     ckpt.close()
+    log.summary(progress.summary_lines(
+        cfg.run_dir, checkpoint_dir=ckpt.directory, last_checkpoint=last,
+        steps=cfg.trainer.total_steps - start, seconds=time.perf_counter() - t0,
+        eval_data=trainer.dataset_paths(cfg)[1]))
+  except KeyboardInterrupt:
+    log.end_line()
+    print(f"distflow-jax train: {_interrupted(ckpt, cfg)}", file=sys.stderr)
+    return 130
   except Exception as e:  # pylint: disable=broad-except
+    log.end_line()
     from distflow_jax.workflow import health, hints, peers
     if isinstance(e, health.CollapseError):
       print(f"distflow-jax train: {e}", file=sys.stderr)
@@ -62,3 +95,22 @@ def run(argv: Sequence[str]) -> int:
     print(f"distflow-jax train: {hint}", file=sys.stderr)
     return 1
   return 0
+
+
+def _interrupted(ckpt, cfg) -> str:
+  """What Ctrl-C leaves: a save in flight is let finish (a second Ctrl-C abandons it; the
+  half-written step is ignored by the next run)."""
+  from distflow_jax.workflow import checkpoint, progress
+  last = None
+  if ckpt is not None:
+    try:
+      ckpt.wait()
+      last = ckpt.latest_step()
+    except BaseException:  # noqa: BLE001 - a second Ctrl-C, or the save failed
+      last = None  # then say what is on disk
+  directory = checkpoint.checkpoint_dir(cfg.run_dir)
+  if last is None and os.path.isdir(directory):
+    from distflow_jax.workflow import run_config
+    steps = run_config.committed_steps(cfg.run_dir)
+    last = steps[-1] if steps else None
+  return progress.interrupted_line(last, directory)

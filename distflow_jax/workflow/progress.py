@@ -1,47 +1,259 @@
-"""Console progress: a bar per phase with live reward / accuracy and node timings."""
+"""Console progress of a run: a step bar with ETA, named phases, and an end summary.
+
+    log = Logger(process_index == 0)
+    log("a message")                      # [  12.3s] a message
+    phase(log, "evaluation")              # names what runs now (a no-op on plain callables)
+    log.step(metrics, total_steps)        # step 3/20 [##....] 2.10s/step ETA 0:36 reward ...
+    log.summary(summary_lines(...))       # where things are, and what to run next
+
+Step lines fit ``width`` (80) columns: the least useful fields are dropped
+first (tok/s, kl, length, the bar), never the step, the ETA, skipped updates
+(``SKIPPED(actor)``) or holding health alarms (``!kl_high``).  The per-node
+times go on a second line every ``times_every`` steps, in the plan's run
+order.  On a terminal the step line is redrawn in place (carriage return)
+and kept every ``times_every`` steps and whenever it carries an evaluation,
+a skipped update or an alarm; anywhere else (a file, a pipe, a CI log) every
+step and phase is a plain line of its own.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from typing import IO
 
-_KEYS = (("reward", "reward {:.3f}"), ("accuracy", "acc {:.3f}"),
-         ("eval/accuracy", "eval_acc {:.3f}"), ("response_length", "len {:.1f}"),
-         ("actor/kl", "kl {:.4f}"), ("tokens_per_s", "{:.0f} tok/s"))
+# (metric, format, drop priority: higher goes first when the line is too long)
+_KEYS = (("reward", "reward {:.3f}", 2), ("accuracy", "acc {:.3f}", 3),
+         ("eval/accuracy", "eval {:.3f}", 1), ("response_length", "len {:.1f}", 5),
+         ("actor/kl", "kl {:.4f}", 5), ("tokens_per_s", "{:.0f} tok/s", 6))
+_BAR_WIDTH = 12
+# The phases a run names as they start (``phase``).
+PHASES = ("warm start", "compile/first step", "evaluation", "checkpoint save")
 
 
-def bar(done: int, total: int, width: int = 24) -> str:
-  filled = int(width * done / max(total, 1))
-  return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
+def bar(done: int, total: int, width: int = _BAR_WIDTH) -> str:
+  filled = min(int(width * done / max(total, 1)), width)
+  return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def clock(seconds: float) -> str:
+  """``m:ss`` or ``h:mm:ss``."""
+  s = int(round(max(seconds, 0.0)))
+  h, m = divmod(s // 60, 60)
+  return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"
+
+
+def fit(parts: Sequence[tuple[str, int]], width: int) -> str:
+  """Joins ``(text, priority)`` parts, dropping the highest priority (the last of equals)
+  until the line fits; priority 0 is never dropped (the line is cut as a last resort)."""
+  parts = [p for p in parts if p[0]]
+  while len(" ".join(t for t, _ in parts)) > width:
+    droppable = [i for i, (_, pr) in enumerate(parts) if pr > 0]
+    if not droppable:
+      break
+    parts.pop(max(droppable, key=lambda i: (parts[i][1], i)))
+  line = " ".join(t for t, _ in parts)
+  return line if len(line) <= width else line[:width - 3] + "..."
+
+
+def phase(log: Callable[[str], None] | None, name: str) -> None:
+  """Names the phase starting now on a ``Logger``; a plain callable (``print``) gets nothing:
+  callers of the library that did not ask for progress get no extra lines."""
+  if isinstance(log, Logger):
+    log.phase(name)
 
 
 class Logger:
   """Prints on process 0 only; ``step`` renders one training step's line."""
 
-  def __init__(self, enabled: bool, out: IO[str] | None = None):
+  def __init__(self, enabled: bool, out: IO[str] | None = None, *, tty: bool | None = None,
+               width: int = 80, times_every: int = 10):
     self.enabled = enabled
     self.out = out if out is not None else sys.stdout  # now, not at import time
+    self.tty = bool(tty if tty is not None else getattr(self.out, "isatty", lambda: False)())
+    self.width = width
+    self.times_every = max(times_every, 1)
     self.start = time.perf_counter()
+    self.nodes: list[str] = []   # the plan's node ids in run order (for the times line)
+    self._live = ""              # the line drawn in place on a terminal (not yet kept)
+    self._marks: list[tuple[int, float]] = []  # (step, time) of the steps seen
+    self._t0 = self.start        # when training (the first step) started
+    self._where = ""             # "step 3/20 [##..]" of the last step, for phase lines
+    self.first_step: int | None = None
 
-  def __call__(self, message: str) -> None:
+  # -- output --
+
+  def _write(self, text: str) -> None:
     if self.enabled:
-      self.out.write(f"[{time.perf_counter() - self.start:7.1f}s] {message}\n")
+      self.out.write(text)
       self.out.flush()
 
+  def _clear(self) -> None:
+    if self.tty and self._live:
+      self._write("\r\033[K")
+
+  def _draw(self, line: str) -> None:
+    """On a terminal: ``line`` redrawn in place; it stays until the next line replaces it."""
+    self._live = line
+    self._write("\r" + line + "\033[K")
+
+  def __call__(self, message: str) -> None:
+    self._clear()
+    self._write(f"[{time.perf_counter() - self.start:7.1f}s] {message}\n")
+    if self.tty and self._live:
+      self._write(self._live)
+
+  def end_line(self) -> None:
+    """Ends a line drawn in place (before something else writes to the terminal)."""
+    if self.tty and self._live:
+      self._write("\n")
+    self._live = ""
+
+  # -- phases --
+
+  def phase(self, name: str) -> None:
+    if name == "compile/first step":
+      self._t0 = time.perf_counter()
+      name = "compile and first step (later steps are faster)"
+    if self.tty:
+      # Behind the step line still drawn when it fits, else in place of its numbers.
+      step_line = self._live.split(" | ")[0] if self._live.startswith("step ") else ""
+      text = f"{step_line} | {name}..."
+      if not step_line or len(text) > self.width:
+        text = f"{self._where} {name}...".strip()
+      self._draw(fit([(text, 0)], self.width))
+    else:
+      self(f"{name}...")
+
+  def progress(self, label: str, done: int, total: int, extra: str = "") -> None:
+    """A sub-task's bar (the warm start): redrawn on a terminal, a line elsewhere."""
+    line = fit([(f"{label} {done}/{total}", 0), (bar(done, total), 3), (extra, 1)], self.width)
+    if self.tty:
+      self._draw(line)
+      if done >= total:
+        self.end_line()
+    else:
+      self(line)
+
+  # -- steps --
+
+  def rate(self) -> float | None:
+    """Seconds per step over the last (up to) 20 steps; the first step (compiling) counts
+    only while it is the only one."""
+    marks = self._marks[-21:]
+    if len(marks) >= 2:
+      (s0, t0), (s1, t1) = marks[0], marks[-1]
+      return (t1 - t0) / max(s1 - s0, 1)
+    if marks:
+      return (marks[0][1] - self._t0) / 1.0
+    return None
+
   def step(self, m: dict[str, float], total: int) -> None:
-    parts = [bar(int(m["step"]), total)]
-    parts += [fmt.format(m[k]) for k, fmt in _KEYS if k in m]
+    step = int(m["step"])
+    now = time.perf_counter()
+    if step > 0:
+      if self.first_step is None:
+        self.first_step = step
+      self._marks.append((step, now))
+    self._where = f"step {step}/{total} {bar(step, total)}"
+    parts: list[tuple[str, int]] = [(f"step {step}/{total}", 0), (bar(step, total), 4)]
+    rate = self.rate()
+    if step > 0 and rate is not None:
+      parts += [(f"{rate:.2f}s/step", 2), (f"ETA {clock(rate * (total - step))}", 0)]
+    parts += [(fmt.format(m[k]), pr) for k, fmt, pr in _KEYS if k in m]
     # A step whose update was refused (non-finite loss, gradient or new parameters) and
     # the health signals holding now: visible here, not only in metrics.jsonl.
     skipped = [k.split("/")[0] for k in m if k.endswith("/skipped") and m[k]]
     if skipped:
-      parts.append("SKIPPED(" + ",".join(sorted(skipped)) + ")")
+      parts.append(("SKIPPED(" + ",".join(sorted(skipped)) + ")", 0))
     alarms = [k[len("health/"):] for k in m if k.startswith("health/") and m[k]]
     if alarms:
-      parts.append("!" + ",".join(sorted(alarms)))
-    times = sorted((k[5:], v) for k, v in m.items()
-                   if k.startswith("time/") and k != "time/step" and "/move_to/" not in k)
-    if times:
-      parts.append("| " + " ".join(f"{name} {v:.2f}s" for name, v in times))
-    self(" ".join(parts))
+      parts.append(("!" + ",".join(sorted(alarms)), 0))
+    line = fit(parts, self.width)
+    times = self.times_lines(m) if step % self.times_every == 0 or step == total else []
+    keep = bool(times or skipped or alarms or "eval/accuracy" in m or step in (0, total))
+    if self.tty:
+      self._draw(line)
+      if keep:
+        self.end_line()
+    else:
+      self._write(line + "\n")
+    for t in times:
+      self._write(t + "\n")
+
+  def times_lines(self, m: dict[str, float]) -> list[str]:
+    """``  times: generate 0.52s reward 0.01s ...`` in run order, wrapped to the width."""
+    names = [k[5:] for k in m if k.startswith("time/") and k != "time/step"
+             and "/move_to/" not in k]
+    if not names:
+      return []
+    order = {n: i for i, n in enumerate(self.nodes)}
+    names.sort(key=lambda n: order.get(n, len(order)))  # unknown ones after, as they came
+    words = [f"{n} {m['time/' + n]:.2f}s" for n in names]
+    if "time/step" in m:
+      words.append(f"(step {m['time/step']:.2f}s)")
+    lines, line = [], "  times:"
+    for w in words:
+      if len(line) + 1 + len(w) > self.width and line.strip() != "times:":
+        lines.append(line)
+        line = "        "
+      line += " " + w
+    return lines + [line]
+
+  # -- the end --
+
+  def summary(self, lines: Sequence[str]) -> None:
+    self.end_line()
+    for line in lines:
+      self._write(line + "\n")
+
+
+def _first_last_eval(metrics_path: str) -> tuple[tuple[int, float] | None, tuple[int, float] | None]:
+  first = last = None
+  try:
+    with open(metrics_path) as f:
+      for raw in f:
+        try:
+          rec = json.loads(raw)
+        except ValueError:
+          continue
+        if isinstance(rec, dict) and "eval/accuracy" in rec:
+          point = (int(rec.get("step", 0)), float(rec["eval/accuracy"]))
+          first = first or point
+          last = point
+  except OSError:
+    pass
+  return first, last
+
+
+def summary_lines(run_dir: str, *, checkpoint_dir: str, last_checkpoint: int | None,
+                  steps: int, seconds: float, eval_data: str | None) -> list[str]:
+  """The end of a run: held-out accuracy at the start and the end (when evaluated), where
+  the checkpoint and metrics are, and the commands to look at or use the result."""
+  run_dir = os.path.normpath(run_dir)
+  out = [f"done: {steps} step(s) in {clock(seconds)}"
+         + (f" ({seconds / steps:.2f}s/step)" if steps else "")]
+  first, last = _first_last_eval(os.path.join(run_dir, "metrics.jsonl"))
+  if first is not None and last is not None:
+    out.append(f"held-out accuracy: {first[1]:.3f} at step {first[0]} -> {last[1]:.3f} at "
+               f"step {last[0]}")
+  if last_checkpoint is not None:
+    out.append(f"checkpoint: {os.path.join(checkpoint_dir, str(last_checkpoint))}")
+  out.append(f"metrics:    {os.path.join(run_dir, 'metrics.jsonl')}")
+  hf = os.path.join(run_dir, "hf")
+  out += ["next:",
+          f"  distflow-jax report {run_dir}",
+          f"  distflow-jax export --checkpoint {run_dir} --out {hf}",
+          f"  distflow-jax eval --model={hf} --data={eval_data or 'FILE.jsonl'}"]
+  return out
+
+
+def interrupted_line(last_checkpoint: int | None, checkpoint_dir: str) -> str:
+  """What Ctrl-C leaves behind, in one line."""
+  if last_checkpoint is None:
+    return "interrupted (Ctrl-C); no checkpoint was saved: the next run starts over"
+  return (f"interrupted (Ctrl-C); the last complete checkpoint is step {last_checkpoint} in "
+          f"{checkpoint_dir}: run the same command to resume from it")

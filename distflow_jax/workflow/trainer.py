@@ -23,6 +23,7 @@ from distflow_jax.tasks import registry as tasks
 from distflow_jax.workflow import checkpoint
 from distflow_jax.workflow import evaluate as eval_lib
 from distflow_jax.workflow import executor, health as health_lib, hints
+from distflow_jax.workflow.progress import phase
 from distflow_jax.workflow.context import RunContext
 from distflow_jax.workflow import tensorboard
 from distflow_jax.workflow.metrics import JsonlWriter, Writers
@@ -131,17 +132,21 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
   eval_batch = next(iter(loaders.eval)) if loaders.eval is not None else None
 
   if eval_batch is not None and start_step == 0:
+    phase(log, "evaluation")
     first = {"step": 0, **eval_lib.evaluate(ctx, eval_batch)}
     writer.write(first)
     yield first
   for step in range(start_step, cfg.trainer.total_steps):
     ctx.step = step
     prompts = next(loaders.train)
+    if step == start_step:
+      phase(log, "compile/first step")  # the first step compiles every node: the slow one
     metrics = executor.run_step(ctx, prompts, more_prompts=lambda: next(loaders.train))
     metrics["step"] = step + 1
     metrics["data/bad_rows"] = float(sum(v for k, v in loaders.train.counts.items() if k != "ok"))
     if eval_batch is not None and ((step + 1) % cfg.trainer.eval_every == 0
                                    or step + 1 == cfg.trainer.total_steps):
+      phase(log, "evaluation")
       metrics.update(eval_lib.evaluate(ctx, eval_batch))
     alarms = monitor.update(step + 1, metrics)
     writer.write(metrics)
@@ -152,6 +157,7 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
     if collapse is not None and cfg.trainer.stop_on_collapse:
       raise health_lib.CollapseError(_collapse_message(collapse, checkpointer))
     if checkpointer is not None and checkpointer.due(step + 1, cfg.trainer.total_steps):
+      phase(log, "checkpoint save")
       checkpointer.save(step + 1, ctx.roles, loaders.train, cfg, ctx.model_cfg, ctx.tokenizer)
     yield metrics
   if checkpointer is not None:

@@ -4,6 +4,13 @@ RL needs a policy that is right some of the time.  With no checkpoint given,
 the built-in tiny model is first trained on worked answers (prompt ->
 completion + EOS) for a few hundred steps, then written as a Hugging Face
 directory in the run directory, so the next run loads it and skips this.
+The cache is keyed by its settings (``settings``: model preset and dtype,
+warm-start settings, task, seed, lengths, chat template, tokenizer), stored
+in ``KEY_FILE`` next to the weights: ``run_dir/warmstart`` serves the settings
+it was made with; other settings get (or reuse) a sibling
+``run_dir/warmstart-<hash>``, so a cache is never used for settings it was
+not made with.  A cache without a key (an older version's) counts as made
+with other settings.
 Prompts are encoded exactly as the RL loader encodes them.  The
 demonstrations come from the built-in task named by ``data.train``
 (tasks/registry.py).
@@ -14,6 +21,8 @@ demonstrations come from the built-in task named by ``data.train``
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -87,9 +96,46 @@ def run(state: ModelState, data: dict[str, np.ndarray], *, steps: int, batch_siz
   return loss
 
 
-def model_dir(cfg: ml_collections.ConfigDict) -> str:
-  """Where the warm-started built-in model of a run is cached."""
-  return os.path.join(cfg.run_dir, "warmstart")
+KEY_FILE = "distflow_warmstart.json"
+
+
+def settings(cfg: ml_collections.ConfigDict, tokenizer: Tokenizer) -> dict:
+  """Everything the warm-started weights depend on (the cache's key)."""
+  tok = hashlib.sha256(tokenizer.tok.to_str().encode()
+                       + json.dumps(tokenizer.config, sort_keys=True, default=str).encode())
+  return {"preset": cfg.model.preset, "dtype": cfg.model.dtype,
+          "warmstart": cfg.model.warmstart.to_dict(), "task": cfg.data.train,
+          "seed": cfg.seed, "max_prompt_len": cfg.data.max_prompt_len,
+          "max_new_tokens": cfg.rollout.max_new_tokens,
+          "chat_template": cfg.data.chat_template, "tokenizer": tok.hexdigest()[:16]}
+
+
+def key_hash(key: dict) -> str:
+  return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def _saved_key(directory: str) -> dict | None:
+  try:
+    with open(os.path.join(directory, KEY_FILE)) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def model_dir(cfg: ml_collections.ConfigDict, key: dict | None = None) -> str:
+  """Where the warm-started built-in model of a run with these settings is cached:
+  ``run_dir/warmstart`` when it is free or made with ``key``, else a keyed sibling."""
+  base = os.path.join(cfg.run_dir, "warmstart")
+  if key is None or not os.path.exists(base) or _saved_key(base) == key:
+    return base
+  return f"{base}-{key_hash(key)}"
+
+
+def _differences(old: dict | None, new: dict) -> str:
+  if old is None:
+    return "settings unknown (made before caches were keyed)"
+  keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+  return "made with other " + ", ".join(keys)
 
 
 def ensure_model(cfg: ml_collections.ConfigDict, plan: Plan, tokenizer: Tokenizer,
@@ -108,10 +154,17 @@ def ensure_model(cfg: ml_collections.ConfigDict, plan: Plan, tokenizer: Tokenize
     task, level = tasks.parse(cfg.data.train)
   except tasks.UnknownTaskError as e:
     raise ConfigError(f"data.train={cfg.data.train!r}: {e}") from None
-  wdir = model_dir(cfg)
-  if os.path.isfile(os.path.join(wdir, "config.json")):
+  key = settings(cfg, tokenizer)
+  wdir = model_dir(cfg, key)
+  base = model_dir(cfg)
+  if wdir != base:
+    log(f"warm start: {base} is not reused ({_differences(_saved_key(base), key)}); the "
+        f"warm start for these settings is cached in {wdir}")
+  if os.path.isfile(os.path.join(wdir, "config.json")) and _saved_key(wdir) == key:
     log(f"warm start: using the cached model in {wdir}")
     return wdir
+  from distflow_jax.workflow import progress
+  progress.phase(log, "warm start")
   model_cfg = roles_lib.model_config(cfg, tokenizer, "")
   actor_mesh = roles_lib.jax_mesh(next(m for m in plan.meshes if m.role is Role.ACTOR))
   model = roles_lib.build_actor(model_cfg, actor_mesh, "", cfg.seed)
@@ -127,11 +180,24 @@ def ensure_model(cfg: ml_collections.ConfigDict, plan: Plan, tokenizer: Tokenize
                            use_chat_template=cfg.data.chat_template)
     t0 = time.perf_counter()
     loss = run(state, data, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=cfg.seed,
-               on_step=lambda i, l: log(f"warm start {i + 1}/{ws.steps} loss {l:.3f}"))
+               on_step=lambda i, l: _show(log, i + 1, ws.steps, l))
     log(f"warm start: {ws.steps} supervised steps in {time.perf_counter() - t0:.0f}s, "
         f"final loss {loss:.3f}")
   hf_io.save_pretrained(wdir, nnx.merge(graphdef, state.params), tokenizer)
+  if jax.process_index() == 0:  # the key last: a folder with it is complete
+    with open(os.path.join(wdir, KEY_FILE + ".tmp"), "w") as f:
+      json.dump(key, f, indent=2, sort_keys=True)
+    os.replace(os.path.join(wdir, KEY_FILE + ".tmp"), os.path.join(wdir, KEY_FILE))
   if jax.process_count() > 1:  # only process 0 writes; the others read it next
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("distflow_warmstart_written")
   return wdir
+
+
+def _show(log: Callable[[str], None], done: int, total: int, loss: float) -> None:
+  """The warm start's bar on a progress Logger, a plain line on any other callable."""
+  from distflow_jax.workflow import progress
+  if isinstance(log, progress.Logger):
+    log.progress("warm start", done, total, f"loss {loss:.3f}")
+  else:
+    log(f"warm start {done}/{total} loss {loss:.3f}")

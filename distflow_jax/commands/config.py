@@ -1,0 +1,69 @@
+"""``distflow-jax config``: print the resolved config (file + overrides), one key a line.
+
+  distflow-jax config [--config=configs/grpo.py:tiny] [--config.x=y ...] [--diff] [--json]
+
+``--diff`` prints only the keys that differ from the defaults
+(``config/defaults.base()``) and the DAG: what the config file and the
+overrides set.  ``--json`` prints the same as JSON (what ``train`` writes to
+``run_dir/config.json``).  Without ``--config`` it shows the built-in default
+(``grpo:tiny``), like ``train``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from absl import flags
+
+from distflow_jax.commands import with_default_config
+from distflow_jax.config import loading
+
+DEFAULT_CONFIG = "grpo:tiny"
+
+
+def resolved(argv: Sequence[str]) -> tuple[dict[str, Any], bool, bool]:
+  """The resolved config as flat JSON values, and the --diff and --json flags."""
+  from distflow_jax.config import defaults
+  from distflow_jax.workflow import run_config
+
+  fv = flags.FlagValues()
+  flags.DEFINE_boolean("diff", False, "only the keys that differ from config/defaults.base(), "
+                       "and the DAG", flag_values=fv)
+  flags.DEFINE_boolean("json", False, "print JSON instead of one 'key: value' a line",
+                       flag_values=fv)
+  rest = loading.parse(fv, with_default_config(argv, DEFAULT_CONFIG))
+  if rest:
+    raise loading.ConfigError(f"config takes no positional arguments, got {rest}")
+  flat = run_config.flatten(run_config.as_plain(fv.config))
+  if fv.diff:
+    base = run_config.flatten(run_config.as_plain(defaults.base()))
+    flat = {k: v for k, v in flat.items() if k == "dag" or base.get(k, object()) != v}
+  return flat, fv.diff, fv.json
+
+
+def render(flat: dict[str, Any]) -> list[str]:
+  """``key: value`` lines (JSON values); the DAG one node a line, in its order."""
+  lines = [f"{k}: {json.dumps(v)}" for k, v in sorted(flat.items()) if k != "dag"]
+  dag = flat.get("dag")
+  if dag is not None:
+    lines.append("dag:" + ("" if dag else " []"))
+    lines += [f"  - {json.dumps(node)}" for node in dag]
+  return lines
+
+
+def run(argv: Sequence[str]) -> int:
+  flat, _, as_json = resolved(argv)
+  if as_json:
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+      *parents, leaf = key.split(".")
+      node = nested
+      for p in parents:
+        node = node.setdefault(p, {})
+      node[leaf] = value
+    print(json.dumps(nested, indent=2, sort_keys=True))
+  else:
+    print("\n".join(render(flat)))
+  return 0
