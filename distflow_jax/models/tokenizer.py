@@ -17,6 +17,15 @@ The built-in tokenizer is character level (digits are single tokens, all
 printable ASCII, newline, tab) with special tokens `<|pad|>`,
 `<|endoftext|>`, `<|im_end|>` (end of turn = EOS), `<|system|>`, `<|user|>`,
 `<|assistant|>`, `<|unk|>`; see tools/make_tiny_tokenizer.py.
+
+Saving (`save`, used by exports and checkpoints) writes a tokenizer that
+`transformers.AutoTokenizer` loads with the same ids.  transformers 5 rebuilds
+the tokenizer of a `qwen2` model as byte-level BPE from tokenizer.json's vocab
+and merges alone (its own pre-tokenizer and decoder, whatever the file or
+`tokenizer_class` say), so a character-level vocabulary such as the built-in
+one would lose every space and newline; it is saved as the equivalent
+byte-level BPE (`byte_level_json`): the same ids on every text of its
+characters.  Byte-level BPE tokenizers (Qwen, Llama 3) are saved as they are.
 """
 
 from __future__ import annotations
@@ -36,6 +45,46 @@ TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 BUILTIN_TOKENIZER = "tiny_tokenizer.json"
 BUILTIN_CONFIG = "tiny_tokenizer_config.json"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+  """GPT-2's byte -> printable character table, the alphabet of byte-level BPE vocabularies."""
+  bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + \
+      list(range(ord("\u00ae"), ord("\u00ff") + 1))
+  cs = bs[:]
+  n = 0
+  for b in range(256):
+    if b not in bs:
+      bs.append(b)
+      cs.append(256 + n)
+      n += 1
+  return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def byte_level_json(tok: tokenizers.Tokenizer) -> str | None:
+  """tokenizer.json of a character-level BPE tokenizer (no pre-tokenizer, no merges, every
+  regular token one byte long) rewritten as byte-level BPE with the same ids, which
+  transformers loads faithfully whatever tokenizer class it picks; None for any other
+  tokenizer (saved as it is).  Text of the vocabulary's characters encodes and decodes
+  the same; a character outside it (unknown either way) becomes one unknown token per
+  UTF-8 byte instead of one per character."""
+  d = json.loads(tok.to_str())
+  model = d.get("model") or {}
+  if model.get("type") != "BPE" or d.get("pre_tokenizer") is not None or model.get("merges"):
+    return None
+  special = {t["content"] for t in d.get("added_tokens", [])}
+  regular = [t for t in model["vocab"] if t not in special]
+  if not regular or any(len(t.encode("utf-8")) != 1 for t in regular):
+    return None
+  table = _bytes_to_unicode()
+  model["vocab"] = {(t if t in special else table[t.encode("utf-8")[0]]): i
+                    for t, i in model["vocab"].items()}
+  # No regex split (there are no merges to keep apart) and no prefix space: one token a byte.
+  d["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                        "use_regex": False}
+  d["decoder"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                  "use_regex": False}
+  return json.dumps(d, ensure_ascii=False, indent=2)
 
 
 def _token_str(value: Any) -> str | None:
@@ -169,10 +218,15 @@ class Tokenizer:
     return self.encode(text) if tokenize else text
 
   def save(self, path: str | os.PathLike) -> None:
-    """Writes `tokenizer.json` and `tokenizer_config.json` (transformers-loadable)."""
+    """Writes `tokenizer.json` and `tokenizer_config.json`, which transformers'
+    `AutoTokenizer` loads with our ids (see the module doc)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    self.tok.save(str(path / TOKENIZER_FILE))
+    converted = byte_level_json(self.tok)
+    if converted is None:
+      self.tok.save(str(path / TOKENIZER_FILE))
+    else:
+      (path / TOKENIZER_FILE).write_text(converted, encoding="utf-8")
     config = dict(self.config)
     config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
     config.setdefault("pad_token", self.pad_token)
