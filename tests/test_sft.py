@@ -40,23 +40,23 @@ def metrics(tmp_path) -> list[dict]:
 def test_sft_lowers_heldout_loss_and_writes_a_model_train_accepts(tmp_path, capsys):
   data = write_jsonl(tmp_path / "add.jsonl", add_rows(300))
   out = tmp_path / "model"
-  rc = cli.main(sft_args(tmp_path, data, "--config.sft.steps=40", "--config.sft.lr=3e-3",
-                         "--config.sft.warmup_steps=4", "--config.sft.eval_every=20",
+  rc = cli.main(sft_args(tmp_path, data, "--config.sft.steps=30", "--config.sft.lr=3e-3",
+                         "--config.sft.warmup_steps=3", "--config.sft.eval_every=15",
                          "--config.sft.eval_size=24", f"--config.sft.out={out}"))
   assert rc == 0, capsys.readouterr().err
   rows = metrics(tmp_path)
   evals = [r for r in rows if "eval/loss" in r]
-  assert [r["step"] for r in evals] == [0, 20, 40]
+  assert [r["step"] for r in evals] == [0, 15, 30]
   assert evals[-1]["eval/loss"] < 0.5 * evals[0]["eval/loss"]
   assert "eval/accuracy" in evals[-1]  # the answers carry '#### N': greedy accuracy too
-  assert [r["step"] for r in rows if "loss" in r] == list(range(1, 41))
+  assert [r["step"] for r in rows if "loss" in r] == list(range(1, 31))
   for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
     assert (out / name).is_file(), name
   from distflow_jax.models import hf_io
   model = hf_io.load_pretrained(str(out))
   assert model.cfg.vocab_size > 0
   # The folder is a model path `train` accepts: one GRPO step from it.
-  rc = cli.main(["train"] + [f"--config.{o}" for o in smoke_overrides(
+  rc = cli.main(["train", "--debug"] + [f"--config.{o}" for o in smoke_overrides(
       tmp_path / "rl", f"model.path={out}", "trainer.total_steps=1")])
   assert rc == 0, capsys.readouterr().err
 
