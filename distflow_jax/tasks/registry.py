@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
-from distflow_jax.tasks import arithmetic
+from distflow_jax.tasks import arithmetic, letters
 
 PREFIX = "builtin:"
 
@@ -86,6 +86,7 @@ def register(task: Task) -> None:
 
 
 register(ArithmeticTask())
+register(letters.TASK)  # letter counting (tasks/letters.py)
 
 
 def names() -> list[str]:
