@@ -89,6 +89,15 @@ def test_chat_messages_train_on_every_assistant_turn(tmp_path, capsys):
                          "--config.sft.eval_size=8"))
   assert rc == 0, capsys.readouterr().err
   assert os.path.isfile(tmp_path / "run" / "sft" / "model" / "model.safetensors")
+  # Continued from that Hugging Face folder, held out on another file.
+  model, again = tmp_path / "run" / "sft" / "model", tmp_path / "again"
+  rc = cli.main(sft_args(again, path, "--config.data.chat_template=True",
+                         f"--config.model.path={model}", f"--eval_data={path}",
+                         "--config.sft.steps=2", "--config.sft.warmup_steps=0",
+                         "--config.sft.batch_size=8", "--config.sft.eval_every=1",
+                         "--config.sft.eval_size=4"))
+  assert rc == 0, capsys.readouterr().err
+  assert [r["step"] for r in metrics(again) if "eval/loss" in r] == [0, 1, 2]
 
 
 def test_resumed_sft_continues_bitwise(tmp_path, monkeypatch, capsys):
