@@ -1,10 +1,12 @@
 """``distflow-jax plan``: print the execution plan of a config.
 
   distflow-jax plan --config=configs/grpo.py:tiny [--process=N] [--num_processes=P]
-      [--devices_per_process=D]
+      [--devices_per_process=D] [--memory [--device_memory=80GB] [--memory_source=analytic]]
 
 Plans for the config's cluster block, else the flags, else the running jax;
-``--process`` prints only that process's portion.
+``--process`` prints only that process's portion.  ``--memory`` adds each role's and
+node's bytes per device and the traffic per step (distflow_jax/memory/), compiled on
+simulated CPU devices of the target topology; it needs only the model's config.json.
 """
 
 from __future__ import annotations
@@ -26,10 +28,19 @@ def run(argv: Sequence[str]) -> int:
                        "(default: config.cluster, else the running jax)", flag_values=fv)
   flags.DEFINE_integer("devices_per_process", None, "plan for this many devices per process",
                        flag_values=fv)
+  flags.DEFINE_boolean("memory", False, "add per-device memory and traffic per step",
+                       flag_values=fv)
+  flags.DEFINE_string("device_memory", None, "with --memory: refuse a plan that does not "
+                      "fit this much per device (80GB, 96GiB, ...)", flag_values=fv)
+  flags.DEFINE_enum("memory_source", "compiled", ["compiled", "analytic"], "with --memory: "
+                    "compile the real steps abstractly, or the analytic model (fast, big "
+                    "models)", flag_values=fv)
   rest = loading.parse(fv, argv)
   if rest:
     raise loading.ConfigError(f"plan takes no positional arguments, got {rest}")
   cfg = fv.config
+  if fv.memory:
+    _simulate_devices(cfg, fv.num_processes, fv.devices_per_process)
   topo = checks.topology(cfg, fv.num_processes, fv.devices_per_process)
   plan = checks.plan_from_config(cfg, topo, FUNCTIONS)
   if fv.process is not None and not 0 <= fv.process < topo.num_processes:
@@ -37,4 +48,18 @@ def run(argv: Sequence[str]) -> int:
                               f"{topo.num_processes} process(es)")
   print(f"config: {cfg.name}")
   print(render(plan, fv.process))
+  if fv.memory:
+    from distflow_jax.memory import report
+    report.run(cfg, plan, fv.device_memory, fv.memory_source)
   return 0
+
+
+def _simulate_devices(cfg, num_processes: int | None, devices_per_process: int | None) -> None:
+  """The target topology's device count as simulated CPU devices, before jax is imported."""
+  from distflow_jax import distributed
+  np_ = num_processes or cfg.cluster.num_processes
+  dpp = devices_per_process or cfg.cluster.devices_per_process
+  if not np_ or not dpp:
+    raise loading.ConfigError("plan --memory needs the target topology: pass "
+                              "--num_processes and --devices_per_process (or set cluster.*)")
+  distributed.simulate_cpu_devices(int(np_) * int(dpp))

@@ -1,0 +1,91 @@
+"""The analytic memory model: per-device bytes from the model's shape, no jax needed.
+
+Used where the compiled figure is not available (``--memory=analytic``, or a model too
+big to compile on this host's simulated devices) and checked against the compiled one on
+small sizes (tests/test_memory_plan.py).  Bytes per device:
+
+* parameters: ``num_params x dtype bytes / (fsdp x tensor)``;
+* optimizer: Adam's two moments, in the parameters' dtype (optax keeps ``mu``/``nu`` in
+  the dtype of the parameters), so ``2 x`` the parameter bytes; SGD none;
+* gradients: the micro-batch accumulator plus one micro-batch's gradients, ``2 x``;
+* activations (no remat): per layer and token ``dtype x (ACT_D x D + ACT_F x F +
+  ACT_QKV x (heads + 2 kv_heads) x head_dim) + 4 x ACT_SCORES x heads x keys`` (float32
+  attention scores), plus one ``[chunk, vocab]`` float32 logits block x ``ACT_LOGITS``;
+* KV cache: ``slots x len x layers x 2 x kv_heads x head_dim x dtype bytes``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from distflow_jax.models.config import ModelConfig
+
+ACT_D, ACT_F, ACT_QKV, ACT_SCORES, ACT_LOGITS = 10.0, 4.0, 2.0, 2.0, 3.0
+# A forward-only pass keeps about one layer's buffers alive at a time.
+FWD_D, FWD_F = 4.0, 2.0
+LOGITS_CHUNK = 512  # train.steps' chunk_size of the log-prob head
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+def parse_bytes(text: str | int, where: str = "--device_memory") -> int:
+  """``"80GB"`` -> 80e9, ``"80GiB"`` -> 80 x 2**30, ``"512MB"``, plain bytes; ValueError
+  naming ``where`` otherwise."""
+  m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+  if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+    raise ValueError(f"{where}={text!r} is not a memory size; write e.g. 80GB, 141GB, 96GiB "
+                     f"or 512MB")
+  return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def fmt(n: float) -> str:
+  """Bytes as GB / MB (decimal, as accelerator memory is sold)."""
+  if abs(n) >= 10**9:
+    return f"{n / 1e9:.2f} GB"
+  return f"{n / 1e6:.1f} MB"
+
+
+def dtype_bytes(dtype: str) -> int:
+  return 4 if dtype == "float32" else 2
+
+
+def param_bytes(m: ModelConfig, shards: int = 1) -> float:
+  return m.num_params * dtype_bytes(m.dtype) / shards
+
+
+def opt_bytes(m: ModelConfig, shards: int, optimizer: str) -> float:
+  return 0.0 if optimizer == "sgd" else 2 * param_bytes(m, shards)
+
+
+def grad_bytes(m: ModelConfig, shards: int) -> float:
+  return 2 * param_bytes(m, shards)
+
+
+def tokens(rows: int, prompt_len: int, new_tokens: int, group_size: int) -> int:
+  """Tokens one pass runs for ``rows`` samples; a shared prompt runs once per group."""
+  return rows // max(group_size, 1) * prompt_len + rows * new_tokens
+
+
+def activation_bytes(m: ModelConfig, rows: int, prompt_len: int, new_tokens: int,
+                     group_size: int, tensor: int = 1, train: bool = True) -> float:
+  """One device's activations for ``rows`` samples (a micro-batch on training, the pass's
+  whole shard on a forward-only pass); ``tensor`` splits heads and the MLP."""
+  s = dtype_bytes(m.dtype)
+  toks = tokens(rows, prompt_len, new_tokens, group_size)
+  keys = prompt_len + new_tokens
+  qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim / tensor
+  if train:
+    per = s * (ACT_D * m.hidden_size + ACT_F * m.intermediate_size / tensor + ACT_QKV * qkv)
+    per += 4 * ACT_SCORES * m.num_heads / tensor * keys
+    body = m.num_layers * toks * per
+  else:
+    body = toks * s * (FWD_D * m.hidden_size + FWD_F * m.intermediate_size / tensor)
+  logits = min(LOGITS_CHUNK, rows * new_tokens) * m.vocab_size / tensor * 4 * ACT_LOGITS
+  return body + logits
+
+
+def kv_cache_bytes(m: ModelConfig, slots: int, cache_len: int) -> float:
+  """The whole cache of ``slots`` rows of ``cache_len`` (divide by the devices sharing it)."""
+  return slots * cache_len * m.num_layers * 2 * m.num_kv_heads * m.head_dim * dtype_bytes(m.dtype)

@@ -1,0 +1,302 @@
+"""``distflow-jax plan --memory``: per-device memory of each role and node, and traffic.
+
+``estimate`` sizes every consumer on every device of the plan: resident state (each
+role's parameters and optimizer state) plus the largest transient of one node (the
+rollout's synced weights and decode state, a log-prob pass, the train step).  Figures
+come from ``compiled`` (the real steps compiled on abstract shapes, on simulated devices
+of the target topology) or, with ``source="analytic"``, from ``analytic``.  ``render``
+prints them, the fit against a device's memory, the three biggest consumers and what to
+change; ``check_fits`` refuses a device that is too small in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import ml_collections
+
+from distflow_jax.config.loading import ConfigError
+from distflow_jax.dag.planner import Plan
+from distflow_jax.dag.spec import Role
+from distflow_jax.memory import analytic as an
+from distflow_jax.models.config import ModelConfig
+
+RESIDENT = "resident"
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+  """One consumer: ``where`` is a role (resident) or a node (transient, only while it runs)."""
+  where: str
+  what: str
+  nbytes: float
+  devices: tuple[int, ...]
+  phase: str        # RESIDENT, or the node id whose run it lives through
+  source: str       # "compiled" or "analytic"
+  advice: str
+
+
+@dataclasses.dataclass
+class Estimate:
+  items: list[Item]
+  traffic: list[str]
+  notes: list[str]
+
+  def per_device(self, d: int) -> tuple[float, str]:
+    """``(peak bytes, node of the peak)`` of device ``d``: resident + its largest node."""
+    mine = [i for i in self.items if d in i.devices]
+    resident = sum(i.nbytes for i in mine if i.phase == RESIDENT)
+    phases: dict[str, float] = {}
+    for i in mine:
+      if i.phase != RESIDENT:
+        phases[i.phase] = phases.get(i.phase, 0.0) + i.nbytes
+    node = max(phases, key=phases.get) if phases else "-"
+    return resident + phases.get(node, 0.0), node
+
+  def worst(self, num_devices: int) -> tuple[int, float, str]:
+    d = max(range(num_devices), key=lambda k: self.per_device(k)[0])
+    return (d, *self.per_device(d))
+
+  def biggest(self, d: int, node: str, k: int = 3) -> list[Item]:
+    live = [i for i in self.items if d in i.devices and i.phase in (RESIDENT, node)]
+    return sorted(live, key=lambda i: -i.nbytes)[:k]
+
+
+def _prompt_len(cfg: ml_collections.ConfigDict) -> int:
+  """The widest prompt columns a step can have (nodes.rollout.prompt_width)."""
+  fits = [b for b in cfg.rollout.prefill_buckets if b >= cfg.data.max_prompt_len]
+  return min(fits) if fits else cfg.data.max_prompt_len
+
+
+def _advice(cfg: ml_collections.ConfigDict, fsdp: int) -> dict[str, str]:
+  r, a = cfg.rollout, cfg.actor
+  remat = cfg.model.get("remat", None)
+  more = (f"shard it over more devices (fsdp={fsdp} now: --num_processes / "
+          f"placement.actor.mesh)")
+  return {
+      "params": more, "opt": more + " or actor.optimizer.name=sgd",
+      "grads": more,
+      "act": f"lower actor.micro_batch_size={a.micro_batch_size}"
+             + (" or set model.remat=True" if remat is not None and not remat else ""),
+      "ref": "place the reference on other devices (placement.reference) or set "
+             "actor.kl.coef=0 and drop the ref_logprob node",
+      "rollout_w": f"raise rollout.tensor_parallel={r.tensor_parallel} (each replica holds "
+                   f"the whole model / tensor_parallel)",
+      "kv": f"lower rollout.max_concurrent_decodes={r.max_concurrent_decodes} or "
+            f"rollout.max_new_tokens={r.max_new_tokens}",
+      "pass": f"lower data.prompts_per_step={cfg.data.prompts_per_step} (the pass runs "
+              f"the whole step's batch at once)",
+  }
+
+
+def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
+             source: str = "compiled") -> Estimate:
+  """Every consumer of every device of ``plan`` (jax must see the plan's device count)."""
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from distflow_jax.memory import compiled as cp
+  from distflow_jax.models import sharding
+  from distflow_jax.workflow import roles as roles_lib
+  from distflow_jax.workflow.context import shared_prompt_group
+
+  comp = source == "compiled"
+  src = "compiled" if comp else "analytic"
+  topo = plan.topology
+  meshes = {m.role: m for m in plan.meshes}
+  actor = meshes[Role.ACTOR]
+  fsdp, tp = actor.shape.get("fsdp", 1), actor.shape.get("tensor", 1)
+  shards = fsdp * tp
+  adv = _advice(cfg, fsdp)
+  items: list[Item] = []
+  notes = [f"figures: {src}" + (" (memory_analysis of the real jitted steps on "
+                                f"{topo.num_devices} simulated devices)" if comp else
+                                " model (memory/analytic.py)")]
+  trained = {s.node.role for s in plan.steps if s.node.fn.startswith("train.")}
+  total = max(cfg.trainer.total_steps * cfg.actor.ppo_epochs * cfg.actor.mini_batches, 1)
+  tx = roles_lib.optimizer(cfg, cfg.actor.optimizer, total)
+  opt_name = str(cfg.actor.optimizer.name)
+  samples = cfg.data.prompts_per_step * cfg.rollout.n
+  plen, nlen = _prompt_len(cfg), cfg.rollout.max_new_tokens
+  params_by_role = {}
+
+  def role_params(role):
+    if role not in params_by_role:
+      params_by_role[role] = cp.abstract_model(model_cfg, roles_lib.jax_mesh(meshes[role]))
+    return params_by_role[role]
+
+  for role in (Role.ACTOR, Role.REFERENCE):
+    if role not in meshes:
+      continue
+    rm = meshes[role]
+    n_sh = rm.shape.get("fsdp", 1) * rm.shape.get("tensor", 1)
+    pb = cp.device_bytes(role_params(role)[1]) if comp else an.param_bytes(model_cfg, n_sh)
+    items.append(Item(role.value.lower(), "parameters", pb, rm.devices, RESIDENT, src,
+                      adv["params" if role is Role.ACTOR else "ref"]))
+    if role is Role.ACTOR and role in trained:
+      if comp:
+        opt_abs = cp.abstract_opt_state(tx, role_params(role)[1], roles_lib.jax_mesh(rm))
+        ob = cp.device_bytes(opt_abs)
+      else:
+        ob = an.opt_bytes(model_cfg, n_sh, opt_name)
+      items.append(Item("actor", "optimizer state", ob, rm.devices, RESIDENT, src, adv["opt"]))
+  if Role.CRITIC in meshes:
+    cm = meshes[Role.CRITIC]
+    n_sh = cm.shape.get("fsdp", 1) * cm.shape.get("tensor", 1)
+    items.append(Item("critic", "parameters + optimizer state",
+                      an.param_bytes(model_cfg, n_sh) + an.opt_bytes(model_cfg, n_sh, "adam"),
+                      cm.devices, RESIDENT, "analytic", "place the critic on other devices "
+                      "(placement.critic) or shard it over more"))
+
+  for step in plan.steps:
+    node, lay = step.node, step.layout
+    devs = lay.devices
+    dp = lay.dp_size
+    if node.fn == "generate":
+      per_host = len(devs) // topo.num_processes
+      data = max(per_host // cfg.rollout.tensor_parallel, 1)
+      slots = cfg.rollout.max_concurrent_decodes
+      cache_len = max(cfg.rollout.prefill_buckets) + nlen
+      if comp:
+        rdevs = roles_lib.ordered_devices()
+        host0 = [rdevs[i] for i in devs[:per_host]]
+        rmesh = sharding.make_mesh({"data": data, "tensor": cfg.rollout.tensor_parallel}, host0)
+        wb, kvb = cp.rollout_state_bytes(model_cfg, rmesh, slots, cache_len)
+      else:
+        wb = an.param_bytes(model_cfg, cfg.rollout.tensor_parallel)
+        kvb = an.kv_cache_bytes(model_cfg, slots, cache_len) / per_host
+      items.append(Item(node.id, "rollout weights (synced copy)", wb, devs, node.id, src,
+                        adv["rollout_w"]))
+      items.append(Item(node.id, f"KV cache ({slots} slots x {cache_len})", kvb, devs, node.id,
+                        src, adv["kv"]))
+    elif node.fn in ("logprob", "ref_logprob", "train.actor"):
+      role = Role.REFERENCE if node.fn == "ref_logprob" else Role.ACTOR
+      jdevs = roles_lib.ordered_devices()
+      lmesh = sharding.make_mesh({"data": dp, "tensor": len(devs) // dp},
+                                 [jdevs[i] for i in devs]) if comp else None
+      layout = NamedSharding(lmesh, P("data")) if comp else None
+      if node.fn != "train.actor":
+        gs = shared_prompt_group(cfg, samples, dp)
+        if comp:
+          g, params = role_params(role)
+          batch = cp.abstract_batch(samples, plen, nlen, layout, ())
+          m = cp.logprob_memory(g, params, batch, gs, layout)
+          tb = m.temp + m.output + cp.device_bytes(batch)
+        else:
+          tb = an.activation_bytes(model_cfg, samples // dp, plen, nlen, gs, tp, train=False)
+        items.append(Item(node.id, "activations (forward pass)", tb, devs, node.id, src,
+                          adv["pass"]))
+        continue
+      minis = cfg.actor.mini_batches
+      micro = max(samples // dp // minis // cfg.actor.micro_batch_size, 1)
+      gs = shared_prompt_group(cfg, samples, dp * minis * micro)
+      gb = an.grad_bytes(model_cfg, shards)
+      if comp:
+        g, params = role_params(Role.ACTOR)
+        opt_abs = cp.abstract_opt_state(tx, params, roles_lib.jax_mesh(actor))
+        kl = cfg.actor.kl.coef > 0 and not cfg.actor.kl.in_reward
+        extra = ("old_logprobs", "advantages") + (("ref_logprobs",) if kl else ())
+        batch = cp.abstract_batch(samples // minis, plen, nlen, layout, extra)
+        t0 = time.time()
+        m = cp.train_step_memory(cfg, g, params, opt_abs, tx, batch, micro, gs)
+        notes.append(f"train step compiled in {time.time() - t0:.0f} s: argument "
+                     f"{an.fmt(m.argument)}, output {an.fmt(m.output)}, temp {an.fmt(m.temp)}, "
+                     f"alias {an.fmt(m.alias)} per device")
+        gb = 2 * cp.device_bytes(params)
+        act = m.temp - gb
+        batch_b = m.argument - cp.device_bytes(params) - cp.device_bytes(opt_abs)
+      else:
+        rows = samples // dp // minis // micro
+        act = an.activation_bytes(model_cfg, rows, plen, nlen, gs, tp)
+        batch_b = samples // minis // dp * (plen + nlen) * 9
+      items.append(Item(node.id, "gradients (accumulator + micro-batch)", gb, devs, node.id,
+                        src, adv["grads"]))
+      items.append(Item(node.id, f"activations ({micro} micro-batch(es), "
+                        f"{cfg.actor.micro_batch_size} rows/device)", act, devs, node.id, src,
+                        adv["act"]))
+      items.append(Item(node.id, "batch", batch_b, devs, node.id, src, "-"))
+  return Estimate(items, _traffic(cfg, plan, model_cfg, shards, samples, plen, nlen), notes)
+
+
+def _traffic(cfg, plan: Plan, model_cfg: ModelConfig, shards: int, samples: int, plen: int,
+             nlen: int) -> list[str]:
+  topo = plan.topology
+  full = an.param_bytes(model_cfg)
+  out = []
+  if any(s.node.fn == "generate" for s in plan.steps):
+    out.append(f"weight sync: all-gather of the actor's {an.fmt(full)}: each device receives "
+               f"{an.fmt(full * (1 - 1 / shards))}; across hosts each process receives "
+               f"{an.fmt(full * (1 - 1 / topo.num_processes))}")
+  row = (plen + nlen) * 5 + nlen * 4 * 4  # tokens + masks, ~4 float32 fields per token
+  reps = plan.repartitions()
+  out.append(f"re-partitions per step: {len(reps)}"
+             + (f", each moving at most {an.fmt(samples * row)} (all {samples} rows of "
+                f"~{row} bytes): {', '.join(f'{a}->{b}' for a, b in reps)}" if reps else ""))
+  return out
+
+
+def render(est: Estimate, num_devices: int, num_processes: int,
+           device_memory: int | None) -> str:
+  """The table, the worst device's peak and fit, its three biggest consumers."""
+  lines = [f"memory per device ({est.notes[0]}):"]
+  for i in est.items:
+    span = f"[{i.devices[0]}..{i.devices[-1]}]" if len(i.devices) > 1 else f"[{i.devices[0]}]"
+    when = "resident" if i.phase == RESIDENT else f"while {i.phase} runs"
+    lines.append(f"  {i.where:<14} {i.what:<44} {an.fmt(i.nbytes):>11}  on {span:<9} {when}")
+  lines += [f"  note: {n}" for n in est.notes[1:]]
+  d, peak, node = est.worst(num_devices)
+  per = num_devices // num_processes
+  lines.append(f"peak: {an.fmt(peak)} on device {d} (process {d // per}), while {node} runs")
+  if device_memory is not None:
+    gap = device_memory - peak
+    lines.append(f"fits {an.fmt(device_memory)}: " + (f"yes, {an.fmt(gap)} to spare" if gap >= 0
+                 else f"NO, over by {an.fmt(-gap)}"))
+  lines.append("biggest consumers:")
+  for i in est.biggest(d, node):
+    lines.append(f"  {an.fmt(i.nbytes):>11}  {i.where} {i.what}: to shrink, {i.advice}")
+  lines.append("traffic per step:")
+  lines += [f"  {t}" for t in est.traffic]
+  return "\n".join(lines)
+
+
+def check_fits(est: Estimate, num_devices: int, device_memory: int, text: str) -> None:
+  """Refuses (ConfigError, one line) a device smaller than the plan's peak."""
+  d, peak, node = est.worst(num_devices)
+  if peak <= device_memory:
+    return
+  top = est.biggest(d, node, 1)[0]
+  raise ConfigError(f"--device_memory={text}: the plan needs {an.fmt(peak)} on device {d} "
+                    f"while {node} runs, {an.fmt(peak - device_memory)} too much; the biggest "
+                    f"consumer is {top.where} {top.what} ({an.fmt(top.nbytes)}): {top.advice}")
+
+
+def model_shape(cfg: ml_collections.ConfigDict) -> ModelConfig:
+  """The model's shape from ``model.path``'s config.json alone (no weights, no tokenizer),
+  else the preset sized to the built-in tokenizer."""
+  from distflow_jax.workflow import roles as roles_lib
+  if cfg.model.path:
+    try:
+      return roles_lib.model_config(cfg, tokenizer=None)
+    except ValueError as e:
+      raise ConfigError(f"model.path={cfg.model.path!r}: config.json: {e}") from None
+  return roles_lib.model_config(cfg, roles_lib.load_tokenizer(cfg.model))
+
+
+def run(cfg: ml_collections.ConfigDict, plan: Plan, device_memory: str | None,
+        source: str) -> None:
+  """Prints the memory plan; raises ConfigError when it does not fit ``device_memory``."""
+  try:
+    limit = an.parse_bytes(device_memory) if device_memory is not None else None
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  import jax
+  topo = plan.topology
+  if jax.device_count() != topo.num_devices:
+    raise ConfigError(f"plan --memory simulates {topo.num_devices} devices but jax has "
+                      f"{jax.device_count()}: run it on CPU (JAX_PLATFORMS=cpu), where the "
+                      f"device count is simulated")
+  est = estimate(cfg, plan, model_shape(cfg), source)
+  print(render(est, topo.num_devices, topo.num_processes, limit), flush=True)
+  if limit is not None:
+    check_fits(est, topo.num_devices, limit, device_memory)
