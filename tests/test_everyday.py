@@ -154,6 +154,7 @@ def test_run_interrupt_resume_finish_and_config_changes(tmp_path, capsys, monkey
   assert steps and all(len(l) <= 80 for l in steps), steps
   assert any(l.startswith("step 2/2") and "ETA" in l and "s/step" in l for l in steps), steps
   assert "held-out accuracy:" in out and "at step 0 ->" in out and "at step 2" in out
+  assert "done: 1 step(s) in" in out
   assert f"checkpoint: {run_dir / 'checkpoints' / '2'}" in out
   assert f"metrics:    {run_dir / 'metrics.jsonl'}" in out
   for command in ("distflow-jax report", "distflow-jax export --checkpoint",
@@ -272,6 +273,8 @@ def test_progress_redraws_in_place_on_a_terminal_only():
   assert "evaluation..." in tty.getvalue()
   log("a message")  # a message above the live line, which is drawn again
   assert tty.getvalue().endswith("| evaluation...")
+  progress.phase(log, "checkpoint save")  # replaces the phase shown, behind the same step
+  assert tty.getvalue().endswith("reward 0.500 | checkpoint save...\x1b[K")
   plain = io.StringIO()
   log = progress.Logger(True, plain)
   for step in (1, 2, 3):

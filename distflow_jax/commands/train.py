@@ -74,7 +74,7 @@ def run(argv: Sequence[str]) -> int:
     log.summary(progress.summary_lines(
         cfg.run_dir, checkpoint_dir=ckpt.directory, last_checkpoint=last,
         steps=cfg.trainer.total_steps - start, seconds=time.perf_counter() - t0,
-        eval_data=trainer.dataset_paths(cfg)[1]))
+        eval_data=trainer.dataset_paths(cfg)[1], rate=log.rate()))
   except KeyboardInterrupt:
     log.end_line()
     print(f"distflow-jax train: {_interrupted(ckpt, cfg)}", file=sys.stderr)

@@ -82,6 +82,7 @@ class Logger:
     self._marks: list[tuple[int, float]] = []  # (step, time) of the steps seen
     self._t0 = self.start        # when training (the first step) started
     self._where = ""             # "step 3/20 [##..]" of the last step, for phase lines
+    self._step_line = ""         # the step line drawn in place now (a terminal; not kept)
     self.first_step: int | None = None
 
   # -- output --
@@ -111,6 +112,7 @@ class Logger:
     if self.tty and self._live:
       self._write("\n")
     self._live = ""
+    self._step_line = ""
 
   # -- phases --
 
@@ -120,9 +122,8 @@ class Logger:
       name = "compile and first step (later steps are faster)"
     if self.tty:
       # Behind the step line still drawn when it fits, else in place of its numbers.
-      step_line = self._live.split(" | ")[0] if self._live.startswith("step ") else ""
-      text = f"{step_line} | {name}..."
-      if not step_line or len(text) > self.width:
+      text = f"{self._step_line} | {name}..."
+      if not self._step_line or len(text) > self.width:
         text = f"{self._where} {name}...".strip()
       self._draw(fit([(text, 0)], self.width))
     else:
@@ -177,6 +178,7 @@ class Logger:
     keep = bool(times or skipped or alarms or "eval/accuracy" in m or step in (0, total))
     if self.tty:
       self._draw(line)
+      self._step_line = "" if keep else line
       if keep:
         self.end_line()
     else:
@@ -230,12 +232,14 @@ def _first_last_eval(metrics_path: str) -> tuple[tuple[int, float] | None, tuple
 
 
 def summary_lines(run_dir: str, *, checkpoint_dir: str, last_checkpoint: int | None,
-                  steps: int, seconds: float, eval_data: str | None) -> list[str]:
+                  steps: int, seconds: float, eval_data: str | None,
+                  rate: float | None = None) -> list[str]:
   """The end of a run: held-out accuracy at the start and the end (when evaluated), where
-  the checkpoint and metrics are, and the commands to look at or use the result."""
+  the checkpoint and metrics are, and the commands to look at or use the result.
+  ``rate``: seconds per step after the first (``Logger.rate``; the first compiles)."""
   run_dir = os.path.normpath(run_dir)
   out = [f"done: {steps} step(s) in {clock(seconds)}"
-         + (f" ({seconds / steps:.2f}s/step)" if steps else "")]
+         + (f", {rate:.2f}s/step after the first (it compiles)" if rate and steps > 1 else "")]
   first, last = _first_last_eval(os.path.join(run_dir, "metrics.jsonl"))
   if first is not None and last is not None:
     out.append(f"held-out accuracy: {first[1]:.3f} at step {first[0]} -> {last[1]:.3f} at "
