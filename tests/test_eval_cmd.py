@@ -99,7 +99,7 @@ def test_eval_greedy_gsm8k_fixture_with_llama_config(tmp_path):
      "--model='tests/fixtures' has no config.json"),
     (["--data=tests/fixtures/gsm8k_tiny.jsonl", "--model=/no/such/dir"], "does not exist"),
     (["--checkpoint=runs/x/ckpt", "--data=tests/fixtures/gsm8k_tiny.jsonl"],
-     "distflow-jax export"),
+     "--checkpoint='runs/x/ckpt' does not exist; give a Hugging Face folder"),
     (["--data=tests/fixtures/gsm8k_tiny.jsonl"], "eval needs --model"),
     (["--model=MODEL", "--data=tests/fixtures/gsm8k_tiny.jsonl", "--reward=mth"],
      "--reward='mth' is unknown"),

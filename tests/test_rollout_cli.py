@@ -35,7 +35,8 @@ def write_prompts(tmp_path):
 def test_generate_builtin_tiny_model_writes_jsonl(tmp_path):
   out = tmp_path / "out.jsonl"
   r = run_cli("--config=configs/grpo.py:tiny", f"--prompts={write_prompts(tmp_path)}",
-              f"--out={out}", "--n=2", "--max_new_tokens=8", "--config.rollout.temperature=0")
+              f"--out={out}", "--n=2", "--max_new_tokens=8", "--config.rollout.temperature=0",
+              "--random_init")
   assert r.returncode == 0, r.stderr
   rows = [json.loads(l) for l in out.read_text().splitlines()]
   assert [(x["index"], x["sample"]) for x in rows] == [(i, j) for i in range(3) for j in range(2)]

@@ -4,12 +4,18 @@
   distflow-jax eval --config=configs/grpo.py:qwen0.5b --model=/models/Qwen2.5-0.5B-Instruct \\
       --data=/data/gsm8k_test.jsonl --k=8 --out=eval.json
 
+  distflow-jax eval --model=runs/grpo_tiny --data=...            # the run's latest checkpoint
+  distflow-jax eval --model=runs/grpo_tiny/checkpoints/40 --data=...
+
 ``--model`` is a local Hugging Face directory (the warm start writes one in
-``run_dir/warmstart``).  The config (default ``grpo:tiny``) says how prompts
-are rendered (``data.prompt_key``, ``data.chat_template``,
+``run_dir/warmstart``), a run directory (its latest complete checkpoint's
+actor) or one step of it, read as ``distflow-jax export`` reads it;
+``--checkpoint`` is the same flag.  The config (default ``grpo:tiny``) says how
+prompts are rendered (``data.prompt_key`` / ``data.answer_key``, dotted for nested
+rows, ``data.chat_template``,
 ``data.max_prompt_len``) and decoded (``rollout.max_new_tokens``, slots, and
 ``rollout.temperature`` for pass@k); override it with ``--config.x=y`` as for
-``train``.  ``--k=1`` (default) is greedy accuracy; ``--k>1`` draws k samples
+``train``; ``reward.match`` says how answers are compared.  ``--k=1`` (default) is greedy accuracy; ``--k>1`` draws k samples
 per prompt and reports the unbiased pass@k and the per-sample accuracy.
 
 Every row of the file is evaluated (rows the loader refuses are counted and
@@ -36,9 +42,10 @@ DEFAULT_CONFIG = "grpo:tiny"
 
 def run(argv: Sequence[str]) -> int:
   fv = flags.FlagValues()
-  flags.DEFINE_string("model", None, "local Hugging Face model directory", flag_values=fv)
-  flags.DEFINE_string("checkpoint", None, "a training checkpoint (not yet: export it to a "
-                      "Hugging Face directory first)", flag_values=fv)
+  flags.DEFINE_string("model", None, "local Hugging Face model directory, a run directory "
+                      "or RUN_DIR/checkpoints/<step>", flag_values=fv)
+  flags.DEFINE_string("checkpoint", None, "the same as --model (a run directory or one of its "
+                      "checkpoints)", flag_values=fv)
   flags.DEFINE_string("data", None, "JSONL/Parquet dataset (prompt + answer fields)",
                       flag_values=fv)
   flags.DEFINE_integer("k", 1, "1: greedy accuracy; >1: k samples per prompt, pass@k",
@@ -52,18 +59,21 @@ def run(argv: Sequence[str]) -> int:
   rest = loading.parse(fv, argv)
   if rest:
     raise ConfigError(f"eval takes no positional arguments, got {rest}")
-  if fv.checkpoint:
-    raise ConfigError("--checkpoint is not supported yet: convert it with `distflow-jax export "
-                      "--checkpoint DIR --out HF_DIR`, then pass --model=HF_DIR")
-  if not fv.model or not fv.data:
-    raise ConfigError("eval needs --model=HF_DIR (a local Hugging Face directory) and "
-                      "--data=FILE.jsonl")
+  if fv.checkpoint and fv.model:
+    raise ConfigError(f"give --model or --checkpoint, not both (--model={fv.model!r}, "
+                      f"--checkpoint={fv.checkpoint!r})")
+  flag, model = ("--checkpoint", fv.checkpoint) if fv.checkpoint else ("--model", fv.model)
+  if not model or not fv.data:
+    raise ConfigError("eval needs --model (HF_DIR, a run directory or RUN_DIR/checkpoints/"
+                      "<step>) and --data=FILE.jsonl")
   if fv.k < 1 or fv.batch_size < 1 or fv.limit < 0:
     raise ConfigError(f"--k={fv.k} and --batch_size={fv.batch_size} must be >= 1, "
                       f"--limit={fv.limit} >= 0")
+  from distflow_jax.workflow import model_source
+  source = model_source.kind(model, flag)
   cfg = fv.config
   with cfg.unlocked():
-    cfg.model.path = fv.model
+    cfg.model.path = model if source == "hf" else ""
     cfg.data.eval = fv.data
   # Before anything imports jax (hints and the rewards registry do).
   use_local_devices(cfg, argv)
@@ -75,7 +85,8 @@ def run(argv: Sequence[str]) -> int:
   if not os.path.exists(fv.data):
     raise ConfigError(f"--data={fv.data!r} does not exist")
   from distflow_jax.workflow import hints
-  hints.check_model_dir(fv.model, "--model")
+  if source == "hf":
+    hints.check_model_dir(model, flag)
   hints.check_dataset_fields(fv.data, cfg.data.prompt_key, cfg.data.answer_key, "--data")
 
   from distflow_jax import distributed
@@ -83,9 +94,14 @@ def run(argv: Sequence[str]) -> int:
   from distflow_jax.workflow import evaluate, progress
   from distflow_jax.workflow.setup import prepare_run
   log = progress.Logger(info.process_index == 0)
+  if source == "checkpoint":
+    folder, step = model_source.checkpoint_as_hf(model, flag)
+    log(f"{flag}={model}: the actor of step {step}")
+    with cfg.unlocked():
+      cfg.model.path = folder
   try:
     ctx = prepare_run(cfg, roles="actor", log=log).ctx
-    log(f"eval {fv.model} on {fv.data} ({'greedy' if fv.k == 1 else f'pass@{fv.k}'}), "
+    log(f"eval {model} on {fv.data} ({'greedy' if fv.k == 1 else f'pass@{fv.k}'}), "
         f"{info.process_count} process(es) x {info.local_device_count} device(s)")
     result = evaluate.evaluate_file(ctx, fv.data, k=fv.k, batch_size=fv.batch_size,
                                     limit=fv.limit, reward=fv.reward, log=log)
@@ -95,7 +111,7 @@ def run(argv: Sequence[str]) -> int:
       raise
     print(f"distflow-jax eval: {hint}", file=sys.stderr)
     return 1
-  result = {"model": fv.model, "data": fv.data, "k": fv.k, "reward": fv.reward, **result}
+  result = {"model": model, "data": fv.data, "k": fv.k, "reward": fv.reward, **result}
   if info.process_index == 0:
     for key, v in result.items():
       print(f"{key}: {v:.4f}" if isinstance(v, float) else f"{key}: {v}")

@@ -1,20 +1,25 @@
 """``distflow-jax generate``: completions for a JSONL file of prompts, written as JSONL.
 
-  distflow-jax generate --config=grpo:tiny --prompts=prompts.jsonl --out=completions.jsonl \\
+  distflow-jax generate --model=runs/grpo_tiny --prompts=prompts.jsonl --out=completions.jsonl \\
       [--n=4] [--max_new_tokens=64] [--config.rollout.temperature=0]
 
 Each input line is a JSON object whose ``data.prompt_key`` field (default
-"prompt") is the prompt text; with ``data.chat_template`` it is wrapped as a
-user turn.  Each output line is ``{"index", "sample", "prompt", "completion",
-"tokens", "logprobs", "finish_reason"}`` ("stop" on an EOS token, else
-"length"), in input order, samples together.
+"prompt"; a dotted key reads nested objects) is the prompt: text, wrapped as a
+user turn with ``data.chat_template``, or a list of ``{"role", "content"}``
+messages, always rendered with the chat template.  Each output line is
+``{"index", "sample", "prompt", "completion", "tokens", "logprobs",
+"finish_reason"}`` ("stop" on an EOS token, else "length"), in input order,
+samples together.
 
-The model is ``model.path`` (a local Hugging Face dir: config.json,
-safetensors, tokenizer.json; checked before any weight is read) or, when
-empty, the built-in ``model.preset`` with random weights seeded by ``seed``
-and the built-in tokenizer.  Sampling, slots and prefill buckets come from
-``rollout.*``, and ``rollout.backend`` picks the generator; the devices are
-this machine's unless ``--config.cluster.*`` says otherwise.  Under several
+The model is ``--model``: a local Hugging Face dir (config.json, safetensors,
+tokenizer.json; checked before any weight is read), a run directory (its
+latest checkpoint's actor) or ``RUN_DIR/checkpoints/<step>``; else
+``model.path``.  Without either it refuses, unless ``--random_init`` asks for
+the built-in ``model.preset`` with random weights seeded by ``seed`` and the
+built-in tokenizer.  The config defaults to ``grpo:tiny``, as for ``train``.
+Sampling, slots and prefill buckets come from ``rollout.*``, and
+``rollout.backend`` picks the generator; the devices are this machine's
+unless ``--config.cluster.*`` says otherwise.  Under several
 processes each host generates lines ``process_index::process_count`` on its
 own replica and writes ``<out>.<process_index>``.
 """
@@ -28,11 +33,15 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from distflow_jax.commands import use_local_devices
+from distflow_jax.commands import use_local_devices, with_default_config
 from distflow_jax.config import loading
+from distflow_jax.data.sources import BadRow, field_value, messages_of
+
+DEFAULT_CONFIG = "grpo:tiny"
+Prompt = str | list[dict[str, str]]
 
 
-def _read_prompts(path: str, key: str) -> list[str]:
+def _read_prompts(path: str, key: str) -> list[Prompt]:
   prompts = []
   try:
     with open(path) as f:
@@ -43,15 +52,27 @@ def _read_prompts(path: str, key: str) -> list[str]:
           row = json.loads(line)
         except json.JSONDecodeError as e:
           raise loading.ConfigError(f"--prompts {path}:{i}: not JSON ({e.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get(key), str):
-          raise loading.ConfigError(f"--prompts {path}:{i}: needs a string field {key!r} "
-                                    f"(data.prompt_key); got {str(row)[:80]}")
-        prompts.append(row[key])
+        value = field_value(row, key) if isinstance(row, dict) else None
+        if value is None or isinstance(messages_of(value, key), BadRow):
+          raise loading.ConfigError(f"--prompts {path}:{i}: needs a field {key!r} "
+                                    f"(data.prompt_key) holding text or chat messages; got "
+                                    f"{str(row)[:80]}")
+        prompts.append(value)
   except OSError as e:
     raise loading.ConfigError(f"--prompts: {e}") from None
   if not prompts:
     raise loading.ConfigError(f"--prompts {path}: no prompts")
   return prompts
+
+
+def _render(tok, prompt: Prompt, chat_template: bool) -> str:
+  """Plain text as it is (a user turn with data.chat_template); messages with the template."""
+  if isinstance(prompt, str) and not chat_template:
+    return prompt
+  messages = messages_of(prompt, "prompt")
+  if tok.chat_template is None:  # a tokenizer without one: the contents, as the loader does
+    return "\n".join(m["content"] for m in messages)
+  return tok.apply_chat_template(messages)
 
 
 def _log(message: str) -> None:
@@ -65,6 +86,11 @@ def run(argv: Sequence[str]) -> int:
   flags.DEFINE_string("out", "-", "output JSONL file ('-' = stdout)", flag_values=fv)
   flags.DEFINE_integer("n", None, "samples per prompt (default rollout.n)", flag_values=fv)
   flags.DEFINE_integer("max_new_tokens", None, "default rollout.max_new_tokens", flag_values=fv)
+  flags.DEFINE_string("model", None, "Hugging Face folder, run directory or RUN_DIR/checkpoints/"
+                      "<step> (default: model.path)", flag_values=fv)
+  flags.DEFINE_boolean("random_init", False, "with no model: the built-in model.preset with "
+                       "random weights (for trying the pipeline)", flag_values=fv)
+  argv = with_default_config(argv, DEFAULT_CONFIG)
   rest = loading.parse(fv, argv)
   if rest:
     raise loading.ConfigError(f"generate takes no positional arguments, got {rest}")
@@ -76,6 +102,16 @@ def run(argv: Sequence[str]) -> int:
   if n <= 0 or new <= 0:
     raise loading.ConfigError(f"--n={n} and --max_new_tokens={new} must be positive")
   texts = _read_prompts(fv.prompts, cfg.data.prompt_key)
+  from distflow_jax.workflow import model_source
+  source = model_source.kind(fv.model) if fv.model else None
+  if source == "hf":
+    with cfg.unlocked():
+      cfg.model.path = fv.model
+  if not fv.model and not cfg.model.path and not fv.random_init:
+    raise loading.ConfigError(
+        "generate has no model: give --model=HF_DIR (or a run directory, or RUN_DIR/checkpoints/"
+        "<step>) or --config.model.path=HF_DIR; --random_init generates from the built-in "
+        "model.preset with random weights")
   use_local_devices(cfg, list(argv))
   if cfg.model.path:
     # A folder without tokenizer files (or config, or weights) fails here in one line,
@@ -91,12 +127,14 @@ def run(argv: Sequence[str]) -> int:
   from distflow_jax.workflow.setup import prepare_run
 
   info = distributed.initialize()
+  if source == "checkpoint":
+    folder, step = model_source.checkpoint_as_hf(fv.model)
+    _log(f"--model={fv.model}: the actor of step {step}")
+    with cfg.unlocked():
+      cfg.model.path = folder
   ctx = prepare_run(cfg, roles="actor", log=_log).ctx
   tok = ctx.tokenizer
-  if cfg.data.chat_template:
-    texts_in = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
-  else:
-    texts_in = texts
+  texts_in = [_render(tok, t, cfg.data.chat_template) for t in texts]
   mine = list(range(info.process_index, len(texts), info.process_count))
   ids = [tok.encode(texts_in[i]) for i in mine]
   buckets = tuple(cfg.rollout.prefill_buckets)
