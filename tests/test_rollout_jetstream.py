@@ -62,9 +62,10 @@ def test_adapter_is_a_jetstream_engine_and_decodes_greedily():
   assert _greedy_through_api(js, params, PROMPTS[0]) == full_forward_greedy(model, PROMPTS[0], 8)
 
 
-def _fake_jetstream(monkeypatch, prefill_returns_tuple):
+def _fake_jetstream(monkeypatch, prefill_returns_tuple, main=False):
   """Just enough of `jetstream.engine` (engine_api, tokenizer_api) to run the adapter without
-  the package, in either API generation (0.2.2: prefill -> prefix; newer: a tuple)."""
+  the package, in either API generation (0.2.2: prefill -> prefix; newer: a tuple; `main`:
+  also JetStream main's abstract members and `log_prob` column)."""
   import abc
   import dataclasses
   import sys
@@ -78,6 +79,9 @@ def _fake_jetstream(monkeypatch, prefill_returns_tuple):
     valid_idx: tuple
     length_idx: tuple
     samples_per_slot: int
+
+    if main:
+      log_prob: Any = None
 
     def convert_to_numpy(self):
       return dataclasses.replace(self, data=np.asarray(self.data))
@@ -96,6 +100,12 @@ def _fake_jetstream(monkeypatch, prefill_returns_tuple):
   if prefill_returns_tuple:
     prefill.__annotations__["return"] = Tuple[Any, ResultTokens]
   Engine.prefill = prefill
+  if main:
+    abstract = ("bulk_insert", "prefill_multisampling", "use_chunked_prefill",
+                "prefill_chunk_size")
+    for name in abstract:
+      setattr(Engine, name, abc.abstractmethod(lambda self: None))
+    Engine.__abstractmethods__ = frozenset(abstract)
 
   class Tokenizer(abc.ABC):
     pass
@@ -127,3 +137,57 @@ def test_adapter_serves_both_api_generations(monkeypatch, new_api):
     assert _greedy_through_api(js, params, prompt, slot) == full_forward_greedy(model, prompt, 8)
   tok = js.build_tokenizer(js.get_tokenizer())
   assert (tok.bos_id, tok.stop_tokens, tok.decode([4, 2])) == (5, set(eng.config.stop_ids), "4 2")
+
+
+@pytest.mark.timeout(300)
+def test_adapter_meets_jetstream_main(monkeypatch):
+  """JetStream main's interface: its abstract members exist, prefill/insert take request_id,
+  a truncated request's true_length is clamped, results carry log_prob, and a slot that ends
+  at the engine's own length limit reports a length past any max_tokens (no filler token)."""
+  _fake_jetstream(monkeypatch, True, main=True)
+  model = peaky_model()
+  eng = engine()
+  js = jetstream_adapter.as_jetstream(eng)
+  assert jetstream_adapter.api_generation() == "main"
+  assert (js.use_chunked_prefill, js.prefill_chunk_size) == (False, eng.max_prefill_length)
+  params = js.load_params(model)
+  prompt = PROMPTS[1]
+  padded = np.asarray(prompt[-8:], np.int32)  # JetStream keeps the last tokens...
+  prefix, first = js.prefill(params=params, padded_tokens=padded, true_length=len(prompt),
+                             request_id=None)  # ...but passes the full length
+  assert first.log_prob is not None
+  state = js.bulk_insert(prefix, js.init_decode_state(), [0, 2])
+  want = full_forward_greedy(model, prompt[-8:], eng.config.max_new_tokens)
+  assert int(first.get_result_at_slot(0).tokens[0, 0]) == want[0]
+  got = {0: [want[0]], 2: [want[0]]}
+  for _ in range(eng.config.max_new_tokens):
+    state, result = js.generate(params, state)
+    result = result.convert_to_numpy()
+    for slot in got:
+      data = result.get_result_at_slot(slot)
+      if data.valid[0, 0]:
+        got[slot].append(int(data.tokens[0, 0]))
+      else:
+        assert data.lengths[0] > 10**6  # complete before JetStream reads the token
+  assert got[0] == got[2] == want
+  with pytest.raises(NotImplementedError, match="one sample"):
+    js.prefill_multisampling(params=params, padded_tokens=padded, true_length=3, num_samples=2)
+
+
+def test_jax_tree_map_shim_only_with_jetstream(monkeypatch):
+  """The adapter points a missing jax.tree_map (JetStream 0.2.2 frees prefixes with it) at
+  jax.tree.map when it imports JetStream, and leaves JAX alone otherwise."""
+  had = hasattr(jax, "tree_map")
+  if had:
+    monkeypatch.delattr(jax, "tree_map")
+  try:
+    if not HAVE_JETSTREAM:
+      with pytest.raises(ImportError):
+        jetstream_adapter.api_generation()
+      assert not hasattr(jax, "tree_map")
+    _fake_jetstream(monkeypatch, False)
+    assert jetstream_adapter.api_generation() == "0.2.2"
+    assert jax.tree_map is jax.tree.map
+  finally:
+    if not had and hasattr(jax, "tree_map"):
+      del jax.tree_map

@@ -19,6 +19,27 @@ and `generate` emits every such slot's tokens one step late (a host sync per
 step: fine for serving demos, not for the RL path).  Which API is installed is
 read off `engine_api.Engine.prefill`'s return annotation (a tuple = new).
 
+What else differs between 0.2.2 and JetStream's last main (archived 2026-01),
+all handled here so callers need not know which one is installed:
+
+* main makes `bulk_insert`, `prefill_multisampling`, `use_chunked_prefill`
+  and `prefill_chunk_size` abstract: defined here (no chunked prefill; one
+  sample per request; `bulk_insert` inserts the prefix slot by slot);
+* main passes `request_id` to `prefill`/`insert` and its `ResultTokens` has a
+  `log_prob` column, which the adapter fills with the engine's logprobs;
+* both truncate a token request longer than `max_prefill_length` (after
+  BOS) to its last tokens but pass the untruncated `true_length`: the
+  adapter clamps it to what it was given;
+* a token request gets BOS prepended unless flagged as already having one
+  (main: `has_bos`, 0.2.2: a `history_path`): `token_request` builds either;
+* when a slot ends at the engine's own length limit the engine reports the
+  next step invalid; main appends an invalid step's token to the stream, so
+  the adapter reports such a row's length past any `max_tokens` instead,
+  which both versions treat as "complete" before reading its token;
+* 0.2.2's orchestrator frees prefixes with `jax.tree_map`, which JAX removed:
+  importing JetStream through the adapter points it at `jax.tree.map` when
+  it is missing (nowhere else, and never without JetStream).
+
 `build_tokenizer` gives JetStream's orchestrator a token-id tokenizer (ids in,
 ids as text out; stop tokens = the engine's stop ids) unless one is passed.
 """
@@ -29,6 +50,7 @@ import inspect
 import typing
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -43,19 +65,36 @@ def _engine_api():
     from jetstream.engine import engine_api  # pylint: disable=import-outside-toplevel
   except Exception as e:  # ImportError, or its own import-time failures under new JAX
     raise ImportError(f"{INSTALL_HINT} ({type(e).__name__}: {e})") from e
+  if not hasattr(jax, "tree_map"):
+    # JetStream 0.2.2's orchestrator frees each transferred prefix with jax.tree_map (gone
+    # from JAX); without it that thread raises and JetStream SIGKILLs the process.
+    jax.tree_map = jax.tree.map
   return engine_api
 
 
-def to_jetstream_result(result: ResultTokens, engine_api: Any = None) -> Any:
-  """Our `ResultTokens` as JetStream's (tokens | valid | lengths columns of one int32 array)."""
+# A finished slot's reported length: past any request's max_tokens (see module doc).
+_DONE_LENGTH = np.iinfo(np.int32).max // 2
+
+
+def to_jetstream_result(result: ResultTokens, engine_api: Any = None, *,
+                        mark_done: bool = False) -> Any:
+  """Our `ResultTokens` as JetStream's (tokens | valid | lengths columns of one int32 array,
+  plus `log_prob` where that version has it).  `mark_done`: rows whose first token is
+  invalid (a finished or free slot) report `_DONE_LENGTH` so JetStream completes them."""
   engine_api = engine_api or _engine_api()
   k = result.tokens.shape[1]
-  data = jnp.concatenate([jnp.asarray(result.tokens, jnp.int32),
-                          jnp.asarray(result.valid, jnp.int32),
-                          jnp.asarray(result.lengths, jnp.int32)[:, None]], axis=1)
+  valid = jnp.asarray(result.valid)
+  lengths = jnp.asarray(result.lengths, jnp.int32)
+  if mark_done:
+    lengths = jnp.where(valid[:, 0], lengths, _DONE_LENGTH)
+  data = jnp.concatenate([jnp.asarray(result.tokens, jnp.int32), valid.astype(jnp.int32),
+                          lengths[:, None]], axis=1)
+  extra = {}
+  if "log_prob" in getattr(engine_api.ResultTokens, "__dataclass_fields__", {}):
+    extra["log_prob"] = jnp.asarray(result.logprobs, jnp.float32)
   return engine_api.ResultTokens(data=data, tokens_idx=(0, k), valid_idx=(k, 2 * k),
                                  length_idx=(2 * k, 2 * k + 1),
-                                 samples_per_slot=result.samples_per_slot)
+                                 samples_per_slot=result.samples_per_slot, **extra)
 
 
 def prefill_returns_first_token(engine_api: Any = None) -> bool:
@@ -66,6 +105,35 @@ def prefill_returns_first_token(engine_api: Any = None) -> bool:
   if isinstance(ret, str):  # postponed annotations
     return ret.replace(" ", "").lower().startswith("tuple")
   return typing.get_origin(ret) is tuple
+
+
+def api_generation(engine_api: Any = None) -> str:
+  """Which JetStream interface is installed: "main" (prefill returns the first token and the
+  chunked-prefill / multi-sampling members are abstract), "0.2.2", or "tuple-prefill"."""
+  engine_api = engine_api or _engine_api()
+  if not prefill_returns_first_token(engine_api):
+    return "0.2.2"
+  abstract = getattr(engine_api.Engine, "__abstractmethods__", frozenset())
+  return "main" if "bulk_insert" in abstract else "tuple-prefill"
+
+
+def token_request(tokens: Any, max_tokens: int, *, has_bos: bool = False,
+                  orchestrator: Any = None) -> Any:
+  """A JetStream `ActiveRequest` for token ids with a fresh return channel.  `has_bos`: send
+  the ids as they are (no BOS prepended), flagged the way the installed version reads it."""
+  if orchestrator is None:
+    from jetstream.core import orchestrator  # pylint: disable=import-outside-toplevel
+  from jetstream.core.utils import async_multifuture  # pylint: disable=import-outside-toplevel
+  fields = orchestrator.ActiveRequest.__dataclass_fields__
+  flag = {}
+  if has_bos:
+    # main reads has_bos; 0.2.2 skips BOS for requests continuing a session (history_path).
+    flag = {"has_bos": True} if "has_bos" in fields else {"history_path": "has-bos"}
+  return orchestrator.ActiveRequest(max_tokens=max_tokens,
+                                    return_channel=async_multifuture.AsyncMultifuture(),
+                                    # an array: 0.2.2 reads .shape when it adds no BOS
+                                    prefill_content=np.asarray(tokens, np.int32),
+                                    is_client_side_tokenization=False, **flag)
 
 
 def as_jetstream(engine: Engine, *, tokenizer: Any = None, bos_id: int = 0) -> Any:
@@ -89,7 +157,11 @@ def as_jetstream(engine: Engine, *, tokenizer: Any = None, bos_id: int = 0) -> A
       self._lagged: dict[int, list[tuple[int, bool, int, float]]] = {}
 
     def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length,
-                sampler=None, rng=None):
+                sampler=None, rng=None, request_id=None):
+      del request_id
+      # JetStream truncates an over-long request to its last tokens but passes the full
+      # length; the prompt the engine sees is what was padded.
+      true_length = min(int(true_length), int(np.shape(padded_tokens)[-1]))
       prefix, first = self.engine.prefill(params=params, existing_prefix=existing_prefix,
                                           padded_tokens=padded_tokens, true_length=true_length,
                                           sampler=sampler, rng=rng)
@@ -97,12 +169,21 @@ def as_jetstream(engine: Engine, *, tokenizer: Any = None, bos_id: int = 0) -> A
         return prefix  # the first token rides in prefix.tokens_P; `insert` queues it
       return prefix, to_jetstream_result(first, api)
 
+    def prefill_multisampling(self, *, params, existing_prefix=None, padded_tokens,
+                              true_length, sampler=None, rng=None, num_samples=1):
+      if num_samples != 1:
+        raise NotImplementedError("prefill_multisampling: one sample per request (the RL "
+                                  "path shares prefills via Engine.prefill_insert)")
+      return self.prefill(params=params, existing_prefix=existing_prefix,
+                          padded_tokens=padded_tokens, true_length=true_length,
+                          sampler=sampler, rng=rng)
+
     def generate(self, params, decode_state, sampler=None, rng=None):
       del sampler, rng
       state, result = self.engine.generate(params, decode_state)
       if legacy and self._lagged:
         result = self._replay(result)
-      return state, to_jetstream_result(result, api)
+      return state, to_jetstream_result(result, api, mark_done=True)
 
     def _replay(self, result: ResultTokens) -> ResultTokens:
       """Queues this step's token of every lagged slot and emits the oldest one instead."""
@@ -115,13 +196,19 @@ def as_jetstream(engine: Engine, *, tokenizer: Any = None, bos_id: int = 0) -> A
         tokens[slot, 0], valid[slot, 0], lengths[slot], logprobs[slot, 0] = queue.pop(0)
       return ResultTokens(tokens, valid, lengths, logprobs, r.samples_per_slot)
 
-    def insert(self, prefix, decode_state, slot):
+    def insert(self, prefix, decode_state, slot, request_id=None):
+      del request_id
       if isinstance(prefix, tuple):  # a new-API prefill result handed back whole
         prefix = prefix[0]
       if legacy:
         self._lagged[slot] = [(int(np.asarray(prefix.tokens_P)[0]), True, 1,
                                float(np.asarray(prefix.logprobs_P)[0]))]
       return self.engine.insert(prefix, decode_state, slot)
+
+    def bulk_insert(self, prefix, decode_state, slots):
+      for slot in slots:
+        decode_state = self.insert(prefix, decode_state, slot)
+      return decode_state
 
     def load_params(self, *args, **kwargs):
       return self.engine.load_params(*args, **kwargs)
@@ -161,6 +248,14 @@ def as_jetstream(engine: Engine, *, tokenizer: Any = None, bos_id: int = 0) -> A
     @property
     def colocated_cpus(self):
       return self.engine.colocated_cpus
+
+    @property
+    def use_chunked_prefill(self):
+      return False
+
+    @property
+    def prefill_chunk_size(self):
+      return self.engine.max_prefill_length
 
   return DistflowJetStreamEngine(engine)
 
