@@ -4,10 +4,10 @@
   distflow-jax launch -n 2 --devices-per-process 2 -- python prog.py
   distflow-jax train  --config=configs/grpo.py:tiny [--resume] [--distributed=auto]
   distflow-jax sft    --config.data.train=FILE.jsonl [--eval_data=FILE] [--resume]
-  distflow-jax generate --config=... --prompts=FILE.jsonl --out=OUT.jsonl
+  distflow-jax generate --model=RUN_DIR|HF_DIR --prompts=FILE.jsonl --out=OUT.jsonl
   distflow-jax export --checkpoint RUN_DIR --out HF_DIR [--step N]  (actor -> safetensors)
   distflow-jax report RUN_DIR [--out DIR]        (PNG plots + report.md of metrics.jsonl)
-  distflow-jax eval   --model=HF_DIR --data=FILE.jsonl [--k=8] [--config=...]
+  distflow-jax eval   --model=RUN_DIR|HF_DIR --data=FILE.jsonl [--k=8] [--config=...]
   distflow-jax config --config=... [--config.x=y] [--diff]  (the resolved config)
 
 `distflow-jax <command> --help` (or `distflow-jax help <command>`) shows a

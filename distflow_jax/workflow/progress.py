@@ -250,8 +250,8 @@ def summary_lines(run_dir: str, *, checkpoint_dir: str, last_checkpoint: int | N
   hf = os.path.join(run_dir, "hf")
   out += ["next:",
           f"  distflow-jax report {run_dir}",
-          f"  distflow-jax export --checkpoint {run_dir} --out {hf}",
-          f"  distflow-jax eval --model={hf} --data={eval_data or 'FILE.jsonl'}"]
+          f"  distflow-jax eval --model={run_dir} --data={eval_data or 'FILE.jsonl'}",
+          f"  distflow-jax export --checkpoint {run_dir} --out {hf}   (for transformers)"]
   return out
 
 
