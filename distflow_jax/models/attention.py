@@ -122,12 +122,48 @@ class Attention(nnx.Module):
       out_BxKxGxDh = _attend_one(q_BxTxHxDh.reshape(b, hkv, g, dh), k_BxKxSxDh, v_BxKxSxDh,
                                  key_pos_BxS, positions_BxT[:, 0], end)
       return self.o_proj(out_BxKxGxDh.reshape(b, 1, cfg.num_heads * dh))
-    q_BxTxKxGxDh = q_BxTxHxDh.reshape(b, t, hkv, g, dh)
-    scores = jnp.einsum("btkgd,bksd->bkgts", q_BxTxKxGxDh, k_BxKxSxDh,
-                        preferred_element_type=jnp.float32) * (dh ** -0.5)
     visible_BxTxS = ((key_pos_BxS[:, None, :] >= 0)
                      & (key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]))
-    scores = jnp.where(visible_BxTxS[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxDh.dtype)
-    out_BxTxKxGxDh = jnp.einsum("bkgts,bksd->btkgd", probs, v_BxKxSxDh)
-    return self.o_proj(out_BxTxKxGxDh.reshape(b, t, cfg.num_heads * dh))
+    impl = dpa_implementation(cfg.attention_impl, q_BxTxHxDh.dtype, dh)
+    if impl == "einsum":
+      q_BxTxKxGxDh = q_BxTxHxDh.reshape(b, t, hkv, g, dh)
+      scores = jnp.einsum("btkgd,bksd->bkgts", q_BxTxKxGxDh, k_BxKxSxDh,
+                          preferred_element_type=jnp.float32) * (dh ** -0.5)
+      scores = jnp.where(visible_BxTxS[:, None, None], scores, _MASK_VALUE)
+      probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxDh.dtype)
+      out = jnp.einsum("bkgts,bksd->btkgd", probs, v_BxKxSxDh)
+    else:
+      out = _dot_product_attention(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, visible_BxTxS, impl)
+    return self.o_proj(out.reshape(b, t, cfg.num_heads * dh))
+
+
+def dpa_implementation(choice: str, dtype, head_dim: int) -> str | None:
+  """`jax.nn.dot_product_attention`'s `implementation` for `model.attention_impl` (or
+  "einsum"): `auto` takes cuDNN on GPU where its fused kernel applies (16-bit, head
+  dim a multiple of 8 up to 128: "cudnn-or-xla", XLA's kernel where cuDNN refuses the
+  call), else None (XLA's choice)."""
+  if choice in ("xla", "cudnn", "einsum"):
+    return choice
+  if (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+      and head_dim % 8 == 0 and head_dim <= 128):
+    return "cudnn-or-xla"
+  return None
+
+
+def _dot_product_attention(q_BxTxHxDh: jax.Array, k_BxKxSxDh: jax.Array,
+                           v_BxKxSxDh: jax.Array, visible_BxTxS: jax.Array,
+                           impl: str | None) -> jax.Array:
+  """Masked attention through `jax.nn.dot_product_attention` (keys laid out [B, S, K, Dh]);
+  a query row with no visible key gets a uniform softmax, as on the einsum path."""
+  k_BxSxKxDh, v_BxSxKxDh = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k_BxKxSxDh, v_BxKxSxDh))
+  k_BxSxKxDh, v_BxSxKxDh = k_BxSxKxDh.astype(q_BxTxHxDh.dtype), v_BxSxKxDh.astype(q_BxTxHxDh.dtype)
+  mask = visible_BxTxS[:, None]
+  if impl == "cudnn-or-xla":
+    try:
+      return jax.nn.dot_product_attention(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask=mask,
+                                          implementation="cudnn")
+    except (NotImplementedError, ValueError, RuntimeError, TypeError):
+      impl = None  # shapes, dtype or cuDNN version it does not take: XLA's kernel instead
+  # "cudnn" asked for by name is not caught: a refusal is the user's to see.
+  return jax.nn.dot_product_attention(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask=mask,
+                                      implementation=impl)

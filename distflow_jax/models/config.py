@@ -17,6 +17,8 @@ import jax.numpy as jnp
 
 ARCHS = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
+REMATS = ("none", "full", "dots_saveable")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "einsum")
 
 # HF `architectures` / `model_type` names -> our arch.
 _HF_ARCH = {
@@ -36,6 +38,14 @@ class ModelConfig:
   per-head RMSNorm of queries and keys before RoPE.  `dtype` is used for the
   parameters and the activations (RMSNorm, softmax and log-probs always run in
   float32).
+
+  Compile and memory levers (numerics unchanged; not part of a `config.json`):
+  `scan_layers` stores the layers' parameters stacked on a leading layer axis and runs
+  them under `lax.scan` (compile time flat in depth); `remat` rematerialises each layer
+  in the backward pass (none | full | dots_saveable, a `jax.checkpoint` policy);
+  `attention_impl` picks the multi-token attention: `jax.nn.dot_product_attention` with
+  XLA's or cuDNN's kernel, `auto` (cuDNN on GPU for 16-bit shapes it takes, else XLA) or
+  `einsum` (the hand-written masked softmax).
   """
   arch: str = "llama"
   vocab_size: int = 128
@@ -55,12 +65,20 @@ class ModelConfig:
   # Llama 3's RoPE frequency scaling ("llama3"), as (factor, low_freq_factor,
   # high_freq_factor, original_max_position_embeddings); () = plain RoPE.
   rope_llama3: tuple[float, float, float, int] | tuple[()] = ()
+  scan_layers: bool = False
+  remat: str = "none"
+  attention_impl: str = "auto"
 
   def __post_init__(self):
     if self.arch not in ARCHS:
       raise ValueError(f"ModelConfig.arch={self.arch!r} is unknown; valid: {ARCHS}")
     if self.dtype not in DTYPES:
       raise ValueError(f"ModelConfig.dtype={self.dtype!r} is unknown; valid: {DTYPES}")
+    if self.remat not in REMATS:
+      raise ValueError(f"ModelConfig.remat={self.remat!r} is unknown; valid: {REMATS}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"ModelConfig.attention_impl={self.attention_impl!r} is unknown; "
+                       f"valid: {ATTENTION_IMPLS}")
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                  "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
       value = getattr(self, name)

@@ -28,6 +28,9 @@ Parameter path -> HF tensor name (kernels are stored transposed, `[out, in]`):
     layers/i/mlp/{gate,up,down}_proj/kernel  model.layers.i.mlp.{...}_proj.weight
     final_norm/scale                     model.norm.weight
     lm_head/kernel                       lm_head.weight
+
+With `scan_layers` a `layers/...` parameter is stacked `[L, ...]` (stacking.py):
+it is read from, and written as, the L tensors `model.layers.{i}.*`.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from distflow_jax.models import stacking
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.errors import ModelFileError, ModelFileNotFoundError, read_json_object
 from distflow_jax.models.heads import RewardModel
@@ -220,28 +224,19 @@ def _load_module(path: Path, make: Callable[[], nnx.Module],
     flat = []
     for key, var in nnx.to_flat_state(abstract_state):
       p, aval = path_str(key), var.get_value()
-      name, transposed = name_of(p)
-      if name not in where:
-        raise ModelFileError(f"missing tensor {name!r} (for parameter {p}) in "
-                             f"{[str(f) for f in files]}")
-      f, h = where[name]
-      tensor = h.get_slice(name)
-      want = tuple(reversed(aval.shape)) if transposed else tuple(aval.shape)
-      if tuple(tensor.get_shape()) != want:
-        raise ModelFileError(f"shape mismatch for tensor {name!r} in {f}: file has "
-                             f"{tuple(tensor.get_shape())}, config {path / 'config.json'} "
-                             f"needs {want}")
-      used.add(name)
+      # A stacked parameter (scan_layers) is read from its L per-layer tensors.
+      stacked = stacking.stacked_path(p)
+      paths = [stacking.layer_path(p, i) for i in range(aval.shape[0])] if stacked else [p]
+      shape = aval.shape[1:] if stacked else aval.shape
+      readers = [_tensor_reader(where, files, path, q, name_of(q), shape, aval.dtype, used)
+                 for q in paths]
       sharding = (SingleDeviceSharding(jax.local_devices()[0]) if mesh is None else
                   NamedSharding(mesh, spec_for(p, aval.shape, rules, mesh)))
 
-      def read(index, tensor=tensor, transposed=transposed, dtype=aval.dtype, f=f, name=name):
-        try:
-          if transposed:
-            return np.asarray(tensor[tuple(reversed(index))]).T.astype(dtype)
-          return np.asarray(tensor[index]).astype(dtype)
-        except Exception as e:  # pylint: disable=broad-except  (an unreadable dtype, say)
-          raise ModelFileError(f"{f}: cannot read tensor {name!r}: {e}") from None
+      def read(index, readers=readers, stacked=stacked):
+        if not stacked:
+          return readers[0](index)
+        return np.stack([readers[i](index[1:]) for i in range(len(readers))[index[0]]])
 
       flat.append((key, var.replace(jax.make_array_from_callback(aval.shape, sharding, read))))
     skip = set(n for n in where if n.endswith(_IGNORED)) | set(ignorable)
@@ -250,6 +245,33 @@ def _load_module(path: Path, make: Callable[[], nnx.Module],
       raise ModelFileError(f"unexpected tensor(s) {extra[:8]} in {path} for {what} "
                            f"(wrong config.json?)")
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _tensor_reader(where: dict, files: Sequence[Path], folder: Path, p: str,
+                   hf: tuple[str, bool], shape: tuple, dtype: Any, used: set
+                   ) -> Callable[[tuple], np.ndarray]:
+  """A reader of index slices of parameter `p`'s tensor, checked present and of `shape`."""
+  name, transposed = hf
+  if name not in where:
+    raise ModelFileError(f"missing tensor {name!r} (for parameter {p}) in "
+                         f"{[str(f) for f in files]}")
+  f, h = where[name]
+  tensor = h.get_slice(name)
+  want = tuple(reversed(shape)) if transposed else tuple(shape)
+  if tuple(tensor.get_shape()) != want:
+    raise ModelFileError(f"shape mismatch for tensor {name!r} in {f}: file has "
+                         f"{tuple(tensor.get_shape())}, config {folder / 'config.json'} "
+                         f"needs {want}")
+  used.add(name)
+
+  def read(index):
+    try:
+      if transposed:
+        return np.asarray(tensor[tuple(reversed(index))]).T.astype(dtype)
+      return np.asarray(tensor[index]).astype(dtype)
+    except Exception as e:  # pylint: disable=broad-except  (an unreadable dtype, say)
+      raise ModelFileError(f"{f}: cannot read tensor {name!r}: {e}") from None
+  return read
 
 
 def _open_safetensors(f: Path) -> Any:
@@ -273,9 +295,12 @@ def export_state_dict(model: nnx.Module, name_of: Callable[[str], tuple[str, boo
   `name_of=reward_hf_name` for a `RewardModel`."""
   out = {}
   for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    name, transposed = name_of(path_str(key))
-    value = _host_array(var.get_value())
-    out[name] = np.ascontiguousarray(value.T if transposed else value)
+    p, value = path_str(key), _host_array(var.get_value())
+    layers = ([(stacking.layer_path(p, i), value[i]) for i in range(value.shape[0])]
+              if stacking.stacked_path(p) else [(p, value)])
+    for q, v in layers:
+      name, transposed = name_of(q)
+      out[name] = np.ascontiguousarray(v.T if transposed else v)
   return out
 
 

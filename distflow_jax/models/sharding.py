@@ -1,9 +1,10 @@
 """Sharding as data: (regex over parameter path, PartitionSpec) rules.
 
 A parameter's path is its NNX state path joined by "/", e.g.
-`layers/0/attn/q_proj/kernel`.  The first rule whose regex fully matches the
-path gives its `PartitionSpec`; mesh axes named in a spec but absent from the
-mesh are dropped, so one rule set serves any mesh made of `data` / `fsdp` /
+`layers/0/attn/q_proj/kernel` (`layers/attn/q_proj/kernel` with layers stacked
+by `scan_layers`: its rule applies to the dims after the layer axis, which stays
+whole).  The first rule whose regex fully matches the path gives its
+`PartitionSpec`; mesh axes named in a spec but absent from the mesh are dropped, so one rule set serves any mesh made of `data` / `fsdp` /
 `tensor` axes.  A dimension that its axes do not divide raises ValueError
 naming the parameter.
 
@@ -26,6 +27,8 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from distflow_jax.models.stacking import stacked_path
 
 Rules = tuple[tuple[str, P], ...]
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -75,6 +78,8 @@ def spec_for(path: str, shape: Sequence[int], rules: Rules, mesh: Mesh) -> P:
       break
   else:
     raise ValueError(f"no sharding rule matches parameter {path!r}; add a catch-all ('.*', P())")
+  if stacked_path(path):  # scan_layers: the leading layer axis is never split
+    spec = P(None, *spec)
   if len(spec) > len(shape):
     raise ValueError(f"rule {pattern!r} gives {spec} to {path!r} of rank {len(shape)}")
   dims = []

@@ -61,10 +61,13 @@ writes, records or reads a prefix of it); here the stack and `forward`.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from distflow_jax.models import stacking
 from distflow_jax.models.attention import Attention
 from distflow_jax.models.config import ModelConfig
 # KVCache, init_cache, cache_insert and positions_from_mask are imported from here by
@@ -72,6 +75,9 @@ from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.kv_cache import (CacheWriter, KVCache, KVRecorder, PrefixReader,  # noqa: F401
                                           cache_insert, init_cache, positions_from_mask)
 from distflow_jax.models.layers import INIT, MLP, RMSNorm, linear
+
+# model.remat -> the jax.checkpoint policy of each layer (None: save only its input).
+_REMAT_POLICIES = {"full": None, "dots_saveable": jax.checkpoint_policies.dots_saveable}
 
 
 class Block(nnx.Module):
@@ -93,7 +99,9 @@ class Transformer(nnx.Module):
     self.cfg = cfg
     self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype,
                            param_dtype=cfg.jnp_dtype, embedding_init=INIT, rngs=rngs)
-    self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+    blocks = [Block(cfg, rngs) for _ in range(cfg.num_layers)]
+    # Stacked (one Block, leading layer axis) under scan_layers: see stacking.py.
+    self.layers = stacking.stack_modules(blocks) if cfg.scan_layers else nnx.List(blocks)
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
     if not cfg.tie_embeddings:
       self.lm_head = linear(cfg, cfg.hidden_size, cfg.vocab_size, False, rngs)
@@ -110,14 +118,15 @@ class Transformer(nnx.Module):
   def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
                mask_BxT: jax.Array | None = None, cache: KVCache | None = None,
                cache_index_B: jax.Array | None = None, *, return_hidden: bool = False,
-               remat: bool = False, prefix: KVCache | None = None, prefix_repeat: int = 1,
-               return_kv: bool = False, windowed: bool = True
+               remat: bool | str | None = None, prefix: KVCache | None = None,
+               prefix_repeat: int = 1, return_kv: bool = False, windowed: bool = True
                ) -> tuple[jax.Array, KVCache | None]:
     """Returns `(logits_BxTxV or hidden_BxTxD, new_cache)`; see the module docstring.
 
-    `remat=True` rematerialises each block in the backward pass (less activation
-    memory for training; ignored with a cache, a prefix or `return_kv`).
-    `new_cache` is the updated cache, the recorded k/v (`return_kv`) or None.
+    `remat` rematerialises each block in the backward pass (less activation memory for
+    training): a policy name of `ModelConfig.remat`, True for "full", None for the
+    config's; ignored with a cache.  `new_cache` is the updated cache, the recorded k/v
+    (`return_kv`; under `scan_layers` its k/v are `[L, G, Hkv, T, Dh]` arrays) or None.
     """
     b, t = tokens_BxT.shape
     positions_BxT = positions_BxT.astype(jnp.int32)
@@ -137,31 +146,71 @@ class Transformer(nnx.Module):
       writer = KVRecorder()
     key_pos_BxS = own_pos_BxT if writer is None else writer.pos(own_pos_BxT)
     x = self.embed(tokens_BxT)
-    if remat and writer is None:
-      # Training: keep only each block's input for the backward pass.
-      block = nnx.remat(lambda layer, x, pos, kpos: layer(x, pos, kpos, None))
-      for layer in self.layers:
-        x = block(layer, x, positions_BxT, key_pos_BxS)
-    else:
-      for layer in self.layers:
-        x = layer(x, positions_BxT, key_pos_BxS, writer)
-        if writer is not None:
-          writer.layer += 1
     new_cache = None
     if isinstance(writer, CacheWriter):
+      # Layer by layer (stacked layers sliced): each layer's cache buffer is written in place.
+      for i in range(self.cfg.num_layers):
+        layer = stacking.layer_of(self.layers, i) if self.cfg.scan_layers else self.layers[i]
+        x = layer(x, positions_BxT, key_pos_BxS, writer)
+        writer.layer += 1
       new_cache = KVCache(k=tuple(writer.k), v=tuple(writer.v), pos=key_pos_BxS)
-    elif isinstance(writer, KVRecorder):
-      new_cache = KVCache(k=tuple(writer.ks), v=tuple(writer.vs), pos=own_pos_BxT)
+    else:
+      policy = self.cfg.remat if remat is None else {True: "full", False: "none"}.get(remat, remat)
+      x, kv = self._run_layers(x, positions_BxT, key_pos_BxS, writer, policy)
+      if isinstance(writer, KVRecorder):
+        new_cache = KVCache(k=kv[0], v=kv[1], pos=own_pos_BxT)
     hidden = self.final_norm(x)
     if return_hidden:
       return hidden, new_cache
     return self.logits(hidden), new_cache
 
 
+  def _run_layers(self, x, positions_BxT, key_pos_BxS, writer, remat: str):
+    """The cache-less passes (plain, `return_kv`, `prefix`): every layer as a pure function
+    of its parameters, looped or scanned, each rematerialised under `remat`.  Returns
+    `(x, (ks, vs))`, the recorded keys/values when `writer` is a KVRecorder."""
+    record = isinstance(writer, KVRecorder)
+    prefix = writer.prefix if isinstance(writer, PrefixReader) else None
+    b = x.shape[0]
+
+    def one(graphdef, layer_state, x, pk, pv):
+      layer = nnx.merge(graphdef, layer_state)
+      w = (KVRecorder() if record else None if prefix is None else
+           PrefixReader(KVCache(k=(pk,), v=(pv,), pos=prefix.pos), writer.repeat, b))
+      y = layer(x, positions_BxT, key_pos_BxS, w)
+      return y, ((w.ks[0], w.vs[0]) if record else None)
+
+    def wrap(graphdef, scanned):
+      fn = functools.partial(one, graphdef)
+      if remat == "none":
+        return fn
+      return jax.checkpoint(fn, policy=_REMAT_POLICIES[remat], prevent_cse=not scanned)
+
+    if self.cfg.scan_layers:
+      graphdef, state = stacking.split_stacked(self.layers)
+      pk = pv = None
+      if prefix is not None:  # a recorded prefix: stacked by a scanned pass, a tuple by a loop
+        pk, pv = (p if isinstance(p, jax.Array) else jnp.stack(p) for p in (prefix.k, prefix.v))
+      body = wrap(graphdef, True)
+      x, kv = jax.lax.scan(lambda x, xs: body(xs[0], x, xs[1], xs[2]), x,
+                           (state, pk, pv))
+      return x, kv
+    ks, vs = [], []
+    for i, layer in enumerate(self.layers):
+      graphdef, state = nnx.split(layer)
+      pk, pv = (None, None) if prefix is None else (prefix.k[i], prefix.v[i])
+      x, kv = wrap(graphdef, False)(state, x, pk, pv)
+      if record:
+        ks.append(kv[0])
+        vs.append(kv[1])
+    return x, (tuple(ks), tuple(vs))
+
+
 def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxT: jax.Array,
             positions_BxT: jax.Array, mask_BxT: jax.Array | None = None,
             cache: KVCache | None = None, cache_index_B: jax.Array | None = None, *,
-            return_hidden: bool = False, remat: bool = False, prefix: KVCache | None = None,
+            return_hidden: bool = False, remat: bool | str | None = None,
+            prefix: KVCache | None = None,
             prefix_repeat: int = 1, return_kv: bool = False, windowed: bool = True
             ) -> tuple[jax.Array, KVCache | None]:
   """Pure forward over `nnx.split(model)`: safe inside jit / while_loop / scan."""
