@@ -5,12 +5,15 @@ big to compile on this host's simulated devices) and checked against the compile
 small sizes (tests/test_memory_plan.py).  Bytes per device:
 
 * parameters: ``num_params x dtype bytes / (fsdp x tensor)``;
-* optimizer: Adam's two moments, in the parameters' dtype (optax keeps ``mu``/``nu`` in
-  the dtype of the parameters), so ``2 x`` the parameter bytes; SGD none;
+* optimizer: Adam's two moments in the parameters' dtype (``2 x`` the parameter bytes),
+  or with ``model.master_weights`` and 16-bit parameters a float32 master copy and
+  float32 moments (12 bytes per parameter); SGD no moments;
 * gradients: the micro-batch accumulator plus one micro-batch's gradients, ``2 x``;
-* activations (no remat): per layer and token ``dtype x (ACT_D x D + ACT_F x F +
-  ACT_QKV x (heads + 2 kv_heads) x head_dim) + 4 x ACT_SCORES x heads x keys`` (float32
-  attention scores), plus one ``[chunk, vocab]`` float32 logits block x ``ACT_LOGITS``;
+* activations (``model.remat=none``): per layer and token ``dtype x (ACT_D x D + ACT_F x
+  F + ACT_QKV x (heads + 2 kv_heads) x head_dim) + 4 x ACT_SCORES x heads x keys``
+  (float32 attention scores; none with ``attention_impl=cudnn``, a fused kernel), plus one
+  ``[chunk, vocab]`` float32 logits block x ``ACT_LOGITS``; with ``remat=full`` each layer
+  keeps only its input (``D``) and one layer's set is live, ``dots_saveable`` half;
 * KV cache: ``slots x len x layers x 2 x kv_heads x head_dim x dtype bytes``.
 """
 
@@ -55,7 +58,9 @@ def param_bytes(m: ModelConfig, shards: int = 1) -> float:
   return m.num_params * dtype_bytes(m.dtype) / shards
 
 
-def opt_bytes(m: ModelConfig, shards: int, optimizer: str) -> float:
+def opt_bytes(m: ModelConfig, shards: int, optimizer: str, master: bool = False) -> float:
+  if master and m.dtype != "float32":
+    return m.num_params * (4 + (0 if optimizer == "sgd" else 8)) / shards
   return 0.0 if optimizer == "sgd" else 2 * param_bytes(m, shards)
 
 
@@ -69,7 +74,8 @@ def tokens(rows: int, prompt_len: int, new_tokens: int, group_size: int) -> int:
 
 
 def activation_bytes(m: ModelConfig, rows: int, prompt_len: int, new_tokens: int,
-                     group_size: int, tensor: int = 1, train: bool = True) -> float:
+                     group_size: int, tensor: int = 1, train: bool = True,
+                     remat: str = "none", attention_impl: str = "auto") -> float:
   """One device's activations for ``rows`` samples (a micro-batch on training, the pass's
   whole shard on a forward-only pass); ``tensor`` splits heads and the MLP."""
   s = dtype_bytes(m.dtype)
@@ -78,8 +84,12 @@ def activation_bytes(m: ModelConfig, rows: int, prompt_len: int, new_tokens: int
   qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim / tensor
   if train:
     per = s * (ACT_D * m.hidden_size + ACT_F * m.intermediate_size / tensor + ACT_QKV * qkv)
-    per += 4 * ACT_SCORES * m.num_heads / tensor * keys
-    body = m.num_layers * toks * per
+    if attention_impl != "cudnn":
+      per += 4 * ACT_SCORES * m.num_heads / tensor * keys
+    if remat == "full":
+      body = toks * (m.num_layers * s * m.hidden_size + per)
+    else:
+      body = m.num_layers * toks * per * (0.5 if remat == "dots_saveable" else 1.0)
   else:
     body = toks * s * (FWD_D * m.hidden_size + FWD_F * m.intermediate_size / tensor)
   logits = min(LOGITS_CHUNK, rows * new_tokens) * m.vocab_size / tensor * 4 * ACT_LOGITS

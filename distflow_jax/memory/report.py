@@ -77,8 +77,9 @@ def _advice(cfg: ml_collections.ConfigDict, fsdp: int) -> dict[str, str]:
   return {
       "params": more, "opt": more + " or actor.optimizer.name=sgd",
       "grads": more,
-      "act": f"lower actor.micro_batch_size={a.micro_batch_size}"
-             + (" or set model.remat=True" if remat is not None and not remat else ""),
+      "act": (f"lower actor.micro_batch_size={a.micro_batch_size}" if a.micro_batch_size > 1
+              else "shorten rollout.max_new_tokens / data.max_prompt_len")
+             + (" or set model.remat=full" if remat == "none" else ""),
       "ref": "place the reference on other devices (placement.reference) or set "
              "actor.kl.coef=0 and drop the ref_logprob node",
       "rollout_w": f"raise rollout.tensor_parallel={r.tensor_parallel} (each replica holds "
@@ -102,6 +103,9 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
   from distflow_jax.workflow.context import shared_prompt_group
 
   comp = source == "compiled"
+  master = bool(cfg.model.get("master_weights", False))
+  remat = str(cfg.model.get("remat", "none"))
+  impl = str(cfg.model.get("attention_impl", "auto"))
   src = "compiled" if comp else "analytic"
   topo = plan.topology
   meshes = {m.role: m for m in plan.meshes}
@@ -113,13 +117,17 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
   notes = [f"figures: {src}" + (" (memory_analysis of the real jitted steps on "
                                 f"{topo.num_devices} simulated devices)" if comp else
                                 " model (memory/analytic.py)")]
+  if comp and impl != "cudnn":
+    notes.append(f"attention as compiled for CPU (model.attention_impl={impl}); on GPU "
+                 f"'auto' takes cuDNN's fused kernel in 16 bits, which keeps no [T, T] "
+                 f"scores: the activations are an upper bound there")
   trained = {s.node.role for s in plan.steps if s.node.fn.startswith("train.")}
   total = max(cfg.trainer.total_steps * cfg.actor.ppo_epochs * cfg.actor.mini_batches, 1)
   tx = roles_lib.optimizer(cfg, cfg.actor.optimizer, total)
   opt_name = str(cfg.actor.optimizer.name)
   samples = cfg.data.prompts_per_step * cfg.rollout.n
   plen, nlen = _prompt_len(cfg), cfg.rollout.max_new_tokens
-  params_by_role = {}
+  params_by_role, passes = {}, {}
 
   def role_params(role):
     if role not in params_by_role:
@@ -139,13 +147,14 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
         opt_abs = cp.abstract_opt_state(tx, role_params(role)[1], roles_lib.jax_mesh(rm))
         ob = cp.device_bytes(opt_abs)
       else:
-        ob = an.opt_bytes(model_cfg, n_sh, opt_name)
+        ob = an.opt_bytes(model_cfg, n_sh, opt_name, master)
       items.append(Item("actor", "optimizer state", ob, rm.devices, RESIDENT, src, adv["opt"]))
   if Role.CRITIC in meshes:
     cm = meshes[Role.CRITIC]
     n_sh = cm.shape.get("fsdp", 1) * cm.shape.get("tensor", 1)
     items.append(Item("critic", "parameters + optimizer state",
-                      an.param_bytes(model_cfg, n_sh) + an.opt_bytes(model_cfg, n_sh, "adam"),
+                      an.param_bytes(model_cfg, n_sh) + an.opt_bytes(model_cfg, n_sh, "adam",
+                                                                     master),
                       cm.devices, RESIDENT, "analytic", "place the critic on other devices "
                       "(placement.critic) or shard it over more"))
 
@@ -179,10 +188,13 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
       if node.fn != "train.actor":
         gs = shared_prompt_group(cfg, samples, dp)
         if comp:
-          g, params = role_params(role)
-          batch = cp.abstract_batch(samples, plen, nlen, layout, ())
-          m = cp.logprob_memory(g, params, batch, gs, layout)
-          tb = m.temp + m.output + cp.device_bytes(batch)
+          key = (meshes[role].devices, meshes[role].axes, dp, gs)
+          if key not in passes:  # the reference's pass on the actor's mesh is the same
+            g, params = role_params(role)
+            batch = cp.abstract_batch(samples, plen, nlen, layout, ())
+            m = cp.logprob_memory(g, params, batch, gs, layout)
+            passes[key] = m.temp + m.output + cp.device_bytes(batch)
+          tb = passes[key]
         else:
           tb = an.activation_bytes(model_cfg, samples // dp, plen, nlen, gs, tp, train=False)
         items.append(Item(node.id, "activations (forward pass)", tb, devs, node.id, src,
@@ -208,7 +220,8 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
         batch_b = m.argument - cp.device_bytes(params) - cp.device_bytes(opt_abs)
       else:
         rows = samples // dp // minis // micro
-        act = an.activation_bytes(model_cfg, rows, plen, nlen, gs, tp)
+        act = an.activation_bytes(model_cfg, rows, plen, nlen, gs, tp, remat=remat,
+                                  attention_impl=impl)
         batch_b = samples // minis // dp * (plen + nlen) * 9
       items.append(Item(node.id, "gradients (accumulator + micro-batch)", gb, devs, node.id,
                         src, adv["grads"]))
