@@ -73,3 +73,37 @@ def test_compiles_per_step_reads_a_jax_log(tmp_path):
       "unrelated line\n")
   assert bench_e2e.compiles_per_step(str(log)) == {
       "setup": ["jit(copy)"], "0": ["jit(step)", "jit(decode_chunk)"], "1": []}
+
+
+@pytest.mark.timeout(600)
+def test_compare_algorithms_smoke(tmp_path):
+  """tools/compare_algorithms.py end to end at a toy budget: one warm start shared by the
+  runs of a task, one process per run, the table and the plot."""
+  import json
+
+  import compare_algorithms as ca
+  pytest.importorskip("matplotlib")
+  out = tmp_path / "cmp"
+  tiny = ["model.preset=micro", "model.warmstart.steps=2", "model.warmstart.examples=64",
+          "model.warmstart.batch_size=16", "rollout.n=2", "rollout.max_new_tokens=8",
+          "rollout.prefill_buckets=(32,)", "rollout.max_concurrent_decodes=8",
+          "data.eval_size=8", "actor.micro_batch_size=4", "critic.micro_batch_size=4",
+          "cluster.devices_per_process=1"]
+  rc = ca.main(["--steps", "2", "--tasks", "letters", "--algorithms", "grpo,rloo",
+                "--samples-per-step", "8", "--out", str(out),
+                *[f"--set={o}" for o in tiny]])
+  assert rc == 0
+  md = (out / "compare.md").read_text()
+  assert "Load average (1, 5, 15 min) at start:" in md and "at end:" in md
+  rows = [l for l in md.splitlines() if l.startswith("| letters |")]
+  assert [r.split(" | ")[1] for r in rows] == ["grpo", "rloo"]
+  for r in rows:
+    cells = r.split(" | ")
+    assert cells[6] == "8" and cells[7] == "16" and cells[8] == "16"  # n_eval, samples
+    assert cells[2].endswith("%") and cells[4].endswith("%")
+  assert (out / "compare.png").stat().st_size > 0
+  for algo in ("grpo", "rloo"):  # the task's warm start, copied, not redone per run
+    log = (out / "letters" / f"{algo}.log").read_text()
+    assert "using the cached model" in log, log[-2000:]
+    steps = [json.loads(l)["step"] for l in open(out / "letters" / algo / "metrics.jsonl")]
+    assert steps == [0, 1, 2]
