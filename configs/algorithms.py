@@ -72,9 +72,9 @@ def _ppo():
   c.data.prompts_per_step = SAMPLES_PER_STEP
   c.critic.optimizer.lr = ppo.critic.optimizer.lr
   c.critic.micro_batch_size = c.actor.micro_batch_size
-  # The critic starts from the warm-started actor with a fresh value head: its first
-  # values are noise, and advantages made from them push the policy at random.  The
-  # first steps train the critic alone.
+  # A fresh critic predicts 0 (its value head starts at zero), so the first advantages are
+  # the raw whitened returns, not yet measured against a learned baseline: the first steps
+  # train the critic alone.
   c.critic.warmup_steps = 5  # a tenth of the run (tools/compare_algorithms.py keeps it so)
   # Two mini-batches so the clipped ratio acts (see the module docstring).
   c.actor.mini_batches = 2
