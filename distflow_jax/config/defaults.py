@@ -51,6 +51,16 @@ def base() -> ml_collections.ConfigDict:
       # Log-prob passes and the actor step run each group's prompt once for its rollout.n
       # samples (checked on device per batch; rows not so grouped take the plain pass).
       share_prompt_prefix=True,
+      # Memory and compile levers (models/config.py).  scan_layers: parameters stacked on a
+      # layer axis, layers run under lax.scan (compile time flat in depth).  remat: none |
+      # full | dots_saveable, each layer recomputed in the backward pass.  attention_impl:
+      # auto | xla | cudnn | einsum (multi-token attention; auto = cuDNN on GPU in 16 bits).
+      # master_weights: with a 16-bit dtype, trained roles keep float32 master parameters
+      # and optimizer moments in the optimizer state (train/optim.py).
+      scan_layers=True,
+      remat="none",
+      attention_impl="auto",
+      master_weights=True,
   )
   c.data = dict(
       train="builtin:arithmetic",  # JSONL/Parquet path or builtin:<task>
@@ -125,8 +135,8 @@ def base() -> ml_collections.ConfigDict:
       gamma=1.0,
       lam=1.0,
       norm_by_std=True,      # False = Dr.GRPO
-      # DAPO dynamic sampling: re-generate up to this many times to replace prompt groups
-      # whose rewards are all equal (0 = off).
+      # DAPO dynamic sampling: generate up to this many rounds per step (the first plus
+      # tries - 1 refills) to replace prompt groups whose rewards are all equal (0 = off).
       dynamic_sampling_tries=0,
   )
   c.placement = dict(actor=mesh(), reference=mesh(), critic=mesh(), reward=mesh())
