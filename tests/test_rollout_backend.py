@@ -104,7 +104,7 @@ def test_backends_satisfy_the_protocol_and_share_weight_sync():
 
 
 def test_backend_table_and_config_key():
-  assert set(backend.BACKENDS) == {"engine", "reference"}
+  assert set(backend.BACKENDS) == {"engine", "reference", "jetstream"}
   cfg = loading.load("grpo:tiny")
   assert cfg.rollout.backend == "engine"
   conf = EngineConfig(max_concurrent_decodes=2, prefill_buckets=(8,), max_new_tokens=4)
@@ -113,8 +113,20 @@ def test_backend_table_and_config_key():
   made = backend.make_backend("engine", CFG, conf, mesh)
   assert isinstance(made, backend.EngineBackend)
   with pytest.raises(loading.ConfigError,
-                     match=r"^rollout.backend='vllm' is unknown; valid: engine, reference$"):
+                     match=r"^rollout.backend='vllm' is unknown; valid: engine, reference, jetstream$"):
     backend.make_backend("vllm", CFG, conf, mesh)
+
+
+def test_jetstream_backend_refused_in_one_line_without_the_package(monkeypatch):
+  """`jetstream` is in the table everywhere; without JetStream it is refused in one line
+  naming the package (the adapter's import hint), before anything is built."""
+  import sys
+  monkeypatch.setitem(sys.modules, "jetstream", None)  # as if not installed
+  monkeypatch.delitem(sys.modules, "distflow_jax.rollout.jetstream_backend", raising=False)
+  conf = EngineConfig(max_concurrent_decodes=2, prefill_buckets=(8,), max_new_tokens=4)
+  with pytest.raises(loading.ConfigError, match=r"^rollout.backend=jetstream needs the "
+                     r"google-jetstream package: pip install 'distflow-jax\[jetstream\]'$"):
+    backend.make_backend("jetstream", CFG, conf)
 
 
 def test_run_context_builds_the_configured_backend_once():
@@ -138,5 +150,5 @@ def test_run_context_builds_the_configured_backend_once():
   ref = ctx.backend(rollout)
   assert isinstance(ref, reference.ReferenceSampler) and ref.config == made.config
   rollout.backend = "sglang"
-  with pytest.raises(loading.ConfigError, match="valid: engine, reference$"):
+  with pytest.raises(loading.ConfigError, match="valid: engine, reference, jetstream$"):
     ctx.backend(rollout)

@@ -34,7 +34,11 @@ JetStream 0.2.2 ends a stream before a stop token; main streams the stop
 token too; the expected stream follows the installed version.  Each mode runs
 the requests twice (the first run compiles) and reports the second run's
 streamed tokens per second beside `generate`'s on the same prompts (warm).
-Prints one table row per (version, mode); exits 1 if any stream differs.
+A third row per version runs `rollout.backend=jetstream` against the native
+`engine` backend (2 samples per prompt at temperature 1, the same request
+keys): rows must match in tokens, lengths, stops and log-probs (1e-5), and
+the table gives both backends' rollout tokens per second (warm).  Prints one
+table row per (version, mode); exits 1 if any stream or row differs.
 """
 
 from __future__ import annotations
@@ -208,9 +212,40 @@ def run_inside(args: argparse.Namespace) -> int:
     ends_by = "/".join(str(ends.count(e)) for e in ("stop", "engine", "max"))
     rows.append(dict(mode=mode, api=gen, equal=sum(same), requests=len(same), ends=ends_by,
                      js_tps=js_tps, native_tps=native_tps, devices=len(devs)))
+  rows.append(_backend_row(cfg, ecfg, model, seen, gen, len(devs)))
   with open(args.json, "w") as f:
     json.dump(rows, f)
   return 0 if all(r["equal"] == r["requests"] for r in rows) else 1
+
+
+def _backend_row(cfg, ecfg, model, prompts, gen: str, devices: int) -> dict:
+  """rollout.backend=jetstream against engine: 2 samples per prompt at temperature 1, the
+  same request keys; rows equal when tokens, lengths, stops agree and log-probs are close."""
+  import dataclasses
+
+  import numpy as np
+
+  from distflow_jax.rollout import SamplingParams, backend
+
+  conf = dataclasses.replace(ecfg, sampling=SamplingParams(temperature=1.0))
+  native = backend.make_backend("engine", cfg, conf)
+  js = backend.make_backend("jetstream", cfg, conf)
+  params = native.load_params(model)
+  outs, tps = [], []
+  for b in (js, native):
+    b.generate(params, prompts, n=2)  # compiles
+    start = time.perf_counter()
+    out = b.generate(params, prompts, n=2)
+    tps.append(out.num_tokens / (time.perf_counter() - start))
+    outs.append(out)
+  a, c = outs
+  same = [bool(np.array_equal(a.tokens_RxN[r], c.tokens_RxN[r]) and a.lengths_R[r] == c.lengths_R[r]
+               and a.stopped_R[r] == c.stopped_R[r]
+               and np.allclose(a.logprobs_RxN[r], c.logprobs_RxN[r], atol=1e-5))
+          for r in range(len(a.lengths_R))]
+  ends = "/".join(str(n) for n in (int(c.stopped_R.sum()), int((~c.stopped_R).sum()), 0))
+  return dict(mode="backend n=2 T=1", api=gen, equal=sum(same), requests=len(same), ends=ends,
+              js_tps=tps[0], native_tps=tps[1], devices=devices)
 
 
 def main(argv: list[str]) -> int:
@@ -239,16 +274,17 @@ def main(argv: list[str]) -> int:
       print(f"JetStream {version}: no result (exit {code}); see the traceback above")
     table += [dict(version=version, **r) for r in rows] or [dict(version=version, mode="-",
                                                                  api="-", failed=code)]
-  print(f"\n{'jetstream':<10}{'interface':<11}{'mode':<15}{'requests':<10}{'ends*':<8}"
-        f"{'equal':<7}{'orchestrator tok/s':<20}{'generate tok/s':<15}")
+  print(f"\n{'jetstream':<10}{'interface':<11}{'mode':<18}{'requests':<10}{'ends*':<8}"
+        f"{'equal':<7}{'jetstream tok/s':<17}{'native tok/s':<15}")
   for r in table:
     if "failed" in r:
-      print(f"{r['version']:<10}{'-':<11}{'-':<15}FAILED (exit {r['failed']})")
+      print(f"{r['version']:<10}{'-':<11}{'-':<18}FAILED (exit {r['failed']})")
       continue
-    print(f"{r['version']:<10}{r['api']:<11}{r['mode']:<15}{r['requests']:<10}{r['ends']:<8}"
-          f"{r['equal']}/{r['requests']:<5}{r['js_tps']:<20.1f}{r['native_tps']:<15.1f}")
+    print(f"{r['version']:<10}{r['api']:<11}{r['mode']:<18}{r['requests']:<10}{r['ends']:<8}"
+          f"{str(r['equal']) + '/' + str(r['requests']):<7}{r['js_tps']:<17.1f}{r['native_tps']:<15.1f}")
   ok = table and all(r.get("equal", -1) == r.get("requests") for r in table)
-  print(f"* streams ending at a stop token / the engine's {MAX_NEW}-token limit / max_tokens\n"
+  print(f"* streams ending at a stop token / the engine's {MAX_NEW}-token limit / max_tokens; "
+        f"tok/s: orchestrator vs generate, or backend jetstream vs engine\n"
         f"(tiny random model on CPU, {len(REQUESTS)} token requests on {SLOTS} slots, greedy; "
         f"tok/s of the second, warm run; main = JetStream {MAIN_COMMIT[:12]})")
   return 0 if ok else 1

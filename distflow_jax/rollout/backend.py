@@ -15,7 +15,11 @@ interchangeable sample for sample (up to float rounding).
 * `engine`: the JetStream-API engine (`engine.Engine`: prefill / insert /
   generate over slots with a KV cache) driven by `driver.generate`;
 * `reference`: `reference.ReferenceSampler`, a full forward pass per token
-  and no cache; slow, the tests' oracle for the engine.
+  and no cache; slow, the tests' oracle for the engine;
+* `jetstream`: `jetstream_backend.JetStreamBackend`, JetStream's own
+  orchestrator serving the same engine (needs google-jetstream; refused in
+  one line without it).  `engine` stays the default: same samples, no
+  orchestrator threads or per-token host syncs, no TensorFlow dependency.
 
 A new backend (another inference server, say) is a class with this
 protocol's methods and a constructor `(model_cfg, config, mesh)`, added to
@@ -95,9 +99,21 @@ class EngineBackend:
 # (model_cfg, config, mesh) -> backend.
 BackendFactory = Callable[[ModelConfig, EngineConfig, Mesh | None], RolloutBackend]
 
+def _jetstream_backend(model_cfg: ModelConfig, config: EngineConfig,
+                       mesh: Mesh | None = None) -> RolloutBackend:
+  """The `jetstream` entry: imports JetStream only when chosen."""
+  try:
+    from distflow_jax.rollout.jetstream_backend import JetStreamBackend  # pylint: disable=C0415
+  except ImportError as e:
+    raise ConfigError("rollout.backend=jetstream needs the google-jetstream package: pip "
+                      "install 'distflow-jax[jetstream]'") from e
+  return JetStreamBackend(model_cfg, config, mesh)
+
+
 BACKENDS: dict[str, BackendFactory] = {
     "engine": EngineBackend,
     "reference": ReferenceSampler,
+    "jetstream": _jetstream_backend,
 }
 
 

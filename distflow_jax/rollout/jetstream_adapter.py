@@ -46,6 +46,7 @@ ids as text out; stop tokens = the engine's stop ids) unless one is passed.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import typing
 from typing import Any
@@ -155,6 +156,10 @@ def as_jetstream(engine: Engine, *, tokenizer: Any = None, bos_id: int = 0) -> A
       self.engine = inner
       # Old API only: per slot, the (token, valid, length, logprob) rows still to emit.
       self._lagged: dict[int, list[tuple[int, bool, int, float]]] = {}
+      # Hooks for the `jetstream` rollout backend: raw keys handed to prefills in call order
+      # (JetStream passes none), and, when a list, a log of inserts and raw generate results.
+      self.request_keys: collections.deque = collections.deque()
+      self.trace: list | None = None
 
     def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length,
                 sampler=None, rng=None, request_id=None):
@@ -162,6 +167,8 @@ def as_jetstream(engine: Engine, *, tokenizer: Any = None, bos_id: int = 0) -> A
       # JetStream truncates an over-long request to its last tokens but passes the full
       # length; the prompt the engine sees is what was padded.
       true_length = min(int(true_length), int(np.shape(padded_tokens)[-1]))
+      if rng is None and self.request_keys:
+        rng = jnp.asarray(self.request_keys.popleft(), jnp.uint32)
       prefix, first = self.engine.prefill(params=params, existing_prefix=existing_prefix,
                                           padded_tokens=padded_tokens, true_length=true_length,
                                           sampler=sampler, rng=rng)
@@ -181,6 +188,8 @@ def as_jetstream(engine: Engine, *, tokenizer: Any = None, bos_id: int = 0) -> A
     def generate(self, params, decode_state, sampler=None, rng=None):
       del sampler, rng
       state, result = self.engine.generate(params, decode_state)
+      if self.trace is not None:  # not lengths: it is the decode state's, donated next step
+        self.trace.append(("step", result.tokens, result.valid, result.logprobs))
       if legacy and self._lagged:
         result = self._replay(result)
       return state, to_jetstream_result(result, api, mark_done=True)
@@ -200,6 +209,10 @@ def as_jetstream(engine: Engine, *, tokenizer: Any = None, bos_id: int = 0) -> A
       del request_id
       if isinstance(prefix, tuple):  # a new-API prefill result handed back whole
         prefix = prefix[0]
+      if self.trace is not None:
+        # on the host now: JetStream deletes the prefix's arrays once inserted
+        self.trace.append(("insert", slot, int(np.asarray(prefix.tokens_P)[0]),
+                           float(np.asarray(prefix.logprobs_P)[0])))
       if legacy:
         self._lagged[slot] = [(int(np.asarray(prefix.tokens_P)[0]), True, 1,
                                float(np.asarray(prefix.logprobs_P)[0]))]
