@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from distflow_jax.rollout import jetstream_adapter
+from distflow_jax.rollout import SamplingParams
 from test_rollout_engine import PROMPTS, engine, full_forward_greedy, peaky_model
 
 
@@ -191,3 +192,25 @@ def test_jax_tree_map_shim_only_with_jetstream(monkeypatch):
   finally:
     if not had and hasattr(jax, "tree_map"):
       del jax.tree_map
+
+
+@pytest.mark.skipif(not HAVE_JETSTREAM, reason="optional jetstream extra (google-jetstream) not "
+                    "installed or not importable under this JAX")
+@pytest.mark.timeout(600)
+def test_jetstream_backend_equals_engine_backend():
+  """rollout.backend=jetstream (JetStream's orchestrator) gives the engine backend's rows:
+  sampled with the same request keys, more requests than slots, stops and length limits."""
+  from distflow_jax.rollout import backend
+  from test_rollout_engine import CFG
+  conf = engine(SamplingParams(1.0)).config
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tensor"))
+  native = backend.EngineBackend.wrap(engine(SamplingParams(1.0)))
+  js = backend.make_backend("jetstream", CFG, conf, mesh)
+  params = native.load_params(peaky_model())
+  rng = jax.random.key(7)
+  a = js.generate(params, PROMPTS, n=2, rng=rng, max_new_tokens=6)
+  b = native.generate(params, PROMPTS, n=2, rng=rng, max_new_tokens=6)
+  for name in ("tokens_RxN", "mask_RxN", "lengths_R", "stopped_R", "prompt_index_R"):
+    np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+  np.testing.assert_allclose(a.logprobs_RxN, b.logprobs_RxN, atol=1e-5)
+  np.testing.assert_allclose(a.sampling_logprobs_RxN, b.sampling_logprobs_RxN, atol=1e-5)
