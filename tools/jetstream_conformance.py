@@ -280,8 +280,9 @@ def main(argv: list[str]) -> int:
     if "failed" in r:
       print(f"{r['version']:<10}{'-':<11}{'-':<18}FAILED (exit {r['failed']})")
       continue
+    equal = f"{r['equal']}/{r['requests']}"
     print(f"{r['version']:<10}{r['api']:<11}{r['mode']:<18}{r['requests']:<10}{r['ends']:<8}"
-          f"{str(r['equal']) + '/' + str(r['requests']):<7}{r['js_tps']:<17.1f}{r['native_tps']:<15.1f}")
+          f"{equal:<7}{r['js_tps']:<17.1f}{r['native_tps']:<15.1f}")
   ok = table and all(r.get("equal", -1) == r.get("requests") for r in table)
   print(f"* streams ending at a stop token / the engine's {MAX_NEW}-token limit / max_tokens; "
         f"tok/s: orchestrator vs generate, or backend jetstream vs engine\n"
