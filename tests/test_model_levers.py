@@ -170,3 +170,23 @@ def test_master_weights_keep_small_updates():
   np.testing.assert_allclose(np.asarray(state.master["w"]), 1 - 100 * 1e-4, rtol=1e-5)
   assert float(plain["w"][0]) == 1.0  # each 1e-4 step rounds away in bfloat16
   assert float(params["w"][0]) < 1.0
+
+
+def test_engine_takes_stacked_params():
+  """The rollout engine decodes with one array per layer: stacked actor parameters are
+  unstacked on load / sync and generate the loop model's greedy tokens."""
+  from distflow_jax.rollout import Engine, EngineConfig, SamplingParams, generate, replica_mesh
+  cfg = _cfg("qwen2", False)
+  (_, p1), _ = _pair(cfg)
+  p1 = jax.tree.map(lambda x: x * 8.0 if x.ndim == 2 else x, p1)  # peaky: varied tokens
+  p2 = stacking.to_scan(p1)
+  ecfg = EngineConfig(max_concurrent_decodes=2, prefill_buckets=(8,), max_new_tokens=5,
+                      sampling=SamplingParams(0.0), decode_steps=5)
+  mesh = replica_mesh(1, jax.devices()[:1])
+  prompts = [[1, 2, 3], [7, 8, 9, 10, 11]]
+  want = generate(Engine(cfg, ecfg, mesh), p1, prompts)
+  eng = Engine(cfg.replace(scan_layers=True), ecfg, mesh)
+  for params in (eng.load_params(p2), eng.update_params(p2)):
+    got = generate(eng, params, prompts)
+    np.testing.assert_array_equal(got.tokens_RxN, want.tokens_RxN)
+    np.testing.assert_allclose(got.logprobs_RxN, want.logprobs_RxN, atol=TOL)

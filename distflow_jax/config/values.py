@@ -34,13 +34,14 @@ def option_types() -> dict[str, type[enum.Enum] | tuple[str, ...]]:
   from distflow_jax.algos.losses import LossAggMode, RatioLevel
   from distflow_jax.data.loader import OnBadRow
   from distflow_jax.data.redistribute import Mode
-  from distflow_jax.models.config import DTYPES
+  from distflow_jax.models.config import ATTENTION_IMPLS, DTYPES, REMATS
   from distflow_jax.rewards.math_answer import MATCH_MODES
   from distflow_jax.train.optim import Optimizer, Schedule
   return {
       "loss_agg": LossAggMode, "ratio_level": RatioLevel, "kl_estimator": KLEstimator,
       "on_bad_row": OnBadRow, "redistribute": Mode, "dtype": tuple(DTYPES),
       "optimizer": Optimizer, "schedule": Schedule, "match": MATCH_MODES,
+      "remat": REMATS, "attention_impl": ATTENTION_IMPLS,
   }
 
 
@@ -157,6 +158,11 @@ def _check_data(d) -> None:
 
 def _check_model(m) -> None:
   option(m.dtype, "model.dtype", "dtype")
+  option(m.remat, "model.remat", "remat")
+  option(m.attention_impl, "model.attention_impl", "attention_impl")
+  if not isinstance(m.scan_layers, bool) or not isinstance(m.master_weights, bool):
+    raise ConfigError(f"model.scan_layers={m.scan_layers!r} and model.master_weights="
+                      f"{m.master_weights!r} must be true or false")
   positive(m.max_seq_len, "model.max_seq_len")
   w = m.warmstart
   positive(w.steps, "model.warmstart.steps", allow_zero=True)

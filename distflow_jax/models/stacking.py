@@ -58,6 +58,12 @@ def layer_path(path: str, i: int) -> str:
   return f"{head}{i}/{rest}"
 
 
+def is_stacked(state: nnx.State) -> bool:
+  """Whether a parameter state holds stacked layers (the scan layout)."""
+  return any(stacked_path("/".join(str(getattr(k, "key", k)) for k in key))
+             for key, _ in nnx.to_flat_state(state))
+
+
 def _convert(state: nnx.State, key_of: Callable[[str], tuple[str, int] | None],
              merge: Callable[[list[Any]], Any]) -> nnx.State:
   flat, groups = [], {}

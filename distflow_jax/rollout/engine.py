@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from distflow_jax.models import sharding as msharding
+from distflow_jax.models import sharding as msharding, stacking
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import KVCache, Transformer
 from distflow_jax.rollout import decode, weight_sync
@@ -60,7 +60,11 @@ class Engine:
 
   def __init__(self, model_cfg: ModelConfig, config: EngineConfig, mesh: Mesh | None = None,
                rules: msharding.Rules | None = None):
+    # Decode runs layer by layer, so the engine keeps one array per layer: a slice of
+    # stacked (scan_layers) weights per decode step could cost a copy of every weight.
+    # Stacked parameters handed in are unstacked once, by `_unstacked`.
     self.model_cfg = model_cfg
+    self._loop_cfg = model_cfg.replace(scan_layers=False)
     self.config = config
     self._mesh = mesh if mesh is not None else replica_mesh()
     self.rules = rules if rules is not None else msharding.fsdp_tp_rules()
@@ -68,7 +72,7 @@ class Engine:
     if config.max_concurrent_decodes % data:
       raise ValueError(f"max_concurrent_decodes={config.max_concurrent_decodes} must be a "
                        f"multiple of the replica's data axis ({data} devices)")
-    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: Transformer(self._loop_cfg, rngs=nnx.Rngs(0)))
     self.graphdef, self._abstract_params = nnx.split(abstract)
     self.param_shardings = msharding.state_shardings(self._abstract_params, self._mesh,
                                                      self.rules)
@@ -96,6 +100,7 @@ class Engine:
     self._base_key = jax.random.key(c.seed)
     self._next_request = 0
     self._sync: weight_sync.WeightSync | None = None
+    self._unstack = None
 
   # ---- placement ---------------------------------------------------------------------------
 
@@ -153,14 +158,25 @@ class Engine:
   def load_params(self, params: nnx.State | nnx.Module | None = None,
                   seed: int | None = None) -> nnx.State:
     """Places `params` (a model or its state) in the rollout layout; random init when None."""
-    return place_params(self.model_cfg, params, self._mesh, self.rules, self.param_shardings,
+    if isinstance(params, nnx.Module):
+      params = nnx.state(params)
+    params = params if params is None else self._unstacked(params)
+    return place_params(self._loop_cfg, params, self._mesh, self.rules, self.param_shardings,
                         self.config.seed if seed is None else seed)
 
   def update_params(self, train_params: nnx.State) -> nnx.State:
     """The actor's parameters, in any training layout, resharded into this engine's layout."""
     if self._sync is None:
       self._sync = weight_sync.WeightSync(self.param_shardings)
-    return self._sync(train_params)
+    return self._sync(self._unstacked(train_params))
+
+  def _unstacked(self, params: nnx.State) -> nnx.State:
+    """`params` in the engine's one-array-per-layer layout (a jitted split of stacked ones)."""
+    if not stacking.is_stacked(params):
+      return params
+    if self._unstack is None:
+      self._unstack = jax.jit(stacking.to_loop)
+    return self._unstack(params)
 
   # ---- JetStream API -----------------------------------------------------------------------
 

@@ -2,10 +2,16 @@
 
 ``Optimizer`` and ``Schedule`` are the option enums the config's ``name`` and
 ``schedule`` are checked against (``config.values``); dispatch is by member.
+``with_master_weights`` keeps float32 master parameters (and so float32 moments)
+in the optimizer state of a model whose parameters are 16-bit.
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
 import optax
 
 from distflow_jax.algos.choice import Choice
@@ -77,3 +83,38 @@ def make_optimizer(*, name: str | Optimizer, lr: float, weight_decay: float, b1:
 def from_config(section, total_steps: int) -> optax.GradientTransformation:
   """``section`` is a config's ``<role>.optimizer`` ConfigDict (or a plain dict)."""
   return make_optimizer(total_steps=total_steps, **dict(section))
+
+
+class MasterState(NamedTuple):
+  """``with_master_weights``'s state: the float32 parameters and the inner optimizer's."""
+  master: Any
+  inner: Any
+
+
+def _f32(tree: Any) -> Any:
+  return jax.tree.map(lambda x: x.astype(jnp.float32)
+                      if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def with_master_weights(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``tx`` run on a float32 master copy of the parameters kept in the optimizer state.
+
+  A bfloat16 parameter cannot take an update much smaller than itself (8 mantissa bits:
+  lr * grad below ~1/256 of the weight rounds away); the master copy accumulates them.
+  The update returned is float32 ``master - params``, so ``optax.apply_updates`` leaves
+  the parameters at the master's rounding to their own dtype.
+  """
+
+  def init(params):
+    master = _f32(params)
+    return MasterState(master, tx.init(master))
+
+  def update(grads, state, params=None):
+    if params is None:
+      raise ValueError("with_master_weights: update needs the parameters")
+    updates, inner = tx.update(_f32(grads), state.inner, state.master)
+    master = optax.apply_updates(state.master, updates)
+    step = jax.tree.map(lambda m, p: m - p.astype(m.dtype), master, params)
+    return step, MasterState(master, inner)
+
+  return optax.GradientTransformation(init, update)

@@ -79,12 +79,22 @@ def model_config(cfg: ml_collections.ConfigDict, tokenizer: Tokenizer,
     if not os.path.isfile(os.path.join(path, "config.json")):
       raise ConfigError(f"model.path={path!r} has no config.json: point it at a local "
                         f"Hugging Face model directory (config.json + *.safetensors)")
-    return hf_io.read_config(path, dtype=cfg.model.dtype)
+    return levers(cfg, hf_io.read_config(path, dtype=cfg.model.dtype))
   if cfg.model.preset not in model_configs.PRESETS:
     raise ConfigError(f"model.preset={cfg.model.preset!r} is unknown; built-in: "
                       f"{model_configs.preset_names()} (or set model.path to a local Hugging "
                       f"Face directory)")
-  return model_configs.preset(cfg.model.preset, tokenizer.vocab_size, cfg.model.dtype)
+  return levers(cfg, model_configs.preset(cfg.model.preset, tokenizer.vocab_size,
+                                          cfg.model.dtype))
+
+
+def levers(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig) -> ModelConfig:
+  """``model_cfg`` with the config's memory and compile levers (model.scan_layers, remat,
+  attention_impl): how the model runs, not what it computes."""
+  m = cfg.model
+  return model_cfg.replace(scan_layers=bool(m.get("scan_layers", False)),
+                           remat=m.get("remat", "none"),
+                           attention_impl=m.get("attention_impl", "auto"))
 
 
 def build_actor(model_cfg: ModelConfig, mesh: Mesh, path: str, seed: int) -> nnx.Module:
@@ -128,7 +138,10 @@ def optimizer(cfg: ml_collections.ConfigDict, section: ml_collections.ConfigDict
   step applies itself on the replicated gradient (train/deterministic.py)."""
   if cfg.trainer.deterministic:
     section = dict(section, grad_clip=0.0)
-  return optim.from_config(section, total_steps)
+  tx = optim.from_config(section, total_steps)
+  if cfg.model.get("master_weights", False) and cfg.model.dtype != "float32":
+    tx = optim.with_master_weights(tx)  # float32 master params + moments for 16-bit params
+  return tx
 
 
 def build_roles(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
