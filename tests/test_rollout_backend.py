@@ -112,8 +112,8 @@ def test_backend_table_and_config_key():
   assert isinstance(backend.make_backend("reference", CFG, conf, mesh), reference.ReferenceSampler)
   made = backend.make_backend("engine", CFG, conf, mesh)
   assert isinstance(made, backend.EngineBackend)
-  with pytest.raises(loading.ConfigError,
-                     match=r"^rollout.backend='vllm' is unknown; valid: engine, reference, jetstream$"):
+  with pytest.raises(loading.ConfigError, match=r"^rollout.backend='vllm' is unknown; "
+                     r"valid: engine, reference, jetstream$"):
     backend.make_backend("vllm", CFG, conf, mesh)
 
 

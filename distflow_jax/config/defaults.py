@@ -88,7 +88,8 @@ def base() -> ml_collections.ConfigDict:
       tensor_parallel=1,     # devices per rollout replica, inside one host
       # Which generator serves rollouts (rollout/backend.py): engine (JetStream-API engine,
       # KV cache, continuous batching) | reference (a full forward per token, no cache:
-      # slow, the tests' oracle).  An unknown name is refused, listing the valid ones.
+      # slow, the tests' oracle) | jetstream (JetStream's orchestrator over the same
+      # engine; needs google-jetstream).  An unknown name is refused, listing the valid ones.
       backend="engine",
   )
   c.actor = dict(
