@@ -190,3 +190,25 @@ def test_engine_takes_stacked_params():
     got = generate(eng, params, prompts)
     np.testing.assert_array_equal(got.tokens_RxN, want.tokens_RxN)
     np.testing.assert_allclose(got.logprobs_RxN, want.logprobs_RxN, atol=TOL)
+
+
+def test_master_weights_in_a_donating_train_step():
+  """bfloat16 model, float32 master weights: the jitted step (params and optimizer state
+  donated) runs, keeps the parameters bfloat16 and the moments float32."""
+  cfg = _cfg("llama", True, scan_layers=True, dtype="bfloat16", remat="full")
+  critic = Critic(cfg, rngs=nnx.Rngs(0))
+  g, p = nnx.split(critic)
+  tx = optim.with_master_weights(optax.adam(1e-3))
+  opt = steps.init_opt_state(tx, p)
+  assert {x.dtype for x in jax.tree.leaves(opt.master)} == {jnp.dtype(jnp.float32)}
+  tokens = jax.random.randint(jax.random.key(3), (2, 7), 0, 61)
+  batch = {"prompt_tokens": tokens[:, :3], "prompt_mask": jnp.ones((2, 3), bool),
+           "response_tokens": tokens[:, 3:], "response_mask": jnp.ones((2, 4), bool),
+           "values": jnp.zeros((2, 4)), "returns": jnp.ones((2, 4))}
+  step = steps.make_train_step(lambda g, p, mb: steps.critic_loss(g, p, mb, 0.0), g, tx, 1,
+                               "token-mean")
+  p, opt, stats = step(p, opt, batch)
+  p, opt, stats = step(p, opt, batch)
+  assert int(stats["skipped"]) == 0
+  assert p["backbone"]["layers"]["mlp"]["up_proj"]["kernel"][...].dtype == jnp.bfloat16
+  assert {x.dtype for x in jax.tree.leaves(opt.inner) if x.ndim} == {jnp.dtype(jnp.float32)}

@@ -106,7 +106,9 @@ def with_master_weights(tx: optax.GradientTransformation) -> optax.GradientTrans
   """
 
   def init(params):
-    master = _f32(params)
+    # Own buffers even for float32 leaves (a critic's value head): the train step donates
+    # parameters and optimizer state, and one buffer may not be donated twice.
+    master = jax.tree.map(lambda x: x.copy(), _f32(params))
     return MasterState(master, tx.init(master))
 
   def update(grads, state, params=None):
