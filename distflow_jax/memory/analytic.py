@@ -24,7 +24,7 @@ import re
 from distflow_jax.models.config import ModelConfig
 
 ACT_D, ACT_F, ACT_QKV, ACT_SCORES, ACT_LOGITS = 10.0, 4.0, 2.0, 2.0, 3.0
-# A forward-only pass keeps about one layer's buffers alive at a time.
+# A forward-only pass keeps about one layer's buffers (and its scores) alive at a time.
 FWD_D, FWD_F = 4.0, 2.0
 LOGITS_CHUNK = 512  # train.steps' chunk_size of the log-prob head
 
@@ -92,6 +92,8 @@ def activation_bytes(m: ModelConfig, rows: int, prompt_len: int, new_tokens: int
       body = m.num_layers * toks * per * (0.5 if remat == "dots_saveable" else 1.0)
   else:
     body = toks * s * (FWD_D * m.hidden_size + FWD_F * m.intermediate_size / tensor)
+    if attention_impl != "cudnn":  # one layer's float32 scores and probabilities
+      body += toks * 4 * ACT_SCORES * m.num_heads / tensor * keys
   logits = min(LOGITS_CHUNK, rows * new_tokens) * m.vocab_size / tensor * 4 * ACT_LOGITS
   return body + logits
 

@@ -196,7 +196,8 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
             passes[key] = m.temp + m.output + cp.device_bytes(batch)
           tb = passes[key]
         else:
-          tb = an.activation_bytes(model_cfg, samples // dp, plen, nlen, gs, tp, train=False)
+          tb = an.activation_bytes(model_cfg, samples // dp, plen, nlen, gs, tp, train=False,
+                                   attention_impl=impl)
         items.append(Item(node.id, "activations (forward pass)", tb, devs, node.id, src,
                           adv["pass"]))
         continue
