@@ -212,3 +212,16 @@ def test_master_weights_in_a_donating_train_step():
   assert int(stats["skipped"]) == 0
   assert p["backbone"]["layers"]["mlp"]["up_proj"]["kernel"][...].dtype == jnp.bfloat16
   assert {x.dtype for x in jax.tree.leaves(opt.inner) if x.ndim} == {jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.timeout(300)
+def test_deterministic_step_with_scan_layers_is_bitwise_equal_on_4_and_2_devices(monkeypatch):
+  """trainer.deterministic with stacked layers and remat: same bits on 4 and 2 devices."""
+  import test_deterministic
+  import test_train_steps
+  monkeypatch.setattr(test_train_steps, "CFG", test_train_steps.CFG.replace(
+      num_layers=2, scan_layers=True, remat="dots_saveable"))
+  (p4, s4), (p2, s2) = test_deterministic._run(4), test_deterministic._run(2)
+  for a, b in zip(p4, p2):
+    np.testing.assert_array_equal(a, b)
+  assert [s["total"] for s in s4] == [s["total"] for s in s2]
