@@ -218,6 +218,12 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
                      f"alias {an.fmt(m.alias)} per device")
         gb = 2 * cp.device_bytes(params)
         act = m.temp - gb
+        expect = an.activation_bytes(model_cfg, samples // dp // minis // micro, plen, nlen, gs,
+                                     tp, remat=remat, attention_impl=impl)
+        if act > 3 * expect:  # what XLA chose, not what the mesh promises: worth a look
+          notes.append(f"the compiled train step keeps {act / expect:.0f}x the activations the "
+                       f"analytic model expects for its rows per device: XLA does not keep "
+                       f"them sharded over the batch on this mesh ({dict(actor.shape)})")
         batch_b = m.argument - cp.device_bytes(params) - cp.device_bytes(opt_abs)
       else:
         rows = samples // dp // minis // micro
