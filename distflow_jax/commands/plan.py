@@ -39,6 +39,9 @@ def run(argv: Sequence[str]) -> int:
   if rest:
     raise loading.ConfigError(f"plan takes no positional arguments, got {rest}")
   cfg = fv.config
+  if not fv.memory and (fv.device_memory is not None or fv["memory_source"].present):
+    raise loading.ConfigError("--device_memory and --memory_source go with --memory; add "
+                              "--memory")
   if fv.memory:
     _simulate_devices(cfg, fv.num_processes, fv.devices_per_process)
   topo = checks.topology(cfg, fv.num_processes, fv.devices_per_process)

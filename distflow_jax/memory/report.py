@@ -179,6 +179,18 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
                         adv["rollout_w"]))
       items.append(Item(node.id, f"KV cache ({slots} slots x {cache_len})", kvb, devs, node.id,
                         src, adv["kv"]))
+    elif node.fn in ("values", "train.critic"):  # the critic's steps: analytic only
+      train = node.fn == "train.critic"
+      mbs = cfg.critic.micro_batch_size
+      rows = mbs if train else samples // dp
+      act = an.activation_bytes(model_cfg, rows, plen, nlen, 1, tp, train=train, remat=remat,
+                                attention_impl=impl)
+      cm = meshes.get(Role.CRITIC, actor)
+      gb = an.grad_bytes(model_cfg, cm.shape.get("fsdp", 1) * cm.shape.get("tensor", 1)
+                         ) if train else 0.0
+      items.append(Item(node.id, "gradients + activations" if train else "activations "
+                        "(forward pass)", gb + act, devs, node.id, "analytic",
+                        f"lower critic.micro_batch_size={mbs}" if train else adv["pass"]))
     elif node.fn in ("logprob", "ref_logprob", "train.actor"):
       role = Role.REFERENCE if node.fn == "ref_logprob" else Role.ACTOR
       jdevs = roles_lib.ordered_devices()
