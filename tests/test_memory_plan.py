@@ -147,3 +147,13 @@ def test_cli_refuses_small_device_and_needs_only_config_json(config_only):
   assert "--device_memory=1MB" in lines[0] and "biggest consumer is" in lines[0]
   bad = _run(base + ["--memory_source=analytic", "--device_memory=lots"])
   assert bad.returncode == 2 and "--device_memory='lots'" in bad.stderr
+
+
+def test_repartition_traffic_comes_from_the_data_plane_plan():
+  r = _run([sys.executable, "-m", "distflow_jax.cli", "plan", *COMMON, "--num_processes=2",
+            "--devices_per_process=4", "--config.placement.actor.mesh={'data': 2, 'fsdp': 4}",
+            "--config.rollout.tensor_parallel=2", "--memory", "--memory_source=analytic"])
+  assert r.returncode == 0, r.stderr
+  assert "re-partitions per step: 1 (distributed" in r.stdout
+  line = next(l for l in r.stdout.splitlines() if l.strip().startswith("into "))
+  assert "process 0 sends" in line and "process 1 receives" not in line.split(",")[0]

@@ -19,7 +19,7 @@ import ml_collections
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.planner import Plan
 from distflow_jax.dag.spec import Role
-from distflow_jax.memory import analytic as an
+from distflow_jax.memory import analytic as an, traffic
 from distflow_jax.models.config import ModelConfig
 
 RESIDENT = "resident"
@@ -248,24 +248,7 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
                         f"{cfg.actor.micro_batch_size} rows/device)", act, devs, node.id, src,
                         adv["act"]))
       items.append(Item(node.id, "batch", batch_b, devs, node.id, src, "-"))
-  return Estimate(items, _traffic(cfg, plan, model_cfg, shards, samples, plen, nlen), notes)
-
-
-def _traffic(cfg, plan: Plan, model_cfg: ModelConfig, shards: int, samples: int, plen: int,
-             nlen: int) -> list[str]:
-  topo = plan.topology
-  full = an.param_bytes(model_cfg)
-  out = []
-  if any(s.node.fn == "generate" for s in plan.steps):
-    out.append(f"weight sync: all-gather of the actor's {an.fmt(full)}: each device receives "
-               f"{an.fmt(full * (1 - 1 / shards))}; across hosts each process receives "
-               f"{an.fmt(full * (1 - 1 / topo.num_processes))}")
-  row = (plen + nlen) * 5 + nlen * 4 * 4  # tokens + masks, ~4 float32 fields per token
-  reps = plan.repartitions()
-  out.append(f"re-partitions per step: {len(reps)}"
-             + (f", each moving at most {an.fmt(samples * row)} (all {samples} rows of "
-                f"~{row} bytes): {', '.join(f'{a}->{b}' for a, b in reps)}" if reps else ""))
-  return out
+  return Estimate(items, traffic.per_step(cfg, plan, model_cfg, shards, samples, plen, nlen), notes)
 
 
 def render(est: Estimate, num_devices: int, num_processes: int,

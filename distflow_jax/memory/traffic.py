@@ -1,0 +1,81 @@
+"""Bytes a step moves: the weight sync's all-gather and each re-partition of the batch.
+
+Re-partitions are sized with the data plane's own plan (``data.plan``) on the simulated
+devices, every row at full length (the most a step can move); the weight sync gathers
+the actor's parameters over its training mesh (``rollout.weight_sync``).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from distflow_jax.dag.planner import Move, Plan
+from distflow_jax.memory import analytic as an
+from distflow_jax.models.config import ModelConfig
+
+
+def per_step(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig, shards: int,
+             samples: int, plen: int, nlen: int) -> list[str]:
+  """Lines on the weight sync's and each re-partition's bytes per step."""
+  topo = plan.topology
+  full = an.param_bytes(model_cfg)
+  out = []
+  if any(s.node.fn == "generate" for s in plan.steps):
+    out.append(f"weight sync: all-gather of the actor's {an.fmt(full)}: each device receives "
+               f"{an.fmt(full * (1 - 1 / shards))}; across hosts each process receives "
+               f"{an.fmt(full * (1 - 1 / topo.num_processes))}")
+  row = (plen + nlen) * 5 + nlen * 4 * 4  # tokens + masks, ~4 float32 fields per token
+  reps = plan.repartitions()
+  out.append(f"re-partitions per step: {len(reps)}" + (
+      f" ({cfg.data.redistribute}; all {samples} rows of ~{row} bytes, full length)"
+      if reps else ""))
+  # The executor moves the batch from the layout of the step before into each step's own.
+  for prev, step in zip(plan.steps, plan.steps[1:]):
+    if step.move_in is not Move.REPARTITION:
+      continue
+    where = f"  into {step.node.id} (from {prev.node.id}'s layout): "
+    try:
+      moved = _repartition_bytes(plan, prev.layout, step.layout, samples, plen + nlen, row,
+                                 cfg.rollout.n, cfg.data.redistribute == "centralized")
+    except ValueError as e:  # the data plane refuses it as well
+      out.append(where + "not sized: " + str(e).split(";")[0])
+      continue
+    out.append(where + ", ".join(f"process {p} sends {an.fmt(s)} / receives {an.fmt(r)}"
+                                 for p, (s, r) in moved.items()))
+  return out
+
+
+def _repartition_bytes(plan: Plan, src, dst, rows: int, length: int, row_bytes: int,
+                       group: int, centralized: bool) -> dict[int, tuple[int, int]]:
+  """``process -> (bytes sent, received)`` across hosts of one re-partition: the data
+  plane's own plan (data.plan) on the simulated devices, with each device's process taken
+  from the plan's topology (the simulation runs in one process)."""
+  import numpy as np
+
+  from distflow_jax.data import layout as dlayout
+  from distflow_jax.data.plan import make_repartition_plan
+  from distflow_jax.models import sharding
+  from distflow_jax.workflow import roles as roles_lib
+  devs = roles_lib.ordered_devices()
+
+  def layout(lay):
+    mesh = sharding.make_mesh({"data": lay.dp_size, "tensor": len(lay.devices) // lay.dp_size},
+                              [devs[i] for i in lay.devices])
+    return dlayout.Layout(mesh, ("data",))
+  rp = make_repartition_plan(np.full(rows, length), layout(src), layout(dst),
+                             group_size=group if rows % group == 0 else 1)
+  procs = np.array([plan.topology.process_of(devs.index(d)) for d in rp.senders])
+  out = {int(p): [0, 0] for p in np.unique(procs)}
+  if centralized:  # every sender's rows to the hub's process, every shard's rows back
+    hub = int(procs[0])
+    for p in procs[procs != hub]:
+      out[int(p)][0] += rp.rows_per_sender * row_bytes
+      out[int(p)][1] += rp.rows_per_receiver * row_bytes
+      out[hub][1] += rp.rows_per_sender * row_bytes
+      out[hub][0] += rp.rows_per_receiver * row_bytes
+  else:  # one all_to_all: blocks of C rows between devices of different processes
+    cross = procs[:, None] != procs[None, :]
+    for k, p in enumerate(procs):
+      out[int(p)][0] += int(cross[k].sum()) * rp.block * row_bytes
+      out[int(p)][1] += int(cross[:, k].sum()) * rp.block * row_bytes
+  return {p: (sent, recv) for p, (sent, recv) in out.items()}
