@@ -35,9 +35,10 @@ How to use:
     models.save_pretrained(out_dir, model, tokenizer=tok)  # loads in transformers
 
 Modules: config (ModelConfig), transformer (model, KV cache, pure forward),
-heads (chunked log-probs / entropy, Critic, reference copy), sharding (rules
-as data, sharded creation), hf_io (safetensors import/export), tokenizer
-(HF `tokenizer.json` + chat template, built-in tiny tokenizer), errors
+heads (chunked log-probs / entropy, Critic, reference copy), stacking (the
+`scan_layers` layout and conversions), sharding (rules as data, sharded
+creation), hf_io (safetensors import/export), tokenizer (HF `tokenizer.json` +
+chat template, built-in tiny tokenizer), errors
 (`ModelFileError`, a `ConfigError` naming the model folder file at fault).
 """
 

@@ -234,9 +234,8 @@ def _load_module(path: Path, make: Callable[[], nnx.Module],
                   NamedSharding(mesh, spec_for(p, aval.shape, rules, mesh)))
 
       def read(index, readers=readers, stacked=stacked):
-        if not stacked:
-          return readers[0](index)
-        return np.stack([readers[i](index[1:]) for i in range(len(readers))[index[0]]])
+        return (np.stack([readers[i](index[1:]) for i in range(len(readers))[index[0]]])
+                if stacked else readers[0](index))
 
       flat.append((key, var.replace(jax.make_array_from_callback(aval.shape, sharding, read))))
     skip = set(n for n in where if n.endswith(_IGNORED)) | set(ignorable)

@@ -54,6 +54,12 @@ instead of logits; pair it with `Transformer.unembed_matrix()` and
 `heads.token_logprobs_and_entropy` so the `[B, T, V]` logits are never
 materialised at once.
 
+Levers (`ModelConfig`): `scan_layers` stacks the layers' parameters on a leading
+axis (stacking.py) and runs the cache-less calls (plain, `return_kv`, `prefix`) under
+`lax.scan`, whose recorded k/v are then `[L, G, Hkv, T, Dh]` arrays; a call with a
+cache still runs layer by layer.  `remat` rematerialises each layer of the cache-less
+calls; `attention_impl` picks the multi-token attention (attention.py).
+
 The pieces, by job: layers.py (RMSNorm, MLP, linear layers), attention.py
 (RoPE, masked and decode attention), kv_cache.py (the cache and how a call
 writes, records or reads a prefix of it); here the stack and `forward`.
