@@ -30,8 +30,10 @@ def _assert_same(a, b, exact_tokens=True):
   np.testing.assert_array_equal(a.stopped_R, b.stopped_R)
   if exact_tokens:
     np.testing.assert_array_equal(a.tokens_RxN, b.tokens_RxN)
-  np.testing.assert_allclose(a.logprobs_RxN, b.logprobs_RxN, atol=1e-5, rtol=0)
-  np.testing.assert_allclose(a.sampling_logprobs_RxN, b.sampling_logprobs_RxN, atol=1e-5,
+  # The reference runs the stacked layers under lax.scan over the whole sequence, the engine
+  # layer by layer through its KV cache: float32 sums in another order (seen: 1.1e-5).
+  np.testing.assert_allclose(a.logprobs_RxN, b.logprobs_RxN, atol=3e-5, rtol=0)
+  np.testing.assert_allclose(a.sampling_logprobs_RxN, b.sampling_logprobs_RxN, atol=3e-5,
                              rtol=0)
 
 
