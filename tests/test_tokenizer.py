@@ -102,3 +102,22 @@ def test_saved_builtin_loads_in_transformers(tmp_path):
   assert hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
       tok.apply_chat_template(msgs)
   assert hf.eos_token_id == tok.eos_id and hf.pad_token_id == tok.pad_id
+
+
+def test_same_ids_sees_through_the_byte_level_form_the_builtin_is_saved_in(tmp_path):
+  from distflow_jax.models.tokenizer import Tokenizer
+  tok = Tokenizer.builtin()
+  tok.save(str(tmp_path))
+  saved = Tokenizer.from_dir(str(tmp_path))
+  assert tok.same_ids(saved) and saved.same_ids(tok)
+  text = "What is 7 + 5?\n#### 12"
+  assert saved.encode(text) == tok.encode(text)
+  # The same tokens with two ids swapped: not the same tokenizer.
+  data = json.loads(tok.tok.to_str())
+  vocab = data["model"]["vocab"]
+  a, b = "a", "b"
+  vocab[a], vocab[b] = vocab[b], vocab[a]
+  data["model"]["merges"] = []
+  swapped = Tokenizer.from_dir(str(tmp_path))
+  swapped.tok = tokenizers.Tokenizer.from_str(json.dumps(data))
+  assert not tok.same_ids(swapped)

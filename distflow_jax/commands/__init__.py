@@ -25,6 +25,19 @@ import ml_collections
 NAMES = ("plan", "launch", "train", "sft", "generate", "export", "report", "eval", "config")
 
 
+def define_run_flags(fv, what: str) -> None:
+  """The flags every command that runs a job shares: ``--distributed`` and ``--resume``
+  (``what``: the checkpoints it resumes from, for the help text)."""
+  from absl import flags
+  flags.DEFINE_enum("distributed", "env", ["env", "auto", "none"],
+                    "env: join the group our launcher describes (or run alone); auto: "
+                    "jax.distributed.initialize() cluster auto-detection (Slurm, TPU pods)",
+                    flag_values=fv)
+  flags.DEFINE_boolean("resume", None, f"continue from the latest complete {what} "
+                       "(default: when there is one); --noresume refuses to start over a run "
+                       "dir that holds them", flag_values=fv)
+
+
 def with_default_config(argv: Sequence[str], default: str) -> list[str]:
   """``argv`` with ``--config=<default>`` first unless it names a config itself."""
   argv = list(argv)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from distflow_jax.commands import with_default_config
+from distflow_jax.commands import define_run_flags, with_default_config
 from distflow_jax.config import loading
 
 DEFAULT_CONFIG = "grpo:tiny"
@@ -26,12 +26,7 @@ def run(argv: Sequence[str]) -> int:
   fv = flags.FlagValues()
   flags.DEFINE_string("eval_data", "", "held-out JSONL/Parquet rows (its first sft.eval_size; "
                       "default: sft.eval_size rows split off data.train)", flag_values=fv)
-  flags.DEFINE_enum("distributed", "env", ["env", "auto", "none"],
-                    "env: join the group our launcher describes (or run alone); auto: "
-                    "jax.distributed.initialize() cluster auto-detection", flag_values=fv)
-  flags.DEFINE_boolean("resume", None, "continue from the latest complete sft checkpoint "
-                       "(default: when there is one); --noresume refuses to start over one",
-                       flag_values=fv)
+  define_run_flags(fv, "sft checkpoint")
   rest = loading.parse(fv, with_default_config(argv, DEFAULT_CONFIG))
   if rest:
     raise loading.ConfigError(f"sft takes no positional arguments, got {rest}")

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from distflow_jax.commands import with_default_config
+from distflow_jax.commands import define_run_flags, with_default_config
 from distflow_jax.config import loading
 
 DEFAULT_CONFIG = "grpo:tiny"
@@ -31,13 +31,7 @@ DEFAULT_CONFIG = "grpo:tiny"
 
 def run(argv: Sequence[str]) -> int:
   fv = flags.FlagValues()
-  flags.DEFINE_enum("distributed", "env", ["env", "auto", "none"],
-                    "env: join the group our launcher describes (or run alone); auto: "
-                    "jax.distributed.initialize() cluster auto-detection (Slurm, TPU pods)",
-                    flag_values=fv)
-  flags.DEFINE_boolean("resume", None, "continue from the latest complete checkpoint in the "
-                       "run dir (default: when there is one); --noresume refuses to start "
-                       "over a run dir that holds checkpoints", flag_values=fv)
+  define_run_flags(fv, "checkpoint in the run dir")
   flags.DEFINE_boolean("allow_config_change", False, "resume even when the config changes "
                        "keys that change what the run computes (lr, rollout.n, the DAG, ...)",
                        flag_values=fv)

@@ -59,7 +59,10 @@ def layer_path(path: str, i: int) -> str:
 
 
 def is_stacked(state: nnx.State) -> bool:
-  """Whether a parameter state holds stacked layers (the scan layout)."""
+  """Whether a parameter state holds stacked layers (the scan layout); False for anything
+  that is not a state (the caller's own checks then name what is wrong with it)."""
+  if not isinstance(state, nnx.State):
+    return False
   return any(stacked_path("/".join(str(getattr(k, "key", k)) for k in key))
              for key, _ in nnx.to_flat_state(state))
 

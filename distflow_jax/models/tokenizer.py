@@ -190,6 +190,19 @@ class Tokenizer:
   def vocab_size(self) -> int:
     return self.tok.get_vocab_size(with_added_tokens=True)
 
+  def same_ids(self, other: "Tokenizer") -> bool:
+    """Whether both give every id the same text: equal vocabularies, or the same tokens
+    written another way (a character vocabulary and its byte-level equivalent, as ``save``
+    writes the built-in one)."""
+    mine, theirs = (t.tok.get_vocab(with_added_tokens=True) for t in (self, other))
+    if mine == theirs:
+      return True
+    if len(mine) != len(theirs):
+      return False
+    ids = [[i] for i in range(self.vocab_size)]
+    return (self.tok.decode_batch(ids, skip_special_tokens=False)
+            == other.tok.decode_batch(ids, skip_special_tokens=False))
+
   def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
     return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -29,13 +29,13 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.models import sharding as msharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.rollout import driver, jetstream_adapter
+from distflow_jax.rollout.backend import EngineBackend
 from distflow_jax.rollout.engine import Engine
 from distflow_jax.rollout.engine_config import EngineConfig
 
@@ -43,8 +43,9 @@ jetstream_adapter.api_generation()  # JetStream importable (+ the adapter's shim
 from jetstream.core import orchestrator  # noqa: E402  pylint: disable=wrong-import-position
 
 
-class JetStreamBackend:
-  """The `jetstream` backend (see module doc); the `RolloutBackend` protocol."""
+class JetStreamBackend(EngineBackend):
+  """The `jetstream` backend (see module doc): the engine backend's weights and settings,
+  generation through JetStream's orchestrator."""
 
   name = "jetstream"
 
@@ -55,17 +56,7 @@ class JetStreamBackend:
       raise ConfigError(f"rollout.backend=jetstream samples at temperature 1 without top_k/"
                         f"top_p, or greedily (its API reports no truncated log-probs); got "
                         f"{sp}")
-    self.engine = engine if engine is not None else Engine(model_cfg, config, mesh, rules)
-
-  @property
-  def config(self) -> EngineConfig:
-    return self.engine.config
-
-  def load_params(self, params: nnx.State | nnx.Module | None = None) -> nnx.State:
-    return self.engine.load_params(params)
-
-  def update_weights(self, train_params: nnx.State) -> nnx.State:
-    return self.engine.update_params(train_params)
+    super().__init__(model_cfg, config, mesh, rules, engine=engine)
 
   def generate(self, params: Any, prompts: Sequence[Sequence[int]], n: int = 1, *,
                rng: jax.Array | None = None, request_ids: Sequence[int] | None = None,

@@ -123,9 +123,7 @@ def load_reward_model(path: str, mesh: Mesh, dtype: str, tokenizer: Tokenizer) -
                       f"smaller than the actor tokenizer's ({tokenizer.vocab_size}); the reward "
                       f"model must share the actor's tokenizer")
   if os.path.isfile(os.path.join(path, "tokenizer.json")):
-    theirs = Tokenizer.from_dir(path)
-    if theirs.tok.get_vocab(with_added_tokens=True) != tokenizer.tok.get_vocab(
-        with_added_tokens=True):
+    if not Tokenizer.from_dir(path).same_ids(tokenizer):
       raise ConfigError(f"reward.model_path={path!r}: its tokenizer differs from the actor's; "
                         f"the reward model scores the actor's token ids, so both must use the "
                         f"same tokenizer (re-tokenizing for another one is not implemented)")
