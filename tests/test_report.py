@@ -174,3 +174,96 @@ def test_report_cli(tmp_path):
                         str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
   assert bad.returncode == 2
   assert "no metrics.jsonl" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _bernoulli_rows(steps=12, logged_range=True):
+  """0/1 rewards: a low mean with its std reaches below 0 unless the band is clipped."""
+  rows = []
+  for s in range(1, steps + 1):
+    m = 0.02 * s
+    r = {"step": s, "reward": m, "reward_std": math.sqrt(m * (1 - m))}
+    if logged_range:
+      r.update({"reward_min": 0.0, "reward_max": 1.0})
+    rows.append(r)
+  return rows
+
+
+@pytest.mark.parametrize("logged_range", [True, False])
+def test_reward_band_stays_within_the_rewards_range(logged_range):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = _bernoulli_rows(logged_range=logged_range)
+  xs, lo, hi = report.reward_band(rows)
+  assert xs == list(range(1, 13))
+  assert min(lo) == 0.0 and max(hi) <= 1.0
+  # Where mean - std is above 0 the band is untouched.
+  rows2 = [{"step": 1, "reward": 0.5, "reward_std": 0.1, "reward_min": 0.0, "reward_max": 1.0}]
+  assert report.reward_band(rows2) == ([1], [0.4], [0.6])
+  # A reward not in [0, 1] (a reward model) is clipped only by its logged range.
+  rows3 = [{"step": 1, "reward": -2.0, "reward_std": 1.5, "reward_min": -3.0, "reward_max": 0.5}]
+  assert report.reward_band(rows3) == ([1], [-3.0], [-0.5])
+  fig, ax = plt.subplots()
+  assert report.plot_reward(ax, rows)
+  (band,) = ax.collections
+  ys = np.concatenate([p.vertices[:, 1] for p in band.get_paths()])
+  assert ys.min() >= 0.0 and ys.max() <= 1.0
+  plt.close("all")
+
+
+def test_time_plot_is_not_scaled_by_the_first_step():
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = synthetic_rows(6)
+  rows[1].update({"time/generate": 60.0, "time/step": 61.5})  # step 1 compiles
+  fig, ax = plt.subplots()
+  assert report.plot_time(ax, rows)
+  top = ax.get_ylim()[1]
+  assert 3.5 <= top < 10.0  # the later steps' 3.5 s sets the scale, not step 1's 61.5 s
+  notes = [t.get_text() for t in ax.texts]
+  assert any("step 1: 61.5 s (compilation), off scale" in t for t in notes), notes
+  # Without a slow first step nothing is cut off.
+  assert report.time_axis_top([3.0, 3.5, 3.2]) == (3.5, False)
+  assert report.time_axis_top([40.0, 3.5, 3.2]) == (3.5, True)
+  assert report.time_axis_top([5.0]) == (5.0, False)
+  fig2, ax2 = plt.subplots()
+  assert report.plot_time(ax2, synthetic_rows(6))
+  assert not ax2.texts
+  plt.close("all")
+
+
+@pytest.mark.parametrize("kl, eval_rows, want", [
+    (True, True, ["reward", "accuracy", "response_length", "kl", "time"]),  # 5: last spans
+    (False, True, ["reward", "accuracy", "response_length", "time"]),
+    (False, False, ["reward", "accuracy", "response_length", "time"]),
+])
+def test_summary_has_no_empty_panel(tmp_path, monkeypatch, kl, eval_rows, want):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = synthetic_rows(12, kl=kl)
+  if not eval_rows:
+    rows = [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in rows[1:]]
+  figs = []
+  savefig = plt.Figure.savefig
+
+  def keep(fig, path, **kw):
+    if os.path.basename(str(path)) == "summary.png":
+      figs.append(fig)
+    return savefig(fig, path, **kw)
+  monkeypatch.setattr(plt.Figure, "savefig", keep)
+  report.write_plots(rows, str(tmp_path))
+  (fig,) = figs
+  axes = [a for a in fig.axes if a.get_title()]  # twin axes (tokens/s) have no title
+  assert [a.get_title() for a in axes] == [
+      {"reward": "reward", "accuracy": "accuracy", "response_length": "lengths",
+       "kl": "KL / entropy", "time": "time per step, by node"}[n] for n in want]
+  assert all(a.axison and (a.lines or a.patches) for a in axes)  # every panel holds data
+  # The panels tile the grid: no cell is left empty.
+  cells = {(r, c) for a in axes for spec in [a.get_subplotspec()]
+           for r in range(spec.rowspan.start, spec.rowspan.stop)
+           for c in range(spec.colspan.start, spec.colspan.stop)}
+  nrows, ncols = axes[0].get_subplotspec().get_gridspec().get_geometry()
+  assert cells == {(r, c) for r in range(nrows) for c in range(ncols)}
+  plt.close("all")

@@ -144,6 +144,9 @@ def base() -> ml_collections.ConfigDict:
   c.trainer = dict(
       total_steps=20,
       eval_every=5,
+      # Held-out samples (prompt, response, reward, ground truth) logged at each evaluation
+      # to run_dir/samples.jsonl and TensorBoard text (workflow/samples.py); 0 = off.
+      log_samples=4,
       save_every=10,         # checkpoint every K steps (and at the end); 0 = only at the end
       keep=3,                # keep the last N checkpoints; 0 = all
       async_save=True,       # write checkpoints in the background

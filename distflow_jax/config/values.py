@@ -231,6 +231,10 @@ def _check_algo(a) -> None:
 def _check_trainer(t) -> None:
   positive(t.total_steps, "trainer.total_steps")
   positive(t.eval_every, "trainer.eval_every", allow_zero=True, note=" (0 = no evaluation)")
+  if isinstance(t.log_samples, bool) or not isinstance(t.log_samples, int):
+    raise ConfigError(f"trainer.log_samples={t.log_samples!r} must be an integer >= 0 "
+                      f"(0 = no samples)")
+  positive(t.log_samples, "trainer.log_samples", allow_zero=True, note=" (0 = no samples)")
   positive(t.save_every, "trainer.save_every", allow_zero=True,
            note=" (0 = a checkpoint only at the end)")
   positive(t.keep, "trainer.keep", allow_zero=True, note=" (0 = keep every checkpoint)")

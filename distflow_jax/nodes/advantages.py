@@ -80,6 +80,12 @@ def _advantage(est: Estimator, ctx: RunContext, node: Node, lay: dlayout.Layout,
     advantages = global_whiten(np.asarray(advantages), np.asarray(mask), loc[SAMPLE_ID])
   ctx.metrics.add_mean("reward", loc["rewards"])
   ctx.metrics.add("reward_sq", float(np.sum(np.square(loc["rewards"]))), loc["rewards"].size)
+  # The observed range bounds the report's mean +- std band (0/1 rewards never go below 0).
+  # The minimum travels negated because hosts reduce by maximum (executor.py turns it back);
+  # every host sets both keys, rows or not, so the gathered vectors line up.
+  rewards = np.asarray(loc["rewards"], np.float64)
+  ctx.metrics.set_max("reward_max", float(np.max(rewards, initial=-np.inf)))
+  ctx.metrics.set_max("reward_min_neg", float(np.max(-rewards, initial=-np.inf)))
   return put_local(batch, lay, advantages=np.asarray(advantages, np.float32),
                    returns=np.asarray(out.returns_BxT, np.float32))
 

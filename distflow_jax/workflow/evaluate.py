@@ -20,6 +20,7 @@ from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.batch import Batch
 from distflow_jax.rewards import registry as reward_registry
+from distflow_jax.workflow import samples as samples_lib
 from distflow_jax.workflow.context import RunContext
 from distflow_jax.workflow.metrics import Metrics
 
@@ -34,9 +35,14 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
                                                   num_samples + 1)))
 
 
-def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1,
-             reward: str = "math") -> dict[str, float]:
-  """Accuracy (greedy, k=1) or pass@k (k samples at the rollout temperature)."""
+def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1, reward: str = "math",
+             samples: list[dict[str, Any]] | None = None,
+             num_samples: int = 0) -> dict[str, float]:
+  """Accuracy (greedy, k=1) or pass@k (k samples at the rollout temperature).
+
+  With a ``samples`` list, the first ``num_samples`` prompts of this process's batch are
+  appended to it as records (prompt, response, reward, correct, answer;
+  ``workflow/samples.py``); the metrics are the same either way."""
   rollout = ctx.cfg.rollout
   if k > 1:
     rollout = ml_collections.ConfigDict(rollout.to_dict())
@@ -52,6 +58,9 @@ def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1,
   truths = [fields[r // k]["answer"] for r in range(len(texts))]
   scores = reward_registry.score_batch(
       reward_registry.configured_reward(reward, ctx.cfg.reward), texts, truths)
+  if samples is not None and num_samples > 0:
+    samples.extend(samples_lib.sample_records(ctx.tokenizer, fields, plist, texts, truths,
+                                              scores, k, num_samples))
   m = Metrics()
   correct = (scores > 0).reshape(len(plist), k)
   if k == 1:

@@ -97,4 +97,6 @@ def run_step(ctx: RunContext, prompts: Batch,
   ctx.algo_state = algo_state.after_step(ctx.cfg, ctx.algo_state, out)
   if "reward" in out and "reward_sq" in out:
     out["reward_std"] = float(np.sqrt(max(out.pop("reward_sq") - out["reward"] ** 2, 0.0)))
+  if "reward_min_neg" in out:
+    out["reward_min"] = -out.pop("reward_min_neg")
   return out

@@ -3,14 +3,15 @@
   distflow-jax report RUN_DIR [--out DIR]      (commands/report.py)
   paths = report(run_dir, out_dir)
 
-Writes PNGs next to the metrics (or to ``--out``): ``reward.png`` (mean
-reward with a +-1 std band, per-reward components), ``accuracy.png`` (train
-and held-out accuracy, pass@k), ``response_length.png``, ``kl.png`` (KL to
-the reference, entropy), ``time.png`` (per-node seconds per step, stacked,
-with throughput), ``summary.png`` (all of them on one page) and
-``report.md`` (first/last values and where the time goes).  A plot whose
-metrics are absent from the run is skipped.  Needs only matplotlib (Agg), no
-jax, so it runs on a laptop against a copied run directory.
+Writes PNGs next to the metrics (or to ``--out``): ``reward.png`` (mean reward
+with a +-1 std band clipped to the rewards' range, per-reward components),
+``accuracy.png`` (train and held-out accuracy, pass@k), ``response_length.png``,
+``kl.png`` (KL to the reference, entropy), ``time.png`` (per-node seconds per
+step, stacked, with throughput; a first step slowed by compilation is marked off
+scale), ``summary.png`` (all of them on one page, no empty cell) and ``report.md``
+(first/last values and where the time goes).  A plot whose metrics are absent
+from the run is skipped.  Needs only matplotlib (Agg), no jax: it runs on a
+laptop against a copied run directory.
 """
 
 from __future__ import annotations
@@ -121,17 +122,34 @@ def _finish(ax, title: str, ylabel: str) -> None:
     ax.legend(fontsize=7)
 
 
+def reward_band(rows: Rows) -> tuple[list[int], list[float], list[float]] | None:
+  """(steps, low, high) of the mean reward +- 1 std, clipped to each step's ``reward_min``
+  / ``reward_max`` ([0, 1] for an older run without them whose means all lie in [0, 1]).
+  Unclipped, 0/1 rewards with mean 0.1 and std 0.3 draw a band down to -0.2."""
+  xs, ys = series(rows, "reward")
+  std = dict(zip(*series(rows, "reward_std")))
+  if not xs or not std:
+    return None
+  lows, highs = dict(zip(*series(rows, "reward_min"))), dict(zip(*series(rows, "reward_max")))
+  unit, lo, hi = all(0.0 <= y <= 1.0 for y in ys), [], []
+  for x, y in zip(xs, ys):
+    d = std.get(x, 0.0)
+    floor = lows.get(x, 0.0 if unit else -math.inf)
+    ceil = highs.get(x, 1.0 if unit else math.inf)
+    lo.append(max(y - d, min(floor, y)))
+    hi.append(min(y + d, max(ceil, y)))
+  return xs, lo, hi
+
+
 def plot_reward(ax, rows: Rows) -> bool:
   xs, ys = series(rows, "reward")
   if not xs:
     return False
   _line(ax, rows, "reward")
-  sx, sd = series(rows, "reward_std")
-  std = dict(zip(sx, sd))
-  if std:
-    lo = [y - std.get(x, 0.0) for x, y in zip(xs, ys)]
-    hi = [y + std.get(x, 0.0) for x, y in zip(xs, ys)]
-    ax.fill_between(xs, lo, hi, alpha=0.15, label="+-1 std")
+  band = reward_band(rows)
+  if band is not None:
+    ax.fill_between(band[0], band[1], band[2], alpha=0.15,
+                    label="+-1 std (within the rewards' range)")
   parts = sorted({k for r in rows for k in r if k.startswith("reward/")})
   if len(parts) > 1:  # one component is the same curve as the total
     for k in parts:
@@ -170,6 +188,15 @@ def plot_kl(ax, rows: Rows) -> bool:
   return drew
 
 
+def time_axis_top(totals: Sequence[float]) -> tuple[float, bool]:
+  """(top of the seconds axis, whether the first bar is cut off): a first step (which
+  compiles every node) over twice the later steps' longest does not set the scale."""
+  totals = [float(t) for t in totals]
+  if len(totals) >= 2 and totals[0] > 2 * max(totals[1:]):
+    return max(max(totals[1:]), 1e-3), True
+  return max(max(totals, default=0.0), 1e-3), False
+
+
 def plot_time(ax, rows: Rows) -> bool:
   """Stacked per-node seconds per step; throughput (tokens/s) on the right axis."""
   names = node_times(rows)
@@ -188,7 +215,13 @@ def plot_time(ax, rows: Rows) -> bool:
   _integer_steps(ax)
   ax.set_ylabel("seconds")
   ax.grid(alpha=0.3, axis="y")
-  ax.set_ylim(0, max(float(bottom.max()), 1e-3) * 1.5)  # headroom for the legend
+  top, off_scale = time_axis_top(bottom)
+  ax.set_ylim(0, top * 1.5)  # headroom for the legend
+  if off_scale:
+    # The first step compiles every node: drawn to scale it would flatten the others.
+    ax.annotate(f"step {steps[0]}: {bottom[0]:.1f} s (compilation), off scale",
+                xy=(steps[0], top * 1.02), xytext=(0, 4), textcoords="offset points",
+                fontsize=7, ha="left", va="bottom")
   ax.legend(fontsize=6, ncol=4, loc="upper left")
   xs, ys = series(rows, "tokens_per_s")
   if xs:
@@ -207,6 +240,16 @@ PLOTS: dict[str, Callable[[Any, Rows], bool]] = {
     "kl": plot_kl,
     "time": plot_time,
 }
+
+
+def summary_layout(count: int, grid: Any) -> list[Any]:
+  """Grid cells for ``count`` panels on a 2-column ``grid``: with an odd count the last
+  panel (the time plot when present) spans the whole last row, so no cell stays empty."""
+  cols = grid.get_geometry()[1]
+  cells = [grid[i // cols, i % cols] for i in range(count)]
+  if cols > 1 and count % cols:
+    cells[-1] = grid[(count - 1) // cols, :]
+  return cells
 
 
 def write_plots(rows: Rows, out_dir: str, title: str = "") -> list[str]:
@@ -229,11 +272,9 @@ def write_plots(rows: Rows, out_dir: str, title: str = "") -> list[str]:
   if drawn:
     cols = 2 if len(drawn) > 1 else 1
     nrows = (len(drawn) + cols - 1) // cols
-    fig, axes = plt.subplots(nrows, cols, figsize=(7 * cols, 3.6 * nrows), squeeze=False)
-    for ax, name in zip(axes.flat, drawn):
-      PLOTS[name](ax, rows)
-    for ax in list(axes.flat)[len(drawn):]:
-      ax.axis("off")
+    fig = plt.figure(figsize=(7 * cols, 3.6 * nrows))
+    for ax_spec, name in zip(summary_layout(len(drawn), fig.add_gridspec(nrows, cols)), drawn):
+      PLOTS[name](fig.add_subplot(ax_spec), rows)
     if title:
       fig.suptitle(title)
     fig.tight_layout()

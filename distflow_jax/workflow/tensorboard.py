@@ -2,8 +2,9 @@
 
 Written with ``tensorboardX``, which needs neither TensorFlow nor PyTorch.
 Only process 0 writes, in ``run_dir/tensorboard``; every numeric metric of a
-row becomes a scalar at that row's ``step``.  Where tensorboardX is not
-installed the run goes on with metrics.jsonl only, after one warning.
+row becomes a scalar at that row's ``step``, and held-out samples
+(workflow/samples.py) are text entries.  Where tensorboardX is not installed
+the run goes on with metrics.jsonl only, after one warning.
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ class TensorBoardWriter:
         continue
       if math.isfinite(value):
         self._writer.add_scalar(key, float(value), global_step=step)
+    self._writer.flush()
+
+  def add_text(self, tag: str, text: str, step: int) -> None:
+    """A markdown text entry at ``step`` (held-out samples, workflow/samples.py)."""
+    if self._writer is None:
+      return
+    self._writer.add_text(tag, text, global_step=int(step))
     self._writer.flush()
 
   def close(self) -> None:

@@ -25,7 +25,7 @@ from distflow_jax.workflow import evaluate as eval_lib
 from distflow_jax.workflow import executor, health as health_lib, hints
 from distflow_jax.workflow.progress import phase
 from distflow_jax.workflow.context import RunContext
-from distflow_jax.workflow import tensorboard
+from distflow_jax.workflow import samples as samples_lib, tensorboard
 from distflow_jax.workflow.metrics import JsonlWriter, Writers
 from distflow_jax.workflow.setup import prepare_run
 
@@ -122,18 +122,30 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
   asynchronously, and waits for the last save before returning.  Health alarms
   (``workflow/health.py``) go to ``log`` when they start; with
   ``trainer.stop_on_collapse`` a collapse signal raises ``health.CollapseError`` naming
-  the last checkpoint saved before it (the collapsed step is not saved).
+  the last checkpoint saved before it (the collapsed step is not saved).  Each evaluation
+  logs ``trainer.log_samples`` held-out samples (``workflow/samples.py``; process 0, its
+  own rows).
   """
   monitor = health_monitor(cfg)
   is_writer = ctx.process_index == 0
-  writer = Writers(JsonlWriter(os.path.join(cfg.run_dir, "metrics.jsonl"), is_writer),
-                   tensorboard.TensorBoardWriter(os.path.join(cfg.run_dir, tensorboard.SUBDIR),
-                                                 is_writer))
+  board = tensorboard.TensorBoardWriter(os.path.join(cfg.run_dir, tensorboard.SUBDIR),
+                                        is_writer)
+  writer = Writers(JsonlWriter(os.path.join(cfg.run_dir, "metrics.jsonl"), is_writer), board)
+  sample_writer = samples_lib.SampleWriter(cfg.run_dir, board, cfg.trainer.log_samples,
+                                           is_writer)
   eval_batch = next(iter(loaders.eval)) if loaders.eval is not None else None
 
-  if eval_batch is not None and start_step == 0:
+  def run_eval(step: int) -> dict[str, float]:
     phase(log, "evaluation")
-    first = {"step": 0, **eval_lib.evaluate(ctx, eval_batch)}
+    # Only process 0 keeps samples: the others skip decoding prompts they would not write.
+    kept: list = []
+    out = eval_lib.evaluate(ctx, eval_batch, samples=kept,
+                            num_samples=sample_writer.num_samples)
+    sample_writer.write(step, kept)
+    return out
+
+  if eval_batch is not None and start_step == 0:
+    first = {"step": 0, **run_eval(0)}
     writer.write(first)
     yield first
   for step in range(start_step, cfg.trainer.total_steps):
@@ -146,8 +158,7 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
     metrics["data/bad_rows"] = float(sum(v for k, v in loaders.train.counts.items() if k != "ok"))
     if eval_batch is not None and ((step + 1) % cfg.trainer.eval_every == 0
                                    or step + 1 == cfg.trainer.total_steps):
-      phase(log, "evaluation")
-      metrics.update(eval_lib.evaluate(ctx, eval_batch))
+      metrics.update(run_eval(step + 1))
     alarms = monitor.update(step + 1, metrics)
     writer.write(metrics)
     for alarm in alarms:

@@ -1,0 +1,122 @@
+"""Held-out sample completions at each evaluation: samples.jsonl, TensorBoard text, config."""
+
+import glob
+import json
+import os
+import struct
+
+import pytest
+
+from distflow_jax.config import loading, values
+from distflow_jax.workflow import samples, tensorboard
+
+
+def _read_text_events(logdir):
+  """(tag, step, text) of TensorBoard text summaries (TFRecord-framed Event protos)."""
+  from tensorboardX.proto import event_pb2
+  out = []
+  for path in glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
+    data = open(path, "rb").read()
+    pos = 0
+    while pos < len(data):
+      (n,) = struct.unpack("<Q", data[pos:pos + 8])
+      ev = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+      pos += 12 + n + 4
+      for v in ev.summary.value:
+        if v.HasField("tensor") and v.tensor.string_val:
+          out.append((v.tag, ev.step, v.tensor.string_val[0].decode()))
+  return out
+
+
+class _Tok:
+  def decode(self, ids):
+    return "".join(chr(ord("a") + i) for i in ids)
+
+
+def test_sample_records_take_each_prompt_s_first_completion():
+  fields = [{"prompt_text": "1+1=", "answer": "2"}, {"prompt_text": None, "answer": "5"},
+            {"prompt_text": "3+3=", "answer": "6"}]
+  texts = ["#### 2", "#### 3", "#### 4", "#### 5", "x", "y"]  # k=2 per prompt
+  recs = samples.sample_records(_Tok(), fields, [[0], [1, 2], [3]], texts,
+                                ["2", "2", "5", "5", "6", "6"], [1.0, 1.0, 0.0, 1.0, 0, 0],
+                                k=2, n=2)
+  assert recs == [
+      {"index": 0, "prompt": "1+1=", "response": "#### 2", "reward": 1.0, "correct": True,
+       "answer": "2"},
+      {"index": 1, "prompt": "bc", "response": "#### 4", "reward": 0.0, "correct": False,
+       "answer": "5"}]  # no prompt text kept: the ids are decoded
+
+
+def test_sample_writer_appends_jsonl_and_tensorboard_text(tmp_path):
+  board = tensorboard.TensorBoardWriter(str(tmp_path / "tb"), enabled=True)
+  w = samples.SampleWriter(str(tmp_path), board, 2, enabled=True)
+  rec = {"index": 0, "prompt": "p", "response": "r", "reward": 1.0, "correct": True,
+         "answer": "7"}
+  w.write(3, [rec])
+  w.write(5, [dict(rec, correct=False, reward=0.0)])
+  board.close()
+  rows = [json.loads(l) for l in open(tmp_path / "samples.jsonl")]
+  assert [(r["step"], r["correct"]) for r in rows] == [(3, True), (5, False)]
+  text = _read_text_events(str(tmp_path / "tb"))
+  assert [(t[0].split("/text_summary")[0], t[1]) for t in text] == [
+      ("eval/samples", 3), ("eval/samples", 5)]
+  assert "ground truth `7`" in text[0][2] and "correct" in text[0][2]
+  off = samples.SampleWriter(str(tmp_path / "off"), None, 4, enabled=False)  # process > 0
+  off.write(1, [rec])
+  assert not off.enabled and not os.path.exists(tmp_path / "off")
+
+
+@pytest.mark.parametrize("value", [-1, 2.0, True])
+def test_log_samples_must_be_a_count(value):
+  import ml_collections
+  cfg = loading.load("grpo:tiny")
+  assert cfg.trainer.log_samples == 4
+  values.check_values(cfg)
+  # The type-safe config refuses a float flag itself; a plain dict (a config file) does not.
+  trainer = ml_collections.ConfigDict(dict(cfg.trainer.to_dict(), log_samples=value))
+  with pytest.raises(loading.ConfigError, match=r"^trainer\.log_samples=.* must be .*>= 0"):
+    values._check_trainer(trainer)
+
+
+@pytest.mark.timeout(300)
+def test_train_writes_samples_at_each_evaluation(tmp_path, capsys):
+  """eval_every=1, total_steps=2: evaluations at steps 0, 1 and 2, three samples each."""
+  from flax import nnx
+
+  from distflow_jax import cli
+  from distflow_jax.models.config import ModelConfig
+  from distflow_jax.models.hf_io import save_pretrained
+  from distflow_jax.models.tokenizer import Tokenizer
+  from distflow_jax.models.transformer import Transformer
+
+  tok = Tokenizer.builtin()
+  cfg = ModelConfig(arch="llama", vocab_size=tok.vocab_size, hidden_size=32,
+                    intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8)
+  save_pretrained(str(tmp_path / "model"), Transformer(cfg, rngs=nnx.Rngs(0)), tokenizer=tok)
+  run_dir = tmp_path / "run"
+  code = cli.main(["train", "--config=grpo:tiny", f"--config.run_dir={run_dir}",
+                   f"--config.model.path={tmp_path / 'model'}", "--config.data.eval_size=8",
+                   "--config.data.prompts_per_step=8", "--config.rollout.n=2",
+                   "--config.rollout.max_new_tokens=8", "--config.actor.micro_batch_size=1",
+                   "--config.trainer.eval_every=1", "--config.trainer.total_steps=2",
+                   "--config.trainer.log_samples=3", "--config.trainer.save_every=0",
+                   "--config.trainer.async_save=False"])
+  _, err = capsys.readouterr()
+  assert code == 0, err
+  rows = [json.loads(l) for l in open(run_dir / "samples.jsonl")]
+  assert [r["step"] for r in rows] == [0] * 3 + [1] * 3 + [2] * 3
+  assert [r["index"] for r in rows] == [0, 1, 2] * 3
+  for r in rows:
+    assert set(r) == {"step", "index", "prompt", "response", "reward", "correct", "answer"}
+    assert r["prompt"] and r["answer"] and isinstance(r["response"], str)
+    assert r["correct"] == (r["reward"] > 0)
+  # The same prompts at every evaluation (the held-out batch is fixed).
+  assert [r["prompt"] for r in rows[:3]] == [r["prompt"] for r in rows[3:6]]
+  # Each step logs its rewards' range (the report's reward band is clipped to it).
+  metrics = [json.loads(l) for l in open(run_dir / "metrics.jsonl")]
+  for m in metrics[1:]:
+    assert 0.0 <= m["reward_min"] <= m["reward"] <= m["reward_max"] <= 1.0
+    assert "reward_min_neg" not in m
+  text = _read_text_events(str(run_dir / tensorboard.SUBDIR))
+  assert sorted(step for _, step, _ in text) == [0, 1, 2]
+  assert all(rows[0]["answer"] in t for _, s, t in text if s == 0)
