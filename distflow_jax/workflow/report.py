@@ -148,8 +148,7 @@ def plot_reward(ax, rows: Rows) -> bool:
   _line(ax, rows, "reward")
   band = reward_band(rows)
   if band is not None:
-    ax.fill_between(band[0], band[1], band[2], alpha=0.15,
-                    label="+-1 std (within the rewards' range)")
+    ax.fill_between(*band, alpha=0.15, label="+-1 std (within the rewards' range)")
   parts = sorted({k for r in rows for k in r if k.startswith("reward/")})
   if len(parts) > 1:  # one component is the same curve as the total
     for k in parts:
@@ -221,7 +220,8 @@ def plot_time(ax, rows: Rows) -> bool:
     # The first step compiles every node: drawn to scale it would flatten the others.
     ax.annotate(f"step {steps[0]}: {bottom[0]:.1f} s (compilation), off scale",
                 xy=(steps[0], top * 1.02), xytext=(0, 4), textcoords="offset points",
-                fontsize=7, ha="left", va="bottom")
+                fontsize=7, ha="left", va="bottom",
+                bbox=dict(facecolor="white", alpha=0.8, linewidth=0))
   ax.legend(fontsize=6, ncol=4, loc="upper left")
   xs, ys = series(rows, "tokens_per_s")
   if xs:
