@@ -20,6 +20,7 @@ from distflow_jax.dag.spec import Role
 from distflow_jax.workflow import algo_state, trainer
 from distflow_jax.workflow import checkpoint as ck
 from distflow_jax.workflow.algo_state import AlgoState
+from test_checkpoint import data  # noqa: F401  (a fixture)
 from test_checkpoint import cfg, host, loader, mesh, model_cfg, perturb, roles_on
 from workflow_util import smoke_overrides
 
@@ -62,15 +63,6 @@ def test_restored_rules():
 class Ctx:
   def __init__(self, state=AlgoState()):
     self.algo_state = state
-
-
-@pytest.fixture
-def data(tmp_path):
-  path = tmp_path / "train.jsonl"
-  with open(path, "w") as f:
-    for i in range(40):
-      f.write(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n")
-  return str(path)
 
 
 def test_checkpoint_saves_and_restores_the_state(tmp_path, data):

@@ -13,13 +13,8 @@ import json
 import textwrap
 
 import pytest
-from flax import nnx
-
 from distflow_jax import cli
-from distflow_jax.models.config import ModelConfig
-from distflow_jax.models.hf_io import save_pretrained
-from distflow_jax.models.tokenizer import Tokenizer
-from distflow_jax.models.transformer import Transformer
+from workflow_util import tiny_model_folder
 
 GRPO = """
 DAG = [
@@ -132,12 +127,7 @@ def _bad_data(tmp_path) -> str:
 
 
 def _tiny_model(tmp_path) -> str:
-  folder = tmp_path / "model"
-  tok = Tokenizer.builtin()
-  cfg = ModelConfig(arch="llama", vocab_size=tok.vocab_size, hidden_size=32,
-                    intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8)
-  save_pretrained(str(folder), Transformer(cfg, rngs=nnx.Rngs(0)), tokenizer=tok)
-  return str(folder)
+  return tiny_model_folder(tmp_path)
 
 
 @pytest.mark.timeout(300)

@@ -21,16 +21,8 @@ from distflow_jax.dag.spec import Role
 from distflow_jax.workflow import checkpoint as ck
 from distflow_jax.workflow import checkpoint_files as files
 from distflow_jax.workflow import checksums
+from test_checkpoint import data  # noqa: F401  (a fixture)
 from test_checkpoint import cfg, host, loader, mesh, model_cfg, perturb, roles_on
-
-
-@pytest.fixture
-def data(tmp_path):
-  path = tmp_path / "train.jsonl"
-  with open(path, "w") as f:
-    for i in range(40):
-      f.write(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n")
-  return str(path)
 
 
 @pytest.fixture

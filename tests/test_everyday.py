@@ -13,6 +13,7 @@ import pytest
 from distflow_jax import cli
 from distflow_jax.commands import NAMES
 from distflow_jax.workflow import progress, run_config
+from workflow_util import tiny_model_folder
 
 
 def _main(capsys, *argv: str) -> tuple[int, str, str]:
@@ -101,17 +102,7 @@ def test_checkpoint_without_a_config_is_said_and_resumed(tmp_path):
 # ---- a tiny run, interrupted, resumed, finished, resumed with changes -----------------------------
 
 def _tiny_model(tmp_path) -> str:
-  from flax import nnx
-
-  from distflow_jax.models.config import ModelConfig
-  from distflow_jax.models.hf_io import save_pretrained
-  from distflow_jax.models.tokenizer import Tokenizer
-  from distflow_jax.models.transformer import Transformer
-  tok = Tokenizer.builtin()
-  cfg = ModelConfig(arch="llama", vocab_size=tok.vocab_size, hidden_size=32,
-                    intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8)
-  save_pretrained(str(tmp_path / "model"), Transformer(cfg, rngs=nnx.Rngs(0)), tokenizer=tok)
-  return str(tmp_path / "model")
+  return tiny_model_folder(tmp_path)
 
 
 def _step_lines(out: str) -> list[str]:

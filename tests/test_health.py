@@ -98,18 +98,10 @@ def test_stop_on_collapse_names_the_signal_and_the_last_good_checkpoint(tmp_path
   zero_reward_steps=2 the run stops at step 2, after step 1's checkpoint."""
   import json
 
-  from flax import nnx
-
   from distflow_jax import cli
-  from distflow_jax.models.config import ModelConfig
-  from distflow_jax.models.hf_io import save_pretrained
-  from distflow_jax.models.tokenizer import Tokenizer
-  from distflow_jax.models.transformer import Transformer
+  from workflow_util import tiny_model_folder
 
-  tok = Tokenizer.builtin()
-  cfg = ModelConfig(arch="llama", vocab_size=tok.vocab_size, hidden_size=32,
-                    intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8)
-  save_pretrained(str(tmp_path / "model"), Transformer(cfg, rngs=nnx.Rngs(0)), tokenizer=tok)
+  tiny_model_folder(tmp_path)
   run_dir = tmp_path / "run"
   code = cli.main(["train", "--config=grpo:tiny", f"--config.run_dir={run_dir}",
                    f"--config.model.path={tmp_path / 'model'}", "--config.data.eval=",

@@ -1,31 +1,19 @@
 """Held-out sample completions at each evaluation: samples.jsonl, TensorBoard text, config."""
 
-import glob
 import json
 import os
-import struct
 
 import pytest
 
 from distflow_jax.config import loading, values
 from distflow_jax.workflow import samples, tensorboard
+from workflow_util import summary_values, tiny_model_folder
 
 
 def _read_text_events(logdir):
-  """(tag, step, text) of TensorBoard text summaries (TFRecord-framed Event protos)."""
-  from tensorboardX.proto import event_pb2
-  out = []
-  for path in glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
-    data = open(path, "rb").read()
-    pos = 0
-    while pos < len(data):
-      (n,) = struct.unpack("<Q", data[pos:pos + 8])
-      ev = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
-      pos += 12 + n + 4
-      for v in ev.summary.value:
-        if v.HasField("tensor") and v.tensor.string_val:
-          out.append((v.tag, ev.step, v.tensor.string_val[0].decode()))
-  return out
+  """(tag, step, text) of TensorBoard text summaries."""
+  return [(tag, step, v.tensor.string_val[0].decode()) for tag, step, v in summary_values(logdir)
+          if v.HasField("tensor") and v.tensor.string_val]
 
 
 class _Tok:
@@ -81,18 +69,9 @@ def test_log_samples_must_be_a_count(value):
 @pytest.mark.timeout(300)
 def test_train_writes_samples_at_each_evaluation(tmp_path, capsys):
   """eval_every=1, total_steps=2: evaluations at steps 0, 1 and 2, three samples each."""
-  from flax import nnx
-
   from distflow_jax import cli
-  from distflow_jax.models.config import ModelConfig
-  from distflow_jax.models.hf_io import save_pretrained
-  from distflow_jax.models.tokenizer import Tokenizer
-  from distflow_jax.models.transformer import Transformer
 
-  tok = Tokenizer.builtin()
-  cfg = ModelConfig(arch="llama", vocab_size=tok.vocab_size, hidden_size=32,
-                    intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8)
-  save_pretrained(str(tmp_path / "model"), Transformer(cfg, rngs=nnx.Rngs(0)), tokenizer=tok)
+  tiny_model_folder(tmp_path)
   run_dir = tmp_path / "run"
   code = cli.main(["train", "--config=grpo:tiny", f"--config.run_dir={run_dir}",
                    f"--config.model.path={tmp_path / 'model'}", "--config.data.eval_size=8",

@@ -1,10 +1,8 @@
 """Run report: metrics.jsonl reading, smoothing, summary maths, PNGs, TensorBoard events, CLI."""
 
-import glob
 import json
 import math
 import os
-import struct
 import subprocess
 import sys
 
@@ -12,6 +10,7 @@ import numpy as np
 import pytest
 
 from distflow_jax.workflow import report, tensorboard
+from workflow_util import summary_values
 
 
 def write_rows(path, rows, tail=""):
@@ -132,19 +131,8 @@ def test_plots_draw_the_series_values(tmp_path):
 
 
 def _read_events(logdir):
-  """(tag, step, value) from TFRecord-framed Event protos (no TensorFlow needed)."""
-  from tensorboardX.proto import event_pb2
-  out = []
-  for path in glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
-    data = open(path, "rb").read()
-    pos = 0
-    while pos < len(data):
-      (n,) = struct.unpack("<Q", data[pos:pos + 8])
-      ev = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
-      pos += 12 + n + 4
-      for v in ev.summary.value:
-        out.append((v.tag, ev.step, v.simple_value))
-  return out
+  """(tag, step, value) of TensorBoard scalar summaries."""
+  return [(tag, step, v.simple_value) for tag, step, v in summary_values(logdir)]
 
 
 def test_tensorboard_writer_writes_scalars_per_step(tmp_path):

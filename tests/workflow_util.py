@@ -40,3 +40,40 @@ def params_digest(ctx):
   for x in jax.tree.leaves(ctx.roles[Role.ACTOR].params):
     h.update(np.asarray(multihost_utils.process_allgather(x, tiled=True)).tobytes())
   return h.hexdigest()
+
+
+def tiny_model_folder(tmp_path) -> str:
+  """A loadable one-layer llama Hugging Face folder with the built-in tokenizer, in
+  ``tmp_path/model``: the model of the in-process ``cli.main(["train", ...])`` tests."""
+  from flax import nnx
+
+  from distflow_jax.models.config import ModelConfig
+  from distflow_jax.models.hf_io import save_pretrained
+  from distflow_jax.models.tokenizer import Tokenizer
+  from distflow_jax.models.transformer import Transformer
+  tok = Tokenizer.builtin()
+  cfg = ModelConfig(arch="llama", vocab_size=tok.vocab_size, hidden_size=32,
+                    intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8)
+  folder = str(tmp_path / "model")
+  save_pretrained(folder, Transformer(cfg, rngs=nnx.Rngs(0)), tokenizer=tok)
+  return folder
+
+
+def summary_values(logdir):
+  """(tag, step, Summary.Value proto) of every TensorBoard event file in ``logdir``, read
+  from the TFRecord framing directly (no TensorFlow needed)."""
+  import glob
+  import os
+  import struct
+
+  from tensorboardX.proto import event_pb2
+  out = []
+  for path in glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
+    data = open(path, "rb").read()
+    pos = 0
+    while pos < len(data):
+      (n,) = struct.unpack("<Q", data[pos:pos + 8])
+      ev = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+      pos += 12 + n + 4
+      out.extend((v.tag, ev.step, v) for v in ev.summary.value)
+  return out
