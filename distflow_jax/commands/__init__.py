@@ -38,6 +38,20 @@ def define_run_flags(fv, what: str) -> None:
                        "dir that holds them", flag_values=fv)
 
 
+def start_job(fv, command: str, run_dir: str):
+  """Joins the process group (simulated CPU devices first, before jax is imported) and
+  returns ``(process info, process-0 logger)``, having logged where the job runs."""
+  from distflow_jax import distributed
+  cfg = fv.config
+  distributed.simulate_cpu_devices(cfg.cluster.devices_per_process)
+  from distflow_jax.workflow import progress
+  info = distributed.initialize(auto=fv.distributed == "auto")
+  log = progress.Logger(info.process_index == 0)
+  log(f"{command} {cfg.name}: {info.process_count} process(es) x {info.local_device_count} "
+      f"device(s); run dir {run_dir}")
+  return info, log
+
+
 def with_default_config(argv: Sequence[str], default: str) -> list[str]:
   """``argv`` with ``--config=<default>`` first unless it names a config itself."""
   argv = list(argv)

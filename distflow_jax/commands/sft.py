@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from distflow_jax.commands import define_run_flags, with_default_config
+from distflow_jax.commands import define_run_flags, start_job, with_default_config
 from distflow_jax.config import loading
 
 DEFAULT_CONFIG = "grpo:tiny"
@@ -31,12 +31,7 @@ def run(argv: Sequence[str]) -> int:
   if rest:
     raise loading.ConfigError(f"sft takes no positional arguments, got {rest}")
   cfg = fv.config
-  from distflow_jax import distributed
-  distributed.simulate_cpu_devices(cfg.cluster.devices_per_process)  # before jax is imported
-  from distflow_jax.workflow import progress, sft_run
-  info = distributed.initialize(auto=fv.distributed == "auto")
-  log = progress.Logger(info.process_index == 0)
-  log(f"sft {cfg.name}: {info.process_count} process(es) x {info.local_device_count} "
-      f"device(s); run dir {sft_run.sft_dir(cfg)}")
+  _, log = start_job(fv, "sft", cfg.run_dir)  # before sft_run: it imports jax
+  from distflow_jax.workflow import sft_run
   sft_run.run(cfg, eval_data=fv.eval_data, resume=fv.resume, log=log)
   return 0

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from distflow_jax.commands import define_run_flags, with_default_config
+from distflow_jax.commands import define_run_flags, start_job, with_default_config
 from distflow_jax.config import loading
 
 DEFAULT_CONFIG = "grpo:tiny"
@@ -39,13 +39,8 @@ def run(argv: Sequence[str]) -> int:
   if rest:
     raise loading.ConfigError(f"train takes no positional arguments, got {rest}")
   cfg = fv.config
-  from distflow_jax import distributed
-  distributed.simulate_cpu_devices(cfg.cluster.devices_per_process)  # before jax is imported
+  info, log = start_job(fv, "config", cfg.run_dir)
   from distflow_jax.workflow import checkpoint, progress, run_config, trainer
-  info = distributed.initialize(auto=fv.distributed == "auto")
-  log = progress.Logger(info.process_index == 0)
-  log(f"config {cfg.name}: {info.process_count} process(es) x {info.local_device_count} "
-      f"device(s); run dir {cfg.run_dir}")
   # Before any weights: a refused config change or a finished run costs no warm start.
   resumed = run_config.preflight(cfg, resume=fv.resume, allow_change=fv.allow_config_change,
                                  log=log)
