@@ -135,6 +135,9 @@ def run_main(main: Callable[[], int | None]) -> NoReturn:
   except BaseException:  # noqa: BLE001 - report anything, then leave fast
     traceback.print_exc()
     code = 1
+  if "jax" in sys.modules:
+    from distflow_jax.workflow import peers
+    peers.mark_exiting(ok=code == 0)
   sys.stdout.flush()
   sys.stderr.flush()
   if code != 0:

@@ -46,6 +46,8 @@ def start_job(fv, command: str, run_dir: str):
   distributed.simulate_cpu_devices(cfg.cluster.devices_per_process)
   from distflow_jax.workflow import progress
   info = distributed.initialize(auto=fv.distributed == "auto")
+  from distflow_jax.workflow import peers
+  peers.start_watchdog()  # a local peer's death stops this process with one line
   log = progress.Logger(info.process_index == 0)
   log(f"{command} {cfg.name}: {info.process_count} process(es) x {info.local_device_count} "
       f"device(s); run dir {run_dir}")

@@ -60,10 +60,9 @@ def lost_local_peers(timeout_s: float = 2.0) -> list[int]:
     if host != me or i == jax.process_index():
       continue
     try:
-      os.kill(int(pid), 0)
-    except ProcessLookupError:
-      lost.append(i)
-    except (PermissionError, ValueError):
+      if _gone(int(pid)):
+        lost.append(i)
+    except ValueError:
       pass
   return lost
 
@@ -102,3 +101,86 @@ def describe(error: BaseException, timeout_s: float = 45.0) -> str:
   return (f"a collective failed on process {me}, most likely because another process of "
           f"the run died (the coordination service could not say which within "
           f"{timeout_s:.0f}s): {first}")
+
+
+# A process that leaves normally marks itself here first, so its exit is not a loss.
+EXITED_KEY = "distflow/exited/{}"
+_stop = threading.Event()
+
+
+def _gone(pid: int) -> bool:
+  """Whether process ``pid`` has died (a zombie not yet reaped by its parent counts)."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return True
+  except (PermissionError, ValueError):
+    return False
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+  except (OSError, IndexError):
+    return False
+
+
+def _exited_normally(client, i: int) -> bool:
+  try:
+    client.key_value_try_get(EXITED_KEY.format(i))
+    return True
+  except Exception as e:  # noqa: BLE001
+    # Only "not found" means it left without saying so; with the service gone we cannot tell.
+    return "NOT_FOUND" not in str(e).upper().replace(" ", "_")
+
+
+def start_watchdog(interval_s: float = 0.5, timeout_s: float = 10.0) -> bool:
+  """Stops this process with one line as soon as a peer on this host dies.
+
+  A survivor blocked in a barrier (an orbax save, a key-value wait) gets no collective
+  error, and JAX's client aborts it with a C++ stack trace once the heartbeat times out.
+  This thread checks the recorded pids of the peers on this host twice a second, and
+  leaves first, naming the lost process.  Peers on other hosts are still noticed only
+  through the heartbeat.  Returns whether a watchdog runs (several processes only).
+  """
+  client = _client()
+  if client is None or jax.process_count() < 2:
+    return False
+  me, host, local = jax.process_index(), socket.gethostname(), {}
+  for i in range(jax.process_count()):
+    if i == me:
+      continue
+    try:
+      h, _, pid = client.blocking_key_value_get(_KEY.format(i), int(timeout_s * 1000)
+                                                ).rpartition(":")
+      if h == host:
+        local[i] = int(pid)
+    except Exception:  # noqa: BLE001 - not recorded: cannot watch it
+      continue
+  if not local:
+    return False
+  _stop.clear()
+
+  def watch():
+    while not _stop.wait(interval_s):
+      for i, pid in local.items():
+        if _gone(pid) and not _stop.is_set() and not _exited_normally(client, i):
+          import sys
+          print(f"distflow-jax: lost process {i} of {jax.process_count()}: it died "
+                f"(pid {pid} is gone); process {me} stops", file=sys.stderr, flush=True)
+          sys.stdout.flush()
+          os._exit(1)
+
+  threading.Thread(target=watch, name="distflow-peer-watchdog", daemon=True).start()
+  return True
+
+
+def mark_exiting(ok: bool) -> None:
+  """Called on the way out: stops the watchdog and, when ``ok``, tells the peers this exit
+  is no loss (a failed process stays unmarked, so its peers stop too)."""
+  _stop.set()
+  client = _client()
+  if not ok or client is None or jax.process_count() < 2:
+    return
+  try:
+    client.key_value_set(EXITED_KEY.format(jax.process_index()), "1")
+  except Exception:  # noqa: BLE001 - the service may already be gone
+    pass

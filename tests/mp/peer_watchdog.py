@@ -1,0 +1,29 @@
+"""Child program for the peer watchdog: ``block`` makes process 0 wait in a barrier that
+process 1 never reaches (it sleeps until killed); ``finish`` makes process 1 leave
+normally at once while process 0 works on for a few seconds."""
+
+import sys
+import time
+
+from distflow_jax import distributed
+
+
+def main() -> int:
+  distributed.initialize()
+  from distflow_jax.workflow import peers
+  import jax
+  assert peers.start_watchdog(interval_s=0.2)
+  print(f"ready {jax.process_index()}", flush=True)
+  if sys.argv[1] == "block":
+    if jax.process_index() == 0:
+      distributed.coordination_client().wait_at_barrier("never", 120_000)
+    else:
+      time.sleep(600)
+  elif jax.process_index() == 0:
+    time.sleep(4)
+  print(f"done {jax.process_index()}", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  distributed.run_main(main)
