@@ -39,6 +39,8 @@ def run(argv: Sequence[str]) -> int:
   if rest:
     raise loading.ConfigError(f"train takes no positional arguments, got {rest}")
   cfg = fv.config
+  from distflow_jax.workflow import wandb_log
+  wandb_log.check(cfg)  # logging.wandb without the wandb package: one line, before any work
   info, log = start_job(fv, "config", cfg.run_dir)
   from distflow_jax.workflow import checkpoint, progress, run_config, trainer
   # Before any weights: a refused config change or a finished run costs no warm start.
@@ -48,14 +50,17 @@ def run(argv: Sequence[str]) -> int:
     log(run_config.finished_message(cfg, resumed))
     return 0
   run_config.write_resolved(cfg, resumed, writer=info.process_index == 0)
-  ckpt, t0 = None, time.perf_counter()
+  ckpt, t0, wandb = None, time.perf_counter(), None
   try:
+    # Before the warm start, so a W&B login that fails costs nothing (process 0 only).
+    wandb = wandb_log.WandbWriter(cfg, info.process_index == 0,
+                                  resuming=resumed.latest is not None and fv.resume is not False)
     ctx, loaders = trainer.setup(cfg, log)
     log.nodes = [s.node.id for s in ctx.plan.steps]  # the times line in run order
     ckpt, start = checkpoint.open_run(cfg, ctx.roles, loaders.train, resume=fv.resume, log=log,
                                       ctx=ctx)
     t0 = time.perf_counter()
-    for m in trainer.train(cfg, ctx, loaders, start, checkpointer=ckpt, log=log):
+    for m in trainer.train(cfg, ctx, loaders, start, checkpointer=ckpt, log=log, wandb=wandb):
       log.step(m, cfg.trainer.total_steps)
     ckpt.wait()
     last = ckpt.latest_step()
@@ -66,10 +71,14 @@ def run(argv: Sequence[str]) -> int:
         eval_data=trainer.dataset_paths(cfg)[1], rate=log.rate()))
   except KeyboardInterrupt:
     log.end_line()
+    if wandb is not None:
+      wandb.close(exit_code=130)
     print(f"distflow-jax train: {_interrupted(ckpt, cfg)}", file=sys.stderr)
     return 130
   except Exception as e:  # pylint: disable=broad-except
     log.end_line()
+    if wandb is not None:
+      wandb.close(exit_code=1)
     from distflow_jax.workflow import health, hints, peers
     if isinstance(e, health.CollapseError):
       print(f"distflow-jax train: {e}", file=sys.stderr)

@@ -170,6 +170,11 @@ def base() -> ml_collections.ConfigDict:
       # last checkpoint saved before it.
       stop_on_collapse=False,
   )
+  # Where `train` logs besides metrics.jsonl and TensorBoard (always on).  wandb: Weights &
+  # Biases (workflow/wandb_log.py; needs pip install 'distflow-jax[wandb]'): process 0 logs
+  # each step's metrics and each evaluation's samples as a table.  name "" = the config's
+  # name; mode "" = wandb's own (WANDB_MODE, else online) | online | offline.
+  c.logging = dict(wandb=dict(enabled=False, project="distflow-jax", name="", mode=""))
   # `distflow-jax sft` (workflow/sft_run.py): supervised fine-tuning on data.train's
   # prompt/answer (or chat `messages`) rows.  Its checkpoints and metrics.jsonl go to
   # <run_dir>/sft; the final Hugging Face folder to `out` ("" = <run_dir>/sft/model).

@@ -130,6 +130,9 @@ def check_values(cfg) -> None:
   _check_reward(cfg.reward)
   _check_algo(cfg.algo)
   _check_trainer(cfg.trainer)
+  if "logging" in cfg:
+    from distflow_jax.workflow import wandb_log
+    wandb_log.check(cfg)
   if "sft" in cfg:
     _check_sft(cfg.sft)
 

@@ -2,8 +2,9 @@
 
 A few rows of the evaluation batch (``trainer.log_samples``, 0 = off) go, with the
 step, to ``run_dir/samples.jsonl`` (one JSON object a line: ``step``, ``index``,
-``prompt``, ``response``, ``reward``, ``correct``, ``answer`` = the ground truth) and to
-TensorBoard as text (tag ``eval/samples``, one markdown entry per evaluation).  Only
+``prompt``, ``response``, ``reward``, ``correct``, ``answer`` = the ground truth), to
+TensorBoard as text (tag ``eval/samples``, one markdown entry per evaluation) and, with
+``logging.wandb`` on, to Weights & Biases as a table (workflow/wandb_log.py).  Only
 process 0 writes; under several processes it logs rows of its own shard (each process
 evaluates its own prompts, and gathering text across hosts is not worth a collective).
 """
@@ -53,11 +54,14 @@ def to_markdown(step: int, samples: Sequence[Mapping[str, Any]]) -> str:
 
 
 class SampleWriter:
-  """``write(step, samples)``: appends to samples.jsonl and adds a TensorBoard text entry."""
+  """``write(step, samples)``: appends to samples.jsonl, adds a TensorBoard text entry and
+  (given a ``wandb`` writer, workflow/wandb_log.py) a W&B table."""
 
-  def __init__(self, run_dir: str, tensorboard: Any, num_samples: int, enabled: bool):
+  def __init__(self, run_dir: str, tensorboard: Any, num_samples: int, enabled: bool,
+               wandb: Any = None):
     self.path = os.path.join(run_dir, SAMPLES_FILE)
     self.tensorboard = tensorboard
+    self.wandb = wandb
     self.num_samples = num_samples if enabled else 0
 
   @property
@@ -73,3 +77,5 @@ class SampleWriter:
         f.write(json.dumps({"step": int(step), **s}, sort_keys=True) + "\n")
     if self.tensorboard is not None:
       self.tensorboard.add_text(TEXT_TAG, to_markdown(step, samples), step)
+    if self.wandb is not None:
+      self.wandb.add_samples(step, samples)

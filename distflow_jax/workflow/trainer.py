@@ -25,7 +25,7 @@ from distflow_jax.workflow import evaluate as eval_lib
 from distflow_jax.workflow import executor, health as health_lib, hints
 from distflow_jax.workflow.progress import phase
 from distflow_jax.workflow.context import RunContext
-from distflow_jax.workflow import samples as samples_lib, tensorboard
+from distflow_jax.workflow import samples as samples_lib, tensorboard, wandb_log
 from distflow_jax.workflow.metrics import JsonlWriter, Writers
 from distflow_jax.workflow.setup import prepare_run
 
@@ -115,7 +115,8 @@ def health_monitor(cfg: ml_collections.ConfigDict) -> health_lib.HealthMonitor:
 
 def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
           start_step: int = 0, checkpointer: "checkpoint.Checkpointer | None" = None,
-          log: Callable[[str], None] | None = None) -> Iterator[dict[str, float]]:
+          log: Callable[[str], None] | None = None,
+          wandb: wandb_log.WandbWriter | None = None) -> Iterator[dict[str, float]]:
   """Yields each step's metrics (the same on every process).
 
   With a ``checkpointer`` (see ``checkpoint.open_run``) it saves when due,
@@ -124,15 +125,34 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
   ``trainer.stop_on_collapse`` a collapse signal raises ``health.CollapseError`` naming
   the last checkpoint saved before it (the collapsed step is not saved).  Each evaluation
   logs ``trainer.log_samples`` held-out samples (``workflow/samples.py``; process 0, its
-  own rows).
+  own rows).  With ``logging.wandb`` on, process 0 also logs both to Weights & Biases
+  (``workflow/wandb_log.py``): through ``wandb`` when given (started before the warm start,
+  so a failed login costs nothing), else a writer started here; it is finished at the end.
   """
   monitor = health_monitor(cfg)
   is_writer = ctx.process_index == 0
   board = tensorboard.TensorBoardWriter(os.path.join(cfg.run_dir, tensorboard.SUBDIR),
                                         is_writer)
-  writer = Writers(JsonlWriter(os.path.join(cfg.run_dir, "metrics.jsonl"), is_writer), board)
+  if wandb is None:
+    wandb = wandb_log.WandbWriter(cfg, is_writer, resuming=start_step > 0)
+  writer = Writers(JsonlWriter(os.path.join(cfg.run_dir, "metrics.jsonl"), is_writer), board,
+                   wandb)
   sample_writer = samples_lib.SampleWriter(cfg.run_dir, board, cfg.trainer.log_samples,
-                                           is_writer)
+                                           is_writer, wandb=wandb)
+  try:
+    yield from _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer,
+                      sample_writer)
+  except GeneratorExit:  # the caller stopped early: not a failure
+    wandb.close()
+    raise
+  except BaseException:
+    wandb.close(exit_code=1)
+    raise
+  wandb.close()
+
+
+def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sample_writer
+           ) -> Iterator[dict[str, float]]:
   eval_batch = next(iter(loaders.eval)) if loaders.eval is not None else None
 
   def run_eval(step: int) -> dict[str, float]:
