@@ -99,17 +99,14 @@ def _stats(compiled: Any) -> StepMemory:
 def train_step_memory(cfg: ml_collections.ConfigDict, graphdef: nnx.GraphDef, params: Any,
                       opt_state: Any, tx: Any, batch: dict, micro: int, group_size: int
                       ) -> StepMemory:
-  """The actor train node's step, compiled as ``PinnedStep`` jits it (state donated,
-  outputs pinned to the inputs' shardings)."""
+  """The actor train node's step, compiled by the ``PinnedStep`` the node uses (state
+  donated, outputs pinned to the inputs' shardings, rows split over data and fsdp)."""
   from distflow_jax.nodes import training
   from distflow_jax.train import steps as steps_lib
   loss_cfg = steps_lib.ActorLoss.from_config(cfg.actor, cfg.rollout.max_new_tokens, group_size)
   loss_fn = functools.partial(training._actor_loss, cfg=loss_cfg)  # the node's own loss
   step = steps_lib.make_train_step(loss_fn, graphdef, tx, micro, loss_cfg.loss_agg, group_size)
-  sh = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
-  jitted = jax.jit(step._step, donate_argnums=(0, 1),
-                   out_shardings=(sh(params), sh(opt_state), None))
-  return _stats(jitted.lower(params, opt_state, batch).compile())
+  return _stats(step.jitted_for(params, opt_state).lower(params, opt_state, batch).compile())
 
 
 def logprob_memory(graphdef: nnx.GraphDef, params: Any, batch: dict, group_size: int,
@@ -117,6 +114,7 @@ def logprob_memory(graphdef: nnx.GraphDef, params: Any, batch: dict, group_size:
   """The log-prob pass (``logprob`` / ``ref_logprob`` nodes) over the whole step's batch."""
   from distflow_jax.train import steps as steps_lib
   fn = lambda p, b: steps_lib.response_logprobs(graphdef, p, b, group_size=group_size)[0]  # noqa: E731
+  fn = steps_lib.rows_sharded_on(fn, steps_lib.params_mesh(params))
   return _stats(jax.jit(fn, out_shardings=layout).lower(params, batch).compile())
 
 

@@ -19,6 +19,8 @@ parameter is ever fully materialised on one device.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import re
 from typing import Callable, Mapping, Sequence
@@ -117,3 +119,37 @@ def create_sharded(ctor: Callable[[], nnx.Module], mesh: Mesh, rules: Rules) -> 
 def shard_state(state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
   """Moves an existing state into the rules' shardings."""
   return jax.device_put(state, state_shardings(state, mesh, rules))
+
+
+# Activations: rows split over the batch axes while a step is traced (see below).
+BATCH_AXES = ("data", "fsdp")
+_ROWS: contextvars.ContextVar[NamedSharding | None] = contextvars.ContextVar(
+    "distflow_row_sharding", default=None)
+
+
+@contextlib.contextmanager
+def rows_sharded(mesh: Mesh | None):
+  """While tracing under it, ``constrain_rows`` splits activations' rows over ``mesh``'s
+  ``data`` and ``fsdp`` axes (the whole of FSDP: each device keeps only its own rows'
+  activations and gathers the weights a layer needs).  Left to sharding propagation, XLA
+  may instead gather the rows and split the matmuls over the fsdp-sharded model dim,
+  keeping every row's activations on every device (8x the memory on 8 devices)."""
+  axes = () if mesh is None else tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+  token = _ROWS.set(NamedSharding(mesh, P(axes)) if axes else None)
+  try:
+    yield
+  finally:
+    _ROWS.reset(token)
+
+
+def constrain_rows(x: jax.Array) -> jax.Array:
+  """``x`` ([rows, ...]) constrained to rows split over the batch axes of the enclosing
+  ``rows_sharded``; unchanged outside one, or when the rows do not divide evenly."""
+  sh = _ROWS.get()
+  if sh is None or x.ndim == 0:
+    return x
+  axes = sh.spec[0] if isinstance(sh.spec[0], tuple) else (sh.spec[0],)
+  n = math.prod(sh.mesh.shape[a] for a in axes)
+  if x.shape[0] % n:
+    return x
+  return jax.lax.with_sharding_constraint(x, sh)

@@ -73,7 +73,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from distflow_jax.models import stacking
+from distflow_jax.models import sharding, stacking
 from distflow_jax.models.attention import Attention
 from distflow_jax.models.config import ModelConfig
 # KVCache, init_cache, cache_insert and positions_from_mask are imported from here by
@@ -151,7 +151,7 @@ class Transformer(nnx.Module):
     elif return_kv:
       writer = KVRecorder()
     key_pos_BxS = own_pos_BxT if writer is None else writer.pos(own_pos_BxT)
-    x = self.embed(tokens_BxT)
+    x = sharding.constrain_rows(self.embed(tokens_BxT))
     new_cache = None
     if isinstance(writer, CacheWriter):
       # Layer by layer (stacked layers sliced): each layer's cache buffer is written in place.
@@ -165,7 +165,7 @@ class Transformer(nnx.Module):
       x, kv = self._run_layers(x, positions_BxT, key_pos_BxS, writer, policy)
       if isinstance(writer, KVRecorder):
         new_cache = KVCache(k=kv[0], v=kv[1], pos=own_pos_BxT)
-    hidden = self.final_norm(x)
+    hidden = sharding.constrain_rows(self.final_norm(x))
     if return_hidden:
       return hidden, new_cache
     return self.logits(hidden), new_cache
@@ -183,7 +183,7 @@ class Transformer(nnx.Module):
       layer = nnx.merge(graphdef, layer_state)
       w = (KVRecorder() if record else None if prefix is None else
            PrefixReader(KVCache(k=(pk,), v=(pv,), pos=prefix.pos), writer.repeat, b))
-      y = layer(x, positions_BxT, key_pos_BxS, w)
+      y = sharding.constrain_rows(layer(x, positions_BxT, key_pos_BxS, w))
       return y, ((w.ks[0], w.vs[0]) if record else None)
 
     def wrap(graphdef, scanned):

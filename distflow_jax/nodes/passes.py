@@ -40,11 +40,15 @@ def prompt_group(ctx: RunContext, node: Node, data: dict, num_parts: int) -> int
   return gs
 
 
-def pass_fn(ctx: RunContext, lay: dlayout.Layout, fn: Callable, unit_rows: int) -> Callable:
-  """A sequence pass, jitted onto the layout; in deterministic mode unit by unit."""
+def pass_fn(ctx: RunContext, lay: dlayout.Layout, fn: Callable, unit_rows: int,
+            params=None) -> Callable:
+  """A sequence pass, jitted onto the layout (its activations' rows split over the
+  parameters' data and fsdp axes); in deterministic mode unit by unit."""
   if ctx.cfg.trainer.deterministic:
     return deterministic.per_unit(fn, lay.mesh, unit_rows)
-  return jax.jit(fn, static_argnums=0, out_shardings=lay.sharding)
+  mesh = None if params is None else steps_lib.params_mesh(params)
+  return jax.jit(steps_lib.rows_sharded_on(fn, mesh), static_argnums=0,
+                 out_shardings=lay.sharding)
 
 
 def _model_pass(field: str, role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout,
@@ -55,7 +59,7 @@ def _model_pass(field: str, role: Role, ctx: RunContext, node: Node, lay: dlayou
   state = ctx.roles[role]
   if role is Role.CRITIC:
     fn = ctx.jitted(("values", lay), lambda: pass_fn(
-        ctx, lay, steps_lib.response_values, ctx.cfg.critic.micro_batch_size))
+        ctx, lay, steps_lib.response_values, ctx.cfg.critic.micro_batch_size, state.params))
     out = fn(state.graphdef, state.params, seq(batch))
   else:
     data = seq(batch)
@@ -63,7 +67,8 @@ def _model_pass(field: str, role: Role, ctx: RunContext, node: Node, lay: dlayou
     parts = data["response_mask"].shape[0] // unit if ctx.cfg.trainer.deterministic else None
     gs = prompt_group(ctx, node, data, parts or lay.num_shards)
     fn = ctx.jitted(("logprobs", role, lay, gs), lambda: pass_fn(
-        ctx, lay, lambda g, p, b: steps_lib.response_logprobs(g, p, b, group_size=gs)[0], unit))
+        ctx, lay, lambda g, p, b: steps_lib.response_logprobs(g, p, b, group_size=gs)[0], unit,
+        state.params))
     out = fn(state.graphdef, state.params, data)
   return batch.replace(**{field: out})
 

@@ -45,7 +45,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distflow_jax.algos import losses
-from distflow_jax.models import heads
+from distflow_jax.models import heads, sharding
 from distflow_jax.models.transformer import forward, positions_from_mask
 
 Batch = Mapping[str, jax.Array]
@@ -282,7 +282,8 @@ def step_ok(total: jax.Array, grad_norm: jax.Array, new_params: Any, new_opt: An
   return ok
 
 
-def _mesh_of(params: nnx.State):
+def params_mesh(params: Any):
+  """The mesh of the first NamedSharding-placed leaf of ``params`` (None if none)."""
   return next((x.sharding.mesh for x in jax.tree.leaves(params)
                if isinstance(x.sharding, NamedSharding)), None)
 
@@ -296,11 +297,21 @@ def _on_mesh(x: jax.Array, mesh) -> NamedSharding:
 def init_opt_state(tx: optax.GradientTransformation, params: nnx.State) -> Any:
   """``tx.init(params)`` with every leaf on the parameters' mesh (scalars replicated),
   so the state's layout never changes between steps."""
-  mesh = _mesh_of(params)
+  mesh = params_mesh(params)
   state = tx.init(params)
   if mesh is None:
     return state
   return jax.tree.map(lambda x: jax.device_put(x, _on_mesh(x, mesh)), state)
+
+
+def rows_sharded_on(fn: Callable, mesh) -> Callable:
+  """``fn`` traced with its activations' rows split over ``mesh``'s data and fsdp axes
+  (``sharding.rows_sharded``): FSDP keeps each device's own rows only."""
+
+  def traced(*args):
+    with sharding.rows_sharded(mesh):
+      return fn(*args)
+  return traced
 
 
 class PinnedStep:
@@ -314,15 +325,19 @@ class PinnedStep:
     self._step = step
     self._jitted = None
 
+  def jitted_for(self, params, opt_state):
+    """The jitted step for state laid out like ``params`` / ``opt_state`` (arrays or
+    ``ShapeDtypeStruct``s with shardings: ``plan --memory`` lowers this same object)."""
+    mesh = params_mesh(params)
+    if mesh is None:  # unsharded parameters: nothing to pin
+      return jax.jit(self._step, donate_argnums=(0, 1))
+    sh = lambda tree: jax.tree.map(lambda x: _on_mesh(x, mesh), tree)  # noqa: E731
+    return jax.jit(rows_sharded_on(self._step, mesh), donate_argnums=(0, 1),
+                   out_shardings=(sh(params), sh(opt_state), None))
+
   def __call__(self, params, opt_state, batch):
     if self._jitted is None:
-      mesh = _mesh_of(params)
-      if mesh is None:  # unsharded parameters: nothing to pin
-        self._jitted = jax.jit(self._step, donate_argnums=(0, 1))
-      else:
-        sh = lambda tree: jax.tree.map(lambda x: _on_mesh(x, mesh), tree)  # noqa: E731
-        self._jitted = jax.jit(self._step, donate_argnums=(0, 1),
-                               out_shardings=(sh(params), sh(opt_state), None))
+      self._jitted = self.jitted_for(params, opt_state)
     return self._jitted(params, opt_state, batch)
 
   def _cache_size(self) -> int:
