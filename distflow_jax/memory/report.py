@@ -234,8 +234,9 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
                                      tp, remat=remat, attention_impl=impl)
         if act > 3 * expect:  # what XLA chose, not what the mesh promises: worth a look
           notes.append(f"the compiled train step keeps {act / expect:.0f}x the activations the "
-                       f"analytic model expects for its rows per device: XLA does not keep "
-                       f"them sharded over the batch on this mesh ({dict(actor.shape)})")
+                       f"analytic model expects for its rows per device on this mesh "
+                       f"({dict(actor.shape)}): the rest is XLA's own buffers (gathered "
+                       f"weights, fused temporaries), which the analytic model does not count")
         batch_b = m.argument - cp.device_bytes(params) - cp.device_bytes(opt_abs)
       else:
         rows = samples // dp // minis // micro
