@@ -99,8 +99,9 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, cfg.jnp_dtype)
       self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, cfg.jnp_dtype)
 
-  def __call__(self, x_BxTxD, positions_BxT, key_pos_BxS, writer):
-    """`writer` is None (attend within x) or one of kv_cache.py's writers for this layer's k/v."""
+  def __call__(self, x_BxTxD, positions_BxT, key_pos_BxS, writer, segment_ids_BxT=None):
+    """`writer` is None (attend within x) or one of kv_cache.py's writers for this layer's k/v.
+    `segment_ids_BxT` (packed rows, writer None): a query sees only keys of its own segment."""
     cfg = self.cfg
     b, t, _ = x_BxTxD.shape
     hkv, dh = cfg.num_kv_heads, cfg.head_dim
@@ -124,6 +125,8 @@ class Attention(nnx.Module):
       return self.o_proj(out_BxKxGxDh.reshape(b, 1, cfg.num_heads * dh))
     visible_BxTxS = ((key_pos_BxS[:, None, :] >= 0)
                      & (key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]))
+    if segment_ids_BxT is not None:  # block-diagonal: every impl below takes this one mask
+      visible_BxTxS = visible_BxTxS & (segment_ids_BxT[:, None, :] == segment_ids_BxT[:, :, None])
     impl = dpa_implementation(cfg.attention_impl, q_BxTxHxDh.dtype, dh)
     if impl == "einsum":
       q_BxTxKxGxDh = q_BxTxHxDh.reshape(b, t, hkv, g, dh)

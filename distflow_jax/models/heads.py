@@ -85,15 +85,18 @@ class Critic(nnx.Module):
                                  kernel_init=nnx.initializers.zeros_init(), rngs=rngs)
 
   def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
-               mask_BxT: jax.Array | None = None) -> jax.Array:
-    hidden_BxTxD, _ = self.backbone(tokens_BxT, positions_BxT, mask_BxT, return_hidden=True)
+               mask_BxT: jax.Array | None = None,
+               segment_ids_BxT: jax.Array | None = None) -> jax.Array:
+    hidden_BxTxD, _ = self.backbone(tokens_BxT, positions_BxT, mask_BxT, return_hidden=True,
+                                    segment_ids_BxT=segment_ids_BxT)
     return self.value_head(hidden_BxTxD.astype(jnp.float32))[..., 0]
 
 
 def critic_values(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxT: jax.Array,
-                  positions_BxT: jax.Array, mask_BxT: jax.Array | None = None) -> jax.Array:
-  """Pure form of `Critic.__call__` over `nnx.split(critic)`."""
-  return nnx.merge(graphdef, params)(tokens_BxT, positions_BxT, mask_BxT)
+                  positions_BxT: jax.Array, mask_BxT: jax.Array | None = None,
+                  segment_ids_BxT: jax.Array | None = None) -> jax.Array:
+  """Pure form of `Critic.__call__` over `nnx.split(critic)` (`segment_ids_BxT`: packed rows)."""
+  return nnx.merge(graphdef, params)(tokens_BxT, positions_BxT, mask_BxT, segment_ids_BxT)
 
 
 class RewardModel(nnx.Module):

@@ -93,8 +93,8 @@ class Block(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, positions_BxT, key_pos_BxS, writer):
-    x = x + self.attn(self.input_norm(x), positions_BxT, key_pos_BxS, writer)
+  def __call__(self, x, positions_BxT, key_pos_BxS, writer, segment_ids_BxT=None):
+    x = x + self.attn(self.input_norm(x), positions_BxT, key_pos_BxS, writer, segment_ids_BxT)
     return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -125,7 +125,8 @@ class Transformer(nnx.Module):
                mask_BxT: jax.Array | None = None, cache: KVCache | None = None,
                cache_index_B: jax.Array | None = None, *, return_hidden: bool = False,
                remat: bool | str | None = None, prefix: KVCache | None = None,
-               prefix_repeat: int = 1, return_kv: bool = False, windowed: bool = True
+               prefix_repeat: int = 1, return_kv: bool = False, windowed: bool = True,
+               segment_ids_BxT: jax.Array | None = None
                ) -> tuple[jax.Array, KVCache | None]:
     """Returns `(logits_BxTxV or hidden_BxTxD, new_cache)`; see the module docstring.
 
@@ -133,6 +134,10 @@ class Transformer(nnx.Module):
     training): a policy name of `ModelConfig.remat`, True for "full", None for the
     config's; ignored with a cache.  `new_cache` is the updated cache, the recorded k/v
     (`return_kv`; under `scan_layers` its k/v are `[L, G, Hkv, T, Dh]` arrays) or None.
+
+    `segment_ids_BxT` (int32, plain calls only): packed rows, several sequences per row
+    (train/packing.py); a token attends only to earlier tokens of its own segment, and
+    `positions_BxT` restart at 0 in each segment.
     """
     b, t = tokens_BxT.shape
     positions_BxT = positions_BxT.astype(jnp.int32)
@@ -141,6 +146,9 @@ class Transformer(nnx.Module):
     own_pos_BxT = jnp.where(mask_BxT, positions_BxT, -1)
     if sum(x is not None and x is not False for x in (cache, prefix, return_kv)) > 1:
       raise ValueError("Transformer: cache, prefix and return_kv exclude each other")
+    if segment_ids_BxT is not None and (cache is not None or prefix is not None or return_kv):
+      raise ValueError("Transformer: segment_ids (packed rows) work only in a plain call "
+                       "(no cache, prefix or return_kv)")
     writer = None
     if cache is not None:
       if cache_index_B is None:
@@ -162,7 +170,8 @@ class Transformer(nnx.Module):
       new_cache = KVCache(k=tuple(writer.k), v=tuple(writer.v), pos=key_pos_BxS)
     else:
       policy = self.cfg.remat if remat is None else {True: "full", False: "none"}.get(remat, remat)
-      x, kv = self._run_layers(x, positions_BxT, key_pos_BxS, writer, policy)
+      x, kv = self._run_layers(x, positions_BxT, key_pos_BxS, writer, policy,
+                               segment_ids_BxT)
       if isinstance(writer, KVRecorder):
         new_cache = KVCache(k=kv[0], v=kv[1], pos=own_pos_BxT)
     hidden = sharding.constrain_rows(self.final_norm(x))
@@ -171,7 +180,8 @@ class Transformer(nnx.Module):
     return self.logits(hidden), new_cache
 
 
-  def _run_layers(self, x, positions_BxT, key_pos_BxS, writer, remat: str):
+  def _run_layers(self, x, positions_BxT, key_pos_BxS, writer, remat: str,
+                  segment_ids_BxT=None):
     """The cache-less passes (plain, `return_kv`, `prefix`): every layer as a pure function
     of its parameters, looped or scanned, each rematerialised under `remat`.  Returns
     `(x, (ks, vs))`, the recorded keys/values when `writer` is a KVRecorder."""
@@ -183,7 +193,7 @@ class Transformer(nnx.Module):
       layer = nnx.merge(graphdef, layer_state)
       w = (KVRecorder() if record else None if prefix is None else
            PrefixReader(KVCache(k=(pk,), v=(pv,), pos=prefix.pos), writer.repeat, b))
-      y = sharding.constrain_rows(layer(x, positions_BxT, key_pos_BxS, w))
+      y = sharding.constrain_rows(layer(x, positions_BxT, key_pos_BxS, w, segment_ids_BxT))
       return y, ((w.ks[0], w.vs[0]) if record else None)
 
     def wrap(graphdef, scanned):
@@ -217,10 +227,12 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxT: jax.Array,
             cache: KVCache | None = None, cache_index_B: jax.Array | None = None, *,
             return_hidden: bool = False, remat: bool | str | None = None,
             prefix: KVCache | None = None,
-            prefix_repeat: int = 1, return_kv: bool = False, windowed: bool = True
+            prefix_repeat: int = 1, return_kv: bool = False, windowed: bool = True,
+            segment_ids_BxT: jax.Array | None = None
             ) -> tuple[jax.Array, KVCache | None]:
   """Pure forward over `nnx.split(model)`: safe inside jit / while_loop / scan."""
   model = nnx.merge(graphdef, params)
   return model(tokens_BxT, positions_BxT, mask_BxT, cache, cache_index_B,
                return_hidden=return_hidden, remat=remat, prefix=prefix,
-               prefix_repeat=prefix_repeat, return_kv=return_kv, windowed=windowed)
+               prefix_repeat=prefix_repeat, return_kv=return_kv, windowed=windowed,
+               segment_ids_BxT=segment_ids_BxT)

@@ -28,6 +28,12 @@ communication, and groups stay whole.  The
 loss of each micro-batch is its *sum* divided by the whole batch's
 denominator, so the accumulated gradient is exactly the full-batch mean's.
 
+Packed rows.  A batch holding ``pack`` (a plan of train/packing.py: ``model.pack_sequences``)
+runs its passes padding-free: the samples' real tokens packed into ``[rows, pack_len]``
+rows with per-token segment ids, the hidden states gathered back to ``[B, N]`` before
+the heads.  The train step takes ``pack`` with a leading micro-batch axis (one plan per
+micro-batch, ``packing.plan_parts``).  Packing and shared prompts exclude each other.
+
 A step whose loss, gradient, new parameters or new optimizer state are not all
 finite leaves parameters and optimizer state unchanged and reports ``skipped = 1``.
 """
@@ -47,6 +53,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from distflow_jax.algos import losses
 from distflow_jax.models import heads, sharding
 from distflow_jax.models.transformer import forward, positions_from_mask
+from distflow_jax.train import packing
 
 Batch = Mapping[str, jax.Array]
 
@@ -103,9 +110,28 @@ def prompts_grouped(batch: Batch, group_size: int) -> jax.Array:
   return same(batch["prompt_tokens"]) & same(batch["prompt_mask"])
 
 
+def _response_hidden_packed(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch
+                            ) -> jax.Array:
+  """`_response_hidden_plain` over packed rows (see "Packed rows")."""
+  pack = batch["pack"]
+  tokens, positions, seg = packing.packed_inputs(batch, pack)
+  hidden, _ = forward(graphdef, params, tokens, positions, seg > 0, return_hidden=True,
+                      segment_ids_BxT=seg)
+  return packing.unpack(hidden, pack["out"])
+
+
+PACK_AND_SHARE = ("model.pack_sequences=True does not work with shared prompts "
+                  "(model.share_prompt_prefix=True and rollout.n > 1); set "
+                  "model.share_prompt_prefix=False")
+
+
 def _response_hidden(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch,
                      group_size: int = 1) -> jax.Array:
   """Hidden states predicting each response token, ``[B, N, D]`` (see "Shared prompts")."""
+  if "pack" in batch:
+    if group_size > 1:
+      raise ValueError(PACK_AND_SHARE)
+    return _response_hidden_packed(graphdef, params, batch)
   if group_size <= 1:
     return _response_hidden_plain(graphdef, params, batch)
   b = batch["prompt_tokens"].shape[0]
@@ -130,6 +156,11 @@ def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *
 
 def response_values(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch) -> jax.Array:
   """Critic value of the state before each response token, ``[B, N]`` (0 on padding)."""
+  if "pack" in batch:
+    tokens, positions, seg = packing.packed_inputs(batch, batch["pack"])
+    values = heads.critic_values(graphdef, params, tokens, positions, seg > 0, seg)
+    return (packing.unpack(values, batch["pack"]["out"])
+            * batch["response_mask"].astype(jnp.float32))
   tokens, mask, positions = sequence_inputs(batch)
   p = batch["prompt_tokens"].shape[1]
   n = batch["response_tokens"].shape[1]
@@ -218,15 +249,25 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
   ``stats`` holds sums (``total``, ``count``, ``token_count``, metric sums) plus
   ``grad_norm`` and ``skipped``; ``losses.finalize`` turns the sums into means.
   ``group_size`` keeps blocks of that many consecutive rows in one micro-batch (see
-  "Micro-batches"); the loss function decides whether it shares their prompts.
+  "Micro-batches"); the loss function decides whether it shares their prompts.  A batch
+  holding ``pack`` (``[M, ...]``: one plan per micro-batch) runs packed (see "Packed rows").
   """
 
   def step(params, opt_state, batch):
+    pack = batch.get("pack")
+    batch = {k: v for k, v in batch.items() if k != "pack"}
     b = jax.tree.leaves(batch)[0].shape[0]
     if group_size > 1 and b % (num_micro_batches * group_size):
       raise ValueError(f"train step: {b} rows do not split into {num_micro_batches} "
                        f"micro-batches of whole groups of {group_size}")
+    if pack is not None and group_size > 1:
+      raise ValueError(PACK_AND_SHARE)
     mbs = deal_rows(batch, num_micro_batches, group_size)
+    if pack is not None:
+      if jax.tree.leaves(pack)[0].shape[0] != num_micro_batches:
+        raise ValueError(f"train step: the packing plan has {jax.tree.leaves(pack)[0].shape[0]} "
+                         f"micro-batches, the step {num_micro_batches}")
+      mbs = {**mbs, "pack": pack}
     denom = losses.loss_denominator(batch["response_mask"], agg_mode)
 
     def one(carry, mb):
