@@ -61,6 +61,13 @@ def base() -> ml_collections.ConfigDict:
       remat="none",
       attention_impl="auto",
       master_weights=True,
+      # Padding-free passes (train/packing.py): the log-prob, reference, value passes and
+      # the train steps pack each sample's real tokens into rows of pack_len tokens with
+      # segment ids instead of running [prompt bucket + max_new_tokens] padded rows
+      # (metrics pad_fraction/<node>, and pad_fraction_padded/<node> for the padded
+      # layout).  pack_len=0: the padded row's length.  Needs share_prompt_prefix=False.
+      pack_sequences=False,
+      pack_len=0,
   )
   c.data = dict(
       train="builtin:arithmetic",  # JSONL/Parquet path or builtin:<task>

@@ -115,6 +115,7 @@ def check_values(cfg) -> None:
   if total > cfg.model.max_seq_len:
     raise ConfigError(f"data.max_prompt_len + rollout.max_new_tokens = {total} exceeds "
                       f"model.max_seq_len={cfg.model.max_seq_len}")
+  _check_packing(cfg)
   _check_actor(cfg.actor)
   for role in ("actor", "critic"):
     section = cfg[role]
@@ -167,12 +168,34 @@ def _check_model(m) -> None:
     raise ConfigError(f"model.scan_layers={m.scan_layers!r} and model.master_weights="
                       f"{m.master_weights!r} must be true or false")
   positive(m.max_seq_len, "model.max_seq_len")
+  if not isinstance(m.get("pack_sequences", False), bool):
+    raise ConfigError(f"model.pack_sequences={m.pack_sequences!r} must be true or false")
+  positive(m.get("pack_len", 0), "model.pack_len", allow_zero=True)
   w = m.warmstart
   positive(w.steps, "model.warmstart.steps", allow_zero=True)
   check_lr(w.lr, "model.warmstart.lr", "adamw")
   positive(w.batch_size, "model.warmstart.batch_size")
   positive(w.examples, "model.warmstart.examples")
   in_range(w.plain_answer_prob, "model.warmstart.plain_answer_prob", 0, 1)
+
+
+def _check_packing(cfg) -> None:
+  """model.pack_sequences: neither shared prompts nor the deterministic mode pack (yet)."""
+  m = cfg.model
+  if not m.get("pack_sequences", False):
+    return
+  if m.share_prompt_prefix and cfg.rollout.n > 1:
+    raise ConfigError("model.pack_sequences=True does not work with shared prompts "
+                      "(model.share_prompt_prefix=True and rollout.n > 1); set "
+                      "model.share_prompt_prefix=False")
+  if cfg.trainer.deterministic:
+    raise ConfigError("model.pack_sequences=True does not work with trainer.deterministic="
+                      "True (its passes run unit by unit, padded); turn one of them off")
+  total = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+  if m.pack_len and m.pack_len < total - 1:
+    raise ConfigError(f"model.pack_len={m.pack_len} is shorter than the longest sample, "
+                      f"data.max_prompt_len + rollout.max_new_tokens - 1 = {total - 1}; raise "
+                      f"it or set model.pack_len=0 (the padded row's length)")
 
 
 def _check_actor(a) -> None:

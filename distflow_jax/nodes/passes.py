@@ -2,7 +2,8 @@
 
 ``logprob`` (the actor's log-probs before the update, i.e. the old policy), ``ref_logprob``
 (the frozen reference's) and ``values`` (the critic's per-token values).  ``pass_fn`` and
-``prompt_group`` are shared with the reward model and the train steps.
+``prompt_group`` are shared with the reward model and the train steps; so is ``pack_plan``
+(``model.pack_sequences``: padding-free passes, train/packing.py).
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import functools
 from collections.abc import Callable
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from distflow_jax.dag.spec import Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch
 from distflow_jax.nodes.common import NodeTable, seq
-from distflow_jax.train import deterministic, steps as steps_lib
+from distflow_jax.train import deterministic, packing, steps as steps_lib
 from distflow_jax.workflow.context import RunContext, shared_prompt_group
 
 
@@ -40,6 +42,28 @@ def prompt_group(ctx: RunContext, node: Node, data: dict, num_parts: int) -> int
   return gs
 
 
+def pack_plan(ctx: RunContext, node: Node, lay: dlayout.Layout, data: dict,
+              num_parts: int | None = None, block: int = 1):
+  """The packing plan of `data`'s rows under model.pack_sequences (None when off), put on
+  `lay`'s mesh (replicated); records `pad_fraction/<node>` (padding slots of the packed
+  rows) and `pad_fraction_padded/<node>` (of the padded rows the pass would run otherwise).
+  `num_parts`: one plan per micro-batch of `steps.deal_rows(data, num_parts, block)`,
+  stacked on a leading axis (the train step's); None: one plan (a pass's)."""
+  m = ctx.cfg.model
+  if not m.get("pack_sequences", False):
+    return None
+  pm = packing.host_array(data["prompt_mask"])
+  rm = packing.host_array(data["response_mask"])
+  shards = lay.num_shards
+  if num_parts is None:
+    plan, stats = packing.plan(pm, rm, m.pack_len, shards if pm.shape[0] % shards == 0 else 1)
+  else:
+    plan, stats = packing.plan_parts(pm, rm, m.pack_len, num_parts, block, shards)
+  ctx.metrics.add(f"pad_fraction/{node.id}", stats.pad_fraction)
+  ctx.metrics.add(f"pad_fraction_padded/{node.id}", stats.padded_pad_fraction)
+  return jax.device_put(plan, NamedSharding(lay.mesh, PartitionSpec()))
+
+
 def pass_fn(ctx: RunContext, lay: dlayout.Layout, fn: Callable, unit_rows: int,
             params=None) -> Callable:
   """A sequence pass, jitted onto the layout (its activations' rows split over the
@@ -60,7 +84,9 @@ def _model_pass(field: str, role: Role, ctx: RunContext, node: Node, lay: dlayou
   if role is Role.CRITIC:
     fn = ctx.jitted(("values", lay), lambda: pass_fn(
         ctx, lay, steps_lib.response_values, ctx.cfg.critic.micro_batch_size, state.params))
-    out = fn(state.graphdef, state.params, seq(batch))
+    data = seq(batch)
+    plan = pack_plan(ctx, node, lay, data)
+    out = fn(state.graphdef, state.params, data if plan is None else {**data, "pack": plan})
   else:
     data = seq(batch)
     unit = ctx.cfg.actor.micro_batch_size
@@ -69,7 +95,8 @@ def _model_pass(field: str, role: Role, ctx: RunContext, node: Node, lay: dlayou
     fn = ctx.jitted(("logprobs", role, lay, gs), lambda: pass_fn(
         ctx, lay, lambda g, p, b: steps_lib.response_logprobs(g, p, b, group_size=gs)[0], unit,
         state.params))
-    out = fn(state.graphdef, state.params, data)
+    plan = pack_plan(ctx, node, lay, data)
+    out = fn(state.graphdef, state.params, data if plan is None else {**data, "pack": plan})
   return batch.replace(**{field: out})
 
 

@@ -15,7 +15,7 @@ from distflow_jax.dag.spec import DagError, Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch
 from distflow_jax.nodes.common import NodeTable, seq
-from distflow_jax.nodes.passes import prompt_group
+from distflow_jax.nodes.passes import pack_plan, prompt_group
 from distflow_jax.train import deterministic, steps as steps_lib
 from distflow_jax.workflow.context import RunContext
 
@@ -62,9 +62,17 @@ def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: 
       lambda d, i: jax.tree.map(lambda x: x[i], steps_lib.deal_rows(d, minis, gs)),
       out_shardings=lay.sharding))
   prefix = "actor" if role is Role.ACTOR else "critic"
+  # model.pack_sequences: one packing plan per mini-batch (its micro-batches' plans stacked).
+  masks = {k: data[k] for k in ("prompt_mask", "response_mask")}
+  plans = [None] * minis
+  if ctx.cfg.model.get("pack_sequences", False):
+    plans = [pack_plan(ctx, node, lay, masks if minis == 1 else take(masks, i), micro, gs)
+             for i in range(minis)]
   for _ in range(section.ppo_epochs):
     for i in range(minis):
       mb = data if minis == 1 else take(data, i)
+      if plans[i] is not None:
+        mb = {**mb, "pack": plans[i]}
       state.params, state.opt_state, stats = step(state.params, state.opt_state, mb)
       result = steps_lib.finalize_stats(jax.device_get(stats), node.id)
       for k, v in result.items():
