@@ -9,3 +9,8 @@ os.environ["XLA_FLAGS"] = " ".join(
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Spawned children must not inherit the parent's 8 devices by accident: the
 # launcher sets their count explicitly.
+
+# No persistent compile cache in the suite (trainer.compile_cache_dir defaults to a folder in
+# the home directory): runs compile as they always did and nothing is written outside
+# tmp_path.  tests/test_compile_cache.py sets its own folder per run.
+os.environ.setdefault("DISTFLOW_JAX_COMPILE_CACHE", "")

@@ -39,8 +39,9 @@ def define_run_flags(fv, what: str) -> None:
 
 
 def start_job(fv, command: str, run_dir: str):
-  """Joins the process group (simulated CPU devices first, before jax is imported) and
-  returns ``(process info, process-0 logger)``, having logged where the job runs."""
+  """Joins the process group (simulated CPU devices first, before jax is imported), turns
+  on the persistent compilation cache (``trainer.compile_cache_dir``) and returns
+  ``(process info, process-0 logger)``, having logged where the job runs."""
   from distflow_jax import distributed
   cfg = fv.config
   distributed.simulate_cpu_devices(cfg.cluster.devices_per_process)
@@ -51,6 +52,8 @@ def start_job(fv, command: str, run_dir: str):
   log = progress.Logger(info.process_index == 0)
   log(f"{command} {cfg.name}: {info.process_count} process(es) x {info.local_device_count} "
       f"device(s); run dir {run_dir}")
+  from distflow_jax.workflow import compile_cache
+  compile_cache.enable(cfg, log)  # before anything compiles (trainer.compile_cache_dir)
   return info, log
 
 

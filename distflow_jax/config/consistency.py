@@ -7,7 +7,8 @@ all-gathers a hash of the flattened config; if the hashes differ it gathers the
 flattened configs and raises one ``ConfigError`` line naming the differing keys
 and which processes hold which value.
 
-No key of the config legitimately differs between processes: the process
+Only ``trainer.compile_cache_dir`` (a folder on each host's own disk, see
+``PER_PROCESS_KEYS``) may differ between processes.  No other key does: the process
 index and count come from the runtime, not the config; ``run_dir`` is where
 every process writes the built-in data sets and where the orbax checkpoints
 (written by all processes together) live, so it must be the same path
@@ -29,7 +30,8 @@ import ml_collections
 from distflow_jax.config.loading import ConfigError
 
 # Flattened keys (or prefixes ending in '.') allowed to differ between processes.
-PER_PROCESS_KEYS: tuple[str, ...] = ()
+# The compile cache is a folder of this host's (its own disk, its user's home).
+PER_PROCESS_KEYS: tuple[str, ...] = ("trainer.compile_cache_dir",)
 
 MAX_KEYS_NAMED = 6
 

@@ -21,6 +21,17 @@ def optimizer(lr: float) -> ml_collections.ConfigDict:
   ))
 
 
+def compile_cache_dir() -> str:
+  """The default ``trainer.compile_cache_dir``: one folder per user and jax version (read
+  from the installed package's metadata: importing this module does not import jax)."""
+  from importlib import metadata
+  try:
+    version = metadata.version("jax")
+  except metadata.PackageNotFoundError:
+    version = "unknown"
+  return f"~/.cache/distflow-jax/jax-{version}"
+
+
 def mesh(devices: str = "all", **axes: int) -> ml_collections.ConfigDict:
   shape = {"data": 1, "fsdp": -1, "tensor": 1}
   shape.update(axes)
@@ -176,6 +187,10 @@ def base() -> ml_collections.ConfigDict:
       # Stop on a collapse signal (not on idle clipping) with one line naming it and the
       # last checkpoint saved before it.
       stop_on_collapse=False,
+      # JAX's persistent compilation cache (workflow/compile_cache.py): a second run of the
+      # same shapes loads its executables instead of compiling them.  "" = off; the
+      # environment variable DISTFLOW_JAX_COMPILE_CACHE, when set, takes its place.
+      compile_cache_dir=compile_cache_dir(),
   )
   # Where `train` logs besides metrics.jsonl and TensorBoard (always on).  wandb: Weights &
   # Biases (workflow/wandb_log.py; needs pip install 'distflow-jax[wandb]'): process 0 logs

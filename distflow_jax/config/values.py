@@ -264,6 +264,9 @@ def _check_trainer(t) -> None:
   positive(t.save_every, "trainer.save_every", allow_zero=True,
            note=" (0 = a checkpoint only at the end)")
   positive(t.keep, "trainer.keep", allow_zero=True, note=" (0 = keep every checkpoint)")
+  if "compile_cache_dir" in t and not isinstance(t.compile_cache_dir, str):
+    raise ConfigError(f"trainer.compile_cache_dir={t.compile_cache_dir!r} must be a folder "
+                      f"path (\"\" = no compile cache)")
 
 
 def _check_sft(s) -> None:

@@ -39,7 +39,8 @@ HISTORY_FILE = "config_history.jsonl"
 # process count (workflow/checkpoint.py); trainer.deterministic is not.
 PASSING = ("name", "run_dir", "trainer.total_steps", "trainer.eval_every", "trainer.save_every",
            "trainer.keep", "trainer.async_save", "trainer.health.", "trainer.stop_on_collapse",
-           "trainer.log_samples", "cluster.", "placement.", "logging.",
+           "trainer.log_samples", "trainer.compile_cache_dir", "cluster.", "placement.",
+           "logging.",
            "sft.")  # sft.*: `distflow-jax sft` only
 # Values compared whole, not key by key (a changed DAG is one change).
 WHOLE = ("dag",)
