@@ -8,11 +8,12 @@
 
 Step lines fit ``width`` (80) columns: the least useful fields are dropped
 first (tok/s, kl, length, the bar), never the step, the ETA, skipped updates
-(``SKIPPED(actor)``) or holding health alarms (``!kl_high``).  The per-node
+(``SKIPPED(actor)``), holding health alarms (``!kl_high``) or the compile seconds of
+a step after the first that compiled (``compiled 4.2s``: a mid-run recompile).  The per-node
 times go on a second line every ``times_every`` steps, in the plan's run
 order.  On a terminal the step line is redrawn in place (carriage return)
 and kept every ``times_every`` steps and whenever it carries an evaluation,
-a skipped update or an alarm; anywhere else (a file, a pipe, a CI log) every
+a skipped update, an alarm or a compile; anywhere else (a file, a pipe, a CI log) every
 step and phase is a plain line of its own.
 """
 
@@ -173,9 +174,14 @@ class Logger:
     alarms = [k[len("health/"):] for k in m if k.startswith("health/") and m[k]]
     if alarms:
       parts.append(("!" + ",".join(sorted(alarms)), 0))
+    # The first step compiles every node; a later one compiling is worth seeing.
+    recompiled = (step > (self.first_step or 0) and m.get("compile/count", 0) > 0)
+    if recompiled:
+      parts.append((f"compiled {m.get('time/compile', 0.0):.1f}s", 0))
     line = fit(parts, self.width)
     times = self.times_lines(m) if step % self.times_every == 0 or step == total else []
-    keep = bool(times or skipped or alarms or "eval/accuracy" in m or step in (0, total))
+    keep = bool(times or skipped or alarms or recompiled or "eval/accuracy" in m
+                or step in (0, total))
     if self.tty:
       self._draw(line)
       self._step_line = "" if keep else line
@@ -188,7 +194,8 @@ class Logger:
 
   def times_lines(self, m: dict[str, float]) -> list[str]:
     """``  times: generate 0.52s reward 0.01s ...`` in run order, wrapped to the width."""
-    names = [k[5:] for k in m if k.startswith("time/") and k != "time/step"
+    # time/compile is not a node: its seconds are inside the nodes' own.
+    names = [k[5:] for k in m if k.startswith("time/") and k not in ("time/step", "time/compile")
              and "/move_to/" not in k]
     if not names:
       return []

@@ -79,12 +79,14 @@ def ema(values: Sequence[float], alpha: float = 0.2) -> list[float]:
 def node_times(rows: Rows) -> list[str]:
   """Node ids with a ``time/<id>`` metric, the most expensive first (bottom of the stack).
 
-  ``time/move_to/<id>`` (re-partition before a node) is listed as ``move_to/<id>``.
+  ``time/move_to/<id>`` (re-partition before a node) is listed as ``move_to/<id>``;
+  ``time/step`` and ``time/compile`` (seconds inside the nodes' own) are not nodes.
   """
   totals: dict[str, float] = {}
   for r in rows:
     for k, v in r.items():
-      if k.startswith("time/") and k != "time/step" and isinstance(v, (int, float)):
+      if (k.startswith("time/") and k not in ("time/step", "time/compile")
+          and isinstance(v, (int, float))):
         totals[k[len("time/"):]] = totals.get(k[len("time/"):], 0.0) + float(v)
   return sorted(totals, key=lambda n: (-totals[n], n))
 

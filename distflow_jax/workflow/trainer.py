@@ -16,17 +16,18 @@ from collections.abc import Callable, Iterator
 
 import jax
 import ml_collections
+import numpy as np
 
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.data.loader import PromptLoader
 from distflow_jax.tasks import registry as tasks
-from distflow_jax.workflow import checkpoint
+from distflow_jax.workflow import checkpoint, compile_cache
 from distflow_jax.workflow import evaluate as eval_lib
 from distflow_jax.workflow import executor, health as health_lib, hints
 from distflow_jax.workflow.progress import phase
 from distflow_jax.workflow.context import RunContext
 from distflow_jax.workflow import samples as samples_lib, tensorboard, wandb_log
-from distflow_jax.workflow.metrics import JsonlWriter, Writers
+from distflow_jax.workflow.metrics import JsonlWriter, Writers, gather_processes
 from distflow_jax.workflow.setup import prepare_run
 
 # Rows written for a built-in task's train split: its questions may repeat (small question
@@ -128,6 +129,10 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
   own rows).  With ``logging.wandb`` on, process 0 also logs both to Weights & Biases
   (``workflow/wandb_log.py``): through ``wandb`` when given (started before the warm start,
   so a failed login costs nothing), else a writer started here; it is finished at the end.
+  Each row carries the backend compiles since the previous row (``compile/count``,
+  ``time/compile`` seconds; persistent-cache loads apart: ``compile/cache_hits``,
+  ``compile/cache_load_s``), the most over processes: after the first step it is 0 unless
+  something recompiled.
   """
   monitor = health_monitor(cfg)
   is_writer = ctx.process_index == 0
@@ -153,7 +158,18 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
 
 def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sample_writer
            ) -> Iterator[dict[str, float]]:
+  counter = compile_cache.CompileCounter()
+  since = counter.snapshot()
   eval_batch = next(iter(loaders.eval)) if loaders.eval is not None else None
+
+  def compiles() -> dict[str, float]:
+    """The compiles since the previous row (checkpoint saves and the eval included)."""
+    nonlocal since
+    tally = counter.since(since).metrics()
+    names = sorted(tally)
+    most = gather_processes(np.array([tally[n] for n in names], np.float64)).max(0)
+    since = counter.snapshot()  # after the gather: its own first compile is not counted
+    return {n: float(v) for n, v in zip(names, most)}
 
   def run_eval(step: int) -> dict[str, float]:
     phase(log, "evaluation")
@@ -166,6 +182,7 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
 
   if eval_batch is not None and start_step == 0:
     first = {"step": 0, **run_eval(0)}
+    first.update(compiles())
     writer.write(first)
     yield first
   for step in range(start_step, cfg.trainer.total_steps):
@@ -179,6 +196,7 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
     if eval_batch is not None and ((step + 1) % cfg.trainer.eval_every == 0
                                    or step + 1 == cfg.trainer.total_steps):
       metrics.update(run_eval(step + 1))
+    metrics.update(compiles())
     alarms = monitor.update(step + 1, metrics)
     writer.write(metrics)
     for alarm in alarms:
