@@ -211,6 +211,21 @@ def test_export_writes_a_loadable_hf_dir(tmp_path, data):
     export_cmd.export(str(tmp_path / "run" / "checkpoints"), str(out), step=9)
 
 
+
+def test_export_prints_no_orbax_warning_about_the_loader_item(tmp_path, data, caplog):
+  """`distflow-jax export` of a train checkpoint printed orbax's 'Item "loader" was found in
+  the checkpoint, but could not be restored' twice (eval and generate already hid it)."""
+  mcfg = model_cfg()
+  roles = roles_on(mesh(1), mcfg)
+  c = ck.Checkpointer(str(tmp_path / "run" / "checkpoints"), save_every=1, keep=3,
+                      log=lambda m: None)
+  c.save(1, roles, loader(data), cfg(), mcfg, TOK)
+  c.close()
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    assert export_cmd.export(str(tmp_path / "run"), str(tmp_path / "hf")) == 1
+  assert not [r.getMessage() for r in caplog.records if "could not be restored" in r.getMessage()]
+
 def test_open_run_resume_modes(tmp_path, data):
   c = cfg()
   c.run_dir = str(tmp_path / "run")

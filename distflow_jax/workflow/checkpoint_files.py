@@ -198,6 +198,18 @@ def read_arrays(directory: str, step: int | None = None
 
   The arrays are verified against the checksums saved with them.
   """
+  from absl import logging as absl_logging
+  verbosity = absl_logging.get_verbosity()
+  # orbax warns that it skips the loader item (not wanted here): no warning for a reader.
+  absl_logging.set_verbosity(absl_logging.ERROR)
+  try:
+    return _read_arrays(directory, step)
+  finally:
+    absl_logging.set_verbosity(verbosity)
+
+
+def _read_arrays(directory: str, step: int | None
+                 ) -> tuple[int, dict[str, np.ndarray], dict[str, Any]]:
   from distflow_jax.workflow import checkpoint as ck
   directory = os.path.abspath(directory)
   mgr = ocp.CheckpointManager(directory, item_handlers={
