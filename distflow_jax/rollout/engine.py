@@ -101,6 +101,8 @@ class Engine:
     self._next_request = 0
     self._sync: weight_sync.WeightSync | None = None
     self._unstack = None
+    self._params_sig = None     # prefill_insert's parameter signature (precompile)
+    self._precompiled: set[tuple[int, int]] = set()
 
   # ---- placement ---------------------------------------------------------------------------
 
@@ -293,7 +295,43 @@ class Engine:
     lim = np.full((b,), self.config.max_new_tokens, np.int32)
     if limits is not None:
       lim[:q] = np.minimum(np.asarray(limits, np.int32), self.config.max_new_tokens)
+    if self._params_sig is None:  # what precompile lowers with (shapes and placements only)
+      self._params_sig = jax.tree.map(
+          lambda x: (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                     if isinstance(x, jax.Array) else x), params)
     return self._prefill_insert(params, decode_state, tokens, lens, src_a, slots_a, keys, lim)
+
+  def prefill_shapes(self) -> list[tuple[int, int]]:
+    """Every (prompt rows, prompt width) ``prefill_insert`` can compile for: rows a power of
+    two up to max_concurrent_decodes, widths the prefill buckets (fixed shapes: one)."""
+    b, buckets = self.max_concurrent_decodes, self.config.prefill_buckets
+    if self.config.fixed_shapes:
+      return [(b, buckets[-1])]
+    rows = sorted({min(_pow2_at_least(k), b) for k in range(1, b + 1)})
+    return [(p, t) for t in buckets for p in rows]
+
+  def precompile(self) -> int:
+    """Compiles ``prefill_insert`` ahead of time for each of ``prefill_shapes`` not yet
+    compiled, with the parameters' and decode state's placements of the first call (a
+    no-op before it); returns how many it compiled.  A later call of a compiled shape
+    finds it in jax's in-memory caches, so a new prompt width or prompt count mid-run
+    does not compile."""
+    if self._params_sig is None:
+      return 0
+    b = self.max_concurrent_decodes
+    state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                         jax.eval_shape(self._init), self._state_sh)
+    fixed = (np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros((b, 2), np.uint32),
+             np.zeros(b, np.int32))
+    done = 0
+    for p, t in self.prefill_shapes():
+      if (p, t) in self._precompiled:
+        continue
+      self._prefill_insert.lower(self._params_sig, state, np.zeros((p, t), np.int32),
+                                 np.ones((p,), np.int32), *fixed).compile()
+      self._precompiled.add((p, t))
+      done += 1
+    return done
 
   def compile_counts(self) -> dict[str, int]:
     """How many executables each jitted entry point holds (a recompile shows up here)."""

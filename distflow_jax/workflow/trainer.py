@@ -196,6 +196,8 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
     if eval_batch is not None and ((step + 1) % cfg.trainer.eval_every == 0
                                    or step + 1 == cfg.trainer.total_steps):
       metrics.update(run_eval(step + 1))
+    if step == start_step:
+      _precompile_rollouts(ctx)  # counted in this first step, not when a shape first shows
     metrics.update(compiles())
     alarms = monitor.update(step + 1, metrics)
     writer.write(metrics)
@@ -211,6 +213,19 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
     yield metrics
   if checkpointer is not None:
     checkpointer.wait()
+
+
+def _precompile_rollouts(ctx: RunContext) -> None:
+  """With the persistent compile cache on: every prompt count and width the rollout
+  engines' prefill can take, compiled now (a cache load from the second run on), so that
+  no later step compiles when its prompts fall in a bucket the first step did not use.
+  Off without the cache: each run would pay for shapes it may never see."""
+  if not compile_cache.active():
+    return
+  for backend in ctx._backends.values():  # pylint: disable=protected-access
+    engine = getattr(backend, "engine", None)
+    if engine is not None and hasattr(engine, "precompile"):
+      engine.precompile()
 
 
 def _collapse_message(alarm: health_lib.Alarm, checkpointer) -> str:

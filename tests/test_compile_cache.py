@@ -1,0 +1,96 @@
+"""The persistent compilation cache (trainer.compile_cache_dir) and compile-time metrics.
+
+Two fresh `distflow-jax train` processes share a cache folder under tmp_path: the second
+compiles nothing (every executable is a cache load) and its first step is much faster;
+with the cache off a run compiles as before.  After step 1 no step compiles, also when a
+later step's prompts take another prefill shape (the engine precompiles them all)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from workflow_util import smoke_overrides
+
+from distflow_jax.workflow import compile_cache
+
+TIMEOUT_S = 840
+
+
+def _train(run_dir, cache: str, *extra: str) -> list[dict]:
+  env = dict(os.environ, DISTFLOW_JAX_COMPILE_CACHE=cache)
+  env.pop("XLA_FLAGS", None)  # the run's own device count (1), not the suite's 8
+  keys = {e.split("=")[0] for e in extra}
+  args = [f"--config.{o}" for o in smoke_overrides(run_dir, "trainer.save_every=0")
+          if o.split("=")[0] not in keys] + [f"--config.{e}" for e in extra]
+  cmd = ["timeout", "-s", "KILL", str(TIMEOUT_S - 60), sys.executable, "-m", "distflow_jax.cli",
+         "train", *args]
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def _by_step(rows):
+  return {int(r["step"]): r for r in rows}
+
+
+@pytest.mark.timeout(TIMEOUT_S * 3)
+def test_second_run_loads_every_executable_and_no_step_after_the_first_compiles(tmp_path):
+  cache = str(tmp_path / "cache")
+  # Three buckets and eval: later steps' prompts and the held-out batch take other shapes.
+  extra = ("trainer.total_steps=5", "trainer.eval_every=2", "rollout.prefill_buckets=(16,24,40)",
+           "data.chat_template=False")
+  first = _by_step(_train(str(tmp_path / "a"), cache, *extra))
+  assert any(name.endswith("-cache") for name in os.listdir(cache))  # XLA:CPU entries written
+  second = _by_step(_train(str(tmp_path / "b"), cache, *extra))
+  off = _by_step(_train(str(tmp_path / "c"), "", *extra))
+
+  assert first[1]["compile/count"] > 10 and first[1]["time/compile"] > 0
+  assert second[0]["compile/count"] == 0 and second[0]["compile/cache_hits"] > 0
+  assert second[1]["compile/count"] == 0, second[1]
+  assert second[1]["compile/cache_hits"] >= first[1]["compile/count"] / 2
+  assert second[1]["time/step"] < 0.5 * first[1]["time/step"], (first[1], second[1])
+  # Cache off: compiles as before (no loads), the step-1 compiles of a plain run.
+  assert off[1]["compile/count"] > 10 and off[1]["compile/cache_hits"] == 0
+  for run in (first, second):
+    later = {s: r["compile/count"] for s, r in run.items() if s >= 2}
+    assert later and not any(later.values()), later  # nothing compiles after step 1
+
+
+def test_unwritable_folder_is_one_line_and_the_run_goes_on(tmp_path, monkeypatch):
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  monkeypatch.setenv(compile_cache.ENV, str(blocker / "cache"))
+  lines = []
+
+  class Cfg:
+    class trainer:  # noqa: N801 - a config's shape
+      compile_cache_dir = "unused"
+
+  assert compile_cache.enable(Cfg, lines.append) == ""
+  assert len(lines) == 1 and lines[0].startswith("compile cache off: cannot write ")
+  assert "\n" not in lines[0]
+
+
+def test_folder_from_env_else_config_and_home_expanded(monkeypatch):
+  class Cfg:
+    class trainer:  # noqa: N801
+      compile_cache_dir = "~/x"
+
+  monkeypatch.delenv(compile_cache.ENV, raising=False)
+  assert compile_cache.configured_dir(Cfg) == os.path.expanduser("~/x")
+  monkeypatch.setenv(compile_cache.ENV, "")
+  assert compile_cache.configured_dir(Cfg) == ""
+  monkeypatch.setenv(compile_cache.ENV, "/tmp/elsewhere")
+  assert compile_cache.configured_dir(Cfg) == "/tmp/elsewhere"
+
+
+def test_default_is_per_user_and_per_jax_version():
+  import jax
+
+  from distflow_jax.config import loading
+  cfg = loading.load("grpo:tiny")
+  assert cfg.trainer.compile_cache_dir == f"~/.cache/distflow-jax/jax-{jax.__version__}"
