@@ -94,3 +94,20 @@ def test_default_is_per_user_and_per_jax_version():
   from distflow_jax.config import loading
   cfg = loading.load("grpo:tiny")
   assert cfg.trainer.compile_cache_dir == f"~/.cache/distflow-jax/jax-{jax.__version__}"
+
+
+def test_progress_line_shows_a_compile_after_the_first_step_within_80_columns():
+  import io
+
+  from distflow_jax.workflow import progress
+  out = io.StringIO()
+  log = progress.Logger(True, out, tty=False)
+  full = {"reward": 0.5, "accuracy": 0.5, "response_length": 20.0, "actor/kl": 0.01,
+          "tokens_per_s": 1234.0, "health/kl_high": 1.0}
+  log.step({"step": 1, "compile/count": 40.0, "time/compile": 30.0, **full}, 50)
+  log.step({"step": 2, "compile/count": 1.0, "time/compile": 2.04, **full}, 50)
+  log.step({"step": 3, "compile/count": 0.0, "time/compile": 0.0, **full}, 50)
+  lines = out.getvalue().splitlines()
+  assert "compiled" not in lines[0] and "compiled" not in lines[2]  # step 1 always compiles
+  assert "compiled 2.0s" in lines[1] and "!kl_high" in lines[1]
+  assert all(len(line) <= 80 for line in lines)
