@@ -158,6 +158,9 @@ def _check_data(d) -> None:
   positive(d.eval_size, "data.eval_size")
   option(d.on_bad_row, "data.on_bad_row", "on_bad_row")
   option(d.redistribute, "data.redistribute", "redistribute")
+  if not isinstance(d.get("image_key", ""), str):
+    raise ConfigError(f"data.image_key={d.image_key!r} must be a field name ('' = text-only)")
+  positive(d.get("max_image_pixels", 1), "data.max_image_pixels")
 
 
 def _check_model(m) -> None:

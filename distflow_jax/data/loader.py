@@ -20,8 +20,14 @@ reads as it is.  A prompt is text or a list of ``{"role", "content"}`` messages;
 messages are always rendered with the tokenizer's chat template when it has one
 (``use_chat_template`` decides only for plain text), else their contents are joined.
 
+With ``image_key`` (a field holding an image path, base64, bytes or a list of them; see
+:mod:`distflow_jax.data.images`), a row's images are preprocessed as Qwen2-VL's processor
+does: the example's host fields gain ``pixel_values`` and ``image_grid_thw``, and its
+prompt ids hold each image's placeholder tokens (``<|image_pad|>`` repeated).
+
 Malformed rows (unreadable JSON, non-UTF-8, missing field, empty prompt,
-prompt longer than ``max_prompt_len`` tokens) are counted by reason and either
+prompt longer than ``max_prompt_len`` tokens, an image that is missing, not an image or
+over ``max_image_pixels``) are counted by reason and either
 skipped (``on_bad_row="skip"``, with a warning on the first of each reason) or
 refused (``on_bad_row="error"``, raising :class:`BadRowError`).  Blank JSONL lines
 are not records; the loader warns about them and reports their number in
@@ -45,13 +51,14 @@ import grain
 import numpy as np
 
 from distflow_jax.config.loading import ConfigError
+from distflow_jax.data import images as images_lib
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch
 from distflow_jax.data.sources import (BadRow, RecordSource, answer_text, field_value,
                                        messages_of, open_source)
 
 log = logging.getLogger(__name__)
 
-REASONS = ("bad_json", "not_utf8", "missing_field", "empty_prompt", "too_long")
+REASONS = ("bad_json", "not_utf8", "missing_field", "empty_prompt", "too_long", "bad_image")
 
 
 class Tokenizer(Protocol):
@@ -81,9 +88,17 @@ class Example:
 def parse_row(raw: dict[str, Any] | BadRow, record: int, *, tokenizer: Tokenizer,
               max_prompt_len: int, prompt_key: str = "prompt",
               answer_key: str = "answer", source_key: str = "data_source",
-              default_source: str = "", use_chat_template: bool = True
-              ) -> Example | BadRow:
-  """Validates, renders and tokenizes one raw row."""
+              default_source: str = "", use_chat_template: bool = True,
+              image_key: str = "", image_dir: str = "",
+              image_processor: images_lib.ImageProcessor | None = None,
+              max_image_pixels: int = images_lib.DEFAULT_MAX_IMAGE_PIXELS,
+              image_pad_id: int | None = None) -> Example | BadRow:
+  """Validates, renders and tokenizes one raw row.
+
+  With ``image_key``, the row's images (see :mod:`distflow_jax.data.images`) are loaded,
+  preprocessed into ``host["pixel_values"]`` / ``host["image_grid_thw"]``, and each one's
+  ``<|image_pad|>`` (``image_pad_id``) in the ids is repeated for its placeholder tokens;
+  an unusable image makes the row a ``bad_image`` one."""
   if isinstance(raw, BadRow):
     return raw
   for key in (prompt_key, answer_key):
@@ -98,17 +113,32 @@ def parse_row(raw: dict[str, Any] | BadRow, record: int, *, tokenizer: Tokenizer
   answer = answer_text(field_value(raw, answer_key), answer_key)
   if isinstance(answer, BadRow):
     return answer
-  template = getattr(tokenizer, "apply_chat_template", None)
-  if getattr(tokenizer, "chat_template", "") is None:  # our Tokenizer without a template
-    template = None
   is_chat = not isinstance(prompt_value, (str, bytes))
+  vision = None
+  if image_key:
+    try:
+      refs = images_lib.image_values(field_value(raw, image_key))
+      loaded = [images_lib.load_image(r, image_dir, max_image_pixels) for r in refs]
+      original_messages = messages
+      messages = images_lib.place_images(messages, len(loaded))
+      processor = image_processor or images_lib.ImageProcessor()
+      vision = processor.process(loaded)
+    except images_lib.ImageError as e:
+      return BadRow("bad_image", f"field {image_key!r}: {e}")
   # Messages are a conversation: joined without their roles they would be another prompt.
-  if template is not None and (use_chat_template or is_chat):
-    rendered = template(messages, add_generation_prompt=True)
-  else:
-    rendered = "\n".join(m["content"] for m in messages)
+  rendered = images_lib.render(tokenizer, messages, chat=is_chat,
+                               use_chat_template=use_chat_template)
   ids = list(rendered) if not isinstance(rendered, str) else tokenizer.encode(rendered)
   ids = np.asarray(ids, dtype=np.int32)
+  if vision is not None:
+    pad_id = (image_pad_id if image_pad_id is not None
+              else images_lib.vision_token_ids(tokenizer)[images_lib.IMAGE_PAD])
+    try:
+      ids = images_lib.expand_image_pads(
+          ids, pad_id, [processor.num_image_tokens(g) for g in vision[1]])
+    except images_lib.ImageError as e:
+      return BadRow("bad_image", f"field {image_key!r}: {e}")
+    messages = original_messages
   if ids.size == 0:
     return BadRow("empty_prompt", "the prompt tokenizes to nothing")
   if ids.size > max_prompt_len:
@@ -120,6 +150,8 @@ def parse_row(raw: dict[str, Any] | BadRow, record: int, *, tokenizer: Tokenizer
       rendered, str) else None, "answer": answer,
       "data_source": default_source if source is None else source,
       "record": record}
+  if vision is not None:
+    host["pixel_values"], host["image_grid_thw"] = vision
   return Example(record=record, prompt_ids=ids, host=host)
 
 
@@ -146,7 +178,9 @@ class PromptLoader:
                on_bad_row: OnBadRow | str = OnBadRow.SKIP, pad_id: int = 0,
                num_epochs: int | None = None, prompt_key: str = "prompt",
                answer_key: str = "answer", source_key: str = "data_source",
-               use_chat_template: bool = True):
+               use_chat_template: bool = True, image_key: str = "",
+               image_processor: images_lib.ImageProcessor | None = None,
+               max_image_pixels: int = images_lib.DEFAULT_MAX_IMAGE_PIXELS):
     if process_index is None or process_count is None:
       import jax  # after distributed.initialize(), like grain's ShardByJaxProcess
       process_index, process_count = jax.process_index(), jax.process_count()
@@ -189,6 +223,16 @@ class PromptLoader:
         answer_key=answer_key, source_key=source_key,
         default_source=os.path.splitext(os.path.basename(self.source.path))[0],
         use_chat_template=use_chat_template)
+    if image_key:
+      if not isinstance(max_image_pixels, int) or max_image_pixels < 1:
+        raise ValueError(f"max_image_pixels={max_image_pixels!r} must be a positive integer")
+      images_lib.require_pillow()
+      # A tokenizer without the vision tokens is refused here, in one line.
+      image_pad = images_lib.vision_token_ids(tokenizer)[images_lib.IMAGE_PAD]
+      self._parse_kw.update(
+          image_key=image_key, image_dir=os.path.dirname(os.path.abspath(self.source.path)),
+          image_processor=image_processor or images_lib.ImageProcessor(),
+          max_image_pixels=max_image_pixels, image_pad_id=image_pad)
     self._epoch = 0
     self._position = 0
     self._counts = {"ok": 0, **{r: 0 for r in REASONS}}
@@ -247,7 +291,7 @@ class PromptLoader:
   def _bad_summary(self) -> str:
     bad = {k: v for k, v in self.counts.items() if k != "ok" and v}
     return (f"bad rows {bad} (see data.max_prompt_len, data.prompt_key/answer_key, "
-            f"data.on_bad_row)" if bad else "no bad rows")
+            f"data.image_key, data.on_bad_row)" if bad else "no bad rows")
 
   def __next__(self) -> Batch:
     pairs = []
