@@ -255,6 +255,11 @@ def test_jsonl_rows_with_images(tmp_path):
   # The image's block comes before the user's text, after the system message.
   text = batches[2].host[int(batches[2].data["sample_id"][0])]["prompt_text"]
   assert text.index("Be brief.") < text.index(im.IMAGE_BLOCK) < text.index("Describe.")
+  # Placeholders count toward data.max_prompt_len.
+  short = _loader(path, tok, image_key="extra.image", max_prompt_len=20, on_bad_row="error")
+  with pytest.raises(BadRowError, match=r"data.jsonl:1: too_long: \d+ prompt tokens, "
+                     r"6 of them image placeholders"):
+    next(iter(short))
   # A text-only loader over the same file has no image fields.
   plain = next(iter(_loader(path, tok)))
   assert "pixel_values" not in next(iter(plain.host.values()))

@@ -8,4 +8,5 @@ Modules (one job each):
   batch        Batch = sample-leading arrays + host-side fields by group id
   sources      random-access JSONL and Parquet readers
   loader       grain prompt pipeline per process with exact iterator state
+  images       image rows: loading, Qwen2-VL preprocessing, image placeholder tokens
 """

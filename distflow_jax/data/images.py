@@ -334,7 +334,7 @@ def _decode(source: Any, what: str, max_pixels: int) -> Any:
     image = Image.open(source)
   except Image.DecompressionBombError as e:
     raise ImageError(f"{what} is too large ({e}); shrink it") from None
-  except (OSError, ValueError, SyntaxError, EOFError) as e:
+  except Exception as e:  # pylint: disable=broad-except  (untrusted bytes: any failure)
     raise ImageError(f"{what} is not a readable image ({_reason(e)})") from None
   width, height = image.size
   if width * height > max_pixels:
@@ -346,7 +346,7 @@ def _decode(source: Any, what: str, max_pixels: int) -> Any:
     image = ImageOps.exif_transpose(image)
   except Image.DecompressionBombError as e:
     raise ImageError(f"{what} is too large ({e}); shrink it") from None
-  except (OSError, ValueError, SyntaxError, EOFError, KeyError, IndexError) as e:
+  except Exception as e:  # pylint: disable=broad-except  (untrusted bytes: any failure)
     raise ImageError(f"{what} cannot be decoded ({_reason(e)}; truncated or corrupt?)"
                      ) from None
   return image

@@ -142,7 +142,10 @@ def parse_row(raw: dict[str, Any] | BadRow, record: int, *, tokenizer: Tokenizer
   if ids.size == 0:
     return BadRow("empty_prompt", "the prompt tokenizes to nothing")
   if ids.size > max_prompt_len:
-    return BadRow("too_long", f"{ids.size} prompt tokens > data.max_prompt_len="
+    placeholders = "" if vision is None else (
+        f", {sum(processor.num_image_tokens(g) for g in vision[1])} of them image "
+        f"placeholders (fewer with a smaller max_pixels in preprocessor_config.json)")
+    return BadRow("too_long", f"{ids.size} prompt tokens{placeholders} > data.max_prompt_len="
                   f"{max_prompt_len} (raise it, with rollout.prefill_buckets, to keep such rows)")
   source = field_value(raw, source_key)
   prompt = messages[0]["content"] if not is_chat else prompt_value
