@@ -355,3 +355,14 @@ def test_config_keys():
   cfg.data.max_image_pixels = 0
   with pytest.raises(ConfigError, match="data.max_image_pixels=0"):
     check_values(cfg)
+
+
+def test_image_key_in_a_run_is_refused_until_training_takes_images():
+  """The loader reads images, but nothing trains on them yet: a run with data.image_key
+  would silently train on the text alone, so the config refuses it in one line."""
+  from distflow_jax.config import defaults
+  from distflow_jax.config.values import check_values
+  cfg = defaults.base()
+  cfg.data.image_key = "image"
+  with pytest.raises(ConfigError, match="vision-language training is not built yet"):
+    check_values(cfg)

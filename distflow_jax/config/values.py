@@ -160,6 +160,12 @@ def _check_data(d) -> None:
   option(d.redistribute, "data.redistribute", "redistribute")
   if not isinstance(d.get("image_key", ""), str):
     raise ConfigError(f"data.image_key={d.image_key!r} must be a field name ('' = text-only)")
+  if d.get("image_key", ""):
+    # The loader reads images (data/images.py), but no model, rollout or pass consumes them
+    # yet: a run would train on the text alone while the user believes it sees the images.
+    raise ConfigError(f"data.image_key={d.image_key!r}: vision-language training is not built "
+                      f"yet (only the image processor and row loader are); leave it '' for "
+                      f"text-only runs")
   positive(d.get("max_image_pixels", 1), "data.max_image_pixels")
 
 
