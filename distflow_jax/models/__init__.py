@@ -39,7 +39,9 @@ heads (chunked log-probs / entropy, Critic, reference copy), stacking (the
 `scan_layers` layout and conversions), sharding (rules as data, sharded
 creation), hf_io (safetensors import/export), tokenizer (HF `tokenizer.json` +
 chat template, built-in tiny tokenizer), errors
-(`ModelFileError`, a `ConfigError` naming the model folder file at fault).
+(`ModelFileError`, a `ConfigError` naming the model folder file at fault),
+vision + vl (Qwen2.5-VL: the vision tower, the composed model with multimodal
+RoPE, its safetensors import/export; imported from their modules, not re-exported).
 """
 
 from distflow_jax.models.config import ModelConfig

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from distflow_jax.models.config import ModelConfig
@@ -43,6 +44,24 @@ def rope(x_BxTxHxDh: jax.Array, positions_BxT: jax.Array, theta: float,
   dh = x_BxTxHxDh.shape[-1]
   inv_freq = rope_inv_freq(dh, theta, llama3)
   angles_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
+  return rotate(x_BxTxHxDh, angles_BxTxF)
+
+
+def mrope(x_BxTxHxDh: jax.Array, positions_3xBxT: jax.Array, theta: float,
+          section: tuple[int, ...]) -> jax.Array:
+  """Qwen2-VL's multimodal RoPE: frequency f of the head's dh / 2 is rotated by the
+  position row (0 temporal, 1 height, 2 width) whose `section` holds f.  Where the three
+  rows agree (text tokens) this is `rope` at that position."""
+  dh = x_BxTxHxDh.shape[-1]
+  inv_freq = rope_inv_freq(dh, theta)
+  row_F = np.repeat(np.arange(len(section)), section)
+  pos_BxTxF = jnp.moveaxis(positions_3xBxT.astype(jnp.float32)[row_F], 0, -1)
+  return rotate(x_BxTxHxDh, pos_BxTxF * inv_freq)
+
+
+def rotate(x_BxTxHxDh: jax.Array, angles_BxTxF: jax.Array) -> jax.Array:
+  """Rotates x by `angles` (one per frequency, shared by the heads), "rotate half" layout."""
+  dh = x_BxTxHxDh.shape[-1]
   cos = jnp.cos(angles_BxTxF)[:, :, None, :]
   sin = jnp.sin(angles_BxTxF)[:, :, None, :]
   x = x_BxTxHxDh.astype(jnp.float32)
@@ -99,9 +118,12 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, cfg.jnp_dtype)
       self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, cfg.jnp_dtype)
 
-  def __call__(self, x_BxTxD, positions_BxT, key_pos_BxS, writer, segment_ids_BxT=None):
+  def __call__(self, x_BxTxD, positions_BxT, key_pos_BxS, writer, segment_ids_BxT=None,
+               rope_positions_3xBxT=None):
     """`writer` is None (attend within x) or one of kv_cache.py's writers for this layer's k/v.
-    `segment_ids_BxT` (packed rows, writer None): a query sees only keys of its own segment."""
+    `segment_ids_BxT` (packed rows, writer None): a query sees only keys of its own segment.
+    `rope_positions_3xBxT` (needs `cfg.mrope_section`): multimodal RoPE positions; masking
+    still follows `positions_BxT`."""
     cfg = self.cfg
     b, t, _ = x_BxTxD.shape
     hkv, dh = cfg.num_kv_heads, cfg.head_dim
@@ -112,8 +134,12 @@ class Attention(nnx.Module):
     if cfg.qk_norm:
       q_BxTxHxDh = self.q_norm(q_BxTxHxDh)
       k_BxTxKxDh = self.k_norm(k_BxTxKxDh)
-    q_BxTxHxDh = rope(q_BxTxHxDh, positions_BxT, cfg.rope_theta, cfg.rope_llama3)
-    k_BxTxKxDh = rope(k_BxTxKxDh, positions_BxT, cfg.rope_theta, cfg.rope_llama3)
+    if rope_positions_3xBxT is None:
+      q_BxTxHxDh = rope(q_BxTxHxDh, positions_BxT, cfg.rope_theta, cfg.rope_llama3)
+      k_BxTxKxDh = rope(k_BxTxKxDh, positions_BxT, cfg.rope_theta, cfg.rope_llama3)
+    else:
+      q_BxTxHxDh = mrope(q_BxTxHxDh, rope_positions_3xBxT, cfg.rope_theta, cfg.mrope_section)
+      k_BxTxKxDh = mrope(k_BxTxKxDh, rope_positions_3xBxT, cfg.rope_theta, cfg.mrope_section)
     if writer is None:
       k_BxKxSxDh, v_BxKxSxDh = heads_major(k_BxTxKxDh), heads_major(v_BxTxKxDh)
     else:

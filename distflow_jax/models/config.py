@@ -65,6 +65,10 @@ class ModelConfig:
   # Llama 3's RoPE frequency scaling ("llama3"), as (factor, low_freq_factor,
   # high_freq_factor, original_max_position_embeddings); () = plain RoPE.
   rope_llama3: tuple[float, float, float, int] | tuple[()] = ()
+  # Qwen2-VL's multimodal RoPE ("mrope"): the head's head_dim / 2 frequencies split into
+  # (temporal, height, width) sections, each rotated by its own row of the call's
+  # `rope_positions_3xBxT`; () = 1-D RoPE only (set by vl.VLConfig; not in to_hf_dict).
+  mrope_section: tuple[int, ...] = ()
   scan_layers: bool = False
   remat: str = "none"
   attention_impl: str = "auto"
@@ -98,6 +102,13 @@ class ModelConfig:
       if not (factor > 0 and 0 < low < high and orig > 0):
         raise ValueError(f"ModelConfig.rope_llama3={self.rope_llama3}: need factor > 0, "
                          f"0 < low_freq_factor < high_freq_factor, original positions > 0")
+
+    if self.mrope_section and (len(self.mrope_section) != 3
+                               or sum(self.mrope_section) != self.head_dim // 2
+                               or min(self.mrope_section) < 0):
+      raise ValueError(f"ModelConfig.mrope_section={self.mrope_section}: need 3 sections "
+                       f"(temporal, height, width) >= 0 summing to head_dim / 2 = "
+                       f"{self.head_dim // 2}")
 
   @property
   def jnp_dtype(self) -> jnp.dtype:

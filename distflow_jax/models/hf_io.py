@@ -211,15 +211,19 @@ def load_reward_model(path: str | os.PathLike, mesh: Mesh | None = None,
 
 def _load_module(path: Path, make: Callable[[], nnx.Module],
                  name_of: Callable[[str], tuple[str, bool]], mesh: Mesh | None,
-                 rules: Rules | None, ignorable: Sequence[str], what: str) -> Any:
+                 rules: Rules | None, ignorable: Sequence[str], what: str,
+                 alias: Callable[[str], str] | None = None) -> Any:
   """Reads every parameter of ``make()``'s module from ``path``'s safetensors, each
-  straight into its sharding; refuses missing, misshapen and unexpected tensors."""
+  straight into its sharding; refuses missing, misshapen and unexpected tensors.
+  ``alias`` maps a file's tensor name to the name ``name_of`` gives (another layout of
+  the same checkpoint)."""
   files = _weight_files(path)
   rules = rules or no_sharding()
   graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
+  alias = alias or (lambda name: name)
   with contextlib.ExitStack() as stack:
     handles = [(f, stack.enter_context(_open_safetensors(f))) for f in files]
-    where = {name: (f, h) for f, h in handles for name in h.keys()}
+    where = {alias(name): (f, h, name) for f, h in handles for name in h.keys()}
     used = set()
     flat = []
     for key, var in nnx.to_flat_state(abstract_state):
@@ -254,11 +258,11 @@ def _tensor_reader(where: dict, files: Sequence[Path], folder: Path, p: str,
   if name not in where:
     raise ModelFileError(f"missing tensor {name!r} (for parameter {p}) in "
                          f"{[str(f) for f in files]}")
-  f, h = where[name]
-  tensor = h.get_slice(name)
+  f, h, stored = where[name]
+  tensor = h.get_slice(stored)
   want = tuple(reversed(shape)) if transposed else tuple(shape)
   if tuple(tensor.get_shape()) != want:
-    raise ModelFileError(f"shape mismatch for tensor {name!r} in {f}: file has "
+    raise ModelFileError(f"shape mismatch for tensor {stored!r} in {f}: file has "
                          f"{tuple(tensor.get_shape())}, config {folder / 'config.json'} "
                          f"needs {want}")
   used.add(name)
@@ -269,7 +273,7 @@ def _tensor_reader(where: dict, files: Sequence[Path], folder: Path, p: str,
         return np.asarray(tensor[tuple(reversed(index))]).T.astype(dtype)
       return np.asarray(tensor[index]).astype(dtype)
     except Exception as e:  # pylint: disable=broad-except  (an unreadable dtype, say)
-      raise ModelFileError(f"{f}: cannot read tensor {name!r}: {e}") from None
+      raise ModelFileError(f"{f}: cannot read tensor {stored!r}: {e}") from None
   return read
 
 

@@ -93,8 +93,10 @@ class Block(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, positions_BxT, key_pos_BxS, writer, segment_ids_BxT=None):
-    x = x + self.attn(self.input_norm(x), positions_BxT, key_pos_BxS, writer, segment_ids_BxT)
+  def __call__(self, x, positions_BxT, key_pos_BxS, writer, segment_ids_BxT=None,
+               rope_positions_3xBxT=None):
+    x = x + self.attn(self.input_norm(x), positions_BxT, key_pos_BxS, writer, segment_ids_BxT,
+                      rope_positions_3xBxT)
     return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -126,7 +128,9 @@ class Transformer(nnx.Module):
                cache_index_B: jax.Array | None = None, *, return_hidden: bool = False,
                remat: bool | str | None = None, prefix: KVCache | None = None,
                prefix_repeat: int = 1, return_kv: bool = False, windowed: bool = True,
-               segment_ids_BxT: jax.Array | None = None
+               segment_ids_BxT: jax.Array | None = None,
+               inputs_embeds_BxTxD: jax.Array | None = None,
+               rope_positions_3xBxT: jax.Array | None = None
                ) -> tuple[jax.Array, KVCache | None]:
     """Returns `(logits_BxTxV or hidden_BxTxD, new_cache)`; see the module docstring.
 
@@ -138,8 +142,20 @@ class Transformer(nnx.Module):
     `segment_ids_BxT` (int32, plain calls only): packed rows, several sequences per row
     (train/packing.py); a token attends only to earlier tokens of its own segment, and
     `positions_BxT` restart at 0 in each segment.
+
+    Multimodal hooks (vl.py), both off by default: `inputs_embeds_BxTxD` replaces the
+    token embedding (`tokens_BxT` may then be None); `rope_positions_3xBxT` (int32, needs
+    `cfg.mrope_section`) are Qwen2-VL's (temporal, height, width) RoPE positions, while
+    masking still follows `positions_BxT` (the order of the tokens).
     """
-    b, t = tokens_BxT.shape
+    if inputs_embeds_BxTxD is not None:
+      b, t = inputs_embeds_BxTxD.shape[:2]
+    else:
+      b, t = tokens_BxT.shape
+    if rope_positions_3xBxT is not None:
+      if not self.cfg.mrope_section:
+        raise ValueError("Transformer: rope_positions_3xBxT needs ModelConfig.mrope_section")
+      rope_positions_3xBxT = rope_positions_3xBxT.astype(jnp.int32)
     positions_BxT = positions_BxT.astype(jnp.int32)
     if mask_BxT is None:
       mask_BxT = jnp.ones((b, t), bool)
@@ -159,19 +175,20 @@ class Transformer(nnx.Module):
     elif return_kv:
       writer = KVRecorder()
     key_pos_BxS = own_pos_BxT if writer is None else writer.pos(own_pos_BxT)
-    x = sharding.constrain_rows(self.embed(tokens_BxT))
+    x = sharding.constrain_rows(self.embed(tokens_BxT) if inputs_embeds_BxTxD is None
+                                else inputs_embeds_BxTxD.astype(self.cfg.jnp_dtype))
     new_cache = None
     if isinstance(writer, CacheWriter):
       # Layer by layer (stacked layers sliced): each layer's cache buffer is written in place.
       for i in range(self.cfg.num_layers):
         layer = stacking.layer_of(self.layers, i) if self.cfg.scan_layers else self.layers[i]
-        x = layer(x, positions_BxT, key_pos_BxS, writer)
+        x = layer(x, positions_BxT, key_pos_BxS, writer, None, rope_positions_3xBxT)
         writer.layer += 1
       new_cache = KVCache(k=tuple(writer.k), v=tuple(writer.v), pos=key_pos_BxS)
     else:
       policy = self.cfg.remat if remat is None else {True: "full", False: "none"}.get(remat, remat)
       x, kv = self._run_layers(x, positions_BxT, key_pos_BxS, writer, policy,
-                               segment_ids_BxT)
+                               segment_ids_BxT, rope_positions_3xBxT)
       if isinstance(writer, KVRecorder):
         new_cache = KVCache(k=kv[0], v=kv[1], pos=own_pos_BxT)
     hidden = sharding.constrain_rows(self.final_norm(x))
@@ -181,7 +198,7 @@ class Transformer(nnx.Module):
 
 
   def _run_layers(self, x, positions_BxT, key_pos_BxS, writer, remat: str,
-                  segment_ids_BxT=None):
+                  segment_ids_BxT=None, rope_positions_3xBxT=None):
     """The cache-less passes (plain, `return_kv`, `prefix`): every layer as a pure function
     of its parameters, looped or scanned, each rematerialised under `remat`.  Returns
     `(x, (ks, vs))`, the recorded keys/values when `writer` is a KVRecorder."""
@@ -193,7 +210,8 @@ class Transformer(nnx.Module):
       layer = nnx.merge(graphdef, layer_state)
       w = (KVRecorder() if record else None if prefix is None else
            PrefixReader(KVCache(k=(pk,), v=(pv,), pos=prefix.pos), writer.repeat, b))
-      y = sharding.constrain_rows(layer(x, positions_BxT, key_pos_BxS, w, segment_ids_BxT))
+      y = sharding.constrain_rows(layer(x, positions_BxT, key_pos_BxS, w, segment_ids_BxT,
+                                        rope_positions_3xBxT))
       return y, ((w.ks[0], w.vs[0]) if record else None)
 
     def wrap(graphdef, scanned):
@@ -228,11 +246,14 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxT: jax.Array,
             return_hidden: bool = False, remat: bool | str | None = None,
             prefix: KVCache | None = None,
             prefix_repeat: int = 1, return_kv: bool = False, windowed: bool = True,
-            segment_ids_BxT: jax.Array | None = None
+            segment_ids_BxT: jax.Array | None = None,
+            inputs_embeds_BxTxD: jax.Array | None = None,
+            rope_positions_3xBxT: jax.Array | None = None
             ) -> tuple[jax.Array, KVCache | None]:
   """Pure forward over `nnx.split(model)`: safe inside jit / while_loop / scan."""
   model = nnx.merge(graphdef, params)
   return model(tokens_BxT, positions_BxT, mask_BxT, cache, cache_index_B,
                return_hidden=return_hidden, remat=remat, prefix=prefix,
                prefix_repeat=prefix_repeat, return_kv=return_kv, windowed=windowed,
-               segment_ids_BxT=segment_ids_BxT)
+               segment_ids_BxT=segment_ids_BxT, inputs_embeds_BxTxD=inputs_embeds_BxTxD,
+               rope_positions_3xBxT=rope_positions_3xBxT)
