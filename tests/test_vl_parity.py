@@ -1,8 +1,9 @@
 """Qwen2.5-VL parity with `transformers` (torch CPU, float32) on a tiny random model.
 
 Vision tower (window attention on two blocks, full attention on one, windows that do
-and do not divide the grid), full-model logits on prompts with an image (two rows, left
-padded, images of different grids), greedy tokens, and checkpoint round trips both ways.
+and do not divide the grid), the 3-D RoPE index, full-model logits on prompts with an
+image (two rows, left padded, images of different grids; two images in one row), greedy
+tokens through our KV cache against `generate`, and checkpoint round trips both ways.
 Needs the optional `hf` extra; skipped cleanly without it.
 """
 
@@ -21,7 +22,7 @@ if not hasattr(transformers, "Qwen2_5_VLForConditionalGeneration"):
   pytest.skip("this transformers has no Qwen2.5-VL", allow_module_level=True)
 
 from distflow_jax.models.errors import ModelFileError  # noqa: E402
-from distflow_jax.models.transformer import Transformer  # noqa: E402
+from distflow_jax.models.transformer import Transformer, init_cache  # noqa: E402
 from distflow_jax.models.vision import vision_layout  # noqa: E402
 from distflow_jax.models.vl import (VLConfig, VLModel, load_vl_pretrained, rope_index,  # noqa: E402
                                     save_vl_pretrained, vl_forward, vl_inputs)
@@ -171,27 +172,53 @@ def test_logits_match_transformers(pair):
                              atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_tokens_match(pair):
+def test_two_images_in_one_row(pair):
   hf, ours, _ = pair
-  grids = GRIDS[:1]
-  tokens, mask = prompts(grids)
-  pix = pixels(grids)
-  n_new = 5
+  (a, _), (b, _) = prompts(GRIDS[:1]), prompts(GRIDS[1:])
+  tokens = np.concatenate([a, b], 1)
+  mask = np.ones(tokens.shape, bool)
+  pix = pixels(GRIDS, seed=2)
+  np.testing.assert_allclose(our_logits(ours, tokens, mask, pix, GRIDS),
+                             hf_logits(hf, tokens, mask, pix, GRIDS), atol=1e-4, rtol=1e-4)
+
+
+def hf_greedy(hf, tokens, mask, pix, grids, n_new):
   with torch.no_grad():
-    ref = hf.generate(input_ids=torch.tensor(tokens),
-                      attention_mask=torch.tensor(mask.astype(np.int64)),
-                      pixel_values=torch.tensor(pix), image_grid_thw=torch.tensor(grids),
-                      mm_token_type_ids=torch.tensor((tokens == IMG).astype(np.int64)),
-                      do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new,
-                      pad_token_id=0, eos_token_id=None).numpy()[:, tokens.shape[1]:]
-  # Ours: the whole forward again for every new token (no KV cache in this first piece).
-  seq, m = tokens, mask
-  out = []
-  for _ in range(n_new):
-    nxt = our_logits(ours, seq, m, pix, grids)[:, -1].argmax(-1)
+    return hf.generate(input_ids=torch.tensor(tokens),
+                       attention_mask=torch.tensor(mask.astype(np.int64)),
+                       pixel_values=torch.tensor(pix), image_grid_thw=torch.tensor(grids),
+                       mm_token_type_ids=torch.tensor((tokens == IMG).astype(np.int64)),
+                       do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new,
+                       pad_token_id=0, eos_token_id=None).numpy()[:, tokens.shape[1]:]
+
+
+def test_greedy_with_kv_cache_matches(pair):
+  """Prefill with the image into a KV cache, then decode text tokens at RoPE position
+  (slot + rope delta) on all three rows; two left-padded rows."""
+  hf, ours, _ = pair
+  tokens, mask = prompts(GRIDS)
+  pix = pixels(GRIDS, seed=4)
+  n_new = 5
+  ref = hf_greedy(hf, tokens, mask, pix, GRIDS, n_new)
+  b, t = tokens.shape
+  inp = vl_inputs(ours.cfg, tokens, GRIDS, mask)
+  g, p = nnx.split(ours)
+  logits, cache = FWD(g, p, jnp.asarray(tokens), jnp.asarray(inp.positions_BxT),
+                      jnp.asarray(mask), pixel_values=jnp.asarray(pix), layout=inp.layout,
+                      rope_positions_3xBxT=jnp.asarray(inp.rope_positions_3xBxT),
+                      cache=init_cache(ours.cfg.text, b, t + n_new),
+                      cache_index_B=jnp.zeros(b, jnp.int32))
+  nxt = np.asarray(logits[:, -1].argmax(-1))
+  out = [nxt]
+  n_real = mask.sum(1)
+  for i in range(n_new - 1):
+    pos = n_real + i                                   # token order, for masking
+    rope = np.broadcast_to(pos + inp.rope_deltas_B, (3, b))[:, :, None]
+    logits, cache = FWD(g, p, jnp.asarray(nxt[:, None]), jnp.asarray(pos[:, None]), None,
+                        rope_positions_3xBxT=jnp.asarray(rope), cache=cache,
+                        cache_index_B=jnp.full((b,), t + i, jnp.int32))
+    nxt = np.asarray(logits[:, 0].argmax(-1))
     out.append(nxt)
-    seq = np.concatenate([seq, nxt[:, None]], 1)
-    m = np.concatenate([m, np.ones((len(m), 1), bool)], 1)
   np.testing.assert_array_equal(np.stack(out, 1), ref)
 
 
@@ -246,3 +273,20 @@ def test_load_errors_are_one_line(pair, tmp_path):
   with pytest.raises(ModelFileError, match="shape mismatch for tensor 'visual.") as e:
     load_vl_pretrained(tmp_path)
   assert "\n" not in str(e.value)
+
+
+def test_reads_transformers_in_memory_tensor_names(pair, tmp_path):
+  """`model.language_model.*` / `model.visual.*` (transformers' module names) load too."""
+  _, ours, _ = pair
+  save_vl_pretrained(tmp_path, ours)
+  from safetensors.numpy import load_file, save_file  # pylint: disable=import-outside-toplevel
+  state = load_file(str(tmp_path / "model.safetensors"))
+  renamed = {("model.language_model." + k[len("model."):] if k.startswith("model.") else
+              "model." + k if k.startswith("visual.") else k): v for k, v in state.items()}
+  assert "model.visual.merger.mlp.2.bias" in renamed
+  save_file(renamed, str(tmp_path / "model.safetensors"))
+  again = load_vl_pretrained(tmp_path)
+  for (k, a), (_, b) in zip(nnx.to_flat_state(nnx.state(ours)),
+                            nnx.to_flat_state(nnx.state(again))):
+    np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()),
+                                  err_msg=str(k))
