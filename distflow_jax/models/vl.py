@@ -7,6 +7,11 @@
                             rope_positions_3xBxT=inputs.rope_positions_3xBxT)
     save_vl_pretrained("/out/vl", model)        # loads in transformers
 
+Decoding with a KV cache (`transformer.init_cache(cfg.text, B, S)`): prefill the prompt
+as above with `cache=..., cache_index_B=...`; a later text token of row b at token
+position p (its masking position) takes RoPE position `p + inputs.rope_deltas_B[b]` on
+all three rows (tests/test_vl_parity.py::test_greedy_with_kv_cache_matches).
+
 Each run of `image_token_id` placeholders in the prompt is replaced, in order, by the
 vision tower's features of the next image of `image_grid_thw` (t * h * w / m^2
 placeholders per image, m = spatial_merge_size, as Hugging Face's processor writes
