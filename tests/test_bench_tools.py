@@ -1,10 +1,12 @@
-"""The benchmark tools' arithmetic: FLOP counts by hand and against XLA's own count."""
+"""The benchmark tools: FLOP counts by hand and against XLA's own count, and bench_e2e /
+bench_rollout end to end without Tunix (one check against Tunix where its venv exists)."""
 
 import os
 import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -107,3 +109,111 @@ def test_compare_algorithms_smoke(tmp_path):
     assert "using the cached model" in log, log[-2000:]
     steps = [json.loads(l)["step"] for l in open(out / "letters" / algo / "metrics.jsonl")]
     assert steps == [0, 1, 2]
+
+
+def test_summarize_gives_mean_with_recompiles_beside_median_and_ratios_to_tunix():
+  """bench_e2e's table: step 0 apart; the mean counts a recompiling step the median hides;
+  ratios to Tunix both ways."""
+  import bench_e2e
+  rec = lambda s, tok, c: {"wall_s": s, "tokens": tok, "compiles": c, "compile_s": 0.5 * c}
+  stats = bench_e2e.summarize({
+      "equal": [rec(9.0, 100, 40), rec(1.0, 100, 0), rec(1.0, 100, 0), rec(4.0, 100, 3)],
+      "tunix": [rec(20.0, 100, 50), rec(2.0, 100, 0), rec(2.0, 100, 0), rec(2.0, 100, 0)]})
+  e, t = stats["equal"], stats["tunix"]
+  assert e["first_s"] == 9.0 and e["first_compiles"] == 40 and e["steps"] == 3
+  assert e["median_s"] == 1.0 and e["mean_s"] == 2.0
+  assert e["recompiles"] == 3 and e["recompile_s"] == 1.5
+  assert e["rate_median"] == 100.0 and e["rate_mean"] == 50.0
+  assert t["rate_median"] == 50.0 and t["rate_mean"] == 50.0
+  lines = []
+  bench_e2e.print_table(stats, out=lines.append)
+  assert "xTunix med" in lines[0] and "xTunix mean" in lines[0]
+  assert lines[1].split()[-2:] == ["2.00x", "1.00x"]
+  no_tunix = []
+  bench_e2e.print_table({"equal": e}, out=no_tunix.append)
+  assert "xTunix" not in no_tunix[0]
+
+
+def test_bench_e2e_variants_add_one_saving_each():
+  """Each variant differs from the one it names in exactly one switch; 'equal' does
+  Tunix's work (no bucketing, no sharing, no old_logprob pass)."""
+  import dataclasses
+
+  import bench_e2e
+  v = bench_e2e.VARIANTS
+  assert v["equal"] == bench_e2e.Variant(False, False, False, v["equal"].what)
+  for name, base in (("share", "equal"), ("lean", "share"), ("config", "lean"),
+                     ("plain", "equal")):
+    assert v[name].what.startswith(base + " + ")
+    a, b = dataclasses.astuple(v[name])[:3], dataclasses.astuple(v[base])[:3]
+    assert sum(x != y for x, y in zip(a, b)) == 1, name
+  assert bench_e2e.DEFAULT_VARIANTS.split(",")[0] == "equal"
+  assert bench_e2e._buckets(32) == (8, 16, 24, 32)
+
+
+@pytest.mark.timeout(900)
+def test_bench_e2e_smoke_no_tunix(tmp_path, capsys):
+  """tools/bench_e2e.py end to end without Tunix: the equal-work variant pads every step's
+  prompts to 32, the bucketed one to less; the table has mean, median and recompiles."""
+  import bench_e2e
+  rc = bench_e2e.main(["--no-tunix", "--prompts", "2", "--n", "2", "--new", "4", "--steps",
+                       "1", "--micro-batch-size", "4", "--variants", "equal,lean",
+                       "--workdir", str(tmp_path)])
+  out = capsys.readouterr().out
+  assert rc == 0, out
+  steps = [l.split() for l in out.splitlines() if l.startswith("  step ")]
+  assert len(steps) == 4
+  widths = {s[2]: s[7] for s in steps}
+  assert widths["equal"] == "prompt_width=32" and widths["lean"] in ("prompt_width=16",
+                                                                     "prompt_width=24")
+  assert all(s[8].startswith("compiles=") for s in steps)
+  assert [s for s in steps if s[1] == "0"][0][8] != "compiles=0"  # step 0 compiles
+  head = [l for l in out.splitlines() if l.startswith("side ")][0].split()
+  assert head == ["side", "step0", "s", "comp0", "median", "s", "mean", "s", "recomp",
+                  "tok/s", "med", "tok/s", "mean"]
+  rows = {l.split()[0]: l.split() for l in out.splitlines() if l.split()[:1] in
+          (["equal"], ["lean"]) and len(l.split()) == 8}
+  assert set(rows) == {"equal", "lean"}
+  assert "Tunix not run (--no-tunix)" in out
+
+
+def test_bench_rollout_agreement():
+  import bench_rollout
+  a = np.array([[1, 2, 3], [4, 5, 6]])
+  assert bench_rollout.agreement(a, a) == (1.0, 2)
+  assert bench_rollout.agreement(a, np.array([[1, 2, 3], [4, 5, 0]])) == (5 / 6, 1)
+  assert bench_rollout.agreement(a, a[:, :2]) == (0.0, 0)
+  tok = bench_rollout._IdsTokenizer(512)
+  assert tok.encode(tok.decode([5, 0, 511])) == [5, 0, 511] and tok.eos_id() == 512
+
+
+@pytest.mark.timeout(600)
+def test_bench_rollout_smoke_no_tunix(capsys):
+  import bench_rollout
+  rc = bench_rollout.main(["--batch", "2", "--prompt", "8", "--new", "8", "--rounds", "1",
+                           "--decode-steps", "8", "--no-hf", "--no-tunix"])
+  out = capsys.readouterr().out
+  assert rc == 0, out
+  assert "Tunix's sampler skipped (--no-tunix)" in out
+  assert "greedy tokens equal to no-cache: engine: 1.000" in out
+
+
+def _tunix_python():
+  import _bench_common
+  py = os.path.join(_bench_common.DEFAULT_TUNIX_VENV, "bin", "python")
+  return py if os.path.exists(py) else None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(_tunix_python() is None, reason="no Tunix venv (tools/bench_e2e.py makes "
+                    "one on first use); CI does not install Tunix")
+def test_bench_rollout_against_tunix_sampler(capsys):
+  """With the Tunix venv on this machine: Tunix's sampler decodes the same greedy tokens."""
+  import bench_rollout
+  rc = bench_rollout.main(["--batch", "2", "--prompt", "8", "--new", "8", "--rounds", "1",
+                           "--decode-steps", "8", "--no-hf"])
+  out = capsys.readouterr().out
+  assert rc == 0, out
+  assert "Tunix sampler vs engine, token for token: 1.000 of tokens, 2/2 rows equal" in out
+  assert "engine vs Tunix sampler: " in out

@@ -1,35 +1,54 @@
 """GRPO step throughput: distflow-jax vs Tunix (google-tunix) on the same model and batch, CPU.
 
     python tools/bench_e2e.py [--prompts 8] [--n 4] [--prompt-len 32] [--new 32] [--steps 5]
-                              [--devices 1] [--variants config,lean,plain] [--no-tunix]
+                              [--devices 1] [--variants equal,share,lean,config] [--no-tunix]
                               [--count-compiles] [--tunix-venv DIR]
 
 Both sides train the same exported ~3 M-param Qwen2-shaped model (vocab 512, d 256, 4
 layers, GQA 4:2; our `hf_io.save_pretrained` -> model.safetensors -> Tunix's
 `qwen2.params.create_model_from_safe_tensors`) with GRPO: 8 prompts x 4 samples (the
-same arithmetic prompts), prompts of at most 32 tokens (Tunix pads them to 32; we pad each
-step to the smallest of 8/16/24/32 that holds its longest: length bucketing), 32 new
-tokens, temperature 1,
-stop at EOS, KL to the reference (coef 0.001, so the reference pass runs on both sides),
-one PPO epoch, adamw lr 1e-4 with global-norm clip 1.0, token-mean loss, one optimizer
-update per step (ours accumulates micro-batches of grpo:tiny's actor.micro_batch_size, 16
-rows, in one jitted scan; Tunix takes the 32 rows at once).
-Tunix runs in its own virtual environment (created here on first use, google-tunix
-0.1.7, about a minute) as a subprocess; ours runs as a subprocess too, so each side
-owns the CPU while it steps.  Our side runs in three variants: `config` (configs/grpo.py's
-DAG as shipped, with its old_logprob pass), `lean` (without it: with one PPO epoch the
-rollout's log-probs serve, which is what Tunix does at num_iterations=1) and `plain` (`lean`
-with `model.share_prompt_prefix=False`: the reference pass and the actor step run every
-row's prompt, as Tunix does, instead of once per group of n; `plain` is the equal-work
-comparison, `lean` is what a user gets).  The parent runs single steps in rotating order
-(config, lean, plain, Tunix; lean, plain, Tunix, config; ...) so machine load hits all
-alike; the first step of each (compiles) is reported apart.
-Tokens/s = (prompt + response tokens, padding excluded) / step wall time; medians count.
+same arithmetic prompts, 14-21 tokens), prompts of at most 32 tokens, 32 new tokens,
+temperature 1, stop at EOS, KL to the reference (coef 0.001, so the reference pass runs on
+both sides), one PPO epoch, adamw lr 1e-4 with global-norm clip 1.0, token-mean loss, one
+optimizer update per step (ours accumulates micro-batches of grpo:tiny's
+actor.micro_batch_size, 16 rows, in one jitted scan; Tunix takes the 32 rows at once).
+Neither side uses a persistent compile cache: both compile from scratch.
+
+Tunix's work per step (google-tunix 0.1.7, read in its source): every prompt left-padded
+to max_prompt_length (32; vanilla rollout passes it to the sampler), each of a group's n
+rows carries its own copy of the prompt through the reference pass and the actor step,
+and no old-log-prob pass: at num_iterations=1 `grpo_learner.py` sets
+old_per_token_logps = None (it calls get_old_per_token_logps only when num_iterations > 1)
+and the loss uses the current policy's (stop-gradient) log-probs.
+
+Our side runs in variants, the headline first; each adds one of our savings to the one it
+names (`--variants` picks and orders them):
+
+  equal   Tunix's work: prompts padded to 32 (one prefill bucket, (32,)), no prompt
+          sharing, no old_logprob pass.  The equal-work comparison.
+  share   equal + prompt sharing (model.share_prompt_prefix=True): the reference pass and
+          the actor step run each prompt once per group of n instead of once per row.
+  lean    share + length buckets: each step pads its prompts to the smallest of 8/16/24/32
+          that holds its longest (16 or 24 here) instead of 32.  What a user gets with the
+          old_logprob pass dropped.
+  config  lean + the old_logprob node of configs/grpo.py's DAG as shipped: one more
+          forward than Tunix (the skipped old-log-prob pass is no saving over Tunix, which
+          skips it too; this row shows what the shipped DAG pays for it).
+  plain   equal + length buckets (no prompt sharing); not in the default list.
+
+The parent runs single steps in rotating order (equal, share, lean, config, Tunix; share,
+lean, config, Tunix, equal; ...) so machine load hits all alike.  Step 0 (compiles) is
+reported apart; of the timed steps after it the table gives the median and the MEAN wall
+time (recompiles included) and the compiles counted in them (jax.monitoring's
+backend-compile events in each worker), and tokens/s both ways: median of the per-step
+rates, and all timed tokens / all timed seconds.  Tokens = prompt + response tokens,
+padding excluded.  Ratios are ours / Tunix's tokens/s, median beside mean.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -38,30 +57,52 @@ import sys
 import tempfile
 import time
 
-TUNIX_SPEC = "google-tunix==0.1.7"
-DEFAULT_VENV = os.path.join(os.path.expanduser("~"), ".cache", "distflow-bench", "tunix-venv")
-TAG = "BENCH "
-VARIANTS = ("config", "lean", "plain")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench_common as bc  # noqa: E402
+
+TUNIX_SPEC = bc.TUNIX_SPEC
+DEFAULT_VENV = bc.DEFAULT_TUNIX_VENV
+ensure_tunix = bc.ensure_tunix
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  buckets: bool      # length buckets (8/16/24/...); else one prefill bucket = --prompt-len
+  share: bool        # model.share_prompt_prefix
+  old_logprob: bool  # the shipped DAG's old_logprob node
+  what: str          # what differs from the variant it names
+
+
+VARIANTS = {
+    "equal": Variant(False, False, False,
+                     "Tunix's work: prompts padded to --prompt-len, no prompt sharing, no "
+                     "old_logprob pass"),
+    "share": Variant(False, True, False, "equal + prompt sharing"),
+    "lean": Variant(True, True, False, "share + length buckets"),
+    "config": Variant(True, True, True, "lean + the shipped DAG's old_logprob pass"),
+    "plain": Variant(True, False, False, "equal + length buckets"),
+}
+DEFAULT_VARIANTS = "equal,share,lean,config"
 
 
 def _args(argv):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--prompts", type=int, default=8, help="prompts per step")
   p.add_argument("--n", type=int, default=4, help="samples per prompt (group size)")
-  p.add_argument("--prompt-len", type=int, default=32, help="max prompt tokens (left-padded)")
+  p.add_argument("--prompt-len", type=int, default=32,
+                 help="max prompt tokens (left-padded); Tunix's max_prompt_length")
   p.add_argument("--new", type=int, default=32, help="max new tokens")
   p.add_argument("--steps", type=int, default=5, help="timed steps per side (after 1 warm-up)")
   p.add_argument("--micro-batch-size", type=int, default=0,
                  help="our actor.micro_batch_size (rows per device per micro-batch); 0 = the "
                       "config's (grpo:tiny: 16)")
   p.add_argument("--devices", type=int, default=1, help="CPU devices for our side")
-  p.add_argument("--variants", default="config,lean,plain",
-                 help="our sides: 'config' = configs/grpo.py's DAG as shipped; 'lean' = the same "
-                      "without the old_logprob node (one PPO epoch: the rollout's log-probs "
-                      "serve, as in Tunix with num_iterations=1); 'plain' = 'lean' without "
-                      "prompt sharing (model.share_prompt_prefix=False)")
+  p.add_argument("--variants", default=DEFAULT_VARIANTS,
+                 help="our sides, in order: " + "; ".join(f"'{k}' = {v.what}"
+                                                          for k, v in VARIANTS.items()))
   p.add_argument("--count-compiles", action="store_true",
-                 help="log our side's XLA compiles (JAX_LOG_COMPILES) and count them per step")
+                 help="also log our side's XLA compiles (JAX_LOG_COMPILES) and list them per "
+                      "step")
   p.add_argument("--no-tunix", action="store_true")
   p.add_argument("--tunix-venv", default=DEFAULT_VENV)
   p.add_argument("--workdir", default="", help="default: a fresh temporary directory")
@@ -78,26 +119,8 @@ def _buckets(prompt_len: int) -> tuple[int, ...]:
 
 # ---------------------------------------------------------------- the parent
 
-def ensure_tunix(venv: str, log=print) -> str:
-  """The python of a venv with google-tunix, created on first use; raises with pip's output."""
-  py = os.path.join(venv, "bin", "python")
-  probe = [py, "-c", "import tunix.rl.grpo.grpo_learner"]
-  if os.path.exists(py) and subprocess.run(probe, capture_output=True).returncode == 0:
-    return py
-  log(f"creating {venv} with {TUNIX_SPEC} (about a minute, ~1.6 GB)...")
-  base = getattr(sys, "_base_executable", sys.executable)
-  subprocess.run([base, "-m", "venv", venv], check=True)
-  r = subprocess.run([py, "-m", "pip", "install", "-q", TUNIX_SPEC], capture_output=True,
-                     text=True)
-  if r.returncode:
-    raise RuntimeError(f"pip install {TUNIX_SPEC} failed:\n{r.stderr[-3000:]}")
-  return py
-
-
 def write_inputs(workdir: str, args) -> dict:
   """Exports the bench model + tokenizer and writes the prompt file both sides read."""
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  import _bench_common as bc
   from flax import nnx
 
   from distflow_jax.models import ModelConfig, Transformer, hf_io
@@ -112,13 +135,14 @@ def write_inputs(workdir: str, args) -> dict:
   rows = arithmetic.make_examples(arithmetic.preset("medium"), "train", count, seed=0)
   prompts = os.path.join(workdir, "prompts.jsonl")
   arithmetic.write_jsonl(rows, prompts)
-  too_long = [r["prompt"] for r in rows if len(tok.encode(r["prompt"])) > args.prompt_len]
-  if too_long:
-    raise ValueError(f"--prompt-len {args.prompt_len} is shorter than prompt {too_long[0]!r}")
+  lens = [len(tok.encode(r["prompt"])) for r in rows]
+  if max(lens) > args.prompt_len:
+    raise ValueError(f"--prompt-len {args.prompt_len} is shorter than a prompt of "
+                     f"{max(lens)} tokens")
   inputs = dict(model_dir=model_dir, prompts=prompts, prompts_per_step=args.prompts, n=args.n,
                 prompt_len=args.prompt_len, new=args.new, steps=args.steps + 1,
                 devices=args.devices, micro=args.micro_batch_size, workdir=workdir,
-                eos_id=tok.eos_id, pad_id=tok.pad_id,
+                eos_id=tok.eos_id, pad_id=tok.pad_id, prompt_tokens=[min(lens), max(lens)],
                 model=bc.BENCH_MODEL, lr=1e-4, kl_coef=0.001, seed=0)
   path = os.path.join(workdir, "inputs.json")
   with open(path, "w") as f:
@@ -126,81 +150,90 @@ def write_inputs(workdir: str, args) -> dict:
   return inputs | {"path": path}
 
 
-class Worker:
+def Worker(name: str, python: str, inputs_path: str, env: dict) -> bc.Worker:
   """A side's process: send 'go', read one BENCH line back (the step's record)."""
+  return bc.Worker(name, [python, os.path.abspath(__file__), "--worker", name, "--inputs",
+                          inputs_path],
+                   os.path.join(os.path.dirname(inputs_path), f"{name}.log"), env)
 
-  def __init__(self, name: str, python: str, inputs_path: str, env: dict):
-    self.name = name
-    self.log = open(os.path.join(os.path.dirname(inputs_path), f"{name}.log"), "w")
-    self.proc = subprocess.Popen(
-        [python, os.path.abspath(__file__), "--worker", name, "--inputs", inputs_path],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
 
-  def _read(self) -> dict:
-    while True:
-      line = self.proc.stdout.readline()
-      if not line:
-        self.proc.wait()
-        raise RuntimeError(f"{self.name} worker exited ({self.proc.returncode}); see "
-                           f"{self.log.name}")
-      if line.startswith(TAG):
-        return json.loads(line[len(TAG):])
-      self.log.write(line)
+def summarize(records: dict[str, list[dict]]) -> dict[str, dict]:
+  """Per side: step 0 apart; over the timed steps after it the median and mean wall time,
+  the compiles in them, tokens/s as the median of per-step rates and as sum / sum."""
+  out = {}
+  for name, recs in records.items():
+    timed = recs[1:]
+    if not timed:
+      continue
+    walls = [r["wall_s"] for r in timed]
+    out[name] = dict(
+        first_s=recs[0]["wall_s"], first_compiles=recs[0].get("compiles"),
+        median_s=statistics.median(walls), mean_s=statistics.fmean(walls),
+        recompiles=(sum(r["compiles"] for r in timed) if all("compiles" in r for r in timed)
+                    else None),
+        recompile_s=sum(r.get("compile_s", 0.0) for r in timed),
+        rate_median=statistics.median(r["tokens"] / r["wall_s"] for r in timed),
+        rate_mean=sum(r["tokens"] for r in timed) / sum(walls), steps=len(timed))
+  return out
 
-  def ready(self) -> dict:
-    return self._read()
 
-  def step(self) -> dict:
-    t0 = time.perf_counter()
-    self.proc.stdin.write("go\n")
-    self.proc.stdin.flush()
-    rec = self._read()
-    rec["wall_s"] = time.perf_counter() - t0
-    return rec
+def _fmt_count(x) -> str:
+  return "?" if x is None else f"{x:d}"
 
-  def close(self) -> None:
-    if self.proc.poll() is None:
-      try:
-        self.proc.stdin.write("stop\n")
-        self.proc.stdin.flush()
-        self.proc.wait(timeout=60)
-      except (BrokenPipeError, subprocess.TimeoutExpired):
-        self.proc.kill()
-    self.log.close()
+
+def print_table(stats: dict[str, dict], tunix: str = "tunix", out=print) -> None:
+  t = stats.get(tunix)
+  out(f"{'side':7s} {'step0 s':>8s} {'comp0':>5s} {'median s':>9s} {'mean s':>7s} "
+      f"{'recomp':>6s} {'tok/s med':>9s} {'tok/s mean':>10s}"
+      + (f" {'xTunix med':>10s} {'xTunix mean':>11s}" if t else ""))
+  for name, s in stats.items():
+    line = (f"{name:7s} {s['first_s']:8.1f} {_fmt_count(s['first_compiles']):>5s} "
+            f"{s['median_s']:9.2f} {s['mean_s']:7.2f} {_fmt_count(s['recompiles']):>6s} "
+            f"{s['rate_median']:9.0f} {s['rate_mean']:10.0f}")
+    if t:
+      line += (f" {s['rate_median'] / t['rate_median']:9.2f}x"
+               f" {s['rate_mean'] / t['rate_mean']:10.2f}x")
+    out(line)
 
 
 def main(argv=None) -> int:
   args = _args(argv)
   if args.worker in VARIANTS:
-    return ours_worker(args.inputs, lean=args.worker != "config",
-                       share=args.worker != "plain")
+    return ours_worker(args.inputs, VARIANTS[args.worker])
   if args.worker == "tunix":
     return tunix_worker(args.inputs)
-  workdir = args.workdir or tempfile.mkdtemp(prefix="bench_e2e_")
-  os.makedirs(workdir, exist_ok=True)
-  t0 = time.perf_counter()
-  tunix_py, note = None, ""
-  if not args.no_tunix:
-    try:
-      tunix_py = ensure_tunix(args.tunix_venv)
-    except (RuntimeError, subprocess.CalledProcessError) as e:
-      note = f"Tunix not run: {e}"
-  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
-  inputs = write_inputs(workdir, args)
-  print(f"GRPO {args.prompts} prompts x {args.n} samples, prompt <= {args.prompt_len} + "
-        f"{args.new} new tokens, ~3.04 M-param Qwen2 shape; workdir {workdir}")
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices}")
-  if args.count_compiles:
-    env["JAX_LOG_COMPILES"] = "1"
   variants = [v for v in args.variants.split(",") if v]
   bad = [v for v in variants if v not in VARIANTS]
   if bad:
     raise SystemExit(f"--variants: unknown {bad}; valid: {list(VARIANTS)}")
+  workdir = args.workdir or tempfile.mkdtemp(prefix="bench_e2e_")
+  os.makedirs(workdir, exist_ok=True)
+  t0 = time.perf_counter()
+  tunix_py, note = None, ""
+  if args.no_tunix:
+    note = "Tunix not run (--no-tunix)"
+  else:
+    try:
+      tunix_py = ensure_tunix(args.tunix_venv)
+    except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
+      note = f"Tunix not run: {e}"
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+  inputs = write_inputs(workdir, args)
+  lo, hi = inputs["prompt_tokens"]
+  print(f"GRPO {args.prompts} prompts x {args.n} samples, prompts of {lo}-{hi} tokens "
+        f"(<= {args.prompt_len}) + {args.new} new tokens, ~3.04 M-param Qwen2 shape; "
+        f"workdir {workdir}")
+  for v in variants:
+    print(f"  {v:7s} {VARIANTS[v].what}")
+  if tunix_py:
+    print(f"  {'tunix':7s} google-tunix 0.1.7 GRPOLearner, num_iterations=1 (no old-log-prob "
+          f"pass), prompts padded to {args.prompt_len}")
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices}")
+  if args.count_compiles:
+    env["JAX_LOG_COMPILES"] = "1"
   workers = [Worker(v, sys.executable, inputs["path"], env) for v in variants]
   if tunix_py:
-    tenv = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
-                JAX_PLATFORMS="cpu")
-    workers.append(Worker("tunix", tunix_py, inputs["path"], tenv))
+    workers.append(Worker("tunix", tunix_py, inputs["path"], bc.tunix_env()))
   records = {w.name: [] for w in workers}
   try:
     for w in workers:
@@ -211,7 +244,9 @@ def main(argv=None) -> int:
       for w in workers[first:] + workers[:first]:
         rec = w.step()
         records[w.name].append(rec)
-        print(f"  step {i} {w.name:5s} {rec['wall_s']:7.2f} s  {rec['tokens']:6.0f} tokens  "
+        extra = "".join(f" {k}={rec[k]:g}" for k in ("prompt_width", "compiles") if k in rec)
+        print(f"  step {i} {w.name:6s} {rec['wall_s']:7.2f} s  {rec['tokens']:6.0f} tokens "
+              + extra + "  "
               + " ".join(f"{k}={v:.2f}" for k, v in sorted(rec.get('nodes', {}).items())),
               flush=True)
   except RuntimeError as e:
@@ -224,23 +259,20 @@ def main(argv=None) -> int:
       per = compiles_per_step(os.path.join(workdir, f"{v}.log"))
       print(f"{v}: XLA compiles per step: " + ", ".join(f"{k} {len(c)}" for k, c in per.items())
             + "".join(f"; step {k}: {c}" for k, c in per.items() if k not in ("setup", "0") and c))
-  rates = {}
-  print(f"{'side':8s} {'first step s':>12s} {'median s':>9s} {'tok/s':>8s}")
-  for name, recs in records.items():
-    timed = recs[1:]
-    if not timed:
-      continue
-    med = statistics.median(r["wall_s"] for r in timed)
-    rates[name] = statistics.median(r["tokens"] / r["wall_s"] for r in timed)
-    print(f"{name:8s} {recs[0]['wall_s']:12.1f} {med:9.2f} {rates[name]:8.0f}")
-  for v in variants:
-    if v in rates and "tunix" in rates:
-      print(f"distflow-jax ({v}) / Tunix GRPO tokens/s: {rates[v] / rates['tunix']:.2f}x "
-            f"(target >= 2x)")
+  stats = summarize(records)
+  print(f"timed steps after step 0: median and mean wall s (mean includes recompiles), "
+        f"comp0/recomp = backend compiles in step 0 / in the timed steps")
+  print_table(stats)
+  if "tunix" in stats:
+    for v in variants:
+      if v in stats:
+        print(f"distflow-jax ({v}) / Tunix GRPO tokens/s: median "
+              f"{stats[v]['rate_median'] / stats['tunix']['rate_median']:.2f}x, mean "
+              f"{stats[v]['rate_mean'] / stats['tunix']['rate_mean']:.2f}x")
   if note:
     print(note)
   print(f"total {time.perf_counter() - t0:.0f} s")
-  return 0 if rates else 1
+  return 0 if stats else 1
 
 
 def compiles_per_step(log_path: str) -> dict[str, list[str]]:
@@ -258,80 +290,52 @@ def compiles_per_step(log_path: str) -> dict[str, list[str]]:
 
 # ---------------------------------------------------------------- our side
 
-def _emit(rec: dict) -> None:
-  print(TAG + json.dumps(rec), flush=True)
-
-
-def _commands():
-  for line in sys.stdin:
-    if line.strip() == "stop":
-      return
-    yield
-
-
-def ours_worker(inputs_path: str, lean: bool, share: bool = True) -> int:
+def ours_worker(inputs_path: str, variant: Variant) -> int:
   with open(inputs_path) as f:
     inp = json.load(f)
   import jax
 
   from distflow_jax.config.loading import load
-  from distflow_jax.workflow import executor, trainer
+  from distflow_jax.workflow import compile_cache, executor, trainer
 
+  buckets = _buckets(inp["prompt_len"]) if variant.buckets else (inp["prompt_len"],)
   overrides = [
       f"model.path={inp['model_dir']}", f"cluster.devices_per_process={jax.local_device_count()}",
       f"run_dir={os.path.join(inp['workdir'], 'run')}", f"data.train={inp['prompts']}",
       f"data.eval={inp['prompts']}", "trainer.eval_every=0",
       f"data.prompts_per_step={inp['prompts_per_step']}", f"rollout.n={inp['n']}",
-      f"data.max_prompt_len={inp['prompt_len']}", f"rollout.prefill_buckets={_buckets(inp['prompt_len'])}",
+      f"data.max_prompt_len={inp['prompt_len']}", f"rollout.prefill_buckets={buckets}",
       f"rollout.max_new_tokens={inp['new']}",
       f"rollout.max_concurrent_decodes={inp['prompts_per_step'] * inp['n']}",
       f"actor.optimizer.lr={inp['lr']}", f"actor.kl.coef={inp['kl_coef']}",
       f"trainer.total_steps={inp['steps']}", f"seed={inp['seed']}",
-      f"model.share_prompt_prefix={share}",
+      f"model.share_prompt_prefix={variant.share}",
   ] + ([f"actor.micro_batch_size={inp['micro']}"] if inp["micro"] else [])
   cfg = load("grpo:tiny", overrides)
-  if lean:
+  if not variant.old_logprob:
     cfg.dag = [dict(n, deps=[d for d in n.get("deps", []) if d != "old_logprob"])
                for n in cfg.dag if n["id"] != "old_logprob"]
+  counter = compile_cache.CompileCounter()  # the count the trainer writes as compile/count
   ctx, loaders = trainer.setup(cfg, log=lambda s: print(s, file=sys.stderr))
-  _emit({"about": f"distflow-jax on {jax.local_device_count()} CPU device(s), DAG "
-                  f"{[s.node.id for s in ctx.plan.steps]}"})
+  bc.emit({"about": f"distflow-jax on {jax.local_device_count()} CPU device(s), buckets "
+                    f"{buckets}, share_prompt_prefix={variant.share}, DAG "
+                    f"{[s.node.id for s in ctx.plan.steps]}"})
   it = iter(loaders.train)
-  for step, _ in enumerate(_commands()):
+  for step, _ in enumerate(bc.commands()):
     ctx.step = step
     print(f"--- step {step}", file=sys.stderr, flush=True)
+    before = counter.snapshot()
     m = executor.run_step(ctx, next(it))
+    c = counter.since(before).metrics()
     nodes = {k[5:]: v for k, v in m.items() if k.startswith("time/") and k.count("/") == 1
-             and k != "time/step"}
-    _emit({"tokens": m["tokens"], "step_s": m["time/step"], "nodes": nodes})
+             and k not in ("time/step", "time/compile")}
+    bc.emit({"tokens": m["tokens"], "step_s": m["time/step"], "nodes": nodes,
+             "prompt_width": m.get("prompt_width", 0.0),
+             "compiles": int(c["compile/count"]), "compile_s": c["time/compile"]})
   return 0
 
 
 # ---------------------------------------------------------------- Tunix's side
-
-class _TunixTokenizer:
-  """Our exported tokenizer.json behind the encode/decode/bos/eos/pad interface Tunix takes."""
-
-  def __init__(self, path: str, eos_id: int, pad_id: int):
-    import tokenizers
-    self.tok = tokenizers.Tokenizer.from_file(path)
-    self._eos, self._pad = eos_id, pad_id
-
-  def encode(self, text, **_):
-    return self.tok.encode(text, add_special_tokens=False).ids
-
-  def decode(self, ids, **_):
-    return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
-
-  def bos_id(self):
-    return None  # our prompts carry no BOS; Tunix then prepends none
-
-  def eos_id(self):
-    return self._eos
-
-  def pad_id(self):
-    return self._pad
-
 
 def tunix_worker(inputs_path: str) -> int:
   with open(inputs_path) as f:
@@ -340,24 +344,15 @@ def tunix_worker(inputs_path: str) -> int:
   import numpy as np
   import optax
   from flax import nnx
-  from tunix.models.qwen2 import model as qwen2_model
-  from tunix.models.qwen2 import params as qwen2_params
   from tunix.rl import rl_cluster as rlc
   from tunix.rl.grpo import grpo_learner
   from tunix.rl.rollout import base_rollout
 
-  m = inp["model"]
-  mcfg = qwen2_model.ModelConfig(
-      num_layers=m["num_layers"], vocab_size=m["vocab_size"], embed_dim=m["hidden_size"],
-      hidden_dim=m["intermediate_size"], num_heads=m["num_heads"], head_dim=m["head_dim"],
-      num_kv_heads=m["num_kv_heads"], rope_theta=10000, norm_eps=1e-6,
-      use_tied_embedding=m["tie_embeddings"])
-  mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1],
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  actor = qwen2_params.create_model_from_safe_tensors(inp["model_dir"], mcfg, mesh)
-  ref = qwen2_params.create_model_from_safe_tensors(inp["model_dir"], mcfg, mesh)
-  tok = _TunixTokenizer(os.path.join(inp["model_dir"], "tokenizer.json"), inp["eos_id"],
-                        inp["pad_id"])
+  counter = bc.CompileCount()
+  actor, mesh = bc.tunix_qwen2(inp["model_dir"], inp["model"])
+  ref, _ = bc.tunix_qwen2(inp["model_dir"], inp["model"])
+  tok = bc.TunixTokenizer(os.path.join(inp["model_dir"], "tokenizer.json"), inp["eos_id"],
+                          inp["pad_id"])
   total = inp["prompt_len"] + inp["new"]
   cluster = rlc.ClusterConfig(
       role_to_mesh={rlc.Role.ACTOR: mesh, rlc.Role.REFERENCE: mesh, rlc.Role.ROLLOUT: mesh},
@@ -405,14 +400,17 @@ def tunix_worker(inputs_path: str) -> int:
     return wrapper
   cluster_obj.generate = timed("rollout", cluster_obj.generate)
   cluster_obj.get_ref_per_token_logps = timed("ref_logprob", cluster_obj.get_ref_per_token_logps)
+  # Shows in a step's record only if Tunix runs it (it does not at num_iterations=1).
+  cluster_obj.get_old_per_token_logps = timed("old_logprob",
+                                              cluster_obj.get_old_per_token_logps)
   cluster_obj.update_actor = timed("update", cluster_obj.update_actor,
                                    block=lambda: nnx.state(actor))
 
   with open(inp["prompts"]) as f:
     rows = [json.loads(line) for line in f]
   per = inp["prompts_per_step"]
-  _emit({"about": f"Tunix (google-tunix, vanilla rollout) on {jax.devices()[0]}"})
-  commands = _commands()
+  bc.emit({"about": f"Tunix (google-tunix, vanilla rollout) on {jax.devices()[0]}"})
+  commands = bc.commands()
 
   def batches():
     state = {"prompt_tokens": 0}
@@ -420,14 +418,17 @@ def tunix_worker(inputs_path: str) -> int:
       if i:  # the previous step has been handed out: wait for its update, report it
         jax.block_until_ready(nnx.state(actor))
         tokens = state["prompt_tokens"] + seen.get("mean_len", 0.0) * per * inp["n"]
-        _emit({"tokens": tokens, "step_s": time.perf_counter() - state["t0"],
-               "nodes": dict(nodes)})
+        count, secs = counter.snapshot()
+        bc.emit({"tokens": tokens, "step_s": time.perf_counter() - state["t0"],
+                 "nodes": dict(nodes), "compiles": count - state["compiles"][0],
+                 "compile_s": secs - state["compiles"][1]})
         nodes.clear()
       if next(commands, "stop") == "stop":
         return
       chunk = rows[i * per:(i + 1) * per]
       state["prompt_tokens"] = sum(len(tok.encode(r["prompt"])) for r in chunk) * inp["n"]
       state["t0"] = time.perf_counter()
+      state["compiles"] = counter.snapshot()
       yield {"prompts": np.array([r["prompt"] for r in chunk]),
              "answer": np.array([str(r["answer"]) for r in chunk])}
 

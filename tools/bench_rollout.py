@@ -1,32 +1,46 @@
-"""Decode throughput: our engine vs a no-cache baseline vs `transformers.generate` (torch CPU).
+"""Decode throughput: our engine vs a no-cache baseline vs `transformers.generate` (torch CPU)
+vs Tunix's sampler (google-tunix, its own venv).
 
     python tools/bench_rollout.py [--batch 16] [--prompt 32] [--new 64] [--rounds 3]
+                                  [--no-hf] [--no-tunix] [--tunix-venv DIR]
 
-All three decode the same prompts greedily with the same weights (ours are
-exported with models/hf_io and loaded by transformers), measured side by side
-in one run: rounds interleave the three so that machine load hits them alike;
-the median round counts (runners over 5x slower than the engine are timed
-once).  Tokens/s = new tokens / wall time of the whole generate call (prefill
-included).  transformers runs at torch's default thread count and at 1 thread
-(the default thrashes on a loaded machine); the faster is the reference.  It
-is skipped, with a note, when the `hf` extra is not installed.  Default
-model: ~3 M-param Qwen2 shape (vocab 512, d 256, 4 layers, GQA 4:2).
+All decode the same prompts (random token ids, all --prompt long, so nobody pads) greedily
+for the same number of new tokens (no stop token) with the same weights: the bench model
+(tools/_bench_common.BENCH_MODEL, ~3 M-param Qwen2 shape: vocab 512, d 256, 4 layers, GQA
+4:2), exported with models/hf_io and loaded by transformers and by Tunix's qwen2 model
+(`qwen2.params.create_model_from_safe_tensors`, float32).  They are measured side by side
+in one run: rounds interleave them so that machine load hits them alike; the median round
+counts (runners over 5x slower than the engine are timed once; Tunix is timed every round).
+Tokens/s = new tokens / wall time of the whole generate call (prefill included).
 
-Measured here (2 cores, 2026-11-26, fourth session, three runs): engine 2363-2391 tok/s,
-1.71-1.87x transformers.generate at 2 threads, 2.08-2.26x at 1 thread, 28x the no-cache
-baseline; all four agree on every greedy token.
+transformers runs at torch's default thread count and at 1 thread (the default thrashes on
+a loaded machine); the faster is the reference.  It is skipped, with a note, when the `hf`
+extra is not installed (or with --no-hf).
+
+Tunix's `generate.sampler.Sampler` (google-tunix 0.1.7, temperature 0 = greedy, KV cache of
+prompt + new tokens) runs in a worker process in the venv tools/bench_e2e.py uses (created
+on first use, about a minute); its time is that of the sampler call inside the worker.  The
+prompts go to it as text of space-separated ids through a tokenizer that parses them back,
+so it sees exactly our token ids.  Skipped, with a note, with --no-tunix or when the venv
+cannot be made.  The report gives every runner's greedy-token agreement with the no-cache
+baseline and Tunix's with the engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench_common as bc  # noqa: E402
 
 
 def _args(argv):
@@ -37,11 +51,33 @@ def _args(argv):
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--decode-steps", type=int, default=64, help="tokens per compiled decode call")
   p.add_argument("--no-hf", action="store_true", help="skip transformers")
+  p.add_argument("--no-tunix", action="store_true", help="skip Tunix's sampler")
+  p.add_argument("--tunix-venv", default=bc.DEFAULT_TUNIX_VENV)
+  p.add_argument("--worker", choices=("tunix",), help=argparse.SUPPRESS)
+  p.add_argument("--inputs", help=argparse.SUPPRESS)
   return p.parse_args(argv)
+
+
+def agreement(a, b) -> tuple[float, int]:
+  """(Fraction of equal tokens, rows equal in full) of two [rows, new] token arrays."""
+  a, b = np.asarray(a), np.asarray(b)
+  if a.shape != b.shape:
+    return 0.0, 0
+  return float(np.mean(a == b)), int(np.all(a == b, axis=1).sum())
 
 
 def main(argv=None) -> int:
   args = _args(argv)
+  if args.worker == "tunix":
+    return tunix_worker(args.inputs)
+  tunix_py, tunix_note = None, ""
+  if args.no_tunix:
+    tunix_note = "Tunix's sampler skipped (--no-tunix)"
+  else:
+    try:
+      tunix_py = bc.ensure_tunix(args.tunix_venv)
+    except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
+      tunix_note = f"Tunix's sampler skipped: {e}"
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
   import jax
   import jax.numpy as jnp
@@ -51,8 +87,7 @@ def main(argv=None) -> int:
   from distflow_jax.models import hf_io
   from distflow_jax.rollout import Engine, EngineConfig, SamplingParams, generate, replica_mesh
 
-  cfg = ModelConfig(arch="qwen2", vocab_size=512, hidden_size=256, intermediate_size=688,
-                    num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, qkv_bias=True)
+  cfg = ModelConfig(**bc.BENCH_MODEL)
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   b, tp, tn = args.batch, args.prompt, args.new
   rs = np.random.RandomState(0)
@@ -65,6 +100,13 @@ def main(argv=None) -> int:
                                     decode_steps=min(args.decode_steps, tn)),
                   mesh=replica_mesh(1, jax.local_devices()[:1]))
   params = engine.load_params(model)
+
+  def timed(fn):
+    def run():
+      t0 = time.perf_counter()
+      out = fn()
+      return out, time.perf_counter() - t0
+    return run
 
   def ours():
     out = generate(engine, params, prompts.tolist())
@@ -90,7 +132,10 @@ def main(argv=None) -> int:
         buf.block_until_ready()
     return np.asarray(buf[:, tp:])
 
-  runners = {"engine": ours, "no-cache": no_cache}
+  runners = {"engine": timed(ours), "no-cache": timed(no_cache)}
+  tmp = tempfile.mkdtemp(prefix="bench_rollout_")
+  model_dir = os.path.join(tmp, "model")
+  hf_io.save_pretrained(model_dir, model)
   hf_note = ""
   if not args.no_hf:
     try:
@@ -99,9 +144,8 @@ def main(argv=None) -> int:
     except ImportError as e:
       hf_note = f"transformers.generate skipped: {e} (pip install '.[hf]')"
     else:
-      tmp = tempfile.mkdtemp(prefix="bench_rollout_")
-      hf_io.save_pretrained(tmp, model)
-      hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+      hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
+                                                                   dtype=torch.float32)
       hf_model.eval()
       ids = torch.tensor(prompts, dtype=torch.long)
 
@@ -118,39 +162,118 @@ def main(argv=None) -> int:
       # measured and the faster of the two is the reference.
       default_threads = torch.get_num_threads()
       for threads in dict.fromkeys((default_threads, 1)):
-        runners[f"transformers.generate/{threads}t"] = hf_runner(threads)
+        runners[f"transformers.generate/{threads}t"] = timed(hf_runner(threads))
       hf_note = f"transformers {transformers.__version__}, torch {torch.__version__}"
 
-  results, warm = {}, {}
-  for name, fn in runners.items():  # warm-up / compile
-    t0 = time.perf_counter()
-    results[name] = fn()
-    warm[name] = time.perf_counter() - t0
-  # Runners 5x slower than the engine's warm-up (compile included) get one timed round:
-  # their ratio is not in doubt and extra rounds would take minutes.
-  times = {name: [] for name in runners}
-  for i in range(args.rounds):
-    for name, fn in runners.items():
-      if i and warm[name] > 5 * warm["engine"]:
-        continue
-      t0 = time.perf_counter()
-      fn()
-      times[name].append(time.perf_counter() - t0)
+  tunix = None
+  if tunix_py:
+    path = os.path.join(tmp, "tunix_inputs.json")
+    with open(path, "w") as f:
+      json.dump(dict(model_dir=model_dir, model=bc.BENCH_MODEL, prompts=prompts.tolist(),
+                     new=tn), f)
+    tunix = bc.Worker("tunix", [tunix_py, os.path.abspath(__file__), "--worker", "tunix",
+                                "--inputs", path],
+                      os.path.join(tmp, "tunix.log"), bc.tunix_env())
+
+    def tunix_runner():
+      rec = tunix.step()
+      return np.asarray(rec["tokens"]), rec["gen_s"]
+
+  try:
+    if tunix is not None:
+      try:
+        tunix_note = tunix.ready()["about"]
+        runners["tunix sampler"] = tunix_runner
+      except RuntimeError as e:
+        tunix_note = f"Tunix's sampler skipped: {e}"
+    results, warm = {}, {}
+    for name, fn in runners.items():  # warm-up / compile
+      results[name], warm[name] = fn()
+    # Runners 5x slower than the engine's warm-up (compile included) get one timed round:
+    # their ratio is not in doubt and extra rounds would take minutes.  Tunix's sampler,
+    # whose compile may be slow but whose ratio is the point, is timed every round.
+    times = {name: [] for name in runners}
+    for i in range(args.rounds):
+      for name, fn in runners.items():
+        if i and name != "tunix sampler" and warm[name] > 5 * warm["engine"]:
+          continue
+        times[name].append(fn()[1])
+  finally:
+    if tunix is not None:
+      tunix.close()
   rate = {name: b * tn / statistics.median(ts) for name, ts in times.items()}
   print(f"{'runner':28s} {'tok/s':>10s} {'median s':>9s}   engine speed-up")
   for name, r in rate.items():
     print(f"{name:28s} {r:10.0f} {b * tn / r:9.3f}   {rate['engine'] / r:5.2f}x")
   hf_rates = [r for name, r in rate.items() if name.startswith("transformers")]
   if hf_rates:
-    print(f"engine vs best transformers.generate: {rate['engine'] / max(hf_rates):.2f}x "
-          f"(target >= 2x)")
-  if hf_note:
-    print(hf_note)
+    print(f"engine vs best transformers.generate: {rate['engine'] / max(hf_rates):.2f}x")
+  if "tunix sampler" in rate:
+    print(f"engine vs Tunix sampler: {rate['engine'] / rate['tunix sampler']:.2f}x")
+  for note in (hf_note, tunix_note):
+    if note:
+      print(note)
   ref = results["no-cache"]
   for name, toks in results.items():
-    agree = float(np.mean(np.asarray(toks) == ref))
-    print(f"greedy tokens equal to no-cache: {name}: {agree:.3f}")
+    print(f"greedy tokens equal to no-cache: {name}: {agreement(toks, ref)[0]:.3f}")
+  if "tunix sampler" in results:
+    frac, rows = agreement(results["tunix sampler"], results["engine"])
+    print(f"Tunix sampler vs engine, token for token: {frac:.3f} of tokens, {rows}/{b} rows "
+          f"equal")
   print(f"engine compiles: {engine.compile_counts()}")
+  return 0
+
+
+# ---------------------------------------------------------------- Tunix's side
+
+class _IdsTokenizer:
+  """Text of space-separated token ids <-> the ids: Tunix's sampler takes strings and we
+  want it to see our exact prompt ids.  No BOS; the EOS (one past the vocabulary) is never
+  generated, so every row runs the full --new tokens as ours do."""
+
+  def __init__(self, vocab_size: int):
+    self.vocab_size = vocab_size
+
+  def encode(self, text, **_):
+    return [int(t) for t in text.split()]
+
+  def decode(self, ids, **_):
+    return " ".join(str(int(i)) for i in ids)
+
+  def bos_id(self):
+    return None
+
+  def eos_id(self):
+    return self.vocab_size
+
+  def pad_id(self):
+    return 0
+
+
+def tunix_worker(inputs_path: str) -> int:
+  with open(inputs_path) as f:
+    inp = json.load(f)
+  import jax
+  from tunix.generate import sampler as sampler_lib
+
+  m, prompts, tn = inp["model"], inp["prompts"], inp["new"]
+  tp = len(prompts[0])
+  model, mesh = bc.tunix_qwen2(inp["model_dir"], m)
+  tok = _IdsTokenizer(m["vocab_size"])
+  sampler = sampler_lib.Sampler(
+      model, tok, sampler_lib.CacheConfig(cache_size=tp + tn, num_layers=m["num_layers"],
+                                          num_kv_heads=m["num_kv_heads"],
+                                          head_dim=m["head_dim"]))
+  texts = [tok.decode(p) for p in prompts]
+  bc.emit({"about": f"Tunix sampler (google-tunix {bc.TUNIX_SPEC.split('==')[1]}, greedy) on "
+                    f"{jax.devices()[0]}"})
+  for _ in bc.commands():
+    t0 = time.perf_counter()
+    with mesh:
+      out = sampler(texts, max_generation_steps=tn, max_prompt_length=tp,
+                    eos_tokens=[tok.eos_id()], temperature=0.0)
+    dt = time.perf_counter() - t0
+    bc.emit({"tokens": [[int(t) for t in row] for row in out.tokens], "gen_s": dt})
   return 0
 
 
