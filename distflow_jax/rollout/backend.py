@@ -64,6 +64,9 @@ class RolloutBackend(Protocol):
                pad_id: int = 0, max_new_tokens: int | None = None) -> RolloutResult:
     """`n` responses per prompt; row r answers prompt r // n (see `driver.generate`)."""
 
+  def precompile(self) -> None:
+    """Compiles now every shape a later `generate` may meet (after the first call)."""
+
 
 class EngineBackend:
   """The `engine` backend: `engine.Engine` driven by `driver.generate`, unchanged."""
@@ -94,6 +97,9 @@ class EngineBackend:
                pad_id: int = 0, max_new_tokens: int | None = None) -> RolloutResult:
     return driver.generate(self.engine, params, prompts, n, max_new_tokens=max_new_tokens,
                            rng=rng, pad_id=pad_id, request_ids=request_ids)
+
+  def precompile(self) -> None:
+    self.engine.precompile()
 
 
 # (model_cfg, config, mesh) -> backend.

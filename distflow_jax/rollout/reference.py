@@ -122,3 +122,6 @@ class ReferenceSampler:
       if not live.any():
         break
     return driver.assemble(toks, lps, slps, n, n_max, self.config.stop_ids, pad_id)
+
+  def precompile(self) -> None:
+    """Nothing: the oracle runs a full forward per token and is not for speed."""

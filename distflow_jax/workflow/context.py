@@ -106,6 +106,11 @@ class RunContext:
                                 replica_mesh(rollout.tensor_parallel, local))
     return self._backends[key]
 
+  def precompile_rollouts(self) -> None:
+    """Every rollout replica built so far compiles the shapes a later step may meet."""
+    for backend in self._backends.values():
+      backend.precompile()
+
   def step_rng(self, node: Node) -> jax.Array:
     """A key for this step and node, the same on every process: fold in global ids
     (e.g. sample ids) to draw per-sample streams."""

@@ -220,12 +220,8 @@ def _precompile_rollouts(ctx: RunContext) -> None:
   engines' prefill can take, compiled now (a cache load from the second run on), so that
   no later step compiles when its prompts fall in a bucket the first step did not use.
   Off without the cache: each run would pay for shapes it may never see."""
-  if not compile_cache.active():
-    return
-  for backend in ctx._backends.values():  # pylint: disable=protected-access
-    engine = getattr(backend, "engine", None)
-    if engine is not None and hasattr(engine, "precompile"):
-      engine.precompile()
+  if compile_cache.active():
+    ctx.precompile_rollouts()
 
 
 def _collapse_message(alarm: health_lib.Alarm, checkpointer) -> str:
