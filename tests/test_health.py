@@ -99,18 +99,16 @@ def test_stop_on_collapse_names_the_signal_and_the_last_good_checkpoint(tmp_path
   import json
 
   from distflow_jax import cli
-  from workflow_util import tiny_model_folder
+  from workflow_util import tiny_model_folder, tiny_train_argv
 
   tiny_model_folder(tmp_path)
   run_dir = tmp_path / "run"
-  code = cli.main(["train", "--config=grpo:tiny", f"--config.run_dir={run_dir}",
-                   f"--config.model.path={tmp_path / 'model'}", "--config.data.eval=",
-                   "--config.data.prompts_per_step=8", "--config.rollout.n=2",
-                   "--config.rollout.max_new_tokens=8", "--config.actor.micro_batch_size=1",
-                   "--config.trainer.eval_every=0", "--config.trainer.total_steps=4",
-                   "--config.trainer.save_every=1", "--config.trainer.async_save=False",
-                   "--config.trainer.health.zero_reward_steps=2",
-                   "--config.trainer.stop_on_collapse=True"])
+  code = cli.main(tiny_train_argv(tmp_path, run_dir, "--config.data.eval=",
+                                  "--config.trainer.eval_every=0",
+                                  "--config.trainer.total_steps=4",
+                                  "--config.trainer.save_every=1",
+                                  "--config.trainer.health.zero_reward_steps=2",
+                                  "--config.trainer.stop_on_collapse=True"))
   out, err = capsys.readouterr()
   assert code == 1, err
   lines = [l for l in err.splitlines() if l.startswith("distflow-jax")]

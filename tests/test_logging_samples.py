@@ -7,7 +7,7 @@ import pytest
 
 from distflow_jax.config import loading, values
 from distflow_jax.workflow import samples, tensorboard
-from workflow_util import summary_values, tiny_model_folder
+from workflow_util import summary_values, tiny_model_folder, tiny_train_argv
 
 
 def _read_text_events(logdir):
@@ -73,13 +73,10 @@ def test_train_writes_samples_at_each_evaluation(tmp_path, capsys):
 
   tiny_model_folder(tmp_path)
   run_dir = tmp_path / "run"
-  code = cli.main(["train", "--config=grpo:tiny", f"--config.run_dir={run_dir}",
-                   f"--config.model.path={tmp_path / 'model'}", "--config.data.eval_size=8",
-                   "--config.data.prompts_per_step=8", "--config.rollout.n=2",
-                   "--config.rollout.max_new_tokens=8", "--config.actor.micro_batch_size=1",
-                   "--config.trainer.eval_every=1", "--config.trainer.total_steps=2",
-                   "--config.trainer.log_samples=3", "--config.trainer.save_every=0",
-                   "--config.trainer.async_save=False"])
+  code = cli.main(tiny_train_argv(tmp_path, run_dir, "--config.data.eval_size=8",
+                                  "--config.trainer.eval_every=1",
+                                  "--config.trainer.total_steps=2",
+                                  "--config.trainer.log_samples=3"))
   _, err = capsys.readouterr()
   assert code == 0, err
   rows = [json.loads(l) for l in open(run_dir / "samples.jsonl")]

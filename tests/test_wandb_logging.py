@@ -11,7 +11,7 @@ import pytest
 from distflow_jax import cli
 from distflow_jax.config import loading, values
 from distflow_jax.workflow import wandb_log
-from workflow_util import tiny_model_folder
+from workflow_util import tiny_model_folder, tiny_train_argv
 
 
 def test_wandb_is_off_by_default_and_its_keys_are_checked():
@@ -91,15 +91,13 @@ def test_train_logs_metrics_and_sample_tables_to_wandb_offline(tmp_path, monkeyp
   (tmp_path / "wb").mkdir()
   tiny_model_folder(tmp_path)
   run_dir = tmp_path / "run"
-  code = cli.main(["train", "--config=grpo:tiny", f"--config.run_dir={run_dir}",
-                   f"--config.model.path={tmp_path / 'model'}", "--config.data.eval_size=8",
-                   "--config.data.prompts_per_step=8", "--config.rollout.n=2",
-                   "--config.rollout.max_new_tokens=8", "--config.actor.micro_batch_size=1",
-                   "--config.trainer.eval_every=1", "--config.trainer.total_steps=2",
-                   "--config.trainer.log_samples=2", "--config.trainer.save_every=0",
-                   "--config.trainer.async_save=False", "--config.logging.wandb.enabled=True",
-                   "--config.logging.wandb.project=distflow-test",
-                   "--config.logging.wandb.name=tiny-offline"])
+  code = cli.main(tiny_train_argv(tmp_path, run_dir, "--config.data.eval_size=8",
+                                  "--config.trainer.eval_every=1",
+                                  "--config.trainer.total_steps=2",
+                                  "--config.trainer.log_samples=2",
+                                  "--config.logging.wandb.enabled=True",
+                                  "--config.logging.wandb.project=distflow-test",
+                                  "--config.logging.wandb.name=tiny-offline"))
   _, err = capsys.readouterr()
   assert code == 0, err
   runs = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*"))

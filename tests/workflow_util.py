@@ -77,3 +77,13 @@ def summary_values(logdir):
       pos += 12 + n + 4
       out.extend((v.tag, ev.step, v) for v in ev.summary.value)
   return out
+
+
+def tiny_train_argv(tmp_path, run_dir, *extra):
+  """``distflow-jax train`` argv for the tiny_model_folder model: 8 prompts x 2, 8 new
+  tokens, micro-batches of 1, no periodic saves; ``extra`` flags last (they win)."""
+  return ["train", "--config=grpo:tiny", f"--config.run_dir={run_dir}",
+          f"--config.model.path={tmp_path / 'model'}", "--config.data.prompts_per_step=8",
+          "--config.rollout.n=2", "--config.rollout.max_new_tokens=8",
+          "--config.actor.micro_batch_size=1", "--config.trainer.save_every=0",
+          "--config.trainer.async_save=False", *extra]
