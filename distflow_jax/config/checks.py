@@ -181,7 +181,8 @@ def _check_batches(cfg, plan: planner_lib.Plan, dag: Dag, registry: Registry) ->
         raise ConfigError(f"{spec.section}.mini_batches={mini} does not divide the "
                           f"{per_shard} samples per data-parallel shard of node "
                           f"{step.node.id!r}")
-      if (per_shard // mini) % section.micro_batch_size:
+      by_rows = not section.get("micro_batch_tokens", 0)  # else micro-batches by tokens
+      if by_rows and (per_shard // mini) % section.micro_batch_size:
         raise ConfigError(
             f"{spec.section}.micro_batch_size={section.micro_batch_size} does not divide "
             f"the {per_shard // mini} samples per shard and mini-batch of node "

@@ -119,6 +119,13 @@ def base() -> ml_collections.ConfigDict:
   c.actor = dict(
       optimizer=optimizer(1e-5),
       micro_batch_size=8,
+      # Token-budget micro-batches (train/token_budget.py; needs model.pack_sequences=True):
+      # > 0 fills the train step's micro-batches by real tokens instead of micro_batch_size
+      # rows: per data shard, samples longest first to the least-loaded micro-batch with
+      # room, at most this many tokens each (a longer sample alone in one), each packed into
+      # ceil(micro_batch_tokens / pack_len) rows; the micro-batch count is the same on every
+      # shard (bucketed).  0 = micro-batches of micro_batch_size rows.
+      micro_batch_tokens=0,
       ppo_epochs=1,
       mini_batches=1,
       clip_ratio_low=0.2,
@@ -136,6 +143,7 @@ def base() -> ml_collections.ConfigDict:
   c.critic = dict(
       optimizer=optimizer(1e-5),
       micro_batch_size=8,
+      micro_batch_tokens=0,  # as actor.micro_batch_tokens, for the critic's train step
       ppo_epochs=1,
       value_clip=0.2,
       # Steps at the start in which only the critic trains (the actor's update is skipped):

@@ -115,6 +115,7 @@ def check_values(cfg) -> None:
   if total > cfg.model.max_seq_len:
     raise ConfigError(f"data.max_prompt_len + rollout.max_new_tokens = {total} exceeds "
                       f"model.max_seq_len={cfg.model.max_seq_len}")
+  _check_token_budget(cfg)
   _check_packing(cfg)
   _check_actor(cfg.actor)
   for role in ("actor", "critic"):
@@ -186,6 +187,30 @@ def _check_model(m) -> None:
   positive(w.batch_size, "model.warmstart.batch_size")
   positive(w.examples, "model.warmstart.examples")
   in_range(w.plain_answer_prob, "model.warmstart.plain_answer_prob", 0, 1)
+
+
+def _check_token_budget(cfg) -> None:
+  """<role>.micro_batch_tokens: token-budget micro-batches are made of packed rows, so they
+  need model.pack_sequences and exclude what packing excludes."""
+  for role in ("actor", "critic"):
+    key = f"{role}.micro_batch_tokens"
+    budget = cfg[role].get("micro_batch_tokens", 0)
+    if isinstance(budget, bool) or not isinstance(budget, int):
+      raise ConfigError(f"{key}={budget!r} must be a whole number of tokens (0 = off)")
+    positive(budget, key, allow_zero=True, note=" (0 = micro-batches of micro_batch_size rows)")
+    if not budget:
+      continue
+    if not cfg.model.get("pack_sequences", False):
+      raise ConfigError(f"{key}={budget} needs model.pack_sequences=True (a token budget fills "
+                        f"packed rows); set it, or {key}=0")
+    if cfg.trainer.deterministic:
+      raise ConfigError(f"{key}={budget} does not work with trainer.deterministic=True (its "
+                        f"sums run over fixed units of {role}.micro_batch_size rows); set "
+                        f"{key}=0")
+    if cfg.model.share_prompt_prefix and cfg.rollout.n > 1:
+      raise ConfigError(f"{key}={budget} does not work with shared prompts "
+                        f"(model.share_prompt_prefix=True and rollout.n > 1); set "
+                        f"model.share_prompt_prefix=False")
 
 
 def _check_packing(cfg) -> None:

@@ -2,8 +2,9 @@
 
 ``logprob`` (the actor's log-probs before the update, i.e. the old policy), ``ref_logprob``
 (the frozen reference's) and ``values`` (the critic's per-token values).  ``pass_fn`` and
-``prompt_group`` are shared with the reward model and the train steps; so is ``pack_plan``
-(``model.pack_sequences``: padding-free passes, train/packing.py).
+``prompt_group`` are shared with the reward model and the train steps; so are ``pack_plan``
+(``model.pack_sequences``: padding-free passes, train/packing.py) and ``budget_plan`` (the
+train steps' token-budget micro-batches, train/token_budget.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from distflow_jax.dag.spec import Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch
 from distflow_jax.nodes.common import NodeTable, seq
-from distflow_jax.train import deterministic, packing, steps as steps_lib
+from distflow_jax.train import deterministic, packing, steps as steps_lib, token_budget
 from distflow_jax.workflow.context import RunContext, shared_prompt_group
 
 
@@ -59,6 +60,29 @@ def pack_plan(ctx: RunContext, node: Node, lay: dlayout.Layout, data: dict,
     plan, stats = packing.plan(pm, rm, m.pack_len, shards if pm.shape[0] % shards == 0 else 1)
   else:
     plan, stats = packing.plan_parts(pm, rm, m.pack_len, num_parts, block, shards)
+  return _placed(ctx, node, lay, plan, stats)
+
+
+def budget_plan(ctx: RunContext, node: Node, lay: dlayout.Layout, data: dict, budget: int,
+                prefix: str):
+  """`pack_plan` for a train step with token-budget micro-batches (`<prefix>.micro_batch_tokens`
+  = `budget`, train/token_budget.py); also records `<prefix>/micro_batches` (M) and
+  `<prefix>/micro_batch_fill_max` / `_min` (the fullest and emptiest micro-batch on any
+  shard, real tokens as a fraction of the budget; the max exceeds 1 only for a sample
+  longer than the budget, alone in its micro-batch)."""
+  pm = packing.host_array(data["prompt_mask"])
+  rm = packing.host_array(data["response_mask"])
+  plan, stats, tokens_DxM = token_budget.plan(pm, rm, budget, ctx.cfg.model.pack_len,
+                                              lay.num_shards)
+  ctx.metrics.add(f"{prefix}/micro_batches", float(tokens_DxM.shape[1]))
+  ctx.metrics.add(f"{prefix}/micro_batch_fill_max", float(tokens_DxM.max()) / budget)
+  ctx.metrics.add(f"{prefix}/micro_batch_fill_min", float(tokens_DxM.min()) / budget)
+  return _placed(ctx, node, lay, plan, stats)
+
+
+def _placed(ctx: RunContext, node: Node, lay: dlayout.Layout, plan, stats: packing.PackStats):
+  """Records `pad_fraction/<node>` and `pad_fraction_padded/<node>`; `plan` on `lay`'s mesh,
+  replicated."""
   ctx.metrics.add(f"pad_fraction/{node.id}", stats.pad_fraction)
   ctx.metrics.add(f"pad_fraction_padded/{node.id}", stats.padded_pad_fraction)
   return jax.device_put(plan, NamedSharding(lay.mesh, PartitionSpec()))

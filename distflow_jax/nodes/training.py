@@ -15,7 +15,7 @@ from distflow_jax.dag.spec import DagError, Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch
 from distflow_jax.nodes.common import NodeTable, seq
-from distflow_jax.nodes.passes import pack_plan, prompt_group
+from distflow_jax.nodes.passes import budget_plan, pack_plan, prompt_group
 from distflow_jax.train import deterministic, steps as steps_lib
 from distflow_jax.workflow.context import RunContext
 
@@ -29,11 +29,12 @@ def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: 
   data = seq(batch)
   b = data["response_mask"].shape[0]
   minis = section.mini_batches if role is Role.ACTOR else 1
-  micro = max(b // lay.num_shards // minis // section.micro_batch_size, 1)
+  budget = section.get("micro_batch_tokens", 0)  # > 0: micro-batches by tokens, M per plan
+  micro = None if budget else max(b // lay.num_shards // minis // section.micro_batch_size, 1)
   det = ctx.cfg.trainer.deterministic
   gs = 1
   if role is Role.ACTOR:
-    parts = b // section.micro_batch_size if det else lay.num_shards * minis * micro
+    parts = b // section.micro_batch_size if det else lay.num_shards * minis * (micro or 1)
     gs = prompt_group(ctx, node, data, parts)
     loss_cfg = steps_lib.ActorLoss.from_config(section, ctx.cfg.rollout.max_new_tokens, gs)
     data["advantages"] = batch.data["advantages"]
@@ -62,10 +63,14 @@ def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: 
       lambda d, i: jax.tree.map(lambda x: x[i], steps_lib.deal_rows(d, minis, gs)),
       out_shardings=lay.sharding))
   prefix = "actor" if role is Role.ACTOR else "critic"
-  # model.pack_sequences: one packing plan per mini-batch (its micro-batches' plans stacked).
+  # model.pack_sequences: one packing plan per mini-batch (its micro-batches' plans stacked;
+  # with <role>.micro_batch_tokens, its token-budget micro-batches).
   masks = {k: data[k] for k in ("prompt_mask", "response_mask")}
   plans = [None] * minis
-  if ctx.cfg.model.get("pack_sequences", False):
+  if budget:
+    plans = [budget_plan(ctx, node, lay, masks if minis == 1 else take(masks, i), budget,
+                         prefix) for i in range(minis)]
+  elif ctx.cfg.model.get("pack_sequences", False):
     plans = [pack_plan(ctx, node, lay, masks if minis == 1 else take(masks, i), micro, gs)
              for i in range(minis)]
   for _ in range(section.ppo_epochs):

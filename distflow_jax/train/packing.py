@@ -28,6 +28,9 @@ arrays, put on the device next to the batch; the gathers run inside the jitted p
 
 Rows are planned per data shard: the samples of shard s (contiguous rows of the batch)
 fill rows of shard s only, and every shard gets the same number of rows.
+
+Token-budget micro-batches (``<role>.micro_batch_tokens``, train/token_budget.py) choose
+each micro-batch's samples and rows themselves and lay them out with ``fill_rows``.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def _ffd(lengths: np.ndarray, pack_len: int) -> list[list[int]]:
   return bins
 
 
-def _sample_layout(prompt_mask: np.ndarray, response_mask: np.ndarray):
+def sample_layout(prompt_mask: np.ndarray, response_mask: np.ndarray):
   """Per sample: the columns of its real tokens in ``prompt ++ response`` and how many of
   them the pass feeds (up to the token before its last response token; 0: no response)."""
   full = np.concatenate([prompt_mask, response_mask], axis=1).astype(bool)
@@ -101,14 +104,18 @@ def _sample_layout(prompt_mask: np.ndarray, response_mask: np.ndarray):
   return cols, lengths
 
 
-def _bins_per_shard(lengths: np.ndarray, pack_len: int, num_shards: int):
-  b = len(lengths)
-  per = b // num_shards
-  too_long = lengths > pack_len
-  if too_long.any():
+def check_fits(lengths: np.ndarray, pack_len: int) -> None:
+  """Every sample's fed tokens fit one row of ``pack_len`` (a sample never spans rows)."""
+  if (lengths > pack_len).any():
     raise ValueError(f"model.pack_len={pack_len} is shorter than a sample of "
                      f"{int(lengths.max())} tokens (prompt + response - 1); raise it or set "
                      f"model.pack_len=0 (the padded row's length)")
+
+
+def _bins_per_shard(lengths: np.ndarray, pack_len: int, num_shards: int):
+  b = len(lengths)
+  per = b // num_shards
+  check_fits(lengths, pack_len)
   out = []
   for s in range(num_shards):
     idx = np.arange(s * per, (s + 1) * per)
@@ -117,8 +124,11 @@ def _bins_per_shard(lengths: np.ndarray, pack_len: int, num_shards: int):
   return out
 
 
-def _fill(shard_bins, cols, lengths, n: int, p_plus_n: int, pack_len: int,
-          rows_per_shard: int) -> dict[str, np.ndarray]:
+def fill_rows(shard_bins, cols, lengths, n: int, p_plus_n: int, pack_len: int,
+              rows_per_shard: int) -> dict[str, np.ndarray]:
+  """The plan arrays of one micro-batch: ``shard_bins[s][j]`` lists the samples (indices
+  into ``cols`` / ``lengths``, the micro-batch's rows) laid end to end in row j of shard s;
+  shard s owns rows ``s * rows_per_shard ..`` of the result."""
   num_rows = rows_per_shard * len(shard_bins)
   src = np.zeros((num_rows, pack_len), np.int32)
   pos = np.zeros((num_rows, pack_len), np.int32)
@@ -176,10 +186,10 @@ def plan_parts(prompt_mask: np.ndarray, response_mask: np.ndarray, pack_len: int
   n = response_mask.shape[1]
   p_plus_n = prompt_mask.shape[1] + n
   pack_len = pack_len or p_plus_n - 1
-  layouts = [_sample_layout(pm[i], rm[i]) for i in range(num_parts)]
+  layouts = [sample_layout(pm[i], rm[i]) for i in range(num_parts)]
   bins = [_bins_per_shard(lengths, pack_len, num_shards) for _, lengths in layouts]
   rows_per_shard = bucket_rows(max(len(shard) for part in bins for shard in part))
-  plans = [_fill(bins[i], *layouts[i], n, p_plus_n, pack_len, rows_per_shard)
+  plans = [fill_rows(bins[i], *layouts[i], n, p_plus_n, pack_len, rows_per_shard)
            for i in range(num_parts)]
   stacked = {k: np.stack([pl[k] for pl in plans]) for k in plans[0]}
   useful = int(sum(lengths.sum() for _, lengths in layouts))

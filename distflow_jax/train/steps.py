@@ -34,6 +34,11 @@ rows with per-token segment ids, the hidden states gathered back to ``[B, N]`` b
 the heads.  The train step takes ``pack`` with a leading micro-batch axis (one plan per
 micro-batch, ``packing.plan_parts``).  Packing and shared prompts exclude each other.
 
+Token-budget micro-batches.  A plan that also holds ``idx`` / ``valid`` ``[M, S]``
+(train/token_budget.py: ``<role>.micro_batch_tokens``) names each micro-batch's rows
+itself instead of dealing rows round robin: the step gathers them
+(``gather_micro_batches``), padding slots' masks off, and M comes from the plan.
+
 A step whose loss, gradient, new parameters or new optimizer state are not all
 finite leaves parameters and optimizer state unchanged and reports ``skipped = 1``.
 """
@@ -241,9 +246,50 @@ def deal_rows(batch: Batch, m: int, block: int = 1) -> Batch:
   return jax.tree.map(split, dict(batch))
 
 
+SLOT_KEYS = ("idx", "valid")  # a token-budget plan's slots (train/token_budget.py)
+
+
+def gather_micro_batches(batch: Batch, pack: Mapping[str, jax.Array]) -> Batch:
+  """``[B, ...] -> [M, S, ...]``: the rows each micro-batch's slots name (``pack["idx"]``),
+  with the prompt and response masks off on padding slots (``pack["valid"]``), so a
+  padding slot adds nothing to a loss sum, a count or a gradient."""
+  idx_MxS, valid_MxS = pack["idx"], pack["valid"].astype(bool)
+  mbs = {k: v[idx_MxS] for k, v in batch.items()}
+  for k in ("prompt_mask", "response_mask"):
+    x = mbs[k]
+    mbs[k] = jnp.where(valid_MxS[..., None], x, jnp.zeros_like(x))
+  return mbs
+
+
+def _micro_batches(batch: Batch, pack, num_micro_batches: int | None, group_size: int
+                   ) -> Batch:
+  """The step's ``[M, ...]`` micro-batches (plan included): dealt rows, or a token-budget
+  plan's slots (see "Token-budget micro-batches")."""
+  if pack is not None and group_size > 1:
+    raise ValueError(PACK_AND_SHARE)
+  if pack is not None and "idx" in pack:
+    rows = {k: v for k, v in pack.items() if k not in SLOT_KEYS}
+    return {**gather_micro_batches(batch, pack), "pack": rows}
+  if num_micro_batches is None:
+    raise ValueError("train step: num_micro_batches=None needs a token-budget plan "
+                     "(pack with 'idx'; train/token_budget.py)")
+  b = jax.tree.leaves(batch)[0].shape[0]
+  if group_size > 1 and b % (num_micro_batches * group_size):
+    raise ValueError(f"train step: {b} rows do not split into {num_micro_batches} "
+                     f"micro-batches of whole groups of {group_size}")
+  mbs = deal_rows(batch, num_micro_batches, group_size)
+  if pack is not None:
+    if jax.tree.leaves(pack)[0].shape[0] != num_micro_batches:
+      raise ValueError(f"train step: the packing plan has {jax.tree.leaves(pack)[0].shape[0]} "
+                       f"micro-batches, the step {num_micro_batches}")
+    mbs = {**mbs, "pack": pack}
+  return mbs
+
+
 def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.LossOutput],
                     graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                    num_micro_batches: int, agg_mode: str, group_size: int = 1) -> Callable:
+                    num_micro_batches: int | None, agg_mode: str, group_size: int = 1
+                    ) -> Callable:
   """``step(params, opt_state, batch) -> (params, opt_state, stats)``, jitted, state donated.
 
   ``stats`` holds sums (``total``, ``count``, ``token_count``, metric sums) plus
@@ -251,23 +297,14 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
   ``group_size`` keeps blocks of that many consecutive rows in one micro-batch (see
   "Micro-batches"); the loss function decides whether it shares their prompts.  A batch
   holding ``pack`` (``[M, ...]``: one plan per micro-batch) runs packed (see "Packed rows").
+  ``num_micro_batches=None``: every batch brings a token-budget plan, whose M is used (see
+  "Token-budget micro-batches"; a new M compiles the step once more).
   """
 
   def step(params, opt_state, batch):
     pack = batch.get("pack")
     batch = {k: v for k, v in batch.items() if k != "pack"}
-    b = jax.tree.leaves(batch)[0].shape[0]
-    if group_size > 1 and b % (num_micro_batches * group_size):
-      raise ValueError(f"train step: {b} rows do not split into {num_micro_batches} "
-                       f"micro-batches of whole groups of {group_size}")
-    if pack is not None and group_size > 1:
-      raise ValueError(PACK_AND_SHARE)
-    mbs = deal_rows(batch, num_micro_batches, group_size)
-    if pack is not None:
-      if jax.tree.leaves(pack)[0].shape[0] != num_micro_batches:
-        raise ValueError(f"train step: the packing plan has {jax.tree.leaves(pack)[0].shape[0]} "
-                         f"micro-batches, the step {num_micro_batches}")
-      mbs = {**mbs, "pack": pack}
+    mbs = _micro_batches(batch, pack, num_micro_batches, group_size)
     denom = losses.loss_denominator(batch["response_mask"], agg_mode)
 
     def one(carry, mb):
@@ -376,10 +413,18 @@ class PinnedStep:
     return jax.jit(rows_sharded_on(self._step, mesh), donate_argnums=(0, 1),
                    out_shardings=(sh(params), sh(opt_state), None))
 
-  def __call__(self, params, opt_state, batch):
+  def _get(self, params, opt_state):
     if self._jitted is None:
       self._jitted = self.jitted_for(params, opt_state)
-    return self._jitted(params, opt_state, batch)
+    return self._jitted
+
+  def __call__(self, params, opt_state, batch):
+    return self._get(params, opt_state)(params, opt_state, batch)
+
+  def lower(self, params, opt_state, batch):
+    """The step lowered for these (possibly abstract) arguments, by the same jitted
+    function the calls use: compiling it fills their cache (workflow/warm_shapes.py)."""
+    return self._get(params, opt_state).lower(params, opt_state, batch)
 
   def _cache_size(self) -> int:
     return 0 if self._jitted is None else self._jitted._cache_size()
