@@ -141,15 +141,43 @@ def mem_available_bytes() -> int:
   return 0
 
 
+def descendants(pid: int) -> list[int]:
+  """The ids of every live process below ``pid`` (children, grandchildren, ...), from
+  /proc: the launcher starts each worker in its own session, so killing ``pid``'s process
+  group alone would leave them running."""
+  children: dict[int, list[int]] = {}
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit():
+      continue
+    try:
+      with open(f"/proc/{entry}/stat") as f:
+        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+      continue
+    children.setdefault(ppid, []).append(int(entry))
+  found, todo = [], [pid]
+  while todo:
+    for child in children.get(todo.pop(), []):
+      found.append(child)
+      todo.append(child)
+  return found
+
+
 def run_with_deadline(cmd: list[str], timeout_s: float) -> tuple[int, str]:
-  """``(returncode, stdout + stderr)`` of ``cmd`` in its own process group, SIGKILLed (the
-  whole group) after ``timeout_s``; returncode -9 then."""
+  """``(returncode, stdout + stderr)`` of ``cmd`` in its own process group; after
+  ``timeout_s`` it, its group and every process below it get SIGKILL (returncode -9)."""
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True)
   try:
     out, _ = proc.communicate(timeout=timeout_s)
   except subprocess.TimeoutExpired:
+    below = descendants(proc.pid)
     os.killpg(proc.pid, signal.SIGKILL)
+    for pid in below:
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
     out, _ = proc.communicate()
     out += f"\n[killed after the {timeout_s:.0f} s deadline]"
   return proc.returncode, out
