@@ -65,12 +65,16 @@ def base() -> ml_collections.ConfigDict:
       # Memory and compile levers (models/config.py).  scan_layers: parameters stacked on a
       # layer axis, layers run under lax.scan (compile time flat in depth).  remat: none |
       # full | dots_saveable, each layer recomputed in the backward pass.  attention_impl:
-      # auto | xla | cudnn | einsum (multi-token attention; auto = cuDNN on GPU in 16 bits).
+      # auto | xla | cudnn | einsum | blockwise (multi-token attention; auto = cuDNN on GPU
+      # in 16 bits, else blockwise from 2048 x 2048 query x key pairs per row, else XLA).
+      # blockwise (models/blockwise.py): flash-style blocks of attention_block queries and
+      # keys, memory linear in the length (a 16K-token row trains on a CPU).
       # master_weights: with a 16-bit dtype, trained roles keep float32 master parameters
       # and optimizer moments in the optimizer state (train/optim.py).
       scan_layers=True,
       remat="none",
       attention_impl="auto",
+      attention_block=512,
       master_weights=True,
       # Padding-free passes (train/packing.py): the log-prob, reference, value passes and
       # the train steps pack each sample's real tokens into rows of pack_len tokens with

@@ -174,6 +174,10 @@ def _check_model(m) -> None:
   option(m.dtype, "model.dtype", "dtype")
   option(m.remat, "model.remat", "remat")
   option(m.attention_impl, "model.attention_impl", "attention_impl")
+  block = m.get("attention_block", 512)
+  if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+    raise ConfigError(f"model.attention_block={block!r} must be a positive whole number of "
+                      f"tokens (blockwise attention's query and key block)")
   if not isinstance(m.scan_layers, bool) or not isinstance(m.master_weights, bool):
     raise ConfigError(f"model.scan_layers={m.scan_layers!r} and model.master_weights="
                       f"{m.master_weights!r} must be true or false")

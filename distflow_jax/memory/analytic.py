@@ -11,7 +11,8 @@ small sizes (tests/test_memory_plan.py).  Bytes per device:
 * gradients: the micro-batch accumulator plus one micro-batch's gradients, ``2 x``;
 * activations (``model.remat=none``): per layer and token ``dtype x (ACT_D x D + ACT_F x
   F + ACT_QKV x (heads + 2 kv_heads) x head_dim) + 4 x ACT_SCORES x heads x keys``
-  (float32 attention scores; none with ``attention_impl=cudnn``, a fused kernel), plus one
+  (float32 attention scores; none with ``attention_impl=cudnn``, a fused kernel, or
+  ``blockwise``, which holds one block of them), plus one
   ``[chunk, vocab]`` float32 logits block x ``ACT_LOGITS``; with ``remat=full`` each layer
   keeps only its input (``D``) and one layer's set is live, ``dots_saveable`` half;
 * KV cache: ``slots x len x layers x 2 x kv_heads x head_dim x dtype bytes``.
@@ -84,7 +85,7 @@ def activation_bytes(m: ModelConfig, rows: int, prompt_len: int, new_tokens: int
   qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim / tensor
   if train:
     per = s * (ACT_D * m.hidden_size + ACT_F * m.intermediate_size / tensor + ACT_QKV * qkv)
-    if attention_impl != "cudnn":
+    if attention_impl not in ("cudnn", "blockwise"):  # no [T, S] scores held
       per += 4 * ACT_SCORES * m.num_heads / tensor * keys
     if remat == "full":
       body = toks * (m.num_layers * s * m.hidden_size + per)
@@ -92,7 +93,7 @@ def activation_bytes(m: ModelConfig, rows: int, prompt_len: int, new_tokens: int
       body = m.num_layers * toks * per * (0.5 if remat == "dots_saveable" else 1.0)
   else:
     body = toks * s * (FWD_D * m.hidden_size + FWD_F * m.intermediate_size / tensor)
-    if attention_impl != "cudnn":  # one layer's float32 scores and probabilities
+    if attention_impl not in ("cudnn", "blockwise"):  # one layer's float32 scores, probabilities
       body += toks * 4 * ACT_SCORES * m.num_heads / tensor * keys
   logits = min(LOGITS_CHUNK, rows * new_tokens) * m.vocab_size / tensor * 4 * ACT_LOGITS
   return body + logits

@@ -117,7 +117,7 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
   notes = [f"figures: {src}" + (" (memory_analysis of the real jitted steps on "
                                 f"{topo.num_devices} simulated devices)" if comp else
                                 " model (memory/analytic.py)")]
-  if comp and impl != "cudnn":
+  if comp and impl not in ("cudnn", "blockwise"):
     notes.append(f"attention as compiled for CPU (model.attention_impl={impl}); on GPU "
                  f"'auto' takes cuDNN's fused kernel in 16 bits, which keeps no [T, T] "
                  f"scores: the activations are an upper bound there")

@@ -3,7 +3,9 @@
 A query at position p attends to every real key at position <= p; a key's
 position -1 marks padding or an empty cache slot (see transformer.py).  Decode
 (one token per row) reads only the smallest window of the cache that holds
-every written slot, from `decode_windows`.
+every written slot, from `decode_windows`.  Multi-token calls take the masked
+einsum, `jax.nn.dot_product_attention` (a `[B, T, S]` mask) or, for long rows,
+blockwise.py's flash-style attention, whose memory is linear in T and S.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from distflow_jax.models.blockwise import blockwise_attention
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.kv_cache import CacheWriter, heads_major
 from distflow_jax.models.layers import RMSNorm, linear
@@ -20,6 +23,14 @@ from distflow_jax.models.layers import RMSNorm, linear
 # Finite so that a query with no visible key (a padding row) gives a uniform
 # softmax instead of NaNs that would poison gradients.
 _MASK_VALUE = -1e30
+
+# `auto` takes blockwise attention (off GPU's cuDNN path) from this many query x key pairs
+# per row: 2048 x 2048, where the [T, S] float32 scores reach 16 MiB per head and row (plus
+# their gradient).  On this 2-core CPU the tiny model's train step was already faster
+# blockwise at 1024 tokens (0.51-0.58 s vs XLA's 0.83-0.86 s) and slower at 512 (0.21 vs
+# 0.11 s, one block: nothing to skip); the threshold keeps short RL rows on XLA's single
+# fused call, GPU float32 included, where the blocks' sequential loop costs more.
+BLOCKWISE_AUTO_PAIRS = 2048 * 2048
 
 
 def rope_inv_freq(dh: int, theta: float, llama3: tuple = ()) -> jax.Array:
@@ -149,11 +160,16 @@ class Attention(nnx.Module):
       out_BxKxGxDh = _attend_one(q_BxTxHxDh.reshape(b, hkv, g, dh), k_BxKxSxDh, v_BxKxSxDh,
                                  key_pos_BxS, positions_BxT[:, 0], end)
       return self.o_proj(out_BxKxGxDh.reshape(b, 1, cfg.num_heads * dh))
+    impl = dpa_implementation(cfg.attention_impl, q_BxTxHxDh.dtype, dh,
+                              t * k_BxKxSxDh.shape[2])
+    if impl == "blockwise":  # never builds a [T, S] array
+      out = blockwise_attention(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, positions_BxT,
+                                key_pos_BxS, segment_ids_BxT, cfg.attention_block)
+      return self.o_proj(out.reshape(b, t, cfg.num_heads * dh))
     visible_BxTxS = ((key_pos_BxS[:, None, :] >= 0)
                      & (key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]))
     if segment_ids_BxT is not None:  # block-diagonal: every impl below takes this one mask
       visible_BxTxS = visible_BxTxS & (segment_ids_BxT[:, None, :] == segment_ids_BxT[:, :, None])
-    impl = dpa_implementation(cfg.attention_impl, q_BxTxHxDh.dtype, dh)
     if impl == "einsum":
       q_BxTxKxGxDh = q_BxTxHxDh.reshape(b, t, hkv, g, dh)
       scores = jnp.einsum("btkgd,bksd->bkgts", q_BxTxKxGxDh, k_BxKxSxDh,
@@ -166,16 +182,19 @@ class Attention(nnx.Module):
     return self.o_proj(out.reshape(b, t, cfg.num_heads * dh))
 
 
-def dpa_implementation(choice: str, dtype, head_dim: int) -> str | None:
+def dpa_implementation(choice: str, dtype, head_dim: int, pairs: int = 0) -> str | None:
   """`jax.nn.dot_product_attention`'s `implementation` for `model.attention_impl` (or
-  "einsum"): `auto` takes cuDNN on GPU where its fused kernel applies (16-bit, head
-  dim a multiple of 8 up to 128: "cudnn-or-xla", XLA's kernel where cuDNN refuses the
-  call), else None (XLA's choice)."""
-  if choice in ("xla", "cudnn", "einsum"):
+  "einsum" / "blockwise"): `auto` takes cuDNN on GPU where its fused kernel applies
+  (16-bit, head dim a multiple of 8 up to 128: "cudnn-or-xla", XLA's kernel where cuDNN
+  refuses the call), else "blockwise" from `BLOCKWISE_AUTO_PAIRS` query x key `pairs`
+  per row (memory linear in the length), else None (XLA's choice)."""
+  if choice in ("xla", "cudnn", "einsum", "blockwise"):
     return choice
   if (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
       and head_dim % 8 == 0 and head_dim <= 128):
     return "cudnn-or-xla"
+  if pairs >= BLOCKWISE_AUTO_PAIRS:
+    return "blockwise"
   return None
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 ARCHS = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
 REMATS = ("none", "full", "dots_saveable")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "einsum")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "einsum", "blockwise")
 
 # HF `architectures` / `model_type` names -> our arch.
 _HF_ARCH = {
@@ -44,8 +44,10 @@ class ModelConfig:
   them under `lax.scan` (compile time flat in depth); `remat` rematerialises each layer
   in the backward pass (none | full | dots_saveable, a `jax.checkpoint` policy);
   `attention_impl` picks the multi-token attention: `jax.nn.dot_product_attention` with
-  XLA's or cuDNN's kernel, `auto` (cuDNN on GPU for 16-bit shapes it takes, else XLA) or
-  `einsum` (the hand-written masked softmax).
+  XLA's or cuDNN's kernel, `einsum` (the hand-written masked softmax), `blockwise`
+  (flash-style blocks of `attention_block` queries and keys, memory linear in the length:
+  blockwise.py) or `auto` (cuDNN on GPU for 16-bit shapes it takes, else blockwise for
+  rows of >= 2048 x 2048 query x key pairs, else XLA).
   """
   arch: str = "llama"
   vocab_size: int = 128
@@ -72,6 +74,7 @@ class ModelConfig:
   scan_layers: bool = False
   remat: str = "none"
   attention_impl: str = "auto"
+  attention_block: int = 512
 
   def __post_init__(self):
     if self.arch not in ARCHS:
@@ -84,7 +87,8 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.attention_impl={self.attention_impl!r} is unknown; "
                        f"valid: {ATTENTION_IMPLS}")
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                 "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+                 "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",
+                 "attention_block"):
       value = getattr(self, name)
       if not isinstance(value, int) or value <= 0:
         raise ValueError(f"ModelConfig.{name}={value!r} must be a positive int")

@@ -90,11 +90,12 @@ def model_config(cfg: ml_collections.ConfigDict, tokenizer: Tokenizer,
 
 def levers(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig) -> ModelConfig:
   """``model_cfg`` with the config's memory and compile levers (model.scan_layers, remat,
-  attention_impl): how the model runs, not what it computes."""
+  attention_impl, attention_block): how the model runs, not what it computes."""
   m = cfg.model
   return model_cfg.replace(scan_layers=bool(m.get("scan_layers", False)),
                            remat=m.get("remat", "none"),
-                           attention_impl=m.get("attention_impl", "auto"))
+                           attention_impl=m.get("attention_impl", "auto"),
+                           attention_block=m.get("attention_block", 512))
 
 
 def build_actor(model_cfg: ModelConfig, mesh: Mesh, path: str, seed: int) -> nnx.Module:
