@@ -3,9 +3,10 @@ re-partition cost of distributed vs centralized modes as the context grows.
 
     python tools/bench_long_context.py [--part packing|memory|redistribute|all] [--repeats 3]
         [--max-lengths 1024,4096] [--with-16k] [--samples 8] [--prompt 16]
-        [--micro-batch-size 0] [--attention-impl auto] [--lengths 1024,2048,4096,8192,16384] [--impls auto,xla,cudnn,einsum]
+        [--micro-batch-size 0] [--attention-impl auto] [--mem-limit-gib 0] [--compile-only]
+        [--lengths 1024,2048,4096,8192,16384] [--impls auto,xla,...] [--own-memory]
         [--tokens 1024,2048,4096,8192,16384,32768] [--procs 4] [--rows-per-host 64]
-        [--mem-limit-gib 0] [--json out.json]
+        [--json out.json]
 
 (a) ``--part packing``: the tiny built-in model (``model.preset=tiny``, vocab of the built-in
 tokenizer), one GRPO actor train step (``train/steps.make_train_step`` with the actor loss:
@@ -28,7 +29,8 @@ argument bytes`` of XLA's ``memory_analysis()`` (buffers live during the program
 inputs; outputs are written over the donated parameters and optimizer state, so they add
 only the few stats scalars).  A side whose compiled memory is over ``--mem-limit-gib``
 (default: half this machine's MemAvailable) is not run: its row reads "does not fit
-(N GiB)".  The max-16K row is left out unless ``--with-16k``.  Both sides take the same
+(N GiB)"; ``--compile-only`` compiles and prints the memory of both sides and runs
+nothing.  The max-16K row is left out unless ``--with-16k``.  Both sides take the same
 ``--micro-batch-size`` (micro-batches accumulated in the step's scan; the packed side packs
 each micro-batch's samples into its own rows, as the train node does) and the same
 ``--attention-impl`` (``auto`` resolves per shape, so at long rows it may pick a different
@@ -98,6 +100,8 @@ def _args(argv):
                  help="rows per micro-batch (actor.micro_batch_size), both sides; 0 = whole")
   g.add_argument("--attention-impl", default="auto",
                  help="model.attention_impl of both sides (see models.config.ATTENTION_IMPLS)")
+  g.add_argument("--compile-only", action="store_true",
+                 help="compile both sides and print their memory; run nothing")
   g.add_argument("--mem-limit-gib", type=float, default=0.0,
                  help="run a side only if its compiled memory is under this; 0 = half of "
                       "MemAvailable")
@@ -328,7 +332,7 @@ def packing_row(max_new: int, args, mem_limit: int, compiles: bc.CompileCount) -
     row[f"{s.name}_step_bytes"] = s.step_bytes
     row[f"{s.name}_logprob_bytes"] = s.logprob_bytes
     row[f"{s.name}_fits"] = max(s.step_bytes, s.logprob_bytes) <= mem_limit
-  runnable = [s for s in sides.values() if row[f"{s.name}_fits"]]
+  runnable = [s for s in sides.values() if row[f"{s.name}_fits"] and not args.compile_only]
   losses, logps = {}, {}
   for s in runnable:  # one untimed call each, from the same parameters: equal work first
     logps[s.name] = np.asarray(s.run_logprob(params))
@@ -391,6 +395,10 @@ def print_packing(rows: list[dict]) -> None:
       slots = r[f"{name}_slots"]
       lead = (f"{r['max_new_tokens']:>6} {r['mean_over_max']:>8.3f} {r['useful_tokens']:>7} "
               if name == "padded" else f"{'':>6} {'':>8} {'':>7} ")
+      if r["compile_only"]:
+        print(f"{lead}{slots:>7} | {name:<7} {'not run (--compile-only)':<57} "
+              f"{_mib(r[f'{name}_step_bytes']):>8} {_mib(r[f'{name}_logprob_bytes']):>8}")
+        continue
       if not r[f"{name}_fits"]:
         need = max(r[f"{name}_step_bytes"], r[f"{name}_logprob_bytes"])
         print(f"{lead}{slots:>7} | {name:<7} does not fit ({_gib(need)} GiB compiled, over "
@@ -426,7 +434,7 @@ def run_packing(args) -> list[dict]:
   rows = []
   for max_new in maxima:
     row = packing_row(max_new, args, mem_limit, compiles)
-    row["mem_limit"] = mem_limit
+    row["mem_limit"], row["compile_only"] = mem_limit, args.compile_only
     rows.append(row)
     print_packing([row])
   return rows
