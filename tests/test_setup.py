@@ -70,3 +70,19 @@ def test_train_rejects_an_unknown_builtin_task_naming_the_valid_ones(tmp_path):
                                                   "trainer.eval_every=1"))
   with pytest.raises(loading.ConfigError, match=r"^data.eval=.*has no level 'x'"):
     trainer.setup(cfg, log=lambda m: None)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mesh", [(), ("placement.actor.mesh.fsdp=2", "placement.actor.mesh.tensor=4")])
+def test_reference_owns_its_buffers_whatever_the_actor_mesh(tmp_path, mesh):
+  # The actor's train step donates its parameters: a reference leaf on the same buffers
+  # (a replicated leaf under another mesh shape) died with it, and the next step's
+  # reference pass crashed the process (a segfault at step 2 with an fsdp 2 x tensor 4
+  # actor).
+  from distflow_jax.workflow.roles import _shares_buffers
+  cfg = loading.load("grpo:tiny", smoke_overrides(tmp_path, *mesh))
+  roles = prepare_run(cfg, roles="all", log=lambda m: None).ctx.roles
+  import jax
+  actor, ref = (jax.tree.leaves(roles[r].params) for r in (Role.ACTOR, Role.REFERENCE))
+  assert not any(_shares_buffers(r, a) for r, a in zip(ref, actor))
+  assert _shares_buffers(actor[0], actor[0])  # the check itself can see a shared buffer

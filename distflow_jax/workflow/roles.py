@@ -143,6 +143,12 @@ def optimizer(cfg: ml_collections.ConfigDict, section: ml_collections.ConfigDict
   return tx
 
 
+def _shares_buffers(x: jax.Array, y: jax.Array) -> bool:
+  """Whether ``x`` holds any of ``y``'s device buffers."""
+  pointers = {s.data.unsafe_buffer_pointer() for s in y.addressable_shards}
+  return any(s.data.unsafe_buffer_pointer() in pointers for s in x.addressable_shards)
+
+
 def build_roles(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
                 model_path: str, tokenizer: Tokenizer) -> dict[Role, ModelState]:
   """Actor (+ optimizer), reference (frozen copy), critic (+ value head), reward model, as
@@ -160,8 +166,10 @@ def build_roles(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConf
   if Role.REFERENCE in meshes:
     ref_mesh = meshes[Role.REFERENCE]
     ref = jax.device_put(params, sharding.state_shardings(params, ref_mesh, rules))
-    if ref_mesh == meshes[Role.ACTOR]:
-      ref = jax.tree.map(lambda x: x.copy(), ref)  # own buffers: the actor's are donated
+    # Own buffers: the actor's train step donates its own.  device_put reuses a buffer
+    # where a shard lands where it already is (every leaf on the same mesh, and replicated
+    # leaves on the same devices under another mesh shape).
+    ref = jax.tree.map(lambda r, a: r.copy() if _shares_buffers(r, a) else r, ref, params)
     out[Role.REFERENCE] = ModelState(Role.REFERENCE, ref_mesh, graphdef, ref)
   if Role.CRITIC in meshes:
     cmesh = meshes[Role.CRITIC]
