@@ -117,3 +117,11 @@ def test_plugin_import_failure_is_named():
   cfg = loading.load("grpo:tiny", ["plugins=('no_such_plugin_mod',)"])
   with pytest.raises(loading.ConfigError, match=r"cannot import 'no_such_plugin_mod'"):
     plan_from_config(cfg, Topology(1, 8), FUNCTIONS)
+
+
+def test_a_repeated_override_takes_its_last_value_also_for_tuples():
+  # absl appended a repeated tuple override to the first: (40, 16, 40).
+  cfg = loading.load("grpo:tiny", ["rollout.prefill_buckets=(40,)", "rollout.prefill_buckets=(16,40)",
+                           "actor.optimizer.lr=0.5", "actor.optimizer.lr=0.25"])
+  assert tuple(cfg.rollout.prefill_buckets) == (16, 40)
+  assert cfg.actor.optimizer.lr == 0.25

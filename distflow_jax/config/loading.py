@@ -69,7 +69,7 @@ def parse(fv: flags.FlagValues, argv: Sequence[str]) -> list[str]:
   at definition time, so the flag is defined here, with the real argv.
   """
   argv = ["--config=" + resolve_config_path(a.split("=", 1)[1])
-          if a.startswith("--config=") else a for a in argv]
+          if a.startswith("--config=") else a for a in _last_override_wins(argv)]
   if "--config" in argv:
     i = argv.index("--config")
     if i + 1 < len(argv):
@@ -96,6 +96,17 @@ def parse(fv: flags.FlagValues, argv: Sequence[str]) -> list[str]:
   if cfg is None or not isinstance(cfg, ml_collections.ConfigDict):
     raise ConfigError("no config given: pass --config=configs/grpo.py:tiny (or another file)")
   return rest[1:]
+
+
+def _last_override_wins(argv: Sequence[str]) -> list[str]:
+  """``argv`` with only the last of each repeated ``--config.<key>=value``.  absl takes
+  the last value of a repeated flag, except for a tuple-valued override, which it
+  appends to the earlier one: ``rollout.prefill_buckets=(40,)`` then ``=(16,40)`` gave
+  ``(40, 16, 40)``, a silently different run (a launcher's flags plus the user's)."""
+  last = {a.split("=", 1)[0]: i for i, a in enumerate(argv)
+          if a.startswith("--config.") and "=" in a}
+  return [a for i, a in enumerate(argv)
+          if not (a.startswith("--config.") and "=" in a) or last[a.split("=", 1)[0]] == i]
 
 
 def load(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
