@@ -116,6 +116,12 @@ def _scores(q_BxKxGxQxDh, k_BxKxCxDh) -> jax.Array:
 def _forward(s_real, q_N, k_M, v_M, pos_N, kpos_M, segq_N, segk_M):
   """Outputs `[N, B, K, G, bq, Dh]` (values' dtype), log-sum-exp `[N, B, K, G, bq]` and
   whether each query sees any key `[N, B, bq]`."""
+  # Ties the positions and segment ids to the queries: under a differentiated scan over
+  # layers, JAX hoists out of the loop whatever depends only on the loop's constants (the
+  # positions), and through the nested block loops that would stack every block's
+  # visibility, [N, M, B, bq, bk]: quadratic again.  Depending on q, nothing is hoisted.
+  q_N, pos_N, kpos_M, segq_N, segk_M = jax.lax.optimization_barrier(
+      (q_N, pos_N, kpos_M, segq_N, segk_M))
   # The uniform softmax of a query that sees nothing: the mean of the S real values.
   # (Padded key slots hold zeros.)
   mean_BxKxDh = jnp.sum(v_M.astype(jnp.float32), axis=(0, 3)) / s_real
