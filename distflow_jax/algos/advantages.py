@@ -18,6 +18,7 @@ zero on padding.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -205,6 +206,9 @@ def _reverse_masked_scan(step: Callable, init, xs_TxB: tuple) -> jax.Array:
   return out_TxB.T
 
 
+# The scans are jitted with their coefficients static: an eager lax.scan traces its body
+# anew on every call and compiles it again, once per RL step.
+@functools.partial(jax.jit, static_argnames=("gamma",))
 def discounted_returns(token_rewards_BxT: jax.Array, response_mask_BxT: jax.Array,
                        gamma: float) -> jax.Array:
   """G_t = r_t + gamma * G_{t'} with t' the next real token; padding -> 0.
@@ -285,6 +289,17 @@ def gae_advantages(token_rewards_BxT: jax.Array, values_BxT: jax.Array,
         f"token_rewards_BxT {token_rewards_BxT.shape}, values_BxT "
         f"{values_BxT.shape} and response_mask_BxT {response_mask_BxT.shape} "
         "must have the same [B, T] shape")
+  adv, ret = _gae_scan(token_rewards_BxT, values_BxT, response_mask_BxT, gamma, lam)
+  if whiten:
+    adv = masked_whiten(adv, response_mask_BxT.astype(jnp.float32))
+  return AdvantageOutput(adv, ret)
+
+
+@functools.partial(jax.jit, static_argnames=("gamma", "lam"))
+def _gae_scan(token_rewards_BxT: jax.Array, values_BxT: jax.Array,
+              response_mask_BxT: jax.Array, gamma: float, lam: float
+              ) -> tuple[jax.Array, jax.Array]:
+  """GAE's (advantages, returns), unwhitened."""
   m = response_mask_BxT.astype(jnp.float32)
   r = _real(token_rewards_BxT, m)
   v = _real(values_BxT, m)
@@ -299,10 +314,7 @@ def gae_advantages(token_rewards_BxT: jax.Array, values_BxT: jax.Array,
 
   zeros = jnp.zeros(r.shape[:1])
   adv = _reverse_masked_scan(step, (zeros, zeros), (r.T, v.T, m.T))
-  ret = (adv + v) * m
-  if whiten:
-    adv = masked_whiten(adv, m)
-  return AdvantageOutput(adv, ret)
+  return adv, (adv + v) * m
 
 
 OUTCOME_ESTIMATORS = {

@@ -209,6 +209,11 @@ def base() -> ml_collections.ConfigDict:
       # same shapes loads its executables instead of compiling them.  "" = off; the
       # environment variable DISTFLOW_JAX_COMPILE_CACHE, when set, takes its place.
       compile_cache_dir=compile_cache_dir(),
+      # When the shapes a run has not met yet compile (workflow/warm_shapes.py): every
+      # prompt width a step can pad to, and the rollout engines' prefill shapes.  auto:
+      # with the compile cache on (paid once; later runs load them) | always | never
+      # (each when first met: a stall mid-run).
+      compile_ahead="auto",
   )
   # Where `train` logs besides metrics.jsonl and TensorBoard (always on).  wandb: Weights &
   # Biases (workflow/wandb_log.py; needs pip install 'distflow-jax[wandb]'): process 0 logs

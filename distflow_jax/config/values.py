@@ -37,11 +37,12 @@ def option_types() -> dict[str, type[enum.Enum] | tuple[str, ...]]:
   from distflow_jax.models.config import ATTENTION_IMPLS, DTYPES, REMATS
   from distflow_jax.rewards.math_answer import MATCH_MODES
   from distflow_jax.train.optim import Optimizer, Schedule
+  from distflow_jax.workflow.warm_shapes import CompileAhead
   return {
       "loss_agg": LossAggMode, "ratio_level": RatioLevel, "kl_estimator": KLEstimator,
       "on_bad_row": OnBadRow, "redistribute": Mode, "dtype": tuple(DTYPES),
       "optimizer": Optimizer, "schedule": Schedule, "match": MATCH_MODES,
-      "remat": REMATS, "attention_impl": ATTENTION_IMPLS,
+      "remat": REMATS, "attention_impl": ATTENTION_IMPLS, "compile_ahead": CompileAhead,
   }
 
 
@@ -305,6 +306,8 @@ def _check_trainer(t) -> None:
   if "compile_cache_dir" in t and not isinstance(t.compile_cache_dir, str):
     raise ConfigError(f"trainer.compile_cache_dir={t.compile_cache_dir!r} must be a folder "
                       f"path (\"\" = no compile cache)")
+  if "compile_ahead" in t:
+    option(t.compile_ahead, "trainer.compile_ahead", "compile_ahead")
 
 
 def _check_sft(s) -> None:

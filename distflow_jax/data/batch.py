@@ -110,12 +110,12 @@ def to_local(batch: Batch) -> Batch:
 
 def redistribute_batch(batch: Batch, lengths_B: np.ndarray, src: Layout,
                        dst: Layout, *, mode: rd.Mode | str = rd.Mode.DISTRIBUTED,
-                       group_size: int = 1) -> tuple[Batch, np.ndarray]:
+                       group_size: int = 1, on_plan=None) -> tuple[Batch, np.ndarray]:
   """Moves the arrays of ``batch`` to ``dst``; host fields stay where they are.
 
   ``group_size=n`` keeps each GRPO group (``n`` adjacent samples, see
   :func:`expand_groups`) on one destination shard.
   """
   data, perm = rd.redistribute(dict(batch.data), lengths_B, src, dst, mode=mode,
-                               group_size=group_size)
+                               group_size=group_size, on_plan=on_plan)
   return Batch(data, batch.host), perm

@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -169,7 +170,9 @@ def _check_tree(tree: Any, src: Layout) -> tuple[list, Any, int]:
 
 def redistribute(tree: Any, lengths_B: np.ndarray, src: Layout, dst: Layout,
                  *, mode: Mode | str = Mode.DISTRIBUTED,
-                 group_size: int = 1) -> tuple[Any, np.ndarray]:
+                 group_size: int = 1,
+                 on_plan: Callable[[Any, RepartitionPlan], None] | None = None
+                 ) -> tuple[Any, np.ndarray]:
   """Moves a sample-leading pytree from ``src`` to ``dst``.
 
   Args:
@@ -180,6 +183,8 @@ def redistribute(tree: Any, lengths_B: np.ndarray, src: Layout, dst: Layout,
     mode: ``"distributed"`` (one all_to_all) or ``"centralized"`` (through
       process 0; it always moves, as a single-controller framework would).
     group_size: keep runs of this many consecutive samples together.
+    on_plan: called with ``(tree, plan)`` before a plan runs (not on the fast path):
+      the run records the move's shapes (``workflow/warm_shapes.py``).
 
   Returns:
     ``(tree placed as dst, perm_B)`` where output row ``j`` is input row
@@ -196,6 +201,8 @@ def redistribute(tree: Any, lengths_B: np.ndarray, src: Layout, dst: Layout,
             x.shape, dst.sharding, [s.data for s in x.addressable_shards])
         for x in leaves]), identity
   plan = make_repartition_plan(np.asarray(lengths_B), src, dst, group_size=group_size)
+  if on_plan is not None:
+    on_plan(tree, plan)
   return execute(tree, plan, dst, mode), plan.perm_B
 
 
@@ -211,6 +218,18 @@ def _prepare(tree: Any, plan: RepartitionPlan, mode: Mode):
   else:
     idx = (_index_array(plan.gather_idx_NxM, mesh, P()),)
   return _program(mesh, mode, like), (*idx, *flat), treedef
+
+
+def rehearse(tree: Any, plan: RepartitionPlan, dst: Layout,
+             mode: Mode | str = Mode.DISTRIBUTED) -> None:
+  """Runs ``plan`` on zeros shaped and placed as ``tree``'s ``ShapeDtypeStruct`` leaves
+  (with shardings): compiles every program a real move of those shapes runs, the
+  jitted exchange and the per-device slices around it (workflow/warm_shapes.py).  A
+  collective: every process rehearses the same moves in the same order."""
+  def zeros(s: jax.ShapeDtypeStruct) -> jax.Array:
+    whole = np.broadcast_to(np.zeros((), s.dtype), s.shape)  # a view: no memory
+    return jax.make_array_from_callback(s.shape, s.sharding, lambda idx: whole[idx])
+  jax.block_until_ready(execute(jax.tree.map(zeros, tree), plan, dst, mode))
 
 
 def execute(tree: Any, plan: RepartitionPlan, dst: Layout,

@@ -62,4 +62,9 @@ def prompt_width(longest_here: int, buckets, max_prompt_len: int) -> int:
   return fits[0] if fits else max_prompt_len
 
 
+def prompt_widths(buckets, max_prompt_len: int) -> tuple[int, ...]:
+  """Every width ``prompt_width`` can return under these settings."""
+  return tuple(sorted({b for b in buckets if b <= max_prompt_len} | {max_prompt_len}))
+
+
 NODES: NodeTable = {"generate": generate_node}

@@ -26,7 +26,7 @@ from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.rollout.backend import RolloutBackend, backend_factory
 from distflow_jax.rollout.engine import EngineConfig, replica_mesh
 from distflow_jax.rollout.sampling import SamplingParams
-from distflow_jax.workflow import roles as roles_lib
+from distflow_jax.workflow import roles as roles_lib, warm_shapes
 from distflow_jax.workflow.algo_state import AlgoState
 from distflow_jax.workflow.metrics import Metrics
 
@@ -47,6 +47,8 @@ class RunContext:
   _layouts: dict[NodeLayout, dlayout.Layout] = dataclasses.field(default_factory=dict)
   _backends: dict[Any, RolloutBackend] = dataclasses.field(default_factory=dict)
   _jitted: dict[Any, Callable] = dataclasses.field(default_factory=dict)
+  # Calls of the jitted functions, to compile their other prompt widths (warm_shapes.py).
+  shapes: warm_shapes.Recorder = dataclasses.field(default_factory=warm_shapes.Recorder)
 
   @property
   def kl_coef(self) -> float | None:
@@ -75,9 +77,12 @@ class RunContext:
     return self._layouts[plan_layout]
 
   def jitted(self, key: Any, make: Callable[[], Callable]) -> Callable:
-    """A compiled function, built once per key (so shapes never recompile per step)."""
+    """A compiled function, built once per key (so shapes never recompile per step); its
+    calls are recorded in ``shapes`` when it can be lowered ahead (``.lower``)."""
     if key not in self._jitted:
-      self._jitted[key] = make()
+      fn = make()
+      self._jitted[key] = (warm_shapes.Recorded(fn, key, self.shapes)
+                           if hasattr(fn, "lower") else fn)
     return self._jitted[key]
 
   def backend(self, rollout: ml_collections.ConfigDict, greedy: bool = False

@@ -14,10 +14,12 @@ Algorithm variants hook in at two named points instead of branching here:
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from distflow_jax.dag.planner import LayoutKind, Move
@@ -28,16 +30,32 @@ from distflow_jax.workflow import algo_state, dynamic_sampling
 from distflow_jax.workflow.context import RunContext, shared_prompt_group
 
 
-def _token_lengths(batch: Batch) -> np.ndarray:
-  """Prompt + response tokens per sample, replicated on every process (one small gather)."""
-  lengths = (batch.data["prompt_mask"].sum(axis=1).astype(np.int32)
-             + batch.data["response_mask"].sum(axis=1).astype(np.int32))
-  return rd.replicate_lengths(lengths)
+def _lengths(masks: dict) -> jax.Array:
+  return (masks["prompt_mask"].sum(axis=1, dtype=jnp.int32)
+          + masks["response_mask"].sum(axis=1, dtype=jnp.int32))
+
+
+def _token_lengths(ctx: RunContext, batch: Batch) -> np.ndarray:
+  """Prompt + response tokens per sample, replicated on every process (one small gather);
+  jitted through ``ctx`` so that its other prompt widths compile ahead too."""
+  fn = ctx.jitted("token_lengths", lambda: jax.jit(_lengths))
+  return rd.replicate_lengths(fn({k: batch.data[k] for k in ("prompt_mask", "response_mask")}))
 
 
 def _block(batch: Batch) -> None:
   # Wait for the node's work, so timings are honest and CPU collectives never pile up.
   jax.block_until_ready([v for v in batch.data.values() if isinstance(v, jax.Array)])
+
+
+def _recorder(ctx: RunContext, dst, mode: str):
+  """Notes a re-partition's shapes in ``ctx.shapes``: at the end of the step it is
+  rehearsed on zeros at the other prompt widths (warm_shapes.py)."""
+  def on_plan(tree, plan):
+    key = ("move", mode, dst, plan.senders, plan.rows_per_sender, plan.send_idx_NxNC.shape,
+           plan.recv_idx_NxM.shape)
+    ctx.shapes.record(key, functools.partial(rd.rehearse, plan=plan, dst=dst, mode=mode),
+                      (tree,))
+  return on_plan
 
 
 def _run_steps(ctx: RunContext, steps, batch: Batch, current):
@@ -48,21 +66,23 @@ def _run_steps(ctx: RunContext, steps, batch: Batch, current):
     t0 = time.perf_counter()
     to_rollout = step.layout.kind is LayoutKind.ROLLOUT
     if current is not None and step.move_in is Move.REPARTITION:
-      lengths = _token_lengths(batch)
+      lengths = _token_lengths(ctx, batch)
       if to_rollout:
         group = ctx.cfg.rollout.n
       else:  # keep groups whole where the sequence passes can share their prompt
         group = shared_prompt_group(ctx.cfg, batch.num_samples, lay.num_shards)
       try:
         batch, _ = redistribute_batch(batch, lengths, current, lay,
-                                      mode=ctx.cfg.data.redistribute, group_size=group)
+                                      mode=ctx.cfg.data.redistribute, group_size=group,
+                                      on_plan=_recorder(ctx, lay, ctx.cfg.data.redistribute))
       except ValueError:
         if group == 1 or to_rollout:
           raise
         # The source layout splits groups over devices: move rows singly (the passes then
         # see ungrouped rows and run each row's prompt).  Every process decides alike.
         batch, _ = redistribute_batch(batch, lengths, current, lay,
-                                      mode=ctx.cfg.data.redistribute)
+                                      mode=ctx.cfg.data.redistribute,
+                                      on_plan=_recorder(ctx, lay, ctx.cfg.data.redistribute))
       _block(batch)
       ctx.metrics.add_time(f"time/move_to/{node.id}", time.perf_counter() - t0)
       t0 = time.perf_counter()
@@ -87,7 +107,7 @@ def run_step(ctx: RunContext, prompts: Batch,
   batch, current, done = dynamic_sampling.sample_prefix(
       ctx, prompts, more_prompts, lambda part, b, lay: _run_steps(ctx, part, b, lay))
   batch, _ = _run_steps(ctx, steps[done:], batch, current)
-  tokens = float(_token_lengths(batch).sum())
+  tokens = float(_token_lengths(ctx, batch).sum())
   ctx.metrics.set_max("time/step", time.perf_counter() - start)
   out = ctx.metrics.reduce()
   out["tokens"] = tokens

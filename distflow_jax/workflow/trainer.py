@@ -21,7 +21,8 @@ import numpy as np
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.data.loader import PromptLoader
 from distflow_jax.tasks import registry as tasks
-from distflow_jax.workflow import checkpoint, compile_cache
+from distflow_jax.nodes import rollout as rollout_nodes
+from distflow_jax.workflow import checkpoint, compile_cache, warm_shapes
 from distflow_jax.workflow import evaluate as eval_lib
 from distflow_jax.workflow import executor, health as health_lib, hints
 from distflow_jax.workflow.progress import phase
@@ -180,6 +181,7 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
     sample_writer.write(step, kept)
     return out
 
+  after_step = compile_ahead(cfg, ctx)
   if eval_batch is not None and start_step == 0:
     first = {"step": 0, **run_eval(0)}
     first.update(compiles())
@@ -196,8 +198,7 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
     if eval_batch is not None and ((step + 1) % cfg.trainer.eval_every == 0
                                    or step + 1 == cfg.trainer.total_steps):
       metrics.update(run_eval(step + 1))
-    if step == start_step:
-      _precompile_rollouts(ctx)  # counted in this first step, not when a shape first shows
+    after_step(step == start_step)  # counted in this step, not when a shape first shows
     metrics.update(compiles())
     alarms = monitor.update(step + 1, metrics)
     writer.write(metrics)
@@ -215,13 +216,30 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
     checkpointer.wait()
 
 
-def _precompile_rollouts(ctx: RunContext) -> None:
-  """With the persistent compile cache on: every prompt count and width the rollout
-  engines' prefill can take, compiled now (a cache load from the second run on), so that
-  no later step compiles when its prompts fall in a bucket the first step did not use.
-  Off without the cache: each run would pay for shapes it may never see."""
-  if compile_cache.active():
-    ctx.precompile_rollouts()
+def compile_ahead(cfg: ml_collections.ConfigDict, ctx: RunContext) -> Callable[[bool], None]:
+  """The end-of-step hook ``after_step(first)`` that compiles the shapes later steps may
+  meet (``trainer.compile_ahead``, warm_shapes.py): after the first step, every prompt
+  count and width the rollout engines' prefill can take; after each, the other prompt
+  widths of each function signature first seen in it.  So no later step compiles when
+  its prompts fall in a bucket an earlier step did not use, and with the persistent
+  cache on a second run loads them all.  A no-op when compile_ahead is off."""
+  choice = warm_shapes.CompileAhead(cfg.trainer.get("compile_ahead", "auto"))
+  if not choice.on(compile_cache.active()):
+    return lambda first: None
+  from distflow_jax.dag import FUNCTIONS
+  widths = set(rollout_nodes.prompt_widths(cfg.rollout.prefill_buckets, cfg.data.max_prompt_len))
+  for s in ctx.plan.steps:  # a rollout node's own prefill_buckets override
+    if FUNCTIONS.spec(s.node.fn).section == "rollout":
+      rollout = ctx.section(s.node, "rollout")
+      widths.update(rollout_nodes.prompt_widths(rollout.prefill_buckets,
+                                                cfg.data.max_prompt_len))
+  ctx.shapes.widths = tuple(sorted(widths))
+
+  def after_step(first: bool) -> None:
+    if first:
+      ctx.precompile_rollouts()
+    ctx.shapes.compile_widths()
+  return after_step
 
 
 def _collapse_message(alarm: health_lib.Alarm, checkpointer) -> str:
