@@ -155,6 +155,11 @@ class Checkpointer:
         META: ocp.args.JsonSave(meta)})):
       self._pending = step
 
+  def compile_checksums(self, roles: dict[Role, ModelState]) -> None:
+    """Runs (and drops) the checksums a save computes, so that their programs compile
+    now rather than in the first save, mid-run (trainer.compile_ahead)."""
+    checksums.checksums(trained_state(roles))
+
   def _save_static(self, roles: dict[Role, ModelState], tokenizer: Any) -> None:
     static = os.path.join(self.directory, STATIC)
     ref = os.path.join(static, "reference")

@@ -166,7 +166,8 @@ def gather_json(obj: Any) -> list[Any]:
   from jax.experimental import multihost_utils
   data = np.frombuffer(json.dumps(obj, sort_keys=True).encode(), np.uint8)
   sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32)))
-  padded = np.zeros(int(sizes.max()), np.uint8)
+  # Padded to a power of two: the gather compiles once per size, so a few sizes in a run.
+  padded = np.zeros(1 << max(10, (int(sizes.max()) - 1).bit_length()), np.uint8)
   padded[:data.size] = data
   rows = np.asarray(multihost_utils.process_allgather(padded))
   return [json.loads(bytes(rows[i, :int(sizes[i, 0])])) for i in range(rows.shape[0])]

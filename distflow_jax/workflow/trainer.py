@@ -181,7 +181,7 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
     sample_writer.write(step, kept)
     return out
 
-  after_step = compile_ahead(cfg, ctx)
+  after_step = compile_ahead(cfg, ctx, checkpointer)
   if eval_batch is not None and start_step == 0:
     first = {"step": 0, **run_eval(0)}
     first.update(compiles())
@@ -216,11 +216,13 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
     checkpointer.wait()
 
 
-def compile_ahead(cfg: ml_collections.ConfigDict, ctx: RunContext) -> Callable[[bool], None]:
+def compile_ahead(cfg: ml_collections.ConfigDict, ctx: RunContext,
+                  checkpointer: "checkpoint.Checkpointer | None" = None
+                  ) -> Callable[[bool], None]:
   """The end-of-step hook ``after_step(first)`` that compiles the shapes later steps may
   meet (``trainer.compile_ahead``, warm_shapes.py): after the first step, every prompt
-  count and width the rollout engines' prefill can take; after each, the other prompt
-  widths of each function signature first seen in it.  So no later step compiles when
+  count and width the rollout engines' prefill can take and a save's checksums; after
+  each, the other prompt widths of each function signature first seen in it.  So no later step compiles when
   its prompts fall in a bucket an earlier step did not use, and with the persistent
   cache on a second run loads them all.  A no-op when compile_ahead is off."""
   choice = warm_shapes.CompileAhead(cfg.trainer.get("compile_ahead", "auto"))
@@ -238,6 +240,8 @@ def compile_ahead(cfg: ml_collections.ConfigDict, ctx: RunContext) -> Callable[[
   def after_step(first: bool) -> None:
     if first:
       ctx.precompile_rollouts()
+      if checkpointer is not None:
+        checkpointer.compile_checksums(ctx.roles)
     ctx.shapes.compile_widths()
   return after_step
 
