@@ -159,7 +159,8 @@ def test_registry_parses_specs_with_the_default_level():
 def test_registry_errors_list_the_valid_names_and_levels():
   from distflow_jax.tasks import registry
   with pytest.raises(registry.UnknownTaskError,
-                     match=r"unknown built-in task 'algebra'; valid: \['arithmetic', 'letters'\]"):
+                     match=r"unknown built-in task 'algebra'; valid: "
+                           r"\['arithmetic', 'letters', 'shapes'\]"):
     registry.parse("builtin:algebra")
   with pytest.raises(registry.UnknownTaskError,
                      match=r"no level 'impossible'; valid: easy\|basic\|medium\|hard"):

@@ -169,6 +169,27 @@ def _check_data(d) -> None:
                       f"yet (only the image processor and row loader are); leave it '' for "
                       f"text-only runs")
   positive(d.get("max_image_pixels", 1), "data.max_image_pixels")
+  _check_builtin_modality(d)
+
+
+def _check_builtin_modality(d) -> None:
+  """A built-in task whose rows carry images (tasks/shapes.py) is refused while runs are
+  text-only: the run would train on its questions without the pictures they are about."""
+  from distflow_jax.tasks import registry as tasks  # pylint: disable=import-outside-toplevel
+  for split in ("train", "eval"):
+    spec = d.get(split, "")
+    if not isinstance(spec, str) or not tasks.is_builtin(spec):
+      continue
+    try:
+      task, _ = tasks.parse(spec)
+    except tasks.UnknownTaskError:
+      continue  # named with the valid tasks where the data is prepared (dataset_paths)
+    if tasks.image_key(task):
+      text = [n for n in tasks.names() if not tasks.image_key(tasks.get(n))]
+      raise ConfigError(f"data.{split}={spec!r} is a vision task (its images are in the rows' "
+                        f"{tasks.image_key(task)!r} field) and vision-language training is not "
+                        f"built yet: a run would see only the questions; pick a text task "
+                        f"({', '.join(tasks.PREFIX + n for n in text)})")
 
 
 def _check_model(m) -> None:

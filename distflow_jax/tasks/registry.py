@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
-from distflow_jax.tasks import arithmetic, letters
+from distflow_jax.tasks import arithmetic, letters, shapes
 
 PREFIX = "builtin:"
 
@@ -39,6 +39,8 @@ class Task(Protocol):
   name: str
   levels: tuple[str, ...]
   default_level: str
+  # Optional: a task whose rows carry images names their field as ``image_key`` (read it
+  # with ``image_key(task)``; absent or '' = a text task).
 
   def generate_split(self, level: str, split: str, count: int, *, seed: int,
                      unique: bool = True) -> list[dict[str, str]]:
@@ -87,6 +89,7 @@ def register(task: Task) -> None:
 
 register(ArithmeticTask())
 register(letters.TASK)  # letter counting (tasks/letters.py)
+register(shapes.TASK)  # counting coloured shapes in an image (tasks/shapes.py)
 
 
 def names() -> list[str]:
@@ -98,6 +101,12 @@ def usage() -> str:
   levels = "; ".join(f"{t.name}: {'|'.join(t.levels)}" for t in sorted(TASKS.values(),
                                                                        key=lambda t: t.name))
   return f"builtin:<task>[:<level>], levels {levels}"
+
+
+def image_key(task: Task) -> str:
+  """The row field holding a task's images ('' for a text task): such a task can only be
+  trained on with images (config/values.py refuses it in text runs)."""
+  return getattr(task, "image_key", "") or ""
 
 
 def is_builtin(spec: str) -> bool:
