@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable, Iterator
 
 import jax
@@ -198,7 +199,10 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
     if eval_batch is not None and ((step + 1) % cfg.trainer.eval_every == 0
                                    or step + 1 == cfg.trainer.total_steps):
       metrics.update(run_eval(step + 1))
+    t0 = time.perf_counter()
     after_step(step == start_step)  # counted in this step, not when a shape first shows
+    if step == start_step:  # outside time/step: the first step's whole cost is the sum
+      metrics["compile/ahead_s"] = time.perf_counter() - t0
     metrics.update(compiles())
     alarms = monitor.update(step + 1, metrics)
     writer.write(metrics)
