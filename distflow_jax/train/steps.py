@@ -58,7 +58,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from distflow_jax.algos import losses
 from distflow_jax.models import heads, sharding
 from distflow_jax.models.transformer import forward, positions_from_mask
-from distflow_jax.train import packing
+from distflow_jax.train import image_inputs, packing
 
 Batch = Mapping[str, jax.Array]
 
@@ -76,7 +76,8 @@ def _response_hidden_plain(graphdef: nnx.GraphDef, params: nnx.State, batch: Bat
   p = batch["prompt_tokens"].shape[1]
   n = batch["response_tokens"].shape[1]
   hidden, _ = forward(graphdef, params, tokens[:, :-1], positions[:, :-1], mask[:, :-1],
-                      return_hidden=True)
+                      return_hidden=True,
+                      **image_inputs.sequence_kwargs(graphdef, params, batch, tokens[:, :-1]))
   return hidden[:, p - 1:p - 1 + n]
 
 
@@ -87,8 +88,10 @@ def _response_hidden_shared(graphdef: nnx.GraphDef, params: nnx.State, batch: Ba
   prompt_GxP = batch["prompt_tokens"][::group_size].astype(jnp.int32)
   resp_BxN = batch["response_tokens"].astype(jnp.int32)
   resp_mask_BxN = batch["response_mask"].astype(bool)
-  hidden_GxPxD, kv = forward(graphdef, params, prompt_GxP, positions_from_mask(prompt_mask_GxP),
-                             prompt_mask_GxP, return_hidden=True, return_kv=True)
+  hidden_GxPxD, kv = forward(
+      graphdef, params, prompt_GxP, positions_from_mask(prompt_mask_GxP), prompt_mask_GxP,
+      return_hidden=True, return_kv=True, **image_inputs.sequence_kwargs(
+          graphdef, params, image_inputs.group_rows(batch, group_size), prompt_GxP))
   first_BxD = jnp.repeat(hidden_GxPxD[:, -1], group_size, axis=0)  # predicts response token 0
   if resp_BxN.shape[1] == 1:
     return first_BxD[:, None]
@@ -97,7 +100,9 @@ def _response_hidden_shared(graphdef: nnx.GraphDef, params: nnx.State, batch: Ba
   pos_BxN = start_B[:, None] + jnp.cumsum(resp_mask_BxN, axis=1, dtype=jnp.int32) - 1
   hidden_BxNxD, _ = forward(graphdef, params, resp_BxN[:, :-1], pos_BxN[:, :-1],
                             resp_mask_BxN[:, :-1], prefix=kv, prefix_repeat=group_size,
-                            return_hidden=True)
+                            return_hidden=True, **image_inputs.sequence_kwargs(
+                                graphdef, params, batch, resp_BxN[:, :-1],
+                                start=prompt_GxP.shape[1]))
   return jnp.concatenate([first_BxD[:, None], hidden_BxNxD], axis=1)
 
 
@@ -130,12 +135,18 @@ PACK_AND_SHARE = ("model.pack_sequences=True does not work with shared prompts "
                   "model.share_prompt_prefix=False")
 
 
+PACK_IMAGES = ("model.pack_sequences=True does not take images yet; set "
+               "model.pack_sequences=False for a vision-language run")
+
+
 def _response_hidden(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch,
                      group_size: int = 1) -> jax.Array:
   """Hidden states predicting each response token, ``[B, N, D]`` (see "Shared prompts")."""
   if "pack" in batch:
     if group_size > 1:
       raise ValueError(PACK_AND_SHARE)
+    if image_inputs.has_images(batch):
+      raise ValueError(PACK_IMAGES)
     return _response_hidden_packed(graphdef, params, batch)
   if group_size <= 1:
     return _response_hidden_plain(graphdef, params, batch)

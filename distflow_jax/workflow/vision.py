@@ -1,0 +1,84 @@
+"""The frozen vision tower of a vision-language run, and the image fields of a batch.
+
+Where features are computed: once per prompt, by the generate node on the host that
+sampled it (`VisionEncoder.features`), before its `rollout.n` samples are made; the
+samples then carry them as ordinary `[B, ...]` batch fields (train/image_inputs.py), so
+every re-partition moves a sample's features with it.  Recomputing them where a sample
+lands would run the tower again in the log-prob, reference and every train pass.
+
+The tower is frozen in this slice (`model.train_vision=True` is refused): its features
+are data to the text decoder, the actor and reference roles hold only the decoder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from distflow_jax.models.vision import VisionTower, vision_layout
+from distflow_jax.models.vl import VLConfig, rope_index
+
+SAME_GRID = ("images: every image of a run must have the same grid in this version "
+             "(sample {a} has {ga}, sample {b} has {gb}); use one image size (e.g. one "
+             "level of builtin:shapes)")
+
+
+def _tower_forward(graphdef: nnx.GraphDef, params: nnx.State, pixels_NxK, layout):
+  return nnx.merge(graphdef, params)(pixels_NxK, layout)
+
+
+@dataclasses.dataclass
+class VisionEncoder:
+  """The frozen tower (split: graphdef + params) and the VL special tokens."""
+  cfg: VLConfig
+  graphdef: nnx.GraphDef
+  params: nnx.State
+
+  @classmethod
+  def from_tower(cls, cfg: VLConfig, tower: VisionTower) -> "VisionEncoder":
+    graphdef, params = nnx.split(tower)
+    return cls(cfg, graphdef, params)
+
+  def __post_init__(self):
+    self._fwd = jax.jit(_tower_forward, static_argnums=0)
+
+  def features(self, pixel_values_NxK: Any, grid_thw_Gx3: Any) -> np.ndarray:
+    """`[M, D]` float32 features of one prompt's images (M = its placeholder count)."""
+    layout = vision_layout(self.cfg.vision, np.asarray(grid_thw_Gx3).reshape(-1, 3))
+    out = self._fwd(self.graphdef, self.params, np.asarray(pixel_values_NxK, np.float32),
+                    layout)
+    return np.asarray(out, np.float32)
+
+
+def rope_fields(cfg: VLConfig, prompt_tokens_BxP: np.ndarray, prompt_mask_BxP: np.ndarray,
+                grids: Sequence[Any], n_new: int) -> np.ndarray:
+  """`[B, 3, P + N]` int32 multimodal positions of `prompt ++ response` (left-padded
+  prompts; `grids[b]`: row b's `[G, 3]` image grids): the prompt's from `rope_index`,
+  response token t at `real prompt length + t + rope delta` on all three rows."""
+  mask = np.asarray(prompt_mask_BxP, bool)
+  all_grids = np.concatenate([np.asarray(g).reshape(-1, 3) for g in grids], axis=0)
+  pos_3xBxP, deltas_B = rope_index(cfg, prompt_tokens_BxP, all_grids, mask)
+  resp_BxN = mask.sum(axis=1)[:, None] + np.arange(n_new)[None] + deltas_B[:, None]
+  resp_3xBxN = np.broadcast_to(resp_BxN, (3,) + resp_BxN.shape)
+  return np.moveaxis(np.concatenate([pos_3xBxP, resp_3xBxN], axis=2), 0, 1).astype(np.int32)
+
+
+def image_fields(cfg: VLConfig, feats: Sequence[np.ndarray], prompt_tokens_BxP: np.ndarray,
+                 prompt_mask_BxP: np.ndarray, grids: Sequence[Any], n_new: int
+                 ) -> dict[str, np.ndarray]:
+  """The batch's `image_embeds` `[B, I, D]`, `image_slots` `[B, P]`, `rope_positions`
+  `[B, 3, P + N]` (train/image_inputs.py) from each row's features and grids."""
+  for b, g in enumerate(grids):
+    if np.asarray(g).reshape(-1, 3).tolist() != np.asarray(grids[0]).reshape(-1, 3).tolist():
+      raise ValueError(SAME_GRID.format(a=0, ga=np.asarray(grids[0]).tolist(), b=b,
+                                        gb=np.asarray(g).tolist()))
+  tokens = np.asarray(prompt_tokens_BxP)
+  slots = (tokens == cfg.image_token_id) & np.asarray(prompt_mask_BxP, bool)
+  return {"image_embeds": np.stack([np.asarray(f, np.float32) for f in feats]),
+          "image_slots": slots,
+          "rope_positions": rope_fields(cfg, tokens, prompt_mask_BxP, grids, n_new)}
