@@ -40,19 +40,29 @@ from distflow_jax.models import sharding as msharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import Transformer, forward
 from distflow_jax.rollout import driver, weight_sync
+from distflow_jax.rollout.images import PromptImages
 from distflow_jax.rollout.engine_config import EngineConfig, place_params, replica_mesh
 from distflow_jax.rollout.sampling import SamplingParams, sample
+from distflow_jax.train import image_inputs
 
 
 def next_token(graphdef: nnx.GraphDef, params: nnx.State, tokens_RxT: jax.Array,
-               lengths_R: jax.Array, keys_Rx2: jax.Array, step: jax.Array, *,
+               lengths_R: jax.Array, keys_Rx2: jax.Array, step: jax.Array, images=None, *,
                sp: SamplingParams) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Token `step` of every request: a causal forward over whole rows, sampled after each
-  row's last real token (`lengths_R - 1`); what follows it in the row cannot matter."""
+  row's last real token (`lengths_R - 1`); what follows it in the row cannot matter.
+  `images`: `PromptImages.rows`' `(feats, slots, rope)`, merged as the passes do."""
   r, t = tokens_RxT.shape
   model = nnx.merge(graphdef, params)
+  kwargs = {}
+  if images is not None:
+    feats_RxIxD, slots_RxT, rope_Rx3xT = images
+    kwargs = {"inputs_embeds_BxTxD": image_inputs.merge_row_features(
+                  model.embed(tokens_RxT), slots_RxT, feats_RxIxD),
+              "rope_positions_3xBxT": jnp.moveaxis(rope_Rx3xT, 1, 0)}
   hidden_RxTxD, _ = forward(graphdef, params, tokens_RxT,
-                            jnp.broadcast_to(jnp.arange(t)[None], (r, t)), return_hidden=True)
+                            jnp.broadcast_to(jnp.arange(t)[None], (r, t)), return_hidden=True,
+                            **kwargs)
   last_RxD = jnp.take_along_axis(hidden_RxTxD, (lengths_R - 1)[:, None, None], axis=1)[:, 0]
   logits_RxV = jnp.einsum("rd,dv->rv", last_RxD, model.unembed_matrix(),
                           preferred_element_type=jnp.float32)
@@ -91,8 +101,10 @@ class ReferenceSampler:
 
   def generate(self, params: Any, prompts: Sequence[Sequence[int]], n: int = 1, *,
                rng: jax.Array | None = None, request_ids: Sequence[int] | None = None,
-               pad_id: int = 0, max_new_tokens: int | None = None) -> driver.Rollout:
-    """`n` responses per prompt, as `driver.generate` defines them (see module doc)."""
+               pad_id: int = 0, max_new_tokens: int | None = None,
+               images: PromptImages | None = None) -> driver.Rollout:
+    """`n` responses per prompt, as `driver.generate` defines them (see module doc);
+    `images`: the prompts' vision features and positions (rollout/images.py)."""
     req = driver.prepare_requests(self.config, prompts, n, max_new_tokens=max_new_tokens,
                                   rng=rng, request_ids=request_ids)
     num, n_max = len(req.prompts) * n, req.max_new_tokens
@@ -108,10 +120,11 @@ class ReferenceSampler:
     lps: list[list[float]] = [[] for _ in range(num)]
     slps: list[list[float]] = [[] for _ in range(num)]
     live = np.ones((num,), bool)
+    img = None if images is None else images.rows(np.arange(num) // n, width)
     stop = set(self.config.stop_ids)
     for step in range(n_max):
       tok, lp, slp = (np.asarray(x) for x in self._next(
-          params, tokens, lengths, req.keys_Rx2, np.int32(step)))
+          params, tokens, lengths, req.keys_Rx2, np.int32(step), img))
       for r in np.flatnonzero(live):
         toks[r].append(int(tok[r]))
         lps[r].append(float(lp[r]))

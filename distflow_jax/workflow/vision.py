@@ -22,6 +22,7 @@ from flax import nnx
 
 from distflow_jax.models.vision import VisionTower, vision_layout
 from distflow_jax.models.vl import VLConfig, rope_index
+from distflow_jax.rollout.images import PromptImages
 
 SAME_GRID = ("images: every image of a run must have the same grid in this version "
              "(sample {a} has {ga}, sample {b} has {gb}); use one image size (e.g. one "
@@ -82,3 +83,16 @@ def image_fields(cfg: VLConfig, feats: Sequence[np.ndarray], prompt_tokens_BxP: 
   return {"image_embeds": np.stack([np.asarray(f, np.float32) for f in feats]),
           "image_slots": slots,
           "rope_positions": rope_fields(cfg, tokens, prompt_mask_BxP, grids, n_new)}
+
+
+def prompt_images(cfg: VLConfig, feats: Sequence[np.ndarray], prompts: Sequence[np.ndarray],
+                  grids: Sequence[Any]) -> PromptImages:
+  """The rollout backend's view of unpadded prompts with their features and grids."""
+  slots, rope, deltas = [], [], []
+  for p, g in zip(prompts, grids):
+    pos_3x1xL, delta_1 = rope_index(cfg, np.asarray(p)[None], np.asarray(g).reshape(-1, 3))
+    slots.append(np.asarray(p) == cfg.image_token_id)
+    rope.append(pos_3x1xL[:, 0])
+    deltas.append(int(delta_1[0]))
+  return PromptImages(np.stack([np.asarray(f, np.float32) for f in feats]), slots, rope,
+                      np.asarray(deltas, np.int64))
