@@ -357,12 +357,16 @@ def test_config_keys():
     check_values(cfg)
 
 
-def test_image_key_in_a_run_is_refused_until_training_takes_images():
-  """The loader reads images, but nothing trains on them yet: a run with data.image_key
-  would silently train on the text alone, so the config refuses it in one line."""
+def test_image_key_in_a_run_needs_the_supported_combination():
+  """Images train only with a Qwen2.5-VL model.path and the reference backend
+  (config/vision_checks.py); otherwise the run would train on the text alone, so the
+  config refuses it in one line."""
   from distflow_jax.config import defaults
   from distflow_jax.config.values import check_values
   cfg = defaults.base()
   cfg.data.image_key = "image"
-  with pytest.raises(ConfigError, match="vision-language training is not built yet"):
+  with pytest.raises(ConfigError, match="images need a Qwen2.5-VL checkpoint in model.path"):
+    check_values(cfg)
+  cfg.model.path = "/some/vl"
+  with pytest.raises(ConfigError, match="set rollout.backend=reference"):
     check_values(cfg)

@@ -62,6 +62,9 @@ def base() -> ml_collections.ConfigDict:
       # Log-prob passes and the actor step run each group's prompt once for its rollout.n
       # samples (checked on device per batch; rows not so grouped take the plain pass).
       share_prompt_prefix=True,
+      # Vision-language runs (a Qwen2.5-VL model.path): train the vision tower too.  Not
+      # built yet: the tower is frozen and its features computed once per prompt.
+      train_vision=False,
       # Memory and compile levers (models/config.py).  scan_layers: parameters stacked on a
       # layer axis, layers run under lax.scan (compile time flat in depth).  remat: none |
       # full | dots_saveable, each layer recomputed in the backward pass.  attention_impl:

@@ -20,6 +20,7 @@ import math
 from collections.abc import Iterable
 
 from distflow_jax.config.loading import ConfigError
+from distflow_jax.config import vision_checks
 
 # Largest learning rate accepted: a step above 1 makes any of the optimizers in
 # train.optim.OPTIMIZERS diverge on a transformer (adam's update is ~lr per weight).
@@ -106,6 +107,7 @@ def check_values(cfg) -> None:
   """Every value check of ``cfg`` that needs no cluster; raises the first failure."""
   _check_rollout(cfg.rollout)
   _check_data(cfg.data)
+  vision_checks.check_images(cfg)  # which combinations take images (issue 20)
   _check_model(cfg.model)
   r, d = cfg.rollout, cfg.data
   buckets = list(r.prefill_buckets)
@@ -160,36 +162,7 @@ def _check_data(d) -> None:
   positive(d.eval_size, "data.eval_size")
   option(d.on_bad_row, "data.on_bad_row", "on_bad_row")
   option(d.redistribute, "data.redistribute", "redistribute")
-  if not isinstance(d.get("image_key", ""), str):
-    raise ConfigError(f"data.image_key={d.image_key!r} must be a field name ('' = text-only)")
-  if d.get("image_key", ""):
-    # The loader reads images (data/images.py), but no model, rollout or pass consumes them
-    # yet: a run would train on the text alone while the user believes it sees the images.
-    raise ConfigError(f"data.image_key={d.image_key!r}: vision-language training is not built "
-                      f"yet (only the image processor and row loader are); leave it '' for "
-                      f"text-only runs")
   positive(d.get("max_image_pixels", 1), "data.max_image_pixels")
-  _check_builtin_modality(d)
-
-
-def _check_builtin_modality(d) -> None:
-  """A built-in task whose rows carry images (tasks/shapes.py) is refused while runs are
-  text-only: the run would train on its questions without the pictures they are about."""
-  from distflow_jax.tasks import registry as tasks  # pylint: disable=import-outside-toplevel
-  for split in ("train", "eval"):
-    spec = d.get(split, "")
-    if not isinstance(spec, str) or not tasks.is_builtin(spec):
-      continue
-    try:
-      task, _ = tasks.parse(spec)
-    except tasks.UnknownTaskError:
-      continue  # named with the valid tasks where the data is prepared (dataset_paths)
-    if tasks.image_key(task):
-      text = [n for n in tasks.names() if not tasks.image_key(tasks.get(n))]
-      raise ConfigError(f"data.{split}={spec!r} is a vision task (its images are in the rows' "
-                        f"{tasks.image_key(task)!r} field) and vision-language training is not "
-                        f"built yet: a run would see only the questions; pick a text task "
-                        f"({', '.join(tasks.PREFIX + n for n in text)})")
 
 
 def _check_model(m) -> None:

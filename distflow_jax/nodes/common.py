@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, to_local
+from distflow_jax.train.image_inputs import IMAGE_FIELDS
 
 if TYPE_CHECKING:
   from distflow_jax.dag.spec import Node
@@ -29,8 +30,9 @@ SEQ_FIELDS = ("prompt_tokens", "prompt_mask", "response_tokens", "response_mask"
 
 
 def seq(batch: Batch) -> dict:
-  """The batch's token fields (``SEQ_FIELDS``), as the model passes take them."""
-  return {k: batch.data[k] for k in SEQ_FIELDS}
+  """The batch's token fields (``SEQ_FIELDS``), and its image fields when it has them
+  (train/image_inputs.py), as the model passes take them."""
+  return {k: batch.data[k] for k in (*SEQ_FIELDS, *IMAGE_FIELDS) if k in batch.data}
 
 
 def local_fields(batch: Batch, *keys: str) -> dict[str, np.ndarray]:

@@ -9,6 +9,7 @@ from distflow_jax.dag.spec import Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, expand_groups, to_global
 from distflow_jax.nodes.common import NodeTable
+from distflow_jax.workflow import vision as vision_lib
 from distflow_jax.workflow.context import RunContext
 from distflow_jax.workflow.metrics import gather_processes
 
@@ -25,8 +26,13 @@ def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Bat
   # Keys from (seed, step, node, global sample id): samples do not depend on how prompts
   # are spread over hosts, so 1 x 8 and 2 x 2 devices generate the same tokens.
   sample_ids = np.asarray(prompts.data[SAMPLE_ID]).astype(np.int64)[:, None] * n + np.arange(n)
+  # Vision-language runs: each prompt's features once, here, for all its n samples.
+  images = None if ctx.vision is None else vision_lib.batch_images(
+      ctx.vision, prompts.host_fields(prompts.data[GROUP_ID]), plist)
+  extra = {} if images is None else {
+      "images": vision_lib.prompt_images(ctx.vision.cfg, images[0], plist, images[1])}
   ro = backend.generate(params, plist, n, rng=ctx.step_rng(node), pad_id=ctx.tokenizer.pad_id,
-                        request_ids=sample_ids.reshape(-1))
+                        request_ids=sample_ids.reshape(-1), **extra)
   p_max = prompt_width(int(lens.max(initial=0)), rollout.prefill_buckets,
                        ctx.cfg.data.max_prompt_len)
   rows = np.repeat(np.arange(len(plist)), n)
@@ -40,6 +46,11 @@ def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Bat
   local = Batch({**groups.data, "prompt_tokens": prompt_tokens, "prompt_mask": prompt_mask,
                  "response_tokens": ro.tokens_RxN, "response_mask": ro.mask_RxN,
                  "rollout_logprobs": ro.logprobs_RxN}, prompts.host)
+  if images is not None:  # features travel with their samples (workflow/vision.py)
+    feats, grids = images
+    local = local.replace(**vision_lib.image_fields(
+        ctx.vision.cfg, [feats[i] for i in rows], prompt_tokens, prompt_mask,
+        [grids[i] for i in rows], np.asarray(ro.tokens_RxN).shape[1]))
   ctx.metrics.add_mean("response_length", ro.lengths_R)
   ctx.metrics.add_mean("prompt_length", lens[rows])
   ctx.metrics.set_max("prompt_width", p_max)

@@ -16,11 +16,12 @@ import jax
 import ml_collections
 import numpy as np
 
+from distflow_jax.config import vision_checks
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.batch import Batch
 from distflow_jax.rewards import registry as reward_registry
-from distflow_jax.workflow import samples as samples_lib
+from distflow_jax.workflow import samples as samples_lib, vision as vision_lib
 from distflow_jax.workflow.context import RunContext
 from distflow_jax.workflow.metrics import Metrics
 
@@ -51,8 +52,12 @@ def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1, reward: str = "math
   params = backend.update_weights(ctx.roles[Role.ACTOR].params)
   ids, lens = np.asarray(prompts.data["prompt_ids"]), np.asarray(prompts.data["prompt_len"])
   plist = [ids[i, :lens[i]] for i in range(len(lens))]
-  ro = backend.generate(params, plist, k, pad_id=ctx.tokenizer.pad_id)
   fields = prompts.host_fields(prompts.data["group_id"])
+  extra = {}
+  if ctx.vision is not None:  # each prompt's features once (workflow/vision.py)
+    feats, grids = vision_lib.batch_images(ctx.vision, fields, plist)
+    extra["images"] = vision_lib.prompt_images(ctx.vision.cfg, feats, plist, grids)
+  ro = backend.generate(params, plist, k, pad_id=ctx.tokenizer.pad_id, **extra)
   texts = [ctx.tokenizer.decode(ro.tokens_RxN[r][ro.mask_RxN[r]].tolist())
            for r in range(len(ro.lengths_R))]
   truths = [fields[r // k]["answer"] for r in range(len(texts))]
@@ -119,7 +124,8 @@ def load_shard(ctx: RunContext, path: str, limit: int = 0
                         shuffle=False, num_epochs=1, pad_id=ctx.tokenizer.pad_id,
                         prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
                         use_chat_template=cfg.data.chat_template,
-                        on_bad_row=cfg.data.on_bad_row)
+                        on_bad_row=cfg.data.on_bad_row,
+                        image_key=vision_checks.run_image_key(cfg))
   return list(loader), loader.counts, len(source)
 
 

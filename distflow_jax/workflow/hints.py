@@ -47,9 +47,13 @@ def check_model_dir(path: str, key: str = "model.path") -> None:
     raise ConfigError(f"{where} has no tokenizer.json (the fast-tokenizer file; missing "
                       f"{os.path.join(path, 'tokenizer.json')}); copy it from the model's "
                       f"Hugging Face folder (only tokenizer.json is supported)")
-  from distflow_jax.models import hf_io
+  from distflow_jax.models import hf_io, vl
+  from distflow_jax.workflow import vision
   try:
-    hf_io.read_config(path)
+    if vision.is_vl_checkpoint(path):
+      vl.read_vl_config(path)
+    else:
+      hf_io.read_config(path)
   except (ValueError, OSError) as e:
     raise ConfigError(f"{where}: {e}") from None
 

@@ -27,7 +27,9 @@ from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.heads import Critic
 from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.models.transformer import Transformer
+from distflow_jax.models.vl import read_vl_config
 from distflow_jax.train import optim, steps as steps_lib
+from distflow_jax.workflow import vision
 
 
 def ordered_devices() -> list[jax.Device]:
@@ -79,6 +81,8 @@ def model_config(cfg: ml_collections.ConfigDict, tokenizer: Tokenizer,
     if not os.path.isfile(os.path.join(path, "config.json")):
       raise ConfigError(f"model.path={path!r} has no config.json: point it at a local "
                         f"Hugging Face model directory (config.json + *.safetensors)")
+    if vision.is_vl_checkpoint(path):  # the text decoder's shape; the tower: workflow/vision
+      return levers(cfg, read_vl_config(path, dtype=cfg.model.dtype).text)
     return levers(cfg, hf_io.read_config(path, dtype=cfg.model.dtype))
   if cfg.model.preset not in model_configs.PRESETS:
     raise ConfigError(f"model.preset={cfg.model.preset!r} is unknown; built-in: "
@@ -100,6 +104,8 @@ def levers(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig) -> ModelConfi
 
 def build_actor(model_cfg: ModelConfig, mesh: Mesh, path: str, seed: int) -> nnx.Module:
   rules = sharding.fsdp_tp_rules()
+  if path and vision.is_vl_checkpoint(path):
+    return vision.load_language(path, model_cfg, mesh, rules)
   if path:
     return hf_io.load_pretrained(path, mesh=mesh, rules=rules, cfg=model_cfg)
   return sharding.create_sharded(lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed)), mesh,

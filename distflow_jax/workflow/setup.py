@@ -38,7 +38,7 @@ from distflow_jax.dag import FUNCTIONS
 from distflow_jax.dag.planner import Plan, Topology
 from distflow_jax.dag.spec import Role
 from distflow_jax import nodes
-from distflow_jax.workflow import hints, roles as roles_lib, warmstart
+from distflow_jax.workflow import hints, roles as roles_lib, vision, warmstart
 from distflow_jax.workflow.context import RunContext
 
 RoleSet = Literal["all", "actor"]
@@ -109,6 +109,7 @@ def prepare_run(cfg: ml_collections.ConfigDict, *, roles: RoleSet = "all",
     states = roles_lib.build_roles(cfg, plan, model_cfg, model_path, tokenizer)
   else:
     states = _actor_only(cfg, plan, model_cfg, model_path)
+  enc = vision.run_encoder(cfg, model_path)
   ctx = RunContext(cfg=cfg, plan=plan, topo=topo, process_index=jax.process_index(),
-                   tokenizer=tokenizer, model_cfg=model_cfg, roles=states)
+                   tokenizer=tokenizer, model_cfg=model_cfg, roles=states, vision=enc)
   return PreparedRun(ctx=ctx, model_path=model_path, inputs=inputs)

@@ -19,6 +19,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from distflow_jax.config import vision_checks
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.data.loader import PromptLoader
 from distflow_jax.tasks import registry as tasks
@@ -97,7 +98,7 @@ def setup(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print
   common = dict(tokenizer=tokenizer, max_prompt_len=cfg.data.max_prompt_len,
                 pad_id=tokenizer.pad_id, use_chat_template=cfg.data.chat_template,
                 prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
-                on_bad_row=cfg.data.on_bad_row)
+                on_bad_row=cfg.data.on_bad_row, image_key=vision_checks.run_image_key(cfg))
   train = PromptLoader(train_path, batch_size=cfg.data.prompts_per_step // nproc,
                        seed=cfg.data.shuffle_seed, **common)
   ev = None

@@ -13,15 +13,20 @@ are data to the text decoder, the actor and reference roles hold only the decode
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.vision import VisionTower, vision_layout
-from distflow_jax.models.vl import VLConfig, rope_index
+from distflow_jax.models.vl import (HF_ARCH, VLConfig, load_vl_pretrained, read_vl_config,
+                                    rope_index)
 from distflow_jax.rollout.images import PromptImages
 
 SAME_GRID = ("images: every image of a run must have the same grid in this version "
@@ -96,3 +101,59 @@ def prompt_images(cfg: VLConfig, feats: Sequence[np.ndarray], prompts: Sequence[
     deltas.append(int(delta_1[0]))
   return PromptImages(np.stack([np.asarray(f, np.float32) for f in feats]), slots, rope,
                       np.asarray(deltas, np.int64))
+
+
+def is_vl_checkpoint(path: str) -> bool:
+  """Whether `path`'s config.json is a Qwen2.5-VL one (architectures / model_type)."""
+  cfg_file = os.path.join(path or "", "config.json")
+  if not path or not os.path.isfile(cfg_file):
+    return False
+  with open(cfg_file, encoding="utf-8") as f:
+    d = json.load(f)
+  return HF_ARCH in (d.get("architectures") or []) or d.get("model_type") == "qwen2_5_vl"
+
+
+def load_language(path: str, text_cfg: ModelConfig, mesh: Mesh | None = None,
+                  rules: Any = None) -> nnx.Module:
+  """The text decoder of a Qwen2.5-VL checkpoint (the actor), placed on `mesh`; `text_cfg`
+  is its config with the run's levers (roles.model_config).  The tower is loaded apart
+  (`load_encoder`), process-local, since each host runs it on its own prompts' pixels; this
+  slice reads the checkpoint twice for that."""
+  cfg = dataclasses.replace(read_vl_config(path, text_cfg.dtype), text=text_cfg)
+  return load_vl_pretrained(path, mesh=mesh, rules=rules, cfg=cfg).language
+
+
+def load_encoder(path: str, dtype: str | None = None) -> VisionEncoder:
+  """The frozen tower of a Qwen2.5-VL checkpoint, on this process's default device."""
+  model = load_vl_pretrained(path, dtype=dtype)
+  return VisionEncoder.from_tower(model.cfg, model.visual)
+
+
+def batch_images(enc: VisionEncoder, hosts: Sequence[Any], prompts: Sequence[np.ndarray]
+                 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+  """`(features, grids)` of each prompt from its host fields (the loader's `pixel_values` /
+  `image_grid_thw`), the tower run once per prompt."""
+  feats, grids = [], []
+  for q, host in enumerate(hosts):
+    if not host or "pixel_values" not in host:
+      raise ValueError(f"prompt {q} has no image (host field 'pixel_values'): a "
+                       f"vision-language run needs data.image_key set and every row to "
+                       f"hold an image")
+    feats.append(enc.features(host["pixel_values"], host["image_grid_thw"]))
+    grids.append(np.asarray(host["image_grid_thw"]).reshape(-1, 3))
+  return feats, grids
+
+
+def run_encoder(cfg: Any, model_path: str) -> VisionEncoder | None:
+  """The run's frozen tower: loaded when its data has images (config/vision_checks.py),
+  None for a text-only run; images with a text-only model are refused (ConfigError)."""
+  from distflow_jax.config import vision_checks  # pylint: disable=import-outside-toplevel
+  from distflow_jax.config.loading import ConfigError  # pylint: disable=import-outside-toplevel
+  key = vision_checks.run_image_key(cfg)
+  if not key:
+    return None
+  if not is_vl_checkpoint(model_path):
+    raise ConfigError(f"the run's rows carry images (field {key!r}) but model.path="
+                      f"{model_path!r} is not a Qwen2.5-VL checkpoint (config.json "
+                      f"architectures); point model.path at one")
+  return load_encoder(model_path, cfg.model.dtype)
