@@ -204,9 +204,6 @@ def test_config_refusals_name_the_keys():
        "critic.micro_batch_tokens=64 needs model.pack_sequences=True"),
       ([*ok, "actor.micro_batch_tokens=64", "trainer.deterministic=True"],
        "actor.micro_batch_tokens=64 does not work with trainer.deterministic=True"),
-      (["model.pack_sequences=True", "rollout.n=2", "actor.micro_batch_tokens=64"],
-       r"actor.micro_batch_tokens=64 does not work with shared prompts .* set "
-       r"model.share_prompt_prefix=False"),
       ([*ok, "actor.micro_batch_tokens=-1"], r"actor.micro_batch_tokens=-1 must be >= 0"),
       ([*ok, "critic.micro_batch_tokens=2.5"], "critic.micro_batch_tokens=2.5"),
   )
@@ -216,6 +213,9 @@ def test_config_refusals_name_the_keys():
     assert "\n" not in str(err.value)
   check_values(loading.load("grpo:tiny", [*ok, "actor.micro_batch_tokens=64",
                                           "critic.micro_batch_tokens=64"]))
+  # Shared prompts pack too (tests/test_packing_shared.py).
+  check_values(loading.load("grpo:tiny", ["model.pack_sequences=True", "rollout.n=2",
+                                          "actor.micro_batch_tokens=64"]))
 
 
 @pytest.mark.timeout(600)

@@ -206,21 +206,14 @@ def _check_token_budget(cfg) -> None:
       raise ConfigError(f"{key}={budget} does not work with trainer.deterministic=True (its "
                         f"sums run over fixed units of {role}.micro_batch_size rows); set "
                         f"{key}=0")
-    if cfg.model.share_prompt_prefix and cfg.rollout.n > 1:
-      raise ConfigError(f"{key}={budget} does not work with shared prompts "
-                        f"(model.share_prompt_prefix=True and rollout.n > 1); set "
-                        f"model.share_prompt_prefix=False")
 
 
 def _check_packing(cfg) -> None:
-  """model.pack_sequences: neither shared prompts nor the deterministic mode pack (yet)."""
+  """model.pack_sequences: the deterministic mode does not pack (yet); shared prompts do
+  (train/packing_shared.py)."""
   m = cfg.model
   if not m.get("pack_sequences", False):
     return
-  if m.share_prompt_prefix and cfg.rollout.n > 1:
-    raise ConfigError("model.pack_sequences=True does not work with shared prompts "
-                      "(model.share_prompt_prefix=True and rollout.n > 1); set "
-                      "model.share_prompt_prefix=False")
   if cfg.trainer.deterministic:
     raise ConfigError("model.pack_sequences=True does not work with trainer.deterministic="
                       "True (its passes run unit by unit, padded); turn one of them off")

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from distflow_jax.models import segments
 from distflow_jax.models.blockwise import blockwise_attention
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.kv_cache import CacheWriter, heads_major
@@ -132,7 +133,8 @@ class Attention(nnx.Module):
   def __call__(self, x_BxTxD, positions_BxT, key_pos_BxS, writer, segment_ids_BxT=None,
                rope_positions_3xBxT=None):
     """`writer` is None (attend within x) or one of kv_cache.py's writers for this layer's k/v.
-    `segment_ids_BxT` (packed rows, writer None): a query sees only keys of its own segment.
+    `segment_ids_BxT` (packed rows, writer None): a query sees only keys of its own segment
+    and, in a shared-prompt row, its group's prompt (segments.py).
     `rope_positions_3xBxT` (needs `cfg.mrope_section`): multimodal RoPE positions; masking
     still follows `positions_BxT`."""
     cfg = self.cfg
@@ -168,8 +170,8 @@ class Attention(nnx.Module):
       return self.o_proj(out.reshape(b, t, cfg.num_heads * dh))
     visible_BxTxS = ((key_pos_BxS[:, None, :] >= 0)
                      & (key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]))
-    if segment_ids_BxT is not None:  # block-diagonal: every impl below takes this one mask
-      visible_BxTxS = visible_BxTxS & (segment_ids_BxT[:, None, :] == segment_ids_BxT[:, :, None])
+    if segment_ids_BxT is not None:  # block-diagonal (segments.py): every impl takes this mask
+      visible_BxTxS = visible_BxTxS & segments.visible(segment_ids_BxT, segment_ids_BxT)
     if impl == "einsum":
       q_BxTxKxGxDh = q_BxTxHxDh.reshape(b, t, hkv, g, dh)
       scores = jnp.einsum("btkgd,bksd->bkgts", q_BxTxKxGxDh, k_BxKxSxDh,

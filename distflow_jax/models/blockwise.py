@@ -13,7 +13,8 @@ Semantics are those of attention.py's einsum path:
 
 * a query at position p sees a key at position k when 0 <= k <= p (key position -1 =
   padding or an empty cache slot) and, with `segment_ids_BxT` (packed rows, keys are the
-  queries' own tokens), when both carry the same segment id;
+  queries' own tokens), when segments.py's rule lets its segment see the key's (the same
+  id, or the shared prompt of its group);
 * a query that sees no key at all (a padding row) gets the uniform softmax over all S
   keys the einsum path gives with its finite mask value: the mean of the values (and
   its gradient, 1/S of the row's output gradient to every value).  Computing that mean
@@ -32,6 +33,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from distflow_jax.models import segments
 
 # Default block edge (queries and keys): one float32 score block of the tiny model's 4
 # heads is 4 MiB per row at 512 x 512.
@@ -103,7 +106,7 @@ def _blocks(x_BxT: jax.Array, n: int) -> jax.Array:
 def _visible(pos_BxQ, segq_BxQ, kpos_BxC, segk_BxC) -> jax.Array:
   """`[B, bq, bk]`: which keys of one block each query of one block sees."""
   kp = kpos_BxC[:, None, :]
-  return (kp >= 0) & (kp <= pos_BxQ[:, :, None]) & (segk_BxC[:, None, :] == segq_BxQ[:, :, None])
+  return (kp >= 0) & (kp <= pos_BxQ[:, :, None]) & segments.visible(segq_BxQ, segk_BxC)
 
 
 def _scores(q_BxKxGxQxDh, k_BxKxCxDh) -> jax.Array:

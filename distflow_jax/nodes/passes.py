@@ -44,12 +44,13 @@ def prompt_group(ctx: RunContext, node: Node, data: dict, num_parts: int) -> int
 
 
 def pack_plan(ctx: RunContext, node: Node, lay: dlayout.Layout, data: dict,
-              num_parts: int | None = None, block: int = 1):
+              num_parts: int | None = None, block: int = 1, group_size: int = 1):
   """The packing plan of `data`'s rows under model.pack_sequences (None when off), put on
   `lay`'s mesh (replicated); records `pad_fraction/<node>` (padding slots of the packed
   rows) and `pad_fraction_padded/<node>` (of the padded rows the pass would run otherwise).
   `num_parts`: one plan per micro-batch of `steps.deal_rows(data, num_parts, block)`,
-  stacked on a leading axis (the train step's); None: one plan (a pass's)."""
+  stacked on a leading axis (the train step's); None: one plan (a pass's).  `group_size`
+  (`prompt_group`'s, rows checked grouped): each group's prompt laid once in its row."""
   m = ctx.cfg.model
   if not m.get("pack_sequences", False):
     return None
@@ -57,14 +58,15 @@ def pack_plan(ctx: RunContext, node: Node, lay: dlayout.Layout, data: dict,
   rm = packing.host_array(data["response_mask"])
   shards = lay.num_shards
   if num_parts is None:
-    plan, stats = packing.plan(pm, rm, m.pack_len, shards if pm.shape[0] % shards == 0 else 1)
+    plan, stats = packing.plan(pm, rm, m.pack_len, shards if pm.shape[0] % shards == 0 else 1,
+                               group_size)
   else:
-    plan, stats = packing.plan_parts(pm, rm, m.pack_len, num_parts, block, shards)
+    plan, stats = packing.plan_parts(pm, rm, m.pack_len, num_parts, block, shards, group_size)
   return _placed(ctx, node, lay, plan, stats)
 
 
 def budget_plan(ctx: RunContext, node: Node, lay: dlayout.Layout, data: dict, budget: int,
-                prefix: str):
+                prefix: str, group_size: int = 1):
   """`pack_plan` for a train step with token-budget micro-batches (`<prefix>.micro_batch_tokens`
   = `budget`, train/token_budget.py); also records `<prefix>/micro_batches` (M) and
   `<prefix>/micro_batch_fill_max` / `_min` (the fullest and emptiest micro-batch on any
@@ -73,7 +75,7 @@ def budget_plan(ctx: RunContext, node: Node, lay: dlayout.Layout, data: dict, bu
   pm = packing.host_array(data["prompt_mask"])
   rm = packing.host_array(data["response_mask"])
   plan, stats, tokens_DxM = token_budget.plan(pm, rm, budget, ctx.cfg.model.pack_len,
-                                              lay.num_shards)
+                                              lay.num_shards, group_size)
   ctx.metrics.add(f"{prefix}/micro_batches", float(tokens_DxM.shape[1]))
   ctx.metrics.add(f"{prefix}/micro_batch_fill_max", float(tokens_DxM.max()) / budget)
   ctx.metrics.add(f"{prefix}/micro_batch_fill_min", float(tokens_DxM.min()) / budget)
@@ -119,7 +121,7 @@ def _model_pass(field: str, role: Role, ctx: RunContext, node: Node, lay: dlayou
     fn = ctx.jitted(("logprobs", role, lay, gs), lambda: pass_fn(
         ctx, lay, lambda g, p, b: steps_lib.response_logprobs(g, p, b, group_size=gs)[0], unit,
         state.params))
-    plan = pack_plan(ctx, node, lay, data)
+    plan = pack_plan(ctx, node, lay, data, group_size=gs)
     out = fn(state.graphdef, state.params, data if plan is None else {**data, "pack": plan})
   return batch.replace(**{field: out})
 

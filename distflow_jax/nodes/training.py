@@ -64,14 +64,15 @@ def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: 
       out_shardings=lay.sharding))
   prefix = "actor" if role is Role.ACTOR else "critic"
   # model.pack_sequences: one packing plan per mini-batch (its micro-batches' plans stacked;
-  # with <role>.micro_batch_tokens, its token-budget micro-batches).
+  # with <role>.micro_batch_tokens, its token-budget micro-batches); gs > 1 lays each
+  # group's prompt once.
   masks = {k: data[k] for k in ("prompt_mask", "response_mask")}
   plans = [None] * minis
   if budget:
     plans = [budget_plan(ctx, node, lay, masks if minis == 1 else take(masks, i), budget,
-                         prefix) for i in range(minis)]
+                         prefix, gs) for i in range(minis)]
   elif ctx.cfg.model.get("pack_sequences", False):
-    plans = [pack_plan(ctx, node, lay, masks if minis == 1 else take(masks, i), micro, gs)
+    plans = [pack_plan(ctx, node, lay, masks if minis == 1 else take(masks, i), micro, gs, gs)
              for i in range(minis)]
   for _ in range(section.ppo_epochs):
     for i in range(minis):

@@ -31,6 +31,10 @@ fill rows of shard s only, and every shard gets the same number of rows.
 
 Token-budget micro-batches (``<role>.micro_batch_tokens``, train/token_budget.py) choose
 each micro-batch's samples and rows themselves and lay them out with ``fill_rows``.
+
+Shared prompts (``model.share_prompt_prefix``, ``group_size > 1``): a group's prompt is laid
+once and its responses after it, each seeing the prompt and itself (packing_shared.py,
+models/segments.py); the unit of first-fit decreasing is then the group.
 """
 
 from __future__ import annotations
@@ -41,11 +45,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from distflow_jax.train import packing_shared
+
 
 @dataclasses.dataclass(frozen=True)
 class PackStats:
-  """Slot counts of one plan: ``useful`` real input tokens, ``packed`` slots of the packed
-  rows, ``padded`` slots the padded pass runs (``B * (P + N - 1)``)."""
+  """Slot counts of one plan: ``useful`` real input tokens laid (a shared prompt once,
+  packing_shared.py), ``packed`` slots of the packed rows, ``padded`` slots the padded
+  pass runs (``B * (P + N - 1)``)."""
   useful: int
   packed: int
   padded: int
@@ -154,12 +161,14 @@ def fill_rows(shard_bins, cols, lengths, n: int, p_plus_n: int, pack_len: int,
 
 
 def plan(prompt_mask: np.ndarray, response_mask: np.ndarray, pack_len: int = 0,
-         num_shards: int = 1) -> tuple[dict[str, np.ndarray], PackStats]:
+         num_shards: int = 1, group_size: int = 1) -> tuple[dict[str, np.ndarray], PackStats]:
   """The packing of one batch (see the module docstring): ``(plan, stats)``.
 
   ``pack_len=0`` packs into rows of the padded row's length ``P + N - 1``.  ``num_shards``
-  must divide B: each contiguous block of B / num_shards rows packs into its own rows."""
-  parts, stats = plan_parts(prompt_mask, response_mask, pack_len, 1, 1, num_shards)
+  must divide B: each contiguous block of B / num_shards rows packs into its own rows.
+  ``group_size > 1``: shared prompts (packing_shared.py; the rows must be so grouped)."""
+  parts, stats = plan_parts(prompt_mask, response_mask, pack_len, 1, 1, num_shards,
+                            group_size)
   return {k: v[0] for k, v in parts.items()}, stats
 
 
@@ -172,11 +181,34 @@ def deal_rows_np(x: np.ndarray, m: int, block: int = 1) -> np.ndarray:
   return np.moveaxis(x, 1, 0).reshape(m, b // m, *x.shape[3:])
 
 
+def shares_prompts(rows_per_shard: int, group_size: int) -> bool:
+  """Whether a shard's rows pack as groups of ``group_size`` with one laid prompt each
+  (packing_shared.py): sharing is on and no group straddles two shards."""
+  return group_size > 1 and rows_per_shard % group_size == 0
+
+
+def _unit_bins(lengths, prompt_len, pack_len, num_shards, group_size):
+  """Per shard, the rows of shared-prompt units: ``(units, bins)``, bins naming units."""
+  per = len(lengths) // num_shards
+  check_fits(lengths, pack_len)
+  units, bins = [], []
+  for s in range(num_shards):
+    rows = packing_shared.place_rows(range(s * per, (s + 1) * per), lengths, prompt_len,
+                                     group_size, pack_len)
+    bins.append([])
+    for row in rows:
+      bins[-1].append(list(range(len(units), len(units) + len(row))))
+      units.extend(row)
+  return units, bins
+
+
 def plan_parts(prompt_mask: np.ndarray, response_mask: np.ndarray, pack_len: int,
-               num_parts: int, block: int = 1, num_shards: int = 1
+               num_parts: int, block: int = 1, num_shards: int = 1, group_size: int = 1
                ) -> tuple[dict[str, np.ndarray], PackStats]:
   """One plan per micro-batch of ``steps.deal_rows(batch, num_parts, block)``, stacked on a
-  leading ``[num_parts]`` axis with one row count (indices relative to the micro-batch)."""
+  leading ``[num_parts]`` axis with one row count (indices relative to the micro-batch).
+  ``group_size > 1``: each group's prompt laid once (packing_shared.py) where the groups
+  stay whole on their shards (``block`` must then be ``group_size``), else per sample."""
   prompt_mask, response_mask = np.asarray(prompt_mask), np.asarray(response_mask)
   pm = deal_rows_np(prompt_mask, num_parts, block)
   rm = deal_rows_np(response_mask, num_parts, block)
@@ -187,12 +219,26 @@ def plan_parts(prompt_mask: np.ndarray, response_mask: np.ndarray, pack_len: int
   p_plus_n = prompt_mask.shape[1] + n
   pack_len = pack_len or p_plus_n - 1
   layouts = [sample_layout(pm[i], rm[i]) for i in range(num_parts)]
-  bins = [_bins_per_shard(lengths, pack_len, num_shards) for _, lengths in layouts]
+  whole_groups = num_parts == 1 or (block % group_size == 0
+                                    and response_mask.shape[0] % (num_parts * block) == 0)
+  shared = whole_groups and shares_prompts(rows_each // num_shards, group_size)
+  if shared:
+    prompt_lens = [packing_shared.prompt_lengths(cols, p_plus_n - n) for cols, _ in layouts]
+    unit_bins = [_unit_bins(layouts[i][1], prompt_lens[i], pack_len, num_shards, group_size)
+                 for i in range(num_parts)]
+    bins = [b for _, b in unit_bins]
+  else:
+    bins = [_bins_per_shard(lengths, pack_len, num_shards) for _, lengths in layouts]
   rows_per_shard = bucket_rows(max(len(shard) for part in bins for shard in part))
-  plans = [fill_rows(bins[i], *layouts[i], n, p_plus_n, pack_len, rows_per_shard)
-           for i in range(num_parts)]
+  if shared:
+    plans = [packing_shared.fill_rows(bins[i], unit_bins[i][0], *layouts[i], prompt_lens[i],
+                                      n, p_plus_n, pack_len, rows_per_shard, rows_each)
+             for i in range(num_parts)]
+  else:
+    plans = [fill_rows(bins[i], *layouts[i], n, p_plus_n, pack_len, rows_per_shard)
+             for i in range(num_parts)]
   stacked = {k: np.stack([pl[k] for pl in plans]) for k in plans[0]}
-  useful = int(sum(lengths.sum() for _, lengths in layouts))
+  useful = int((stacked["seg"] > 0).sum())
   stats = PackStats(useful=useful, packed=int(stacked["seg"].size),
                     padded=prompt_mask.shape[0] * (p_plus_n - 1))
   return stacked, stats

@@ -32,7 +32,9 @@ Packed rows.  A batch holding ``pack`` (a plan of train/packing.py: ``model.pack
 runs its passes padding-free: the samples' real tokens packed into ``[rows, pack_len]``
 rows with per-token segment ids, the hidden states gathered back to ``[B, N]`` before
 the heads.  The train step takes ``pack`` with a leading micro-batch axis (one plan per
-micro-batch, ``packing.plan_parts``).  Packing and shared prompts exclude each other.
+micro-batch, ``packing.plan_parts``).  With shared prompts the plan lays each group's
+prompt once and its responses after it, each response seeing the prompt and itself
+(train/packing_shared.py): the padded shared pass's numbers, padding-free.
 
 Token-budget micro-batches.  A plan that also holds ``idx`` / ``valid`` ``[M, S]``
 (train/token_budget.py: ``<role>.micro_batch_tokens``) names each micro-batch's rows
@@ -130,11 +132,6 @@ def _response_hidden_packed(graphdef: nnx.GraphDef, params: nnx.State, batch: Ba
   return packing.unpack(hidden, pack["out"])
 
 
-PACK_AND_SHARE = ("model.pack_sequences=True does not work with shared prompts "
-                  "(model.share_prompt_prefix=True and rollout.n > 1); set "
-                  "model.share_prompt_prefix=False")
-
-
 PACK_IMAGES = ("model.pack_sequences=True does not take images yet; set "
                "model.pack_sequences=False for a vision-language run")
 
@@ -142,9 +139,7 @@ PACK_IMAGES = ("model.pack_sequences=True does not take images yet; set "
 def _response_hidden(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch,
                      group_size: int = 1) -> jax.Array:
   """Hidden states predicting each response token, ``[B, N, D]`` (see "Shared prompts")."""
-  if "pack" in batch:
-    if group_size > 1:
-      raise ValueError(PACK_AND_SHARE)
+  if "pack" in batch:  # a shared-prompt plan lays each group's prompt once itself
     if image_inputs.has_images(batch):
       raise ValueError(PACK_IMAGES)
     return _response_hidden_packed(graphdef, params, batch)
@@ -276,8 +271,6 @@ def _micro_batches(batch: Batch, pack, num_micro_batches: int | None, group_size
                    ) -> Batch:
   """The step's ``[M, ...]`` micro-batches (plan included): dealt rows, or a token-budget
   plan's slots (see "Token-budget micro-batches")."""
-  if pack is not None and group_size > 1:
-    raise ValueError(PACK_AND_SHARE)
   if pack is not None and "idx" in pack:
     rows = {k: v for k, v in pack.items() if k not in SLOT_KEYS}
     return {**gather_micro_batches(batch, pack), "pack": rows}

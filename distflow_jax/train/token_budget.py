@@ -29,6 +29,10 @@ of the batch, as packing.py plans them), with a sample's length the tokens its p
   Shards with fewer tokens get lighter micro-batches, possibly empty ones (all padding);
 * samples without a response token join no micro-batch: they have no loss term.
 
+Shared prompts (``group_size > 1``): the items placed whole are packing_shared.py's units (a
+group's prompt laid once and its responses), their length the slots they take, so a group
+stays in one micro-batch and one row (a group longer than ``pack_len`` is split into units).
+
 A micro-batch names its samples by slots: ``idx [M, S]`` (rows of the batch) and
 ``valid [M, S]``, shard-major (slots ``s * S/D ..`` hold shard s's samples; padding slots
 name the shard's first row and are not valid), ``S / D`` the most samples any micro-batch
@@ -42,7 +46,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from distflow_jax.train import packing
+from distflow_jax.train import packing, packing_shared
 
 Assignment = list[list[list[int]]]  # [micro-batch][row] -> sample indices
 
@@ -86,13 +90,22 @@ def assign(lengths_B: np.ndarray, budget: int, pack_len: int, num_shards: int = 
            ) -> list[Assignment]:
   """Per shard, per micro-batch, per packed row: the batch rows (global indices) placed
   there; the same number of micro-batches on every shard (module docstring)."""
+  lengths_B = np.asarray(lengths_B, np.int64)
+  per = len(lengths_B) // num_shards
+  return assign_items(lengths_B, np.arange(len(lengths_B)) // per, budget, pack_len,
+                      num_shards)
+
+
+def assign_items(lengths_I: np.ndarray, shard_I: np.ndarray, budget: int, pack_len: int,
+                 num_shards: int) -> list[Assignment]:
+  """`assign` over items each placed whole (samples, or packing_shared.py's units of a
+  shared prompt and its responses), item i on shard ``shard_I[i]``."""
   if budget <= 0:
     raise ValueError(f"micro_batch_tokens={budget} must be > 0 for token-budget micro-batches")
-  lengths_B = np.asarray(lengths_B, np.int64)
+  lengths_B = np.asarray(lengths_I, np.int64)
   packing.check_fits(lengths_B, pack_len)
-  per = len(lengths_B) // num_shards
-  keep = [np.arange(s * per, (s + 1) * per) for s in range(num_shards)]
-  keep = [idx[lengths_B[idx] > 0] for idx in keep]
+  keep = [np.flatnonzero((np.asarray(shard_I) == s) & (lengths_B > 0))
+          for s in range(num_shards)]
   m = packing.bucket_rows(max(_fewest_micro_batches(lengths_B[k], budget, pack_len)
                               for k in keep))
   while True:
@@ -110,14 +123,37 @@ def tokens_per_micro_batch(lengths_B: np.ndarray, parts: list[Assignment]) -> np
                    for part in parts], np.int64)
 
 
+def _items(cols, lengths_B: np.ndarray, p: int, pack_len: int, num_shards: int,
+           group_size: int):
+  """What the budget places whole: ``(members, lengths_I, shard_I, prompt_len_B)``; samples
+  (``prompt_len_B`` None), or with shared prompts packing_shared.py's units."""
+  b = len(lengths_B)
+  per = b // num_shards
+  if not packing.shares_prompts(per, group_size):
+    return [(i,) for i in range(b)], lengths_B, np.arange(b) // per, None
+  packing.check_fits(lengths_B, pack_len)
+  prompt_len_B = packing_shared.prompt_lengths(cols, p)
+  members, sizes, shard_I = [], [], []
+  for s in range(num_shards):
+    units, sizes_U = packing_shared.group_units(range(s * per, (s + 1) * per), lengths_B,
+                                                prompt_len_B, group_size, pack_len)
+    members += units
+    sizes += list(sizes_U)
+    shard_I += [s] * len(units)
+  return members, np.array(sizes, np.int64), np.array(shard_I, np.int64), prompt_len_B
+
+
 def plan(prompt_mask: np.ndarray, response_mask: np.ndarray, budget: int, pack_len: int = 0,
-         num_shards: int = 1) -> tuple[dict[str, np.ndarray], packing.PackStats, np.ndarray]:
+         num_shards: int = 1, group_size: int = 1
+         ) -> tuple[dict[str, np.ndarray], packing.PackStats, np.ndarray]:
   """The token-budget plan of one (mini-)batch: ``(plan, stats, tokens_DxM)``.
 
   ``plan`` holds ``idx`` / ``valid`` ``[M, S]`` (the slots, module docstring) and
   packing.py's ``src`` / ``pos`` / ``seg`` ``[M, D * R, pack_len]`` and ``out`` ``[M, S, N]``,
   relative to each micro-batch's gathered slots.  ``pack_len=0``: the padded row's length.
-  ``num_shards`` must divide B (else one shard)."""
+  ``num_shards`` must divide B (else one shard).  ``group_size > 1``: shared prompts, each
+  group's prompt laid once (packing_shared.py) and a group's samples kept in one micro-batch
+  (one unit), where groups do not straddle shards."""
   pm, rm = np.asarray(prompt_mask), np.asarray(response_mask)
   b, n = rm.shape
   if b % num_shards:
@@ -125,10 +161,13 @@ def plan(prompt_mask: np.ndarray, response_mask: np.ndarray, budget: int, pack_l
   p_plus_n = pm.shape[1] + n
   pack_len = pack_len or p_plus_n - 1
   cols, lengths_B = packing.sample_layout(pm, rm)
-  parts = assign(lengths_B, budget, pack_len, num_shards)
+  units, lengths_I, shard_I, prompt_len_B = _items(cols, lengths_B, p_plus_n - n, pack_len,
+                                                   num_shards, group_size)
+  parts = assign_items(lengths_I, shard_I, budget, pack_len, num_shards)
   num_micro = len(parts[0])
   rows = rows_per_micro_batch(budget, pack_len)
-  members = [[[x for row in micro for x in row] for micro in part] for part in parts]
+  members = [[[x for row in micro for u in row for x in units[u]] for micro in part]
+             for part in parts]
   per_slot = packing.bucket_rows(max(len(ms) for part in members for ms in part))
   per = b // num_shards
   first_row_D = np.arange(num_shards, dtype=np.int32) * per  # padding slots' row
@@ -145,12 +184,29 @@ def plan(prompt_mask: np.ndarray, response_mask: np.ndarray, budget: int, pack_l
   empty = np.zeros(0, np.int64)
   for j in range(num_micro):
     slot = {int(x): k for k, (x, ok) in enumerate(zip(idx_MxS[j], valid_MxS[j])) if ok}
-    shard_bins = [[[slot[x] for x in row] for row in part[j] if row] for part in parts]
     cols_S = [cols[x] if ok else empty for x, ok in zip(idx_MxS[j], valid_MxS[j])]
     lengths_S = np.where(valid_MxS[j], lengths_B[idx_MxS[j]], 0)
-    plans.append(packing.fill_rows(shard_bins, cols_S, lengths_S, n, p_plus_n, pack_len, rows))
+    if prompt_len_B is None:
+      shard_bins = [[[slot[units[u][0]] for u in row] for row in part[j] if row]
+                    for part in parts]
+      plans.append(packing.fill_rows(shard_bins, cols_S, lengths_S, n, p_plus_n, pack_len,
+                                     rows))
+      continue
+    units_j = [tuple(slot[x] for x in units[u]) for part in parts for row in part[j]
+               for u in row]
+    shard_bins, at = [], 0
+    for part in parts:  # units_j's order: shard, row, unit
+      shard_bins.append([])
+      for row in part[j]:
+        if row:
+          shard_bins[-1].append(list(range(at, at + len(row))))
+        at += len(row)
+    prompt_len_S = np.where(valid_MxS[j], prompt_len_B[idx_MxS[j]], 0)
+    plans.append(packing_shared.fill_rows(shard_bins, units_j, cols_S, lengths_S,
+                                          prompt_len_S, n, p_plus_n, pack_len, rows,
+                                          len(cols_S)))
   stacked = {k: np.stack([pl[k] for pl in plans]) for k in plans[0]}
   stacked.update(idx=idx_MxS, valid=valid_MxS)
-  stats = packing.PackStats(useful=int(lengths_B.sum()), packed=int(stacked["seg"].size),
-                            padded=b * (p_plus_n - 1))
-  return stacked, stats, tokens_per_micro_batch(lengths_B, parts)
+  stats = packing.PackStats(useful=int((stacked["seg"] > 0).sum()),
+                            packed=int(stacked["seg"].size), padded=b * (p_plus_n - 1))
+  return stacked, stats, tokens_per_micro_batch(lengths_I, parts)
