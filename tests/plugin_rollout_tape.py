@@ -18,6 +18,8 @@ from distflow_jax.nodes.rollout import generate_node
 
 FIELDS = ("prompt_tokens", "prompt_mask", "response_tokens", "response_mask",
           "rollout_logprobs")
+# A vision-language run's samples also carry their image features (train/image_inputs.py).
+OPTIONAL = ("image_embeds", "image_slots", "rope_positions")
 
 
 def _path(ctx, process):
@@ -27,7 +29,8 @@ def _path(ctx, process):
 def tape(ctx, node, lay, prompts):
   if os.environ["DISTFLOW_TEST_TAPE_MODE"] == "record":
     batch = generate_node(ctx, node, lay, prompts)
-    loc = to_local(Batch({k: batch.data[k] for k in (*FIELDS, SAMPLE_ID, GROUP_ID)}))
+    keys = (*FIELDS, *(k for k in OPTIONAL if k in batch.data), SAMPLE_ID, GROUP_ID)
+    loc = to_local(Batch({k: batch.data[k] for k in keys}))
     os.makedirs(os.environ["DISTFLOW_TEST_TAPE"], exist_ok=True)
     np.savez(_path(ctx, ctx.process_index), **loc.data)
     return batch
@@ -35,12 +38,12 @@ def tape(ctx, node, lay, prompts):
   for f in glob.glob(_path(ctx, "*")):
     with np.load(f) as z:
       for i, sid in enumerate(z[SAMPLE_ID]):
-        rows[int(sid)] = {k: z[k][i] for k in FIELDS}
+        rows[int(sid)] = {k: z[k][i] for k in (*FIELDS, *OPTIONAL) if k in z.files}
   n = ctx.section(node, "rollout").n
   groups = expand_groups(Batch({SAMPLE_ID: prompts.data[SAMPLE_ID],
                                 GROUP_ID: prompts.data[GROUP_ID]}, prompts.host), n)
   picked = [rows[int(s)] for s in groups.data[SAMPLE_ID]]
-  local = Batch({**groups.data, **{k: np.stack([r[k] for r in picked]) for k in FIELDS}},
+  local = Batch({**groups.data, **{k: np.stack([r[k] for r in picked]) for k in picked[0]}},
                 prompts.host)
   ctx.metrics.add_mean("response_length", local.data["response_mask"].sum(axis=1))
   return to_global(local, lay)
