@@ -105,11 +105,14 @@ def test_layouts_agree_on_the_same_samples(case, tmp_path):
 
 
 @pytest.mark.timeout(1500)
-def test_packed_on_2x2_agrees_with_padded_on_1x8(tmp_path):
+@pytest.mark.parametrize("share", [False, True])
+def test_packed_on_2x2_agrees_with_padded_on_1x8(share, tmp_path):
   # Issue 19: packed passes (with token-budget micro-batches) give the padded passes'
   # numbers on another layout too; the 1 x 8 run's rollouts are replayed in the 2 x 2 one.
+  # share=True: both runs share prompts (padded shared passes against packed rows laying
+  # each group's prompt once, train/packing_shared.py).
   name, extra = CASES["grpo"]
-  extra = [*extra, "actor.entropy_coef=0.01", "model.share_prompt_prefix=False"]
+  extra = [*extra, "actor.entropy_coef=0.01", f"model.share_prompt_prefix={share}"]
   tape = tmp_path / "tape"
   single = _single(tmp_path, name, extra, tape, "record")
   multi = _multi(tmp_path, name, [*extra, "model.pack_sequences=True",
@@ -118,6 +121,7 @@ def test_packed_on_2x2_agrees_with_padded_on_1x8(tmp_path):
   # It packed, in token-budget micro-batches (at these tiny lengths, 8 new tokens, the
   # packed rows hold about as much padding as the padded ones: equality is the point).
   assert all("pad_fraction/train_actor" in m and m["actor/micro_batches"] >= 1 for m in multi)
+  assert all(m["prompt_group/train_actor"] == (2.0 if share else 1.0) for m in multi)
   for s, m in zip(single, multi):
     for key in COMPARE:
       if key in s:
