@@ -49,13 +49,16 @@ VL = ["rollout.backend=reference", "data.train=builtin:shapes", "data.eval=",
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("share", [True, False])
-def test_grpo_on_shapes_with_a_tiny_vl_model(tmp_path, monkeypatch, share):
+@pytest.mark.parametrize("share,extra", [
+    (True, ()), (False, ()), (False, ("trainer.deterministic=True",)),
+    (True, ("algo.dynamic_sampling_tries=2",))])
+def test_grpo_on_shapes_with_a_tiny_vl_model(tmp_path, monkeypatch, share, extra):
   monkeypatch.setattr(trainer, "BUILTIN_TRAIN_ROWS", 32)
   ckpt = tiny_vl_checkpoint(tmp_path / "vl")
   cfg = loading.load("grpo:tiny", smoke_overrides(
       tmp_path / "run", "cluster.devices_per_process=8", f"model.path={ckpt}", *VL,
-      f"model.share_prompt_prefix={share}", "data.eval=builtin:shapes", "trainer.eval_every=2"))
+      f"model.share_prompt_prefix={share}", "data.eval=builtin:shapes", "trainer.eval_every=2",
+      *extra))
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
   assert ctx.vision is not None
   before = jax.tree.map(np.asarray, ctx.roles[Role.ACTOR].params)
@@ -77,12 +80,14 @@ def test_grpo_on_shapes_with_a_tiny_vl_model(tmp_path, monkeypatch, share):
     ("rollout.backend=engine", "set rollout.backend=reference"),
     ("model.pack_sequences=True", "set model.pack_sequences=False"),
     ("model.train_vision=True", "not built yet"),
-    ("model.path=", "Qwen2.5-VL checkpoint in model.path")])
+    ("model.path=", "Qwen2.5-VL checkpoint in model.path"),
+    ("ppo", "critic's passes")])
 def test_unsupported_combinations_are_refused_in_one_line(tmp_path, override, why):
   from distflow_jax.config.checks import plan_from_config
   from distflow_jax.dag import FUNCTIONS, Topology
   with pytest.raises(ConfigError) as e:
-    plan_from_config(loading.load("grpo:tiny", [
-        "model.path=/some/vl", *VL, "model.share_prompt_prefix=False", override]),
+    plan_from_config(loading.load("ppo:tiny" if override == "ppo" else "grpo:tiny", [
+        "model.path=/some/vl", *VL, "model.share_prompt_prefix=False",
+        *([] if override == "ppo" else [override])]),
         Topology(1, 8), FUNCTIONS)
   assert "\n" not in str(e.value) and why in str(e.value), str(e.value)

@@ -52,6 +52,11 @@ def check_images(cfg) -> None:
   if cfg.rollout.backend != "reference":
     raise ConfigError(f"{where}: rollout.backend={cfg.rollout.backend!r} does not take images "
                       f"yet; set rollout.backend=reference")
+  critic = [n.get("id", n.get("fn")) for n in cfg.get("dag", ()) or ()
+            if n.get("fn") in ("values", "train.critic")]
+  if critic:
+    raise ConfigError(f"{where}: the critic's passes (DAG nodes {critic}) do not take images "
+                      f"yet; use a critic-free algorithm (e.g. configs/grpo.py)")
   if m.get("pack_sequences", False):
     raise ConfigError(f"{where}: model.pack_sequences=True does not take images yet; set "
                       f"model.pack_sequences=False")

@@ -79,6 +79,9 @@ def _same_prompt_width(groups: list[dict[str, np.ndarray]]) -> None:
           [np.repeat(g["prompt_tokens"][:, :1], extra, axis=1), g["prompt_tokens"]], axis=1)
       g["prompt_mask"] = np.concatenate(
           [np.zeros((len(g["prompt_mask"]), extra), bool), g["prompt_mask"]], axis=1)
+      if "image_slots" in g:  # images (train/image_inputs.py): no slot, position 0 there
+        g["image_slots"] = np.pad(g["image_slots"], ((0, 0), (extra, 0)))
+        g["rope_positions"] = np.pad(g["rope_positions"], ((0, 0), (0, 0), (extra, 0)))
 
 
 def sample(run_prefix: Callable[[Batch], tuple[Batch, dlayout.Layout]], prompts: Batch,
