@@ -44,6 +44,10 @@ def group_units(samples: range | list[int], lengths: np.ndarray, prompt_len: np.
   """The units of ``samples`` (consecutive groups of ``group_size``) and their lengths:
   per group, its samples with a response, cut where the next would overflow ``pack_len``."""
   samples = list(samples)
+  if group_size >= PROMPT_STRIDE:
+    raise ValueError(f"shared-prompt packing: rollout.n={group_size} responses per prompt "
+                     f"exceed the segment ids' {PROMPT_STRIDE - 1}; set "
+                     f"model.share_prompt_prefix=False")
   if len(samples) % group_size:
     raise ValueError(f"shared-prompt packing: {len(samples)} rows are not whole groups of "
                      f"{group_size}; keep each prompt's rollout.n samples together")
@@ -130,8 +134,12 @@ def fill_rows(shard_bins, units: list[Unit], cols, lengths, prompt_len, n: int,
   seg = np.zeros((num_rows, pack_len), np.int32)
   out = np.zeros((num_samples, n), np.int32)
   p = p_plus_n - n
+  most = (1 << 31) // PROMPT_STRIDE - 1  # group ids g * PROMPT_STRIDE + k stay int32
   for s, bins in enumerate(shard_bins):
     for j, bin_ in enumerate(bins):
+      if len(bin_) > most:
+        raise ValueError(f"shared-prompt packing: {len(bin_)} prompt groups in one packed row "
+                         f"exceed the segment ids' {most}; lower model.pack_len")
       row, at = s * rows_per_shard + j, 0
       for g, u in enumerate(bin_, start=1):
         first = units[u][0]
