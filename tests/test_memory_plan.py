@@ -156,3 +156,41 @@ def test_repartition_traffic_comes_from_the_data_plane_plan():
   assert "re-partitions per step: 1 (distributed" in r.stdout
   line = next(l for l in r.stdout.splitlines() if l.strip().startswith("into "))
   assert "process 0 sends" in line and "process 1 receives" not in line.split(",")[0]
+
+
+PACKED = textwrap.dedent("""
+    import json, sys
+    from distflow_jax import distributed
+    distributed.simulate_cpu_devices(8)
+    from absl import flags
+    from distflow_jax.config import checks, loading
+    from distflow_jax.dag import FUNCTIONS
+    from distflow_jax.memory import report
+    out = {}
+    for budget in (0, 96, 192):
+      fv = flags.FlagValues()
+      extra = ["--config.model.pack_sequences=True", "--config.model.pack_len=96",
+               f"--config.actor.micro_batch_tokens={budget}"] if budget else []
+      loading.parse(fv, sys.argv[1:] + extra)
+      cfg = fv.config
+      plan = checks.plan_from_config(cfg, checks.topology(cfg, 1, 8), FUNCTIONS)
+      est = report.estimate(cfg, plan, report.model_shape(cfg), "analytic")
+      act = [i for i in est.items if i.where == "train_actor" and i.what.startswith("activ")]
+      out[budget] = [act[0].what, act[0].nbytes, est.notes]
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_packed_token_budget_train_step_is_sized_by_its_rows(config_only, tmp_path):
+  # Issue 19: with model.pack_sequences and actor.micro_batch_tokens the train step's
+  # micro-batch is ceil(budget / pack_len) packed rows, not micro_batch_size padded rows.
+  script = tmp_path / "packed.py"
+  script.write_text(PACKED)
+  r = _run([sys.executable, str(script), *COMMON, f"--config.model.path={config_only}"])
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = json.loads(r.stdout.split("RESULT ", 1)[1])
+  padded, one, two = out["0"], out["96"], out["192"]
+  assert "1 packed row(s) of 96" in one[0] and "2 packed row(s) of 96" in two[0]
+  assert one[1] < two[1] < 2.2 * one[1]     # linear in the rows (plus one logits chunk)
+  assert one[1] < padded[1]                 # 96 tokens against 4 padded rows of 32 + 32
+  assert any("pack_sequences: analytic" in n for n in one[2])

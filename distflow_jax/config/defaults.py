@@ -83,7 +83,8 @@ def base() -> ml_collections.ConfigDict:
       # the train steps pack each sample's real tokens into rows of pack_len tokens with
       # segment ids instead of running [prompt bucket + max_new_tokens] padded rows
       # (metrics pad_fraction/<node>, and pad_fraction_padded/<node> for the padded
-      # layout).  pack_len=0: the padded row's length.  Needs share_prompt_prefix=False.
+      # layout).  pack_len=0: the padded row's length.  With share_prompt_prefix a group's
+      # prompt is laid once per row, its responses after it (train/packing_shared.py).
       pack_sequences=False,
       pack_len=0,
   )

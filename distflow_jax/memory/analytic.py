@@ -99,6 +99,16 @@ def activation_bytes(m: ModelConfig, rows: int, prompt_len: int, new_tokens: int
   return body + logits
 
 
+def packed_train_activation_bytes(m: ModelConfig, rows: int, pack_len: int, tensor: int = 1,
+                                  remat: str = "none", attention_impl: str = "auto") -> float:
+  """One device's train-step activations for a micro-batch of ``rows`` packed rows of
+  ``pack_len`` tokens (model.pack_sequences; with actor.micro_batch_tokens, rows =
+  ceil(budget / pack_len)): the body sees ``rows x pack_len`` tokens whose keys span one
+  row, and the log-prob head one chunk of logits."""
+  body = activation_bytes(m, rows, pack_len, 0, 1, tensor, True, remat, attention_impl)
+  return body + LOGITS_CHUNK * m.vocab_size / tensor * 4 * ACT_LOGITS
+
+
 def kv_cache_bytes(m: ModelConfig, slots: int, cache_len: int) -> float:
   """The whole cache of ``slots`` rows of ``cache_len`` (divide by the devices sharing it)."""
   return slots * cache_len * m.num_layers * 2 * m.num_kv_heads * m.head_dim * dtype_bytes(m.dtype)

@@ -217,6 +217,10 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
       micro = max(samples // dp // minis // cfg.actor.micro_batch_size, 1)
       gs = shared_prompt_group(cfg, samples, dp * minis * micro)
       gb = an.grad_bytes(model_cfg, shards)
+      if cfg.model.get("pack_sequences", False):
+        items.extend(_packed_train_items(cfg, model_cfg, node.id, devs, dp, minis, micro, plen,
+                                         nlen, tp, remat, impl, gb, adv, notes))
+        continue
       if comp:
         g, params = role_params(Role.ACTOR)
         opt_abs = cp.abstract_opt_state(tx, params, roles_lib.jax_mesh(actor))
@@ -250,6 +254,27 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
                         adv["act"]))
       items.append(Item(node.id, "batch", batch_b, devs, node.id, src, "-"))
   return Estimate(items, traffic.per_step(cfg, plan, model_cfg, shards, samples, plen, nlen), notes)
+
+
+def _packed_train_items(cfg, model_cfg, node_id, devs, dp, minis, micro, plen, nlen, tp, remat,
+                        impl, gb, adv, notes) -> list[Item]:
+  """The actor's train step under model.pack_sequences, analytic: a micro-batch is
+  ceil(actor.micro_batch_tokens / pack_len) packed rows per device, or (no token budget)
+  at most its micro_batch_size samples, each in at most one row."""
+  pack_len = cfg.model.get("pack_len", 0) or plen + nlen - 1
+  budget = cfg.actor.get("micro_batch_tokens", 0)
+  rows = -(-budget // pack_len) if budget else cfg.actor.micro_batch_size
+  what = (f"{rows} packed row(s) of {pack_len} per device (micro_batch_tokens={budget})"
+          if budget else f"at most {rows} packed row(s) of {pack_len} per device")
+  notes.append("train step under model.pack_sequences: analytic (the compiled figure covers "
+               "padded rows only); the micro-batch count follows the samples' lengths")
+  act = an.packed_train_activation_bytes(model_cfg, rows, pack_len, tp, remat, impl)
+  batch_b = cfg.data.prompts_per_step * cfg.rollout.n // minis // dp * (plen + nlen) * 9
+  return [Item(node_id, "gradients (accumulator + micro-batch)", gb, devs, node_id,
+               "analytic", adv["grads"]),
+          Item(node_id, f"activations ({what})", act, devs, node_id, "analytic",
+               "lower actor.micro_batch_tokens" if budget else adv["act"]),
+          Item(node_id, "batch", batch_b, devs, node_id, "analytic", "-")]
 
 
 def render(est: Estimate, num_devices: int, num_processes: int,
