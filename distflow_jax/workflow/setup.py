@@ -38,7 +38,7 @@ from distflow_jax.dag import FUNCTIONS
 from distflow_jax.dag.planner import Plan, Topology
 from distflow_jax.dag.spec import Role
 from distflow_jax import nodes
-from distflow_jax.workflow import hints, roles as roles_lib, vision, warmstart
+from distflow_jax.workflow import hints, roles as roles_lib, vision, vl_warmstart, warmstart
 from distflow_jax.workflow.context import RunContext
 
 RoleSet = Literal["all", "actor"]
@@ -97,6 +97,10 @@ def prepare_run(cfg: ml_collections.ConfigDict, *, roles: RoleSet = "all",
   if roles == "all":
     check_plan_spans_hosts(plan, topo)
     nodes.bind_builtins()
+  if cfg.model.path == vl_warmstart.BUILTIN:
+    # The built-in tiny VL model: made and warm-started now (or cached); from here on the
+    # run loads that folder as any Qwen2.5-VL checkpoint.
+    cfg.model.path = vl_warmstart.ensure_model(cfg, log)
   if cfg.model.path:
     # Tokenizer files included: a folder without one fails here, before weights are read.
     hints.check_model_dir(cfg.model.path)
