@@ -90,14 +90,18 @@ def decode_windows(s: int) -> tuple[int, ...]:
 
 
 def _attend_one(q_BxKxGxDh: jax.Array, k_BxKxSxDh: jax.Array, v_BxKxSxDh: jax.Array,
-                key_pos_BxS: jax.Array, pos_B: jax.Array, end: jax.Array | None = None
-                ) -> jax.Array:
+                key_pos_BxS: jax.Array, pos_B: jax.Array, end: jax.Array | None = None,
+                window_len: int | None = None) -> jax.Array:
   """One query per row (decode): the general path's masked softmax attention without its
   T axis.  With `end` (no key at or past that slot is visible to any row), only the
-  smallest of `decode_windows(S)` that holds `end` slots is read: early decode steps of a
-  long cache touch a fraction of it."""
+  smallest of `decode_windows(window_len)` (default S) that holds `end` slots is read:
+  early decode steps of a long cache touch a fraction of it.  A grown cache
+  (rollout/cache_growth.py) has one of those windows as its S and passes the full
+  length as `window_len`, so it reads exactly the slices the full-size cache would."""
   s = k_BxKxSxDh.shape[2]
-  windows = decode_windows(s) if end is not None else (s,)
+  windows = (s,)
+  if end is not None:
+    windows = tuple(w for w in decode_windows(window_len or s) if w < s) + (s,)
 
   def attend(w):
     def within(q, k, v, key_pos, pos):
@@ -158,9 +162,10 @@ class Attention(nnx.Module):
     else:
       k_BxKxSxDh, v_BxKxSxDh = writer(k_BxTxKxDh, v_BxTxKxDh)
     if t == 1:  # decode
-      end = writer.end if isinstance(writer, CacheWriter) else None
+      end, full = (writer.end, writer.window_len) if isinstance(writer, CacheWriter) \
+          else (None, None)
       out_BxKxGxDh = _attend_one(q_BxTxHxDh.reshape(b, hkv, g, dh), k_BxKxSxDh, v_BxKxSxDh,
-                                 key_pos_BxS, positions_BxT[:, 0], end)
+                                 key_pos_BxS, positions_BxT[:, 0], end, full)
       return self.o_proj(out_BxKxGxDh.reshape(b, 1, cfg.num_heads * dh))
     impl = dpa_implementation(cfg.attention_impl, q_BxTxHxDh.dtype, dh,
                               t * k_BxKxSxDh.shape[2])

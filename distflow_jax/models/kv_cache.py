@@ -75,7 +75,8 @@ def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
 class CacheWriter:
   """Scatters each layer's new k/v into the stacked cache in place (one row/slot per token)."""
 
-  def __init__(self, cache: KVCache, cache_index_B: jax.Array, t: int, windowed: bool = True):
+  def __init__(self, cache: KVCache, cache_index_B: jax.Array, t: int,
+               windowed: bool | int = True):
     b = cache.batch
     self.k, self.v, self.layer = list(cache.k), list(cache.v), 0
     self.rows_Bx1 = jnp.arange(b)[:, None]
@@ -87,6 +88,9 @@ class CacheWriter:
     # Without windows (`windowed=False`) decode attention always reads the whole cache, so a
     # row's numbers never depend on how far the other rows have got.
     self.end = jnp.max(self.slots_BxT[:, -1]) + 1 if windowed else None
+    # An int `windowed` is the full cache length whose decode windows a grown (shorter)
+    # cache reads (rollout/cache_growth.py); True: this cache's own length.
+    self.window_len = None if isinstance(windowed, bool) else int(windowed)
 
   def pos(self, own_pos_BxT: jax.Array) -> jax.Array:
     # Writes past the last slot are dropped rather than clamped onto it.

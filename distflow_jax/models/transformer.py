@@ -127,7 +127,7 @@ class Transformer(nnx.Module):
                mask_BxT: jax.Array | None = None, cache: KVCache | None = None,
                cache_index_B: jax.Array | None = None, *, return_hidden: bool = False,
                remat: bool | str | None = None, prefix: KVCache | None = None,
-               prefix_repeat: int = 1, return_kv: bool = False, windowed: bool = True,
+               prefix_repeat: int = 1, return_kv: bool = False, windowed: bool | int = True,
                segment_ids_BxT: jax.Array | None = None,
                inputs_embeds_BxTxD: jax.Array | None = None,
                rope_positions_3xBxT: jax.Array | None = None
@@ -245,7 +245,7 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxT: jax.Array,
             cache: KVCache | None = None, cache_index_B: jax.Array | None = None, *,
             return_hidden: bool = False, remat: bool | str | None = None,
             prefix: KVCache | None = None,
-            prefix_repeat: int = 1, return_kv: bool = False, windowed: bool = True,
+            prefix_repeat: int = 1, return_kv: bool = False, windowed: bool | int = True,
             segment_ids_BxT: jax.Array | None = None,
             inputs_embeds_BxTxD: jax.Array | None = None,
             rope_positions_3xBxT: jax.Array | None = None

@@ -134,27 +134,26 @@ def insert_rows(state: DecodeState, prefix_cache: KVCache, src_Q: jax.Array, slo
       keys_Bx2=put(state.keys_Bx2, keys_Qx2))
 
 
-def prefill_insert(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState,
-                   tokens_PxT: jax.Array, lengths_P: jax.Array, src_Q: jax.Array,
-                   slots_Q: jax.Array, keys_Qx2: jax.Array, limits_Q: jax.Array, *,
-                   sp: SamplingParams, stop_ids: Sequence[int]
-                   ) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array]:
-  """Prefills P prompts once and starts Q requests on them (n samples share a prefill).
+def prefill_sample(graphdef: nnx.GraphDef, params: nnx.State, tokens_PxT: jax.Array,
+                   lengths_P: jax.Array, src_Q: jax.Array, keys_Qx2: jax.Array, *,
+                   sp: SamplingParams
+                   ) -> tuple[KVCache, jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Prefills P prompts once and draws the first token of Q requests on them (n samples
+  share a prefill): request q continues prompt row `src_Q[q]` with its own key.
 
-  Request q continues prompt row `src_Q[q]` in slot `slots_Q[q]`; its first
-  token is drawn from that row's logits with its own key.  Returns the state
-  and the first tokens, their logprobs and sampling logprobs `[Q]`.
+  Returns the prompts' cache, each request's prompt length, and its first token, logprob
+  and sampling logprob `[Q]`; `insert_rows` then starts the requests.  The two are
+  separate calls so that the model's prefill compiles once per prompt shape whatever
+  the decode cache's capacity (cache_growth.py); the insert only moves data.
   """
   cache, logits_PxV = prefill_logits(graphdef, params, tokens_PxT, lengths_P)
   tok_Q, lp_Q, slp_Q = sample(logits_PxV[src_Q], keys_Qx2, jnp.zeros_like(src_Q), sp)
-  state = insert_rows(state, cache, src_Q, slots_Q, tok_Q, lengths_P[src_Q], keys_Qx2, limits_Q,
-                      stop_ids=stop_ids)
-  return state, tok_Q, lp_Q, slp_Q
+  return cache, lengths_P[src_Q], tok_Q, lp_Q, slp_Q
 
 
 def decode_chunk(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState,
                  stop_on_free: jax.Array, *, sp: SamplingParams, stop_ids: Sequence[int],
-                 num_steps: int, windowed: bool = True) -> tuple[DecodeState, StepOutput]:
+                 num_steps: int, windowed: bool | int = True) -> tuple[DecodeState, StepOutput]:
   """Up to `num_steps` decode steps for all slots in one `lax.while_loop`.
 
   Stops early when no slot is active, or (when `stop_on_free`) after the

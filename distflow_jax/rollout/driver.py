@@ -12,7 +12,10 @@ piling up).
 
 Every decision is a function of the prompts and of the values read back, so
 all processes that drive one replica take the same decisions and issue the
-same jitted calls in the same order.  With the default per-host replica each
+same jitted calls in the same order.  The same holds for the decode cache's
+capacity: before each chunk the host bounds the slots it can write from the
+lengths it has read (`cache_growth.chunk_end`) and the engine grows the cache
+to hold them.  With the default per-host replica each
 host generates its own prompts without any cross-host traffic.
 
 The response of a request is its sampled tokens up to and including the stop
@@ -31,6 +34,7 @@ from typing import NamedTuple, Sequence
 import jax
 import numpy as np
 
+from distflow_jax.rollout.cache_growth import chunk_end
 from distflow_jax.rollout.engine import Engine, EngineConfig
 from distflow_jax.rollout.sampling import request_keys
 
@@ -115,7 +119,8 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
   queues = [collections.deque(r for r in range(num) if ids[r] % b == s) for s in range(b)] \
       if fixed else [collections.deque(range(num))]
   slot_req = np.full((b,), -1, np.int64)
-  state = engine.init_decode_state()
+  slot_end = np.ones((b,), np.int64)  # a free slot's row keeps writing below this slot
+  state = engine.start_state()
   while any(queues) or (slot_req >= 0).any():
     started = None
     free = np.flatnonzero(slot_req < 0)
@@ -135,6 +140,12 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
           params, state, plist, src, slots, keys_Rx2[reqs], [n_max] * len(reqs))
       slot_req[slots] = reqs
       started = (reqs, tok, lp, slp)
+    k = engine.config.decode_steps
+    for s in np.flatnonzero(slot_req >= 0):  # the first token of a started one is not read yet
+      r = slot_req[s]
+      g = len(toks[r]) + (started is not None and r in started[0])
+      slot_end[s] = chunk_end(len(prompts[r // n]), g, True, k, n_max)
+    state = engine.fit(state, int(slot_end.max()))
     state, out = engine.generate_steps(params, state, stop_on_free=any(queues))
     out = jax.device_get(out)
     if started is not None:
@@ -153,6 +164,7 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
       slps[r].extend(out.sampling_logprobs_BxK[s, :steps][valid].tolist())
       if not out.active_B[s]:
         slot_req[s] = -1
+        slot_end[s] = chunk_end(len(prompts[r // n]), len(toks[r]), False, k, n_max)
   return assemble(toks, lps, slps, n, n_max, engine.config.stop_ids, pad_id)
 
 

@@ -15,8 +15,12 @@ can register it with JetStream where that package imports.  Beyond the API:
 * results carry per-token logprobs under the untruncated temperature-1
   softmax (see `sampling`), plus the sampling distribution's.
 
-Compiles are bounded: one decode loop, one prefill/insert per (prompt-length
-bucket, power-of-two prompt count), whatever the traffic.  `compile_counts()`
+Compiles are bounded: one decode loop per cache capacity, one prefill per
+(prompt-length bucket, power-of-two prompt count) and one insert per those and
+capacity, whatever the traffic.  The driver's cache starts at the smallest
+capacity and grows by decode windows (`cache_growth`: at most 8 capacities,
+results bitwise those of the full-size cache); `init_decode_state` (JetStream)
+gives the full-size one.  `compile_counts()`
 exposes the jit cache sizes so tests can assert it.
 
 Placement: the engine runs on `mesh`, by default one replica over this
@@ -41,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from distflow_jax.models import sharding as msharding, stacking
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import KVCache, Transformer
-from distflow_jax.rollout import decode, weight_sync
+from distflow_jax.rollout import cache_growth, decode, weight_sync
 from distflow_jax.rollout.decode import DecodeState, Prefix, StepOutput
 # The settings, placement and result types live in their own modules; re-exported here.
 from distflow_jax.rollout.engine_config import EngineConfig, place_params, replica_mesh
@@ -81,18 +85,25 @@ class Engine:
     self._replicated = rep
     g, c = self.graphdef, config
     kw = dict(sp=c.sampling, stop_ids=c.stop_ids)
+    self.capacities = cache_growth.capacities(
+        c.cache_len, c.prefill_buckets[-1] + c.decode_steps, c.grow_cache and not c.fixed_shapes)
     self._init = jax.jit(functools.partial(decode.empty_state, model_cfg,
-                                           c.max_concurrent_decodes, c.cache_len),
+                                           c.max_concurrent_decodes),
+                         static_argnums=0, out_shardings=self._state_sh)
+    # Not donated: a padded cache has another shape, so its buffers could not be reused.
+    self._grow = jax.jit(functools.partial(cache_growth.grow_state), static_argnums=1,
                          out_shardings=self._state_sh)
-    win = dict(windowed=not c.fixed_shapes)
+    # Decode windows are those of the full length whatever the capacity (cache_growth).
+    win = dict(windowed=False if c.fixed_shapes else c.cache_len)
     self._chunk = jax.jit(functools.partial(decode.decode_chunk, g, num_steps=c.decode_steps,
                                             **kw, **win),
                           donate_argnums=(1,), out_shardings=(self._state_sh, rep))
     self._step = jax.jit(functools.partial(decode.decode_chunk, g, num_steps=1, **kw, **win),
                          donate_argnums=(1,), out_shardings=(self._state_sh, rep))
-    self._prefill_insert = jax.jit(functools.partial(decode.prefill_insert, g, **kw),
-                                   donate_argnums=(1,),
-                                   out_shardings=(self._state_sh, rep, rep, rep))
+    # Prefill and sampling compile per prompt shape; the insert (data movement only) per
+    # prompt shape and capacity, so the grown capacities do not multiply prefill compiles.
+    self._prefill_insert = jax.jit(functools.partial(decode.prefill_sample, g, sp=c.sampling),
+                                   out_shardings=self._prefill_insert_shardings())
     self._prefill = jax.jit(functools.partial(decode.prefill, g, sp=c.sampling),
                             out_shardings=self.get_prefix_destination_sharding())
     self._insert = jax.jit(functools.partial(decode.insert_rows, stop_ids=c.stop_ids),
@@ -184,7 +195,18 @@ class Engine:
 
   def init_decode_state(self, *args, **kwargs) -> DecodeState:
     del args, kwargs
-    return self._init()
+    return self._init(self.config.cache_len)
+
+  def start_state(self) -> DecodeState:
+    """An empty state at the smallest capacity (the driver grows it with `fit`)."""
+    return self._init(self.capacities[0])
+
+  def fit(self, decode_state: DecodeState, end: int) -> DecodeState:
+    """`decode_state` grown (one capacity at a time) until its cache holds `end` slots."""
+    while decode_state.cache.max_len < min(end, self.capacities[-1]):
+      nxt = self.capacities[self.capacities.index(decode_state.cache.max_len) + 1]
+      decode_state = self._grow(decode_state, nxt)
+    return decode_state
 
   def new_request_keys(self, count: int) -> jax.Array:
     """Keys for the next `count` requests of this engine (a per-engine counter)."""
@@ -299,7 +321,9 @@ class Engine:
       self._params_sig = jax.tree.map(
           lambda x: (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                      if isinstance(x, jax.Array) else x), params)
-    return self._prefill_insert(params, decode_state, tokens, lens, src_a, slots_a, keys, lim)
+    cache, lens_q, tok, lp, slp = self._prefill_insert(params, tokens, lens, src_a, keys)
+    state = self._insert(decode_state, cache, src_a, slots_a, tok, lens_q, keys, lim)
+    return state, tok, lp, slp
 
   def prefill_shapes(self) -> list[tuple[int, int]]:
     """Every (prompt rows, prompt width) ``prefill_insert`` can compile for: rows a power of
@@ -311,32 +335,54 @@ class Engine:
     return [(p, t) for t in buckets for p in rows]
 
   def precompile(self) -> int:
-    """Compiles ``prefill_insert`` ahead of time for each of ``prefill_shapes`` not yet
-    compiled, with the parameters' and decode state's placements of the first call (a
-    no-op before it); returns how many it compiled.  A later call of a compiled shape
+    """Compiles ahead of time, with the parameters' and decode state's placements of the
+    first call (a no-op before it), every cache capacity's decode loop, empty state and
+    grow step, and for each of ``prefill_shapes`` its prefill and its insert at every
+    capacity; returns how many capacities and shapes it compiled (not yet compiled ones).  A later call of a compiled shape
     finds it in jax's in-memory caches, so a new prompt width or prompt count mid-run
     does not compile."""
     if self._params_sig is None:
       return 0
     b = self.max_concurrent_decodes
-    state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                         jax.eval_shape(self._init), self._state_sh)
-    fixed = (np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros((b, 2), np.uint32),
-             np.zeros(b, np.int32))
+    sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # noqa: E731
+    states = {c: jax.tree.map(sds, jax.eval_shape(self._init, c), self._state_sh)
+              for c in self.capacities}
+    ints, keys = np.zeros(b, np.int32), np.zeros((b, 2), np.uint32)
     done = 0
+    for i, c in enumerate(self.capacities):
+      if ("capacity", c) in self._precompiled:
+        continue
+      self._init.lower(c).compile()
+      self._chunk.lower(self._params_sig, states[c], np.asarray(False)).compile()
+      if i + 1 < len(self.capacities):
+        self._grow.lower(states[c], self.capacities[i + 1]).compile()
+      self._precompiled.add(("capacity", c))
+      done += 1
     for p, t in self.prefill_shapes():
       if (p, t) in self._precompiled:
         continue
-      self._prefill_insert.lower(self._params_sig, state, np.zeros((p, t), np.int32),
-                                 np.ones((p,), np.int32), *fixed).compile()
+      prefix = jax.tree.map(sds, jax.eval_shape(self._prefill_insert, self._params_sig,
+                                                np.zeros((p, t), np.int32),
+                                                np.ones((p,), np.int32), ints, keys),
+                            self._prefill_insert_shardings())
+      self._prefill_insert.lower(self._params_sig, np.zeros((p, t), np.int32),
+                                 np.ones((p,), np.int32), ints, keys).compile()
+      for c in self.capacities:
+        cache, lens_q, tok = prefix[:3]
+        self._insert.lower(states[c], cache, ints, ints, tok, lens_q, keys, ints).compile()
       self._precompiled.add((p, t))
       done += 1
     return done
 
+  def _prefill_insert_shardings(self):
+    rep = self._replicated
+    return (self.get_prefix_destination_sharding().cache, rep, rep, rep, rep)
+
   def compile_counts(self) -> dict[str, int]:
     """How many executables each jitted entry point holds (a recompile shows up here)."""
     counts = {name: fn._cache_size() for name, fn in (
-        ("init", self._init), ("decode_steps", self._chunk), ("generate", self._step),
+        ("init", self._init), ("grow", self._grow), ("decode_steps", self._chunk),
+        ("generate", self._step),
         ("prefill_insert", self._prefill_insert), ("prefill", self._prefill),
         ("insert", self._insert))}
     counts["weight_sync"] = self._sync.compile_count() if self._sync is not None else 0

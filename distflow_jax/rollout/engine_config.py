@@ -34,6 +34,10 @@ class EngineConfig:
   # the whole cache: a request's numbers then never depend on which other requests share
   # the replica (trainer.deterministic); costs padded prefill and unwindowed attention.
   fixed_shapes: bool = False
+  # The driver's decode cache starts at the smallest decode window that holds the longest
+  # prompt bucket plus one chunk and grows by windows (rollout/cache_growth.py; bitwise the
+  # same results).  False: one full-size cache per slot (fixed_shapes implies it).
+  grow_cache: bool = True
 
   def __post_init__(self):
     object.__setattr__(self, "prefill_buckets", tuple(sorted(set(self.prefill_buckets))))
