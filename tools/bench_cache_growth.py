@@ -9,7 +9,8 @@ token, so response lengths are geometric with mean about the vocabulary size: mo
 are short, a few run to several times that (the long tail), some may hit --new.  Both
 engines decode the same requests with the same keys (their tokens are checked equal).
 Peak cache bytes = slots x the largest capacity the driver decoded with (over the rounds)
-x the per-slot bytes (k and v of every layer + key positions).  Tokens/s = generated
+x the per-slot bytes (k and v of every layer + key positions); the mean is over the
+decode chunks.  Tokens/s = generated
 tokens / wall time of a `generate` call (prefill included), median of the rounds (each
 round its own keys), engines interleaved so
 machine load hits them alike; everything is compiled first (`precompile`).
@@ -79,12 +80,12 @@ def main(argv=None) -> int:
         f"max {lengths.max()}, total {lengths.sum()}")
   print(f"capacities (growing): {engines['growing'].capacities}")
   for name in engines:
-    cap = max(peaks[name])
+    cap, mean = max(peaks[name]), statistics.mean(peaks[name])
     tok_s = statistics.median(n / t for t, n in times[name])
     print(f"{name:10s} peak cache {cap:5d} slots/row = {a.slots * cap * per_slot / 2**20:7.2f} "
-          f"MiB   decode {tok_s:8.0f} tok/s (median of {a.rounds}: "
-          f"{', '.join(f'{t:.2f}' for t, _ in times[name])} s)   compiles "
-          f"{engines[name].compile_counts()['decode_steps']} decode variants")
+          f"MiB (mean over chunks {a.slots * mean * per_slot / 2**20:6.2f} MiB)   decode {tok_s:6.0f} tok/s (median of {a.rounds}: "
+          f"{', '.join(f'{t:.2f}' for t, _ in times[name])} s), "
+          f"{engines[name].compile_counts()['decode_steps']} decode variants called")
   print("tokens and log-probs: identical")
   return 0
 
