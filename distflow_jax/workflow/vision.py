@@ -108,9 +108,15 @@ def is_vl_checkpoint(path: str) -> bool:
   cfg_file = os.path.join(path or "", "config.json")
   if not path or not os.path.isfile(cfg_file):
     return False
-  with open(cfg_file, encoding="utf-8") as f:
-    d = json.load(f)
-  return HF_ARCH in (d.get("architectures") or []) or d.get("model_type") == "qwen2_5_vl"
+  try:
+    with open(cfg_file, encoding="utf-8") as f:
+      d = json.load(f)
+  except (OSError, ValueError):  # unreadable: the model loader names the problem in one line
+    return False
+  if not isinstance(d, dict):
+    return False
+  archs = d.get("architectures")
+  return (isinstance(archs, list) and HF_ARCH in archs) or d.get("model_type") == "qwen2_5_vl"
 
 
 def load_language(path: str, text_cfg: ModelConfig, mesh: Mesh | None = None,
