@@ -151,3 +151,16 @@ def test_deterministic_mode_is_bitwise_equal_across_layouts(tmp_path):
         if key in s:
           assert math.isclose(s[key], m[key], rel_tol=1e-6, abs_tol=0), (
               f"{procs}x{devs}", s["step"], key, s[key], m[key])
+
+
+@pytest.mark.timeout(300)
+def test_packed_passes_equal_padded_per_token_on_2x2():
+  # Issue 19's bar on 2 processes x 2 devices: per-token log-probs and one train step's
+  # update of packed passes (per-sample and shared-prompt plans) equal the padded ones to
+  # 1e-5, rows and parameters sharded over both processes (tests/mp/packed_equal.py).
+  result = launcher.launch(2, 2, [sys.executable, "tests/mp/packed_equal.py"], timeout_s=240,
+                           out=None)
+  assert result.ok, result.describe() + "\n" + "\n".join(sum(result.outputs, [])[-40:])
+  for i in range(2):
+    for name in ("per-sample", "shared"):
+      assert f"OK {name} process {i}/2" in result.outputs[i]
