@@ -41,20 +41,28 @@ def get_config(arg: str = "tiny"):
     # 1-3 red or blue squares, "How many red squares are in the image?" -> "#### N".
     c.run_dir = "runs/grpo_vl_tiny"
     c.model.path = "builtin:tiny-vl"  # made, warm-started and cached on first use
-    c.model.warmstart.steps = 40
-    c.model.warmstart.lr = 2e-3
+    # As grpo:tiny: the warm-start teacher ends 70% of its answers "The answer is N."
+    # (scored 0) rather than "#### N", and RL finds the verifier's convention; 500 steps
+    # (past the 200-400 where this model starts to read its image) teach it to count.
+    c.model.warmstart.steps = 500
+    c.model.warmstart.lr = 1e-3
     c.model.warmstart.batch_size = 32
-    c.model.warmstart.examples = 2000
+    c.model.warmstart.examples = 8000
+    c.model.warmstart.plain_answer_prob = 0.7
     c.data.chat_template = False
     c.data.max_prompt_len = 48
     c.data.eval_size = 128
     c.rollout.prefill_buckets = (48,)
-    c.rollout.max_new_tokens = 24
-    c.model.max_seq_len = 80
+    # "blue square, blue square, blue square\nThe answer is 3." + EOS is 55 tokens
+    c.rollout.max_new_tokens = 56
+    c.model.max_seq_len = 104
     c.data.prompts_per_step = 16
     c.rollout.n = 8
     c.actor.optimizer.lr = 1e-4
-    c.actor.kl.coef = 0.05
+    # A strong KL-to-reference loss, as grpo:tiny: the answer convention may change, the
+    # counting the warm start learned should not drift (at 0.05 held-out accuracy fell
+    # from 85% to 64-71% over 40 steps without the plain-answer teacher).
+    c.actor.kl.coef = 0.3
     c.actor.micro_batch_size = 16
     c.trainer.total_steps = 40
     c.trainer.eval_every = 10

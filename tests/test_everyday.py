@@ -149,8 +149,12 @@ def test_run_interrupt_resume_finish_and_config_changes(tmp_path, capsys, monkey
   assert f"checkpoint: {run_dir / 'checkpoints' / '2'}" in out
   assert f"metrics:    {run_dir / 'metrics.jsonl'}" in out
   for command in ("distflow-jax report", "distflow-jax export --checkpoint",
-                  "distflow-jax eval --model="):
+                  "distflow-jax eval --config=grpo:tiny "):
     assert command in out, out
+  # The eval command reads prompts and decodes answers as the run did.
+  (hint,) = [l for l in out.splitlines() if "distflow-jax eval " in l]
+  assert "--config.rollout.max_new_tokens=8 " in hint and f"--model={run_dir} " in hint, hint
+  assert "--config.trainer." not in hint and "--config.model.path" not in hint, hint
   assert "\r" not in out
 
   # Finished: nothing to do, and how to extend it.

@@ -208,3 +208,23 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case, extra, pattern):
   err = capsys.readouterr().err.strip()
   assert rc == 2, err
   assert len(err.splitlines()) == 1 and re.search(pattern, err), err
+
+
+@pytest.mark.timeout(60)
+def test_warm_start_says_when_max_new_tokens_cuts_its_demonstrations():
+  """A demonstration longer than rollout.max_new_tokens is cut (as the rollout would cut
+  it), and the run says so in one line with the length that fits them all."""
+  from distflow_jax.models.tokenizer import Tokenizer
+  from distflow_jax.workflow import warmstart
+  tok = Tokenizer.builtin()
+  recs = [{"prompt": "q", "completion": "1 + 2 = 3\n#### 3"},
+          {"prompt": "q", "completion": "12 + 14 = 26\n26 - 7 = 19\n#### 19"}]
+  sizes = [len(tok.encode(r["completion"])) + 1 for r in recs]
+  logs = []
+  outs = warmstart.completion_ids(recs, tok, sizes[1], logs.append)
+  assert [len(o) for o in outs] == sizes and not logs
+  outs = warmstart.completion_ids(recs, tok, sizes[0], logs.append)
+  assert [len(o) for o in outs] == [sizes[0], sizes[0]] and outs[1][-1] == tok.eos_id
+  assert len(logs) == 1 and "\n" not in logs[0], logs
+  assert f"rollout.max_new_tokens={sizes[0]} cuts 1 of 2" in logs[0]
+  assert f"raise rollout.max_new_tokens to {sizes[1]}" in logs[0]

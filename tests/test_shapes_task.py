@@ -183,3 +183,19 @@ def test_text_run_refuses_the_vision_task_in_one_line(override, why):
   # A text task still passes the same check.
   plan_from_config(loading.load("grpo:tiny", ["data.train=builtin:letters"]), Topology(1, 8),
                    FUNCTIONS)
+
+
+def test_demonstrations_add_whole_picture_questions_and_leave_the_splits_alone():
+  """The warm start's demonstrations mix in "How many shapes ...?" (every shape named, an
+  answer that depends on the picture alone); the RL splits keep the level's questions."""
+  demos = shapes.TASK.demonstrations("basic", 200, seed=0)
+  whole = [d for d in demos if d["prompt"] == "How many shapes are in the image?"]
+  assert 60 <= len(whole) <= 140, len(whole)  # about half at the basic level
+  for d in whole[:20]:
+    named, _, count = d["completion"].rpartition("\n#### ")
+    assert len(named.split(", ")) == int(count) >= 1
+    assert all(n.split()[0] in ("red", "blue") for n in named.split(", "))
+  rows = shapes.TASK.generate_split("basic", "train", 200, seed=0)
+  assert not any(r["prompt"] == "How many shapes are in the image?" for r in rows)
+  medium = shapes.TASK.generate_split("medium", "eval", 200, seed=0)
+  assert not any(r["prompt"] == "How many shapes are in the image?" for r in medium)

@@ -68,7 +68,8 @@ def run(argv: Sequence[str]) -> int:
     log.summary(progress.summary_lines(
         cfg.run_dir, checkpoint_dir=ckpt.directory, last_checkpoint=last,
         steps=cfg.trainer.total_steps - start, seconds=time.perf_counter() - t0,
-        eval_data=trainer.dataset_paths(cfg)[1], rate=log.rate()))
+        eval_data=trainer.dataset_paths(cfg)[1], rate=log.rate(),
+        config_args=with_default_config(argv, DEFAULT_CONFIG)))
   except KeyboardInterrupt:
     log.end_line()
     if wandb is not None:

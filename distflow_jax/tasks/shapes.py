@@ -68,6 +68,10 @@ class Ask(enum.Enum):
   COLOUR_KIND = "colour_kind"  # "How many red squares ..."
   COLOUR = "colour"            # "How many red shapes ..."
   KIND = "kind"                # "How many squares ..."
+  ANY = "any"                  # "How many shapes ...": every shape (warm-start demos)
+
+
+LEVEL_ASKS = (Ask.COLOUR_KIND, Ask.COLOUR, Ask.KIND)  # the medium and hard questions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,11 +125,11 @@ PRESETS = {
     # 84x84 (9 image tokens), up to 5 shapes of three kinds in three colours; questions
     # by colour and kind, colour alone or kind alone.
     "medium": ShapesConfig(size=84, grid=4, max_shapes=5, colours=("red", "green", "blue"),
-                           kinds=KINDS, asks=tuple(Ask)),
+                           kinds=KINDS, asks=LEVEL_ASKS),
     # 112x112 (16 image tokens), 3-8 shapes in four colours.
     "hard": ShapesConfig(size=112, grid=5, min_shapes=3, max_shapes=8,
                          colours=("red", "green", "blue", "yellow"), kinds=KINDS,
-                         asks=tuple(Ask)),
+                         asks=LEVEL_ASKS),
 }
 
 
@@ -200,14 +204,16 @@ def sample_target(cfg: ShapesConfig, shapes: tuple[Shape, ...], rng: random.Rand
   """A question's target: usually one of a shape's attributes (count >= 1); with
   ``absent_prob``, one no shape has when there is such (count 0)."""
   ask = rng.choice(cfg.asks)
-  candidates = [Target(c if ask != Ask.KIND else None, k if ask != Ask.COLOUR else None)
-                for c in cfg.colours for k in cfg.kinds]
-  candidates = list(dict.fromkeys(candidates))  # colour or kind alone repeats; keep order
+  def target(colour: str, kind: str) -> Target:
+    return Target(colour if ask in (Ask.COLOUR_KIND, Ask.COLOUR) else None,
+                  kind if ask in (Ask.COLOUR_KIND, Ask.KIND) else None)
+  candidates = list(dict.fromkeys(  # colour or kind alone repeats; keep order
+      target(c, k) for c in cfg.colours for k in cfg.kinds))
   absent = [t for t in candidates if not any(t.matches(s) for s in shapes)]
   if absent and rng.random() < cfg.absent_prob:
     return rng.choice(absent)
   s = rng.choice(shapes)
-  return Target(s.colour if ask != Ask.KIND else None, s.kind if ask != Ask.COLOUR else None)
+  return target(s.colour, s.kind)
 
 
 def question(target: Target) -> str:
@@ -296,7 +302,15 @@ class ShapesTask:
                      plain_answer_prob: float = 0.0) -> list[dict[str, str]]:
     # seed + 1 as the other tasks: the warm start sees other scenes than RL's train draw.
     # The image stays with each pair: a completion is only right about its picture.
-    records = make_examples(preset(level), "train", count, seed=seed + 1, unique=False)
+    # The level's questions plus "How many shapes ...?" (Ask.ANY), whose worked answer
+    # names every shape: a caption-like target that depends on the picture alone.  Without
+    # it a small model learns to ignore the image (the answer to "how many red squares"
+    # needs the question and the picture together, a weak signal from random features);
+    # measured on builtin:tiny-vl, 600 steps: held-out 42% (the majority count, the same
+    # with images shuffled) without, 93% with.
+    cfg = preset(level)
+    demo_cfg = dataclasses.replace(cfg, asks=tuple(dict.fromkeys(cfg.asks + (Ask.ANY,))))
+    records = make_examples(demo_cfg, "train", count, seed=seed + 1, unique=False)
     pairs = arithmetic.sft_examples(records, plain_answer_prob=plain_answer_prob, seed=seed)
     return [{**p, IMAGE_KEY: r[IMAGE_KEY]} for p, r in zip(pairs, records)]
 

@@ -69,7 +69,6 @@ def checkpoint_as_hf(path: str, flag: str = "--model") -> tuple[str, int]:
   """(temporary Hugging Face folder, step) holding the actor of the checkpoint at ``path``."""
   import jax
   from distflow_jax.commands import export
-  from distflow_jax.models import hf_io
   from distflow_jax.workflow import checkpoint
   if jax.process_count() > 1:
     # Every process would read and write the whole model; export once instead.
@@ -90,5 +89,5 @@ def checkpoint_as_hf(path: str, flag: str = "--model") -> tuple[str, int]:
   tokenizer = _run_tokenizer(root, meta, where)
   folder = tempfile.mkdtemp(prefix=f"distflow-step{step}-")
   atexit.register(shutil.rmtree, folder, ignore_errors=True)
-  hf_io.save_pretrained(folder, model, tokenizer)
+  export.save_actor(folder, model, tokenizer, meta, where)
   return folder, step

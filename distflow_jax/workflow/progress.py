@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -240,10 +241,12 @@ def _first_last_eval(metrics_path: str) -> tuple[tuple[int, float] | None, tuple
 
 def summary_lines(run_dir: str, *, checkpoint_dir: str, last_checkpoint: int | None,
                   steps: int, seconds: float, eval_data: str | None,
-                  rate: float | None = None) -> list[str]:
+                  rate: float | None = None, config_args: Sequence[str] = ()) -> list[str]:
   """The end of a run: held-out accuracy at the start and the end (when evaluated), where
   the checkpoint and metrics are, and the commands to look at or use the result.
-  ``rate``: seconds per step after the first (``Logger.rate``; the first compiles)."""
+  ``rate``: seconds per step after the first (``Logger.rate``; the first compiles).
+  ``config_args``: the run's ``--config`` flags; the eval command repeats the ones that
+  say how prompts are read and answers decoded (``eval_config_args``)."""
   run_dir = os.path.normpath(run_dir)
   out = [f"done: {steps} step(s) in {clock(seconds)}"
          + (f", {rate:.2f}s/step after the first (it compiles)" if rate and steps > 1 else "")]
@@ -257,9 +260,28 @@ def summary_lines(run_dir: str, *, checkpoint_dir: str, last_checkpoint: int | N
   hf = os.path.join(run_dir, "hf")
   out += ["next:",
           f"  distflow-jax report {run_dir}",
-          f"  distflow-jax eval --model={run_dir} --data={eval_data or 'FILE.jsonl'}",
+          "  distflow-jax eval " + "".join(f"{shlex.quote(a)} " for a in
+                                          eval_config_args(config_args))
+          + f"--model={run_dir} --data={eval_data or 'FILE.jsonl'}",
           f"  distflow-jax export --checkpoint {run_dir} --out {hf}   (for transformers)"]
   return out
+
+
+def eval_config_args(config_args: Sequence[str]) -> list[str]:
+  """Of a run's ``--config`` flags, those ``distflow-jax eval`` needs to read the run's
+  prompts and decode its answers as the run did: the config itself and its ``data.*``,
+  ``rollout.*`` and ``model.*`` overrides (``model.path`` aside: ``--model`` sets it)."""
+  keep = ("--config.data.", "--config.rollout.", "--config.model.")
+  joined, args = [], list(config_args)
+  for i, a in enumerate(args):  # "--config X" as "--config=X"
+    if i and "=" not in args[i - 1] and args[i - 1].startswith("--config") \
+        and not a.startswith("--"):
+      joined[-1] = f"{args[i - 1]}={a}"
+    else:
+      joined.append(a)
+  return [a for a in joined
+          if a.startswith("--config=") or (a.startswith(keep)
+                                           and not a.startswith("--config.model.path="))]
 
 
 def interrupted_line(last_checkpoint: int | None, checkpoint_dir: str) -> str:

@@ -81,14 +81,16 @@ class Demos:
 
 
 def encode_demos(records: Sequence[dict], tok: Tokenizer, cfg: VLConfig, *, image_key: str,
-                 max_prompt_len: int, max_new_tokens: int, use_chat_template: bool) -> Demos:
+                 max_prompt_len: int, max_new_tokens: int, use_chat_template: bool,
+                 log: Callable[[str], None] = print) -> Demos:
   """Prompts (with their image placeholders) encoded as the RL loader encodes them."""
   n, p, r = len(records), max_prompt_len, max_new_tokens
   tokens = np.full((n, p + r), tok.pad_id, np.int32)
   mask = np.zeros((n, p + r), bool)
   target = np.zeros((n, p + r), bool)
   pixels, grid = [], None
-  for i, rec in enumerate(records):
+  outs = warmstart.completion_ids(records, tok, r, log)
+  for i, (rec, out) in enumerate(zip(records, outs)):
     ex = parse_row({"prompt": rec["prompt"], "answer": rec["completion"],
                     image_key: rec[image_key]}, i, tokenizer=tok, max_prompt_len=p,
                    use_chat_template=use_chat_template, image_key=image_key)
@@ -100,7 +102,6 @@ def encode_demos(records: Sequence[dict], tok: Tokenizer, cfg: VLConfig, *, imag
                        f"one image per row, every image the same grid")
     grid = g[0]
     ids = np.asarray(ex.prompt_ids)
-    out = tok.encode(rec["completion"])[:r - 1] + [tok.eos_id]
     tokens[i, p - len(ids):p] = ids
     tokens[i, p:p + len(out)] = out
     mask[i, p - len(ids):p + len(out)] = True
@@ -201,7 +202,7 @@ def ensure_model(cfg: ml_collections.ConfigDict, log: Callable[[str], None]) -> 
     demos = encode_demos(records, tok, vl_cfg, image_key=image_key,
                          max_prompt_len=cfg.data.max_prompt_len,
                          max_new_tokens=cfg.rollout.max_new_tokens,
-                         use_chat_template=cfg.data.chat_template)
+                         use_chat_template=cfg.data.chat_template, log=log)
     t0 = time.perf_counter()
     losses = train(model, demos, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr,
                    seed=cfg.seed, on_step=lambda i, l: log(

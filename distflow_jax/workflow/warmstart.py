@@ -46,15 +46,32 @@ from distflow_jax.workflow.roles import ModelState
 sft_loss = sft.sft_loss
 
 
+def completion_ids(records: Sequence[dict], tokenizer: Tokenizer, max_new_tokens: int,
+                   log: Callable[[str], None] = print) -> list[list[int]]:
+  """Each demonstration's completion + EOS as token ids, cut to ``max_new_tokens``.  Logs
+  one line when any is cut: a cut answer teaches the model to stop mid-answer, and a
+  rollout of that length can never finish it (the reward scores it 0)."""
+  full = [tokenizer.encode(r["completion"]) + [tokenizer.eos_id] for r in records]
+  long = [len(o) for o in full if len(o) > max_new_tokens]
+  if long:
+    log(f"WARNING: rollout.max_new_tokens={max_new_tokens} cuts {len(long)} of {len(full)} "
+        f"warm-start demonstrations (up to {max(long)} tokens with EOS); their answers can "
+        f"never be right in this run: raise rollout.max_new_tokens to {max(long)} to fit all")
+  return [o[:max_new_tokens - 1] + [tokenizer.eos_id] if len(o) > max_new_tokens else o
+          for o in full]
+
+
 def encode_examples(records: Sequence[dict], tokenizer: Tokenizer, *, max_prompt_len: int,
-                    max_new_tokens: int, use_chat_template: bool) -> dict[str, np.ndarray]:
+                    max_new_tokens: int, use_chat_template: bool,
+                    log: Callable[[str], None] = print) -> dict[str, np.ndarray]:
   """Left-padded prompts and right-padded completion + EOS, as the RL batch lays them out."""
   n = len(records)
   prompt = np.full((n, max_prompt_len), tokenizer.pad_id, np.int32)
   prompt_mask = np.zeros((n, max_prompt_len), bool)
   resp = np.full((n, max_new_tokens), tokenizer.pad_id, np.int32)
   resp_mask = np.zeros((n, max_new_tokens), bool)
-  for i, rec in enumerate(records):
+  outs = completion_ids(records, tokenizer, max_new_tokens, log)
+  for i, (rec, out) in enumerate(zip(records, outs)):
     ex = parse_row({"prompt": rec["prompt"], "answer": rec["completion"]}, i,
                    tokenizer=tokenizer, max_prompt_len=max_prompt_len,
                    use_chat_template=use_chat_template)
@@ -63,7 +80,6 @@ def encode_examples(records: Sequence[dict], tokenizer: Tokenizer, *, max_prompt
     ids = ex.prompt_ids
     prompt[i, max_prompt_len - len(ids):] = ids
     prompt_mask[i, max_prompt_len - len(ids):] = True
-    out = tokenizer.encode(rec["completion"])[:max_new_tokens - 1] + [tokenizer.eos_id]
     resp[i, :len(out)] = out
     resp_mask[i, :len(out)] = True
   return {"prompt_tokens": prompt, "prompt_mask": prompt_mask, "response_tokens": resp,
@@ -177,7 +193,7 @@ def ensure_model(cfg: ml_collections.ConfigDict, plan: Plan, tokenizer: Tokenize
                                   plain_answer_prob=ws.plain_answer_prob)
     data = encode_examples(records, tokenizer, max_prompt_len=cfg.data.max_prompt_len,
                            max_new_tokens=cfg.rollout.max_new_tokens,
-                           use_chat_template=cfg.data.chat_template)
+                           use_chat_template=cfg.data.chat_template, log=log)
     t0 = time.perf_counter()
     loss = run(state, data, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=cfg.seed,
                on_step=lambda i, l: _show(log, i + 1, ws.steps, l))
