@@ -91,3 +91,43 @@ def test_unsupported_combinations_are_refused_in_one_line(tmp_path, override, wh
         *([] if override == "ppo" else [override])]),
         Topology(1, 8), FUNCTIONS)
   assert "\n" not in str(e.value) and why in str(e.value), str(e.value)
+
+
+@pytest.mark.timeout(600)
+def test_export_and_eval_of_a_vl_run_keep_the_tower(tmp_path, capsys):
+  """`distflow-jax export` of a vision-language run writes the whole Qwen2.5-VL: the
+  starting folder's (frozen) tower beside the trained decoder; `eval --model=RUN_DIR`
+  then reads images.  With the starting folder gone, export refuses in one line."""
+  import shutil
+  from distflow_jax import cli
+  from distflow_jax.models.vl import load_vl_pretrained
+  from distflow_jax.workflow import vision
+  ckpt = tiny_vl_checkpoint(tmp_path / "vl")
+  run_dir, out = tmp_path / "run", tmp_path / "exported"
+  flags = ["--config=grpo:tiny", f"--config.run_dir={run_dir}", f"--config.model.path={ckpt}",
+           *(f"--config.{o}" for o in VL if not o.startswith("data.eval")),
+           "--config.data.eval=", "--config.trainer.total_steps=1",
+           "--config.trainer.save_every=1", "--config.trainer.async_save=False",
+           "--config.model.warmstart.steps=0"]
+  assert cli.main(["train", *flags]) == 0, capsys.readouterr().err[-2000:]
+  capsys.readouterr()
+  assert cli.main(["export", "--checkpoint", str(run_dir), "--out", str(out)]) == 0
+  assert vision.is_vl_checkpoint(str(out))
+  base, exported = load_vl_pretrained(ckpt), load_vl_pretrained(out)
+  same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(  # noqa: E731
+      jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))))
+  assert same(base.visual, exported.visual)          # the frozen tower, as it started
+  assert not same(base.language, exported.language)  # the decoder RL trained
+  data = tmp_path / "eval.jsonl"
+  from distflow_jax.tasks import shapes
+  from distflow_jax.tasks.arithmetic import write_jsonl
+  write_jsonl(shapes.TASK.generate_split("basic", "eval", 4, seed=0), str(data))
+  from distflow_jax.workflow import progress
+  eval_flags = progress.eval_config_args(flags)  # what the end-of-run hint repeats
+  assert cli.main(["eval", *eval_flags, f"--model={run_dir}", f"--data={data}"]) == 0, \
+      capsys.readouterr().err[-2000:]
+  assert "eval/accuracy:" in capsys.readouterr().out
+  shutil.rmtree(ckpt)
+  assert cli.main(["export", "--checkpoint", str(run_dir), "--out", str(tmp_path / "x")]) == 2
+  err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("distflow-jax")]
+  assert len(err) == 1 and "vision tower" in err[0] and str(ckpt) in err[0], err

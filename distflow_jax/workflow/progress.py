@@ -245,8 +245,8 @@ def summary_lines(run_dir: str, *, checkpoint_dir: str, last_checkpoint: int | N
   """The end of a run: held-out accuracy at the start and the end (when evaluated), where
   the checkpoint and metrics are, and the commands to look at or use the result.
   ``rate``: seconds per step after the first (``Logger.rate``; the first compiles).
-  ``config_args``: the run's ``--config`` flags; the eval command repeats the ones that
-  say how prompts are read and answers decoded (``eval_config_args``)."""
+  ``config_args``: the run's command-line flags; the eval command repeats its ``--config``
+  ones that shape prompts, answers and the plan (``eval_config_args``)."""
   run_dir = os.path.normpath(run_dir)
   out = [f"done: {steps} step(s) in {clock(seconds)}"
          + (f", {rate:.2f}s/step after the first (it compiles)" if rate and steps > 1 else "")]
@@ -268,10 +268,11 @@ def summary_lines(run_dir: str, *, checkpoint_dir: str, last_checkpoint: int | N
 
 
 def eval_config_args(config_args: Sequence[str]) -> list[str]:
-  """Of a run's ``--config`` flags, those ``distflow-jax eval`` needs to read the run's
-  prompts and decode its answers as the run did: the config itself and its ``data.*``,
-  ``rollout.*`` and ``model.*`` overrides (``model.path`` aside: ``--model`` sets it)."""
-  keep = ("--config.data.", "--config.rollout.", "--config.model.")
+  """Of a run's ``--config`` flags, those ``distflow-jax eval`` repeats so that it reads the
+  run's prompts, decodes its answers and plans its nodes as the run did: all but the ones
+  about where and how long the run went (``run_dir``, ``trainer.*``, ``logging.*``) and
+  ``model.path`` (``--model`` sets it)."""
+  drop = ("--config.run_dir=", "--config.trainer.", "--config.logging.", "--config.model.path=")
   joined, args = [], list(config_args)
   for i, a in enumerate(args):  # "--config X" as "--config=X"
     if i and "=" not in args[i - 1] and args[i - 1].startswith("--config") \
@@ -279,9 +280,7 @@ def eval_config_args(config_args: Sequence[str]) -> list[str]:
       joined[-1] = f"{args[i - 1]}={a}"
     else:
       joined.append(a)
-  return [a for a in joined
-          if a.startswith("--config=") or (a.startswith(keep)
-                                           and not a.startswith("--config.model.path="))]
+  return [a for a in joined if a.startswith("--config") and not a.startswith(drop)]
 
 
 def interrupted_line(last_checkpoint: int | None, checkpoint_dir: str) -> str:
