@@ -89,7 +89,7 @@ def save_actor(out: str, model: Transformer, tokenizer: Tokenizer | None, meta: 
     hf_io.save_pretrained(out, model, tokenizer)
     return
   from distflow_jax.models.vl import load_vl_pretrained, save_vl_pretrained  # pylint: disable=import-outside-toplevel
-  vl = load_vl_pretrained(base, dtype=model.cfg.dtype, cfg=None)
+  vl = load_vl_pretrained(base, dtype=model.cfg.dtype)
   vl.language = model
   save_vl_pretrained(out, vl)
   if tokenizer is not None and jax.process_index() == 0:
