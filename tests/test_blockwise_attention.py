@@ -239,12 +239,12 @@ def test_memory_grows_linearly_with_length(scan):
 
 
 def test_auto_picks_blockwise_for_long_rows_off_cudnn():
-  if jax.default_backend() == "gpu":
-    pytest.skip("auto keeps cuDNN on GPU")
-  pairs = attention.BLOCKWISE_AUTO_PAIRS
-  assert attention.dpa_implementation("auto", jnp.float32, 8, pairs) == "blockwise"
-  assert attention.dpa_implementation("auto", jnp.float32, 8, pairs - 1) is None
-  assert attention.dpa_implementation("blockwise", jnp.float32, 8, 4) == "blockwise"
+  from distflow_jax.models import attention_choice as ac, target
+  cpu = target.TARGETS["cpu"]
+  pairs = ac.BLOCKWISE_AUTO_PAIRS
+  assert ac.choose("auto", jnp.float32, 8, pairs, 1, cpu).impl is ac.Impl.BLOCKWISE
+  assert ac.choose("auto", jnp.float32, 8, pairs - 1, 1, cpu).impl is ac.Impl.XLA
+  assert ac.choose("blockwise", jnp.float32, 8, 2, 2, cpu).impl is ac.Impl.BLOCKWISE
 
 
 def test_config_accepts_blockwise_and_refuses_bad_block_in_one_line():

@@ -3,9 +3,11 @@
 A query at position p attends to every real key at position <= p; a key's
 position -1 marks padding or an empty cache slot (see transformer.py).  Decode
 (one token per row) reads only the smallest window of the cache that holds
-every written slot, from `decode_windows`.  Multi-token calls take the masked
-einsum, `jax.nn.dot_product_attention` (a `[B, T, S]` mask) or, for long rows,
-blockwise.py's flash-style attention, whose memory is linear in T and S.
+every written slot, from `decode_windows`.  Multi-token calls take the kernel
+attention_choice.py picks for the target device, before tracing: the masked einsum,
+`jax.nn.dot_product_attention` through XLA or cuDNN (a `[B, T, S]` mask; cuDNN's lengths
+padded to a multiple of 64) or, for long rows, blockwise.py's flash-style attention,
+whose memory is linear in T and S.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from distflow_jax.models import segments
+from distflow_jax.models import segments, target as target_lib
+from distflow_jax.models.attention_choice import Impl, choose
 from distflow_jax.models.blockwise import blockwise_attention
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.kv_cache import CacheWriter, heads_major
@@ -25,13 +28,6 @@ from distflow_jax.models.layers import RMSNorm, linear
 # softmax instead of NaNs that would poison gradients.
 _MASK_VALUE = -1e30
 
-# `auto` takes blockwise attention (off GPU's cuDNN path) from this many query x key pairs
-# per row: 2048 x 2048, where the [T, S] float32 scores reach 16 MiB per head and row (plus
-# their gradient).  On this 2-core CPU the tiny model's train step was already faster
-# blockwise at 1024 tokens (0.51-0.58 s vs XLA's 0.83-0.86 s) and slower at 512 (0.21 vs
-# 0.11 s, one block: nothing to skip); the threshold keeps short RL rows on XLA's single
-# fused call, GPU float32 included, where the blocks' sequential loop costs more.
-BLOCKWISE_AUTO_PAIRS = 2048 * 2048
 
 
 def rope_inv_freq(dh: int, theta: float, llama3: tuple = ()) -> jax.Array:
@@ -167,9 +163,9 @@ class Attention(nnx.Module):
       out_BxKxGxDh = _attend_one(q_BxTxHxDh.reshape(b, hkv, g, dh), k_BxKxSxDh, v_BxKxSxDh,
                                  key_pos_BxS, positions_BxT[:, 0], end, full)
       return self.o_proj(out_BxKxGxDh.reshape(b, 1, cfg.num_heads * dh))
-    impl = dpa_implementation(cfg.attention_impl, q_BxTxHxDh.dtype, dh,
-                              t * k_BxKxSxDh.shape[2])
-    if impl == "blockwise":  # never builds a [T, S] array
+    choice = choose(cfg.attention_impl, q_BxTxHxDh.dtype, dh, t, k_BxKxSxDh.shape[2],
+                    target_lib.current())
+    if choice.impl is Impl.BLOCKWISE:  # never builds a [T, S] array
       out = blockwise_attention(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, positions_BxT,
                                 key_pos_BxS, segment_ids_BxT, cfg.attention_block)
       return self.o_proj(out.reshape(b, t, cfg.num_heads * dh))
@@ -177,7 +173,7 @@ class Attention(nnx.Module):
                      & (key_pos_BxS[:, None, :] <= positions_BxT[:, :, None]))
     if segment_ids_BxT is not None:  # block-diagonal (segments.py): every impl takes this mask
       visible_BxTxS = visible_BxTxS & segments.visible(segment_ids_BxT, segment_ids_BxT)
-    if impl == "einsum":
+    if choice.impl is Impl.EINSUM:
       q_BxTxKxGxDh = q_BxTxHxDh.reshape(b, t, hkv, g, dh)
       scores = jnp.einsum("btkgd,bksd->bkgts", q_BxTxKxGxDh, k_BxKxSxDh,
                           preferred_element_type=jnp.float32) * (dh ** -0.5)
@@ -185,40 +181,28 @@ class Attention(nnx.Module):
       probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxDh.dtype)
       out = jnp.einsum("bkgts,bksd->btkgd", probs, v_BxKxSxDh)
     else:
-      out = _dot_product_attention(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, visible_BxTxS, impl)
+      out = _dot_product_attention(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, visible_BxTxS,
+                                   choice.impl, choice.pad_to)
     return self.o_proj(out.reshape(b, t, cfg.num_heads * dh))
-
-
-def dpa_implementation(choice: str, dtype, head_dim: int, pairs: int = 0) -> str | None:
-  """`jax.nn.dot_product_attention`'s `implementation` for `model.attention_impl` (or
-  "einsum" / "blockwise"): `auto` takes cuDNN on GPU where its fused kernel applies
-  (16-bit, head dim a multiple of 8 up to 128: "cudnn-or-xla", XLA's kernel where cuDNN
-  refuses the call), else "blockwise" from `BLOCKWISE_AUTO_PAIRS` query x key `pairs`
-  per row (memory linear in the length), else None (XLA's choice)."""
-  if choice in ("xla", "cudnn", "einsum", "blockwise"):
-    return choice
-  if (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-      and head_dim % 8 == 0 and head_dim <= 128):
-    return "cudnn-or-xla"
-  if pairs >= BLOCKWISE_AUTO_PAIRS:
-    return "blockwise"
-  return None
 
 
 def _dot_product_attention(q_BxTxHxDh: jax.Array, k_BxKxSxDh: jax.Array,
                            v_BxKxSxDh: jax.Array, visible_BxTxS: jax.Array,
-                           impl: str | None) -> jax.Array:
+                           impl: Impl, pad_to: int = 1) -> jax.Array:
   """Masked attention through `jax.nn.dot_product_attention` (keys laid out [B, S, K, Dh]);
-  a query row with no visible key gets a uniform softmax, as on the einsum path."""
+  a query row with no visible key gets a uniform softmax, as on the einsum path.  With
+  `pad_to` > 1 (cuDNN), T and S are padded up to a multiple of it: padding keys are masked
+  off for every query and padding queries' rows are sliced off, so the result (and its
+  gradient) is that of the unpadded call."""
+  t, s = q_BxTxHxDh.shape[1], k_BxKxSxDh.shape[2]
   k_BxSxKxDh, v_BxSxKxDh = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k_BxKxSxDh, v_BxKxSxDh))
   k_BxSxKxDh, v_BxSxKxDh = k_BxSxKxDh.astype(q_BxTxHxDh.dtype), v_BxSxKxDh.astype(q_BxTxHxDh.dtype)
-  mask = visible_BxTxS[:, None]
-  if impl == "cudnn-or-xla":
-    try:
-      return jax.nn.dot_product_attention(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask=mask,
-                                          implementation="cudnn")
-    except (NotImplementedError, ValueError, RuntimeError, TypeError):
-      impl = None  # shapes, dtype or cuDNN version it does not take: XLA's kernel instead
-  # "cudnn" asked for by name is not caught: a refusal is the user's to see.
-  return jax.nn.dot_product_attention(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask=mask,
-                                      implementation=impl)
+  tp, sp = -(-t // pad_to) * pad_to, -(-s // pad_to) * pad_to
+  if (tp, sp) != (t, s):
+    q_BxTxHxDh = jnp.pad(q_BxTxHxDh, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
+    k_BxSxKxDh = jnp.pad(k_BxSxKxDh, ((0, 0), (0, sp - s), (0, 0), (0, 0)))
+    v_BxSxKxDh = jnp.pad(v_BxSxKxDh, ((0, 0), (0, sp - s), (0, 0), (0, 0)))
+    visible_BxTxS = jnp.pad(visible_BxTxS, ((0, 0), (0, tp - t), (0, sp - s)))
+  out = jax.nn.dot_product_attention(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh,
+                                     mask=visible_BxTxS[:, None], implementation=impl.value)
+  return out[:, :t]
