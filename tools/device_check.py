@@ -1,9 +1,12 @@
-"""One table of what this accelerator does with distflow-jax: train MFU, decode roofline, GRPO step.
+"""One table of what this accelerator does with distflow-jax, kept row by row: a short loan of a
+device may end at any moment, so every section's row is printed, and its JSON record appended
+to --out, the moment that section ends.
 
-    python tools/device_check.py [--shape tiny|small|qwen0.5b] [--out FILE.json]
+    python tools/device_check.py [--shape tiny|small|qwen0.5b] [--out FILE.jsonl]
+        [--limit SECTION=S,...] [--timeout S] [--skip train,decode,grpo,memory]
         [--train-batch B] [--prompt P] [--response R] [--decode-batch 16] [--decode-prompt P]
         [--decode-new N] [--grpo-prompts K] [--grpo-n N] [--grpo-new N] [--repeats R]
-        [--skip train,decode,grpo] [--timeout S] [--workdir DIR]
+        [--plan-source analytic|compiled] [--workdir DIR]
 
 Runs on whatever backend JAX finds (one chip: `jax.devices()[0]`), with no network: the
 model is random-init of a real shape (`--shape qwen0.5b` is Qwen2.5-0.5B, tools/model_shapes;
@@ -11,9 +14,16 @@ default on GPU/TPU) or a small one (`small` ~3 M params, default on CPU; `tiny` 
 bfloat16 parameters and activations, with the run config's defaults (configs/grpo.py and
 config/defaults.py: layers under scan, float32 master weights, adamw, grad clip 1).
 
-Rows of the table (all figures also go to `--out` as JSON):
+Sections, in this order, each in its own child process with its own time limit (`--limit`,
+defaults in LIMITS; `--timeout S` sets every one): the child is SIGKILLed (with its process
+group) at its deadline, the table says "timed out" on that section's row and the next section
+runs.  A child also dies with this script (PR_SET_PDEATHSIG), and SIGINT/SIGTERM kill the
+running child first, so an interrupted check leaves no process holding the device.
 
-* peak: bf16 dense FLOP/s and memory bandwidth of the device, from `PEAKS` (matched on
+* versions: python, jax, jaxlib, flax (and whether flax imports on this jax), the CUDA/ROCm/
+  TPU plugin packages installed (importlib.metadata), cuDNN (jax's `cuda_versions`, else
+  "n/a"), the device kind and count.
+* device: bf16 dense FLOP/s and memory bandwidth of the device, from `PEAKS` (matched on
   `jax.devices()[0].device_kind`); for a CPU or an unknown device both are measured on
   the spot and marked "measured": the best of a few large jitted matmuls (bf16 and f32,
   the faster counts) and of a large array `x + 1` (bytes read + written / time).  The
@@ -36,26 +46,50 @@ Rows of the table (all figures also go to `--out` as JSON):
       bytes/step = param bytes + 2 * L * B * H_kv * D_h * 2 bytes * (P + N / 2)
   (the cache's mean filled length over the decode), roofline tokens/s =
   B * bandwidth / bytes/step, and the share is measured / roofline.
-* GRPO step: the real `distflow-jax train` (configs/grpo.py:qwen0.5b's DAG) in a
-  subprocess on a random model folder of the shape (tools/make_random_model.py, with its
-  byte-level BPE tokenizer), built-in arithmetic prompts, tiny batch, 2 steps; the table
-  shows `time/step` of both from the run's metrics.jsonl (step 1 compiles, step 2 is warm).
+* GRPO step: the real `distflow-jax train` (configs/grpo.py:qwen0.5b's DAG, its Python entry
+  point `distflow_jax.cli.main` run in the child) on a random model folder of the shape
+  (tools/make_random_model.py, with its byte-level BPE tokenizer), built-in arithmetic
+  prompts, 2 steps; the table shows `time/step` and the compile count of both from the run's
+  metrics.jsonl (step 1 compiles, step 2 is warm).  Cold on purpose: the persistent compile
+  cache is off for it (DISTFLOW_JAX_COMPILE_CACHE="", unless that variable is set), so step 1
+  always compiles everything and no ahead-of-time widths are added.  If the limit cuts the
+  run (say during the final checkpoint save), the steps already in metrics.jsonl still count.
+  Sized for a short loan: at `qwen0.5b` it is 4 prompts x 4 samples, <= 64 prompt + 32 new
+  tokens (was 8 x 4, 64 + 128: on one H100 that run had not finished step 1 after 160 s
+  cold).  The decode cache grows through one compiled decode loop per window it passes
+  (rollout/cache_growth.py): 64 + 32 tokens need 2 (80, 96), 64 + 128 needed 5; on this
+  CPU at `tiny` step 1 then compiles 42 programs in 10 s instead of 48 in 27 s.  The goal is
+  step 2 inside a 3-minute cold run on one H100 (`--limit grpo=210` by default); not yet
+  verified on a GPU.
+* peak memory: `jax.devices()[0].memory_stats()["peak_bytes_in_use"]` of the GRPO child
+  (polled every second once the backend is up, and read at the end: the peak over model
+  load, both steps and the final save), beside the peak per device that `distflow-jax plan
+  --memory` (`--plan-source`, analytic by default; on CPU, one simulated device) gives for
+  the same config flags.  Where `memory_stats()` is None (a CPU) the row says "n/a on this
+  platform" and still shows the plan's figure.
 
-The three measurements run in a child process and the GRPO run in another, one after the
-other, so each owns the device (a TPU admits one process; GPU memory is freed between).
+`--out` is JSON lines: one record per section as it ends ({"section": ..., "status": "ok" |
+"error" | "timeout" | "skipped", "wall_s", "limit_s", figures...}), a "settings" record after
+"versions", and a "summary" record (errors, total_s) at the end; `read_out(path)` gives
+them by section.  Exit 0 when every section ran clean, 1 otherwise, 2 on a bad flag.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import os
+import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -63,8 +97,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _bench_common as bc  # noqa: E402
 
-TAG = "DEVICE_CHECK "
-SECTIONS = ("train", "decode", "grpo")
+SECTIONS = ("versions", "device", "train", "decode", "grpo", "memory")
+SKIPPABLE = ("train", "decode", "grpo", "memory")
+# Seconds each section may take by default: sized for qwen0.5b on one H100 inside a 15-minute
+# loan (at most 12 minutes in all; each usually ends well before its limit).
+LIMITS = dict(versions=60, device=90, train=150, decode=150, grpo=210, memory=60)
 # Overrides of tools/model_shapes/qwen2.5-0.5b/config.json (make_random_model's HF keys).
 SHAPES = {
     "tiny": ["num_hidden_layers=2", "hidden_size=64", "intermediate_size=128",
@@ -82,9 +119,10 @@ DEFAULTS = {
     "small": dict(train_batch=16, prompt=64, response=64, decode_prompt=64, decode_new=64,
                   grpo_prompts=4, grpo_n=4, grpo_new=32, repeats=3),
     "qwen0.5b": dict(train_batch=16, prompt=256, response=256, decode_prompt=128,
-                     decode_new=128, grpo_prompts=8, grpo_n=4, grpo_new=128, repeats=5),
+                     decode_new=128, grpo_prompts=4, grpo_n=4, grpo_new=32, repeats=5),
 }
 GRPO_PROMPT_LEN = 64  # the arithmetic prompts in the chat template are ~50 tokens
+COMPILE_CACHE_ENV = "DISTFLOW_JAX_COMPILE_CACHE"
 
 # bf16 dense FLOP/s and memory bandwidth (bytes/s) by device kind: the first entry whose
 # words all occur in the lower-cased `device_kind` wins (vendor data sheets, no sparsity).
@@ -135,17 +173,30 @@ def _positive(text: str) -> int:
 
 def _skip(text: str) -> tuple[str, ...]:
   names = tuple(s for s in text.split(",") if s)
-  bad = [s for s in names if s not in SECTIONS]
+  bad = [s for s in names if s not in SKIPPABLE]
   if bad:
-    raise argparse.ArgumentTypeError(f"unknown {bad}; valid: {','.join(SECTIONS)}")
+    raise argparse.ArgumentTypeError(f"unknown {bad}; valid: {','.join(SKIPPABLE)}")
   return names
+
+
+def _limits(text: str) -> dict[str, int]:
+  """`grpo=300,train=60` -> {"grpo": 300, "train": 60}."""
+  out = {}
+  for item in (s for s in text.split(",") if s):
+    name, eq, secs = item.partition("=")
+    if not eq or name not in SECTIONS:
+      raise argparse.ArgumentTypeError(f"{item!r}: write SECTION=SECONDS, SECTION one of "
+                                       f"{','.join(SECTIONS)}")
+    out[name] = _positive(secs)
+  return out
 
 
 def _args(argv):
   p = _Parser(description=__doc__.split("\n\n")[0])
   p.add_argument("--shape", choices=sorted(SHAPES),
                  help="model shape (default: qwen0.5b on GPU/TPU, small on CPU)")
-  p.add_argument("--out", help="also write every figure to this JSON file")
+  p.add_argument("--out", help="also append every section's figures to this JSON-lines file "
+                               "(emptied first)")
   for name, what in (("train-batch", "train step rows"), ("prompt", "train prompt tokens"),
                      ("response", "train response tokens"),
                      ("decode-prompt", "decode prompt tokens"),
@@ -156,16 +207,29 @@ def _args(argv):
                      ("repeats", "timed repeats (median counts)")):
     p.add_argument(f"--{name}", type=_positive, help=f"{what} (default: by shape)")
   p.add_argument("--decode-batch", type=_positive, default=16, help="decode slots")
-  p.add_argument("--skip", type=_skip, default=(), help="comma list of train,decode,grpo")
-  p.add_argument("--timeout", type=_positive, default=420,
-                 help="seconds allowed to each of the two child processes")
-  p.add_argument("--workdir", help="keep the model folder and run here (default: a temporary "
-                                   "directory, removed at the end)")
-  p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--skip", type=_skip, default=(), help=f"comma list of {','.join(SKIPPABLE)}")
+  p.add_argument("--limit", type=_limits, default={},
+                 help="seconds per section, e.g. grpo=300,train=60 (default: "
+                      + ",".join(f"{k}={v}" for k, v in LIMITS.items()) + ")")
+  p.add_argument("--timeout", type=_positive,
+                 help="seconds allowed to every section that --limit does not name")
+  p.add_argument("--plan-source", choices=("analytic", "compiled"), default="analytic",
+                 help="plan --memory's --memory_source for the memory row")
+  p.add_argument("--workdir", help="keep the model folder, runs and logs here (default: a "
+                                   "temporary directory, removed at the end unless a section "
+                                   "failed)")
+  p.add_argument("--child", choices=SECTIONS, help=argparse.SUPPRESS)
+  p.add_argument("--child-out", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.out and os.path.isdir(args.out):
     p.error(f"--out {args.out} is a directory; give a file name")
+  if args.child and not (args.child_out and args.workdir and args.shape):
+    p.error("--child needs --child-out, --workdir and --shape")
   return args
+
+
+def section_limit(args, name: str) -> int:
+  return args.limit.get(name) or args.timeout or LIMITS[name]
 
 
 def resolve(args, shape: str) -> dict:
@@ -182,18 +246,32 @@ def _hf_config(shape: str) -> dict:
   return mrm.hf_config("qwen2.5-0.5b", SHAPES[shape])
 
 
-def _cpu_env() -> dict:
+def _cpu_env(**extra) -> dict:
   """This environment with one host device (the CPU would otherwise split as XLA_FLAGS says)."""
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
            if not f.startswith("--xla_force_host_platform_device_count")]
-  return dict(os.environ, XLA_FLAGS=" ".join(flags + ["--xla_force_host_platform_device_count=1"]))
+  return dict(os.environ, XLA_FLAGS=" ".join(flags + ["--xla_force_host_platform_device_count=1"]),
+              **extra)
 
 
-# ---------------------------------------------------------------- the child: measurements
+def grpo_flags(s: dict, model_dir: str, run_dir: str) -> list[str]:
+  """The config flags of the GRPO section's run (plan --memory takes the same)."""
+  rows = s["grpo_prompts"] * s["grpo_n"]
+  return [
+      "--config=grpo:qwen0.5b", f"--config.model.path={model_dir}",
+      "--config.data.train=builtin:arithmetic", "--config.data.eval=",
+      "--config.data.prompt_key=prompt", f"--config.data.prompts_per_step={s['grpo_prompts']}",
+      f"--config.rollout.n={s['grpo_n']}", f"--config.data.max_prompt_len={GRPO_PROMPT_LEN}",
+      f"--config.rollout.max_new_tokens={s['grpo_new']}",
+      f"--config.rollout.prefill_buckets=({GRPO_PROMPT_LEN},)",
+      f"--config.actor.micro_batch_size={math.gcd(rows, 16)}", "--config.actor.mini_batches=1",
+      f"--config.rollout.max_concurrent_decodes={rows}", "--config.trainer.total_steps=2",
+      "--config.trainer.eval_every=0", "--config.trainer.save_every=0",
+      f"--config.model.max_seq_len={GRPO_PROMPT_LEN + s['grpo_new']}",
+      f"--config.run_dir={run_dir}"]
 
-def _emit(rec: dict) -> None:
-  print(TAG + json.dumps(rec), flush=True)
 
+# ---------------------------------------------------------------- the children: measurements
 
 def _say(text: str) -> None:
   print(f"[device_check] {text}", file=sys.stderr, flush=True)
@@ -202,6 +280,58 @@ def _say(text: str) -> None:
 def _best(fn, repeats: int) -> float:
   fn()
   return min(bc.median_time(fn, 1) for _ in range(repeats))
+
+
+def _dist_versions() -> dict[str, str]:
+  """Installed jax platform plugins (CUDA, ROCm, TPU) by distribution name."""
+  import importlib.metadata as md
+  out = {}
+  for dist in md.distributions():
+    name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+    if (re.fullmatch(r"jax-(cuda|rocm)\d+-(plugin|pjrt)", name)
+        or name in ("libtpu", "libtpu-nightly")):
+      out[name] = dist.version
+  return dict(sorted(out.items()))
+
+
+def _cudnn_version() -> str:
+  """cuDNN as jax's CUDA plugin reports it (90800 -> "9.8.0"), else "n/a"."""
+  try:
+    from jax._src.lib import cuda_versions  # pylint: disable=import-outside-toplevel
+    v = int(cuda_versions.cudnn_get_version())
+  except Exception:  # pylint: disable=broad-except  - no plugin, no cuDNN, another jax layout
+    return "n/a"
+  return f"{v // 10000}.{v % 10000 // 100}.{v % 100}" if v >= 10000 else str(v)
+
+
+def measure_versions() -> dict:
+  """Software versions and the devices; nothing here may fail on a CPU."""
+  import importlib.metadata as md
+  import platform as pf
+
+  def ver(name):
+    try:
+      return md.version(name)
+    except md.PackageNotFoundError:
+      return None
+
+  rec = dict(python=pf.python_version(), jax=ver("jax"), jaxlib=ver("jaxlib"),
+             flax=ver("flax"), plugins=_dist_versions())
+  import jax
+  rec["jax_imported"] = jax.__version__
+  try:
+    import flax.nnx  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    rec["flax_imports"] = True
+  except Exception as e:  # pylint: disable=broad-except  - flax 0.12.8 on jax 0.11 fails here
+    rec["flax_imports"] = False
+    rec["flax_error"] = _one_line(e)
+  rec["cudnn"] = _cudnn_version()
+  devs = jax.devices()
+  rec.update(platform=jax.default_backend(), device_kind=devs[0].device_kind,
+             num_devices=len(devs))
+  with contextlib.suppress(Exception):
+    rec["platform_version"] = str(devs[0].client.platform_version)
+  return rec
 
 
 def measure_device(platform: str) -> dict:
@@ -233,8 +363,6 @@ def measure_device(platform: str) -> dict:
   return dict(device_kind=dev.device_kind, platform=platform, num_devices=jax.device_count(),
               jax=jax.__version__, peak_flops=flops, peak_bw=bw, peak_source=source,
               matmul_n=n, matmul_flops=matmul, copy_bytes=2 * elems * 4, copy_bw=copy_bw)
-
-
 def _run_cfg():
   """The run config's defaults (config/defaults.py + configs/grpo.py's KL)."""
   from distflow_jax.config.loading import load
@@ -349,117 +477,256 @@ def measure_decode(s: dict) -> dict:
               bytes_per_step=param_bytes + kv_bytes, compiles=engine.compile_counts())
 
 
+MEMORY_FILE = "grpo_memory.json"
+
+
+def _one_line(e) -> str:
+  lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+  return lines[0][:300] if lines else ""
+
+
+def _write_json(path: str, obj) -> None:
+  """Whole or not at all: a kill mid-write leaves the previous file."""
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f)
+  os.replace(tmp, path)
+
+
+def _read_json(path: str):
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+class MemoryWatch:
+  """Keeps `path` holding the first device's `memory_stats()` (so a run killed at its limit
+  still leaves the peak so far), polled every `every` s once jax's backends are up: never
+  before, since the train command sets the device count and joins its group first."""
+
+  def __init__(self, path: str, every: float = 1.0):
+    self.path, self.every, self.polls = path, every, 0
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, name="device_check-memory", daemon=True)
+
+  def start(self) -> "MemoryWatch":
+    self._thread.start()
+    return self
+
+  def stop(self) -> None:
+    self._stop.set()
+    self._thread.join()
+    self.poll()
+
+  def _run(self) -> None:
+    while not self._stop.wait(self.every):
+      with contextlib.suppress(Exception):  # a poll that fails is retried; never kill the run
+        self.poll()
+
+  def poll(self) -> None:
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    if bridge is None or not bridge.backends_are_initialized():
+      return
+    import jax
+    stats = jax.devices()[0].memory_stats()
+    self.polls += 1
+    keys = ("peak_bytes_in_use", "bytes_in_use", "bytes_limit", "largest_alloc_size")
+    _write_json(self.path, dict(platform=jax.default_backend(), polls=self.polls,
+                                stats={k: int(stats[k]) for k in keys if k in stats}
+                                if stats else None))
+
+
+def grpo_record(s: dict, workdir: str) -> dict:
+  """What the GRPO run left in `workdir`: its steps from metrics.jsonl (whole lines only) and
+  the memory file.  The child reports it; after a kill the parent reads the same files."""
+  run_dir = os.path.join(workdir, "run")
+  metrics = []
+  with contextlib.suppress(OSError), open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    for line in f:
+      with contextlib.suppress(ValueError):
+        metrics.append(json.loads(line))
+  metrics.sort(key=lambda m: m["step"])
+  nodes = ("generate", "ref_logprob", "old_logprob", "train_actor")
+  flags = grpo_flags(s, os.path.join(workdir, "model"), run_dir)
+  return dict(prompts=s["grpo_prompts"], n=s["grpo_n"], prompt_len=GRPO_PROMPT_LEN,
+              new=s["grpo_new"], step_s=[m["time/step"] for m in metrics],
+              compiles=[m.get("compile/count") for m in metrics],
+              compile_s=[m.get("time/compile") for m in metrics],
+              tokens=[m.get("tokens") for m in metrics],
+              nodes_s=[{k: m.get(f"time/{k}") for k in nodes} for m in metrics],
+              memory=_read_json(os.path.join(workdir, MEMORY_FILE)),
+              command="distflow-jax train " + " ".join(flags))
+
+
+def run_grpo(s: dict, workdir: str) -> dict:
+  """Two steps of `distflow-jax train` (its entry point, in this process) on a random model
+  folder of the shape, with the device's memory watched."""
+  import make_random_model as mrm  # pylint: disable=import-outside-toplevel
+  model_dir, run_dir = os.path.join(workdir, "model"), os.path.join(workdir, "run")
+  for d in (model_dir, run_dir):
+    shutil.rmtree(d, ignore_errors=True)
+  with contextlib.suppress(FileNotFoundError):
+    os.remove(os.path.join(workdir, MEMORY_FILE))
+  t0 = time.perf_counter()
+  mrm.write(Path(model_dir), _hf_config(s["shape"]))
+  write_s = time.perf_counter() - t0
+  watch = MemoryWatch(os.path.join(workdir, MEMORY_FILE)).start()
+  from distflow_jax import cli  # pylint: disable=import-outside-toplevel
+  t0 = time.perf_counter()
+  rc = cli.main(["train", *grpo_flags(s, model_dir, run_dir), "--noresume"])
+  wall = time.perf_counter() - t0
+  watch.stop()
+  rec = dict(grpo_record(s, workdir), folder_write_s=write_s, process_wall_s=wall)
+  if rc:
+    rec["error"] = f"distflow-jax train exit {rc}"
+  return rec
+
+
+_PEAK_LINE = re.compile(r"^peak: ([0-9.]+) (GB|MB) on device \d+ \(process \d+\), "
+                        r"while (\S+) runs", re.M)
+
+
+def run_plan(s: dict, workdir: str, source: str) -> dict:
+  """`distflow-jax plan --memory` (its entry point, in this CPU-only process) for the GRPO
+  section's config, on a config-only folder of the shape; its peak per device."""
+  import make_random_model as mrm  # pylint: disable=import-outside-toplevel
+  model_dir = os.path.join(workdir, "plan_model")
+  mrm.write(Path(model_dir), _hf_config(s["shape"]), config_only=True)
+  argv = ["plan", "--memory", f"--memory_source={source}", "--num_processes=1",
+          "--devices_per_process=1",
+          *grpo_flags(s, os.path.join(workdir, "model"), os.path.join(workdir, "run"))]
+  argv[argv.index(f"--config.model.path={os.path.join(workdir, 'model')}")] = \
+      f"--config.model.path={model_dir}"
+  from distflow_jax import cli  # pylint: disable=import-outside-toplevel
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    rc = cli.main(argv)
+  text = buf.getvalue()
+  print(text, flush=True)  # the section's log keeps the whole plan
+  rec = dict(plan_source=source, plan_command="distflow-jax " + " ".join(argv))
+  m = _PEAK_LINE.search(text)
+  if rc or not m:
+    rec["error"] = (f"distflow-jax plan exit {rc}" if rc else
+                    "plan --memory printed no 'peak: ...' line")
+    return rec
+  start = text.find("memory per device")
+  return dict(rec, plan_peak_bytes=float(m[1]) * {"GB": 1e9, "MB": 1e6}[m[2]],
+              plan_node=m[3], plan_memory=text[start:].splitlines() if start >= 0 else [])
+
+
 def child(args) -> int:
-  import jax
-  platform = jax.default_backend()
-  shape = args.shape or ("small" if platform == "cpu" else "qwen0.5b")
-  s = resolve(args, shape)
-  _say(f"{jax.devices()[0].device_kind} ({platform}); shape {shape}: peak and bandwidth...")
-  dev = measure_device(platform)
-  _emit({"section": "device", "settings": s, "params": _model_cfg(shape).num_params, **dev})
-  for name, fn in (("train", measure_train), ("decode", measure_decode)):
-    if name in args.skip:
-      continue
-    _say(f"{name}...")
-    try:
-      rec = fn(s)
-    except Exception as e:  # pylint: disable=broad-except  - reported in the table, not raised
-      rec = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
-    _emit({"section": name, **rec})
-  return 0
+  """One section in this process; its record goes to --child-out (JSON), whatever happens."""
+  s = resolve(args, args.shape)
+  try:
+    if args.child == "versions":
+      rec = measure_versions()
+    elif args.child == "device":
+      import jax
+      rec = dict(measure_device(jax.default_backend()), params=_model_cfg(s["shape"]).num_params)
+    elif args.child == "train":
+      rec = measure_train(s)
+    elif args.child == "decode":
+      rec = measure_decode(s)
+    elif args.child == "grpo":
+      rec = run_grpo(s, args.workdir)
+    else:
+      rec = run_plan(s, args.workdir, args.plan_source)
+  except Exception as e:  # pylint: disable=broad-except  - reported in the table, not raised
+    import traceback
+    traceback.print_exc()  # into the section's log
+    rec = {"error": f"{type(e).__name__}: {_one_line(e)}"[:300]}
+  _write_json(args.child_out, rec)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(0)  # no interpreter teardown: the device is released now, nothing else to wait for
 
 
 # ---------------------------------------------------------------- the parent
 
-def _tagged(text) -> dict:
-  if isinstance(text, bytes):
-    text = text.decode(errors="replace")
-  out = {}
-  for line in (text or "").splitlines():
-    if line.startswith(TAG):
-      rec = json.loads(line[len(TAG):])
-      out[rec.pop("section")] = rec
-  return out
+_RUNNING: list = [None]  # the child now running, for the signal handlers
 
 
-def run_measurements(argv, timeout: int) -> tuple[dict, str]:
-  """The child's records by section, and an error line ('' when it exited 0)."""
-  cmd = [sys.executable, os.path.abspath(__file__), "--child", *argv]
-  try:
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=_cpu_env(), timeout=timeout,
-                       check=False)
-  except subprocess.TimeoutExpired as e:
-    return _tagged(e.stdout), f"measurements: killed after {timeout} s"
-  return _tagged(r.stdout), "" if r.returncode == 0 else f"measurements: exit {r.returncode}"
+def _die_with_parent(parent: int) -> None:
+  """In the child before exec: SIGKILL when the parent dies (Linux prctl PR_SET_PDEATHSIG),
+  so a check killed at a loan's end leaves nothing on the device."""
+  with contextlib.suppress(Exception):
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))
+  if os.getppid() != parent:  # the parent died before prctl took effect
+    os._exit(1)
 
 
-def run_grpo(s: dict, workdir: str, timeout: int) -> dict:
-  """Two steps of `distflow-jax train` on a random model folder of the shape."""
-  import make_random_model as mrm  # pylint: disable=import-outside-toplevel
-  model_dir = os.path.join(workdir, "model")
-  t0 = time.perf_counter()
-  mrm.write(Path(model_dir), _hf_config(s["shape"]))
-  write_s = time.perf_counter() - t0
-  rows = s["grpo_prompts"] * s["grpo_n"]
-  run_dir = os.path.join(workdir, "run")
-  flags = [
-      "--config=grpo:qwen0.5b", f"--config.model.path={model_dir}",
-      "--config.data.train=builtin:arithmetic", "--config.data.eval=",
-      "--config.data.prompt_key=prompt", f"--config.data.prompts_per_step={s['grpo_prompts']}",
-      f"--config.rollout.n={s['grpo_n']}", f"--config.data.max_prompt_len={GRPO_PROMPT_LEN}",
-      f"--config.rollout.max_new_tokens={s['grpo_new']}",
-      f"--config.rollout.prefill_buckets=({GRPO_PROMPT_LEN},)",
-      f"--config.actor.micro_batch_size={math.gcd(rows, 16)}", "--config.actor.mini_batches=1",
-      f"--config.rollout.max_concurrent_decodes={rows}", "--config.trainer.total_steps=2",
-      "--config.trainer.eval_every=0", "--config.trainer.save_every=0",
-      f"--config.model.max_seq_len={GRPO_PROMPT_LEN + s['grpo_new']}",
-      f"--config.run_dir={run_dir}", "--noresume"]
-  cmd = [sys.executable, "-m", "distflow_jax.cli", "train", *flags]
-  log_path = os.path.join(workdir, "train.log")
+def _kill(p: subprocess.Popen) -> None:
+  with contextlib.suppress(ProcessLookupError, PermissionError):
+    os.killpg(p.pid, signal.SIGKILL)
+  with contextlib.suppress(ProcessLookupError):
+    p.kill()
+  p.wait()
+
+
+def _on_signal(signum, _frame) -> None:
+  p = _RUNNING[0]
+  if p is not None:
+    _kill(p)
+  print(f"device_check: stopped by signal {signum}; the rows above (and --out) hold every "
+        f"section that ended", file=sys.stderr, flush=True)
+  os._exit(128 + signum)
+
+
+def _last_line(path: str) -> str:
+  with contextlib.suppress(OSError), open(path, errors="replace") as f:
+    lines = [l.strip() for l in f if l.strip()]
+    return lines[-1][:200] if lines else ""
+  return ""
+
+
+def run_section(name: str, argv: list[str], workdir: str, limit: int, env: dict) -> dict:
+  """Runs one section's child under a SIGKILL deadline; its record, with status and times."""
+  out_file = os.path.join(workdir, f"{name}.json")
+  log_path = os.path.join(workdir, f"{name}.log")
+  with contextlib.suppress(FileNotFoundError):
+    os.remove(out_file)
+  cmd = [sys.executable, os.path.abspath(__file__), *argv, "--child", name,
+         "--child-out", out_file]
+  parent = os.getpid()
   t0 = time.perf_counter()
   with open(log_path, "w") as log:
+    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                         env=env, start_new_session=True,
+                         preexec_fn=lambda: _die_with_parent(parent))
+    _RUNNING[0] = p
     try:
-      r = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_cpu_env(),
-                         timeout=timeout, check=False)
+      rc, timed_out = p.wait(timeout=limit), False
     except subprocess.TimeoutExpired:
-      return {"error": f"distflow-jax train killed after {timeout} s (log {log_path})"}
-  wall = time.perf_counter() - t0
-  if r.returncode:
-    with open(log_path) as f:
-      last = [line.strip() for line in f if line.strip()][-1:] or [""]
-    return {"error": f"distflow-jax train exit {r.returncode}: {last[0][:200]}"}
-  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-    metrics = [json.loads(line) for line in f if line.strip()]
-  metrics.sort(key=lambda m: m["step"])
-  nodes = ("generate", "ref_logprob", "old_logprob", "train_actor")
-  return dict(prompts=s["grpo_prompts"], n=s["grpo_n"], prompt_len=GRPO_PROMPT_LEN,
-              new=s["grpo_new"], folder_write_s=write_s, process_wall_s=wall,
-              step_s=[m["time/step"] for m in metrics],
-              tokens=[m.get("tokens") for m in metrics],
-              nodes_s=[{k: m.get(f"time/{k}") for k in nodes} for m in metrics],
-              command="distflow-jax train " + " ".join(flags))
+      _kill(p)
+      rc, timed_out = p.returncode, True
+    finally:
+      _RUNNING[0] = None
+  rec = _read_json(out_file)
+  if not isinstance(rec, dict):
+    rec = {}
+  if timed_out:
+    rec["error"] = f"timed out: killed at its {limit} s limit"
+  elif rc or not os.path.exists(out_file):
+    rec.setdefault("error", f"child exit {rc}: {_last_line(log_path)}")
+  status = "timeout" if timed_out else "error" if "error" in rec else "ok"
+  return {"section": name, "status": status, **rec, "wall_s": time.perf_counter() - t0,
+          "limit_s": limit, "log": log_path}
 
 
-def _rate(x: float, unit: str) -> str:
-  for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-    if x >= scale:
-      return f"{x / scale:.3g} {prefix}{unit}"
-  return f"{x:.3g} {unit}"
-
-
-def fill(res: dict) -> None:
+def derive(name: str, rec: dict, dev: dict, s: dict) -> None:
   """Adds the derived figures: FLOPs and MFU, the decode roofline and its share."""
-  dev, s = res["device"], res["settings"]
-  train = res.get("train", {})
-  if "step_s" in train:
-    shape = bc.Shape.of(_model_cfg_light(s["shape"]))
-    flops = bc.train_flops(shape, train["rows"], train["prompt"], train["response"])
-    train.update(flops=flops, achieved_flops=flops["total"] / train["step_s"])
-    train["mfu"] = train["achieved_flops"] / dev["peak_flops"]
-  dec = res.get("decode", {})
-  if "tokens_per_s" in dec:
-    dec["roofline_tokens_per_s"] = dec["batch"] * dev["peak_bw"] / dec["bytes_per_step"]
-    dec["roofline_share"] = dec["tokens_per_s"] / dec["roofline_tokens_per_s"]
+  if name == "train" and "step_s" in rec:
+    shape = _model_cfg_light(s["shape"])
+    flops = bc.train_flops(shape, rec["rows"], rec["prompt"], rec["response"])
+    rec.update(flops=flops, achieved_flops=flops["total"] / rec["step_s"])
+    if "peak_flops" in dev:
+      rec["mfu"] = rec["achieved_flops"] / dev["peak_flops"]
+  if name == "decode" and "tokens_per_s" in rec and "peak_bw" in dev:
+    rec["roofline_tokens_per_s"] = rec["batch"] * dev["peak_bw"] / rec["bytes_per_step"]
+    rec["roofline_share"] = rec["tokens_per_s"] / rec["roofline_tokens_per_s"]
 
 
 def _model_cfg_light(shape: str):
@@ -471,50 +738,159 @@ def _model_cfg_light(shape: str):
                   head_dim=d["head_dim"])
 
 
-def table(res: dict) -> list[str]:
-  dev, s = res["device"], res["settings"]
-  src = dev["peak_source"]
-  rows = [("measure", "value", "against", "share")]
-  for dtype, f in dev["matmul_flops"].items():
-    rows.append((f"{dtype} matmul {dev['matmul_n']}^2 (measured)", _rate(f, "FLOP/s"),
-                 f"peak {_rate(dev['peak_flops'], 'FLOP/s')} ({src})",
-                 f"{f / dev['peak_flops']:.1%}"))
-  rows.append((f"copy x + 1, {dev['copy_bytes'] / 2 ** 20:.0f} MiB moved (measured)",
-               _rate(dev["copy_bw"], "B/s"), f"peak {_rate(dev['peak_bw'], 'B/s')} ({src})",
-               f"{dev['copy_bw'] / dev['peak_bw']:.1%}"))
-  t = res.get("train", {})
-  label = (f"train step MFU, bf16, {s['train_batch']} x ({s['prompt']} + {s['response']}) "
-           f"tokens")
-  if "mfu" in t:
-    rows.append((label, f"{_rate(t['achieved_flops'], 'FLOP/s')}, {t['step_s'] * 1e3:.1f} ms/step",
-                 f"peak {_rate(dev['peak_flops'], 'FLOP/s')} ({src})", f"{t['mfu']:.1%}"))
+def _rate(x: float, unit: str) -> str:
+  for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+    if x >= scale:
+      return f"{x / scale:.3g} {prefix}{unit}"
+  return f"{x:.3g} {unit}"
+
+
+def _gb(n: float) -> str:
+  return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def _failed(label: str, rec: dict) -> list[tuple]:
+  return [(label, rec.get("error") or rec.get("status", "not run"), "", "")]
+
+
+SKIPPED_LABELS = dict(train="train step MFU", decode="decode tok/s", grpo="GRPO step",
+                      memory="peak memory of the GRPO run")
+
+
+def rows(name: str, rec: dict, dev: dict, s: dict) -> list[tuple]:
+  """The table rows of one section's record (one row saying why when it did not run)."""
+  if rec["status"] == "skipped":
+    return [(SKIPPED_LABELS[name], "skipped", "", "")]
+  if name == "versions":
+    if "platform" not in rec:
+      return _failed("versions", rec)
+    flax = f"flax {rec['flax']}" + ("" if rec.get("flax_imports") else
+                                    f" (import FAILED: {rec.get('flax_error', '')})")
+    jax = rec["jax"] or rec.get("jax_imported")
+    plugins = ", ".join(f"{k} {v}" for k, v in rec["plugins"].items()) or "no plugin"
+    return [(f"versions: {rec['device_kind']} x {rec['num_devices']} ({rec['platform']})",
+             f"python {rec['python']}, jax {jax}, jaxlib {rec['jaxlib']}, {flax}",
+             f"{plugins}; cuDNN {rec['cudnn']}", "")]
+  if name == "device":
+    if "peak_flops" not in rec:
+      return _failed("device peak (matmul, copy)", rec)
+    src, out = rec["peak_source"], []
+    for dtype, f in rec["matmul_flops"].items():
+      out.append((f"{dtype} matmul {rec['matmul_n']}^2 (measured)", _rate(f, "FLOP/s"),
+                  f"peak {_rate(rec['peak_flops'], 'FLOP/s')} ({src})",
+                  f"{f / rec['peak_flops']:.1%}"))
+    out.append((f"copy x + 1, {rec['copy_bytes'] / 2 ** 20:.0f} MiB moved (measured)",
+                _rate(rec["copy_bw"], "B/s"), f"peak {_rate(rec['peak_bw'], 'B/s')} ({src})",
+                f"{rec['copy_bw'] / rec['peak_bw']:.1%}"))
+    return out
+  peak = (f"peak {_rate(dev['peak_flops'], 'FLOP/s')} ({dev['peak_source']})"
+          if "peak_flops" in dev else "peak unknown (device section failed)")
+  if name == "train":
+    label = (f"train step MFU, bf16, {s['train_batch']} x ({s['prompt']} + {s['response']}) "
+             f"tokens")
+    if "achieved_flops" not in rec:
+      return _failed(label, rec)
+    return [(label, f"{_rate(rec['achieved_flops'], 'FLOP/s')}, {rec['step_s'] * 1e3:.1f} "
+             f"ms/step", peak, f"{rec['mfu']:.1%}" if "mfu" in rec else "")]
+  if name == "decode":
+    label = (f"decode tok/s, batch {s['decode_batch']}, {s['decode_prompt']} + "
+             f"{s['decode_new']} tokens")
+    if "tokens_per_s" not in rec:
+      return _failed(label, rec)
+    if "roofline_share" not in rec:
+      return [(label, f"{rec['tokens_per_s']:.0f} tok/s", "roofline unknown (device section "
+               "failed)", "")]
+    return [(label, f"{rec['tokens_per_s']:.0f} tok/s",
+             f"roofline {rec['roofline_tokens_per_s']:.0f} tok/s "
+             f"({rec['bytes_per_step'] / 2 ** 20:.1f} MiB/step at {_rate(dev['peak_bw'], 'B/s')})",
+             f"{rec['roofline_share']:.1%}")]
+  if name == "grpo":
+    about = (f"{s['grpo_prompts']} prompts x {s['grpo_n']}, <= {GRPO_PROMPT_LEN} + "
+             f"{s['grpo_new']} tokens")
+    steps = rec.get("step_s", [])
+    out = []
+    for i, what in ((0, "1 (compiles)"), (1, "2 (warm)")):
+      if i < len(steps):
+        n = (rec.get("compiles") or [None] * 2)[i]
+        out.append((f"GRPO step {what}, {about}", f"{steps[i]:.2f} s",
+                    (f"{n:.0f} compiles" if n is not None else "") +
+                    (f", distflow-jax train {rec['process_wall_s']:.0f} s in all"
+                     if i == 0 and "process_wall_s" in rec else ""), ""))
+    if len(steps) < 2 or "error" in rec:
+      out += _failed(f"GRPO {'run' if len(steps) >= 2 else f'step {len(steps) + 1}'}, {about}",
+                     dict(rec, error=rec.get("error") or f"{len(steps)} step(s) recorded"))
+    return out
+  # memory
+  label = "peak memory of the GRPO run (peak_bytes_in_use)"
+  plan = (f"plan --memory ({rec['plan_source']}): {_gb(rec['plan_peak_bytes'])}, while "
+          f"{rec['plan_node']} runs" if "plan_peak_bytes" in rec else
+          f"plan --memory: {rec.get('error') or rec['status']}")
+  measured, share = rec.get("measured_peak_bytes"), ""
+  if measured:
+    value = _gb(measured)
+    if "plan_peak_bytes" in rec:
+      share = f"{measured / rec['plan_peak_bytes']:.0%}"
   else:
-    rows.append((label, t.get("error", "skipped"), "", ""))
-  d = res.get("decode", {})
-  label = (f"decode tok/s, batch {s['decode_batch']}, {s['decode_prompt']} + {s['decode_new']}"
-           f" tokens")
-  if "roofline_share" in d:
-    mib = d["bytes_per_step"] / 2 ** 20
-    rows.append((label, f"{d['tokens_per_s']:.0f} tok/s",
-                 f"roofline {d['roofline_tokens_per_s']:.0f} tok/s "
-                 f"({mib:.1f} MiB/step at {_rate(dev['peak_bw'], 'B/s')})",
-                 f"{d['roofline_share']:.1%}"))
+    value = rec.get("measured_note", "n/a")
+  return [(label, value, plan, share)]
+
+
+def merge_memory(rec: dict, grpo: dict | None) -> None:
+  """The GRPO child's measured peak beside the plan's figure in the memory record."""
+  mem = (grpo or {}).get("memory")
+  stats = (mem or {}).get("stats")
+  rec["measured"] = mem
+  if grpo is None or grpo.get("status") == "skipped":
+    rec["measured_note"] = "n/a: grpo section skipped"
+  elif mem is None:
+    rec["measured_note"] = "n/a: the GRPO run reported no memory"
+  elif not stats or "peak_bytes_in_use" not in stats:
+    rec["measured_note"] = f"n/a on this platform ({mem.get('platform')}: memory_stats() is None)"
   else:
-    rows.append((label, d.get("error", "skipped"), "", ""))
-  g = res.get("grpo", {})
-  about = (f"{s['grpo_prompts']} prompts x {s['grpo_n']}, <= {GRPO_PROMPT_LEN} + "
-           f"{s['grpo_new']} tokens")
-  if len(g.get("step_s", ())) >= 2:
-    rows.append((f"GRPO step 1 (compiles), {about}", f"{g['step_s'][0]:.2f} s",
-                 f"distflow-jax train, {g['process_wall_s']:.0f} s in all", ""))
-    rows.append((f"GRPO step 2 (warm), {about}", f"{g['step_s'][1]:.2f} s", "", ""))
-  else:
-    rows.append((f"GRPO step, {about}", g.get("error", "skipped" if not g else
-                                               f"{len(g['step_s'])} step(s) recorded"), "", ""))
-  widths = [max(len(r[i]) for r in rows) for i in range(4)]
-  fmt = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-  return [fmt(rows[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
-          *map(fmt, rows[1:])]
+    rec["measured_peak_bytes"] = stats["peak_bytes_in_use"]
+    if grpo.get("status") == "timeout":
+      rec["measured_note"] = "at the GRPO run's kill"
+
+
+WIDTHS = (58, 30, 50, 7)
+
+
+def _fmt(row) -> str:
+  return "| " + " | ".join(str(c).ljust(w) for c, w in zip(row, WIDTHS)) + " |"
+
+
+class Report:
+  """Prints each section's rows and appends its record to --out the moment it ends."""
+
+  def __init__(self, out: str | None):
+    self.out = out
+    if out:
+      open(out, "w").close()
+    print(_fmt(("measure", "value", "against", "share")), flush=True)
+    print("|" + "|".join("-" * (w + 2) for w in WIDTHS) + "|", flush=True)
+
+  def record(self, rec: dict) -> None:
+    if self.out:
+      with open(self.out, "a") as f:
+        f.write(json.dumps(rec, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+  def section(self, rec: dict, table_rows: list[tuple]) -> None:
+    for r in table_rows:
+      print(_fmt(r), flush=True)
+    self.record(rec)
+
+
+def read_out(path: str) -> dict[str, dict]:
+  """An --out file's records by section (a line cut by a kill is left out)."""
+  out = {}
+  with open(path) as f:
+    for line in f:
+      with contextlib.suppress(ValueError):
+        rec = json.loads(line)
+        out[rec["section"]] = rec
+  return out
 
 
 def main(argv=None) -> int:
@@ -523,40 +899,59 @@ def main(argv=None) -> int:
   if args.child:
     return child(args)
   t_start = time.perf_counter()
-  res, err = run_measurements([a for a in argv if a != "--child"], args.timeout)
-  errors = [err] if err else []
-  if "device" not in res:
-    print(f"device_check: the measurements reported nothing ({err or 'no output'})",
-          file=sys.stderr)
-    return 1
-  dev = res["device"]
-  res["settings"] = dev.pop("settings")
-  s = res["settings"]
-  if "grpo" not in args.skip:
-    workdir = args.workdir or tempfile.mkdtemp(prefix="device_check_")
-    os.makedirs(workdir, exist_ok=True)
-    _say(f"GRPO: 2 steps of distflow-jax train in {workdir}...")
-    try:
-      res["grpo"] = run_grpo(s, workdir, args.timeout)
-    finally:
-      if not args.workdir:
-        shutil.rmtree(workdir, ignore_errors=True)
-  fill(res)
-  for name in SECTIONS:
-    if name not in args.skip and "error" in res.get(name, {"error": "not reported"}):
-      errors.append(f"{name}: {res.get(name, {}).get('error', 'not reported')}")
-  if "grpo" in res and "error" not in res["grpo"] and len(res["grpo"]["step_s"]) < 2:
-    errors.append(f"grpo: {len(res['grpo']['step_s'])} step(s) in metrics.jsonl, 2 expected")
-  res["errors"] = errors
-  res["total_s"] = time.perf_counter() - t_start
-  print(f"device_check: {dev['device_kind']} ({dev['platform']}, {dev['num_devices']} device(s),"
-        f" using 1), jax {dev['jax']}; shape {s['shape']} "
-        f"({dev['params'] / 1e6:.2f} M params), bf16")
-  print("\n".join(table(res)))
-  print(f"total {res['total_s']:.0f} s" + "".join(f"\nerror: {e}" for e in errors))
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(res, f, indent=2, sort_keys=True)
+  workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="device_check_"))
+  os.makedirs(workdir, exist_ok=True)
+  for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(sig, _on_signal)
+  limits = {name: section_limit(args, name) for name in SECTIONS}
+  print(f"device_check: each section in its own process, limits (s) "
+        + ", ".join(f"{k} {v}" for k, v in limits.items()) + f"; work dir {workdir}",
+        flush=True)
+  report = Report(args.out)
+  env = _cpu_env()
+  grpo_env = env if COMPILE_CACHE_ENV in os.environ else dict(env, **{COMPILE_CACHE_ENV: ""})
+  done: dict[str, dict] = {}
+
+  def run(name: str, shape: str) -> dict:
+    _say(f"{name} (limit {limits[name]} s)...")
+    sub_env = (dict(env, JAX_PLATFORMS="cpu") if name == "memory" else
+               grpo_env if name == "grpo" else env)
+    child_argv = [*argv, "--shape", shape, "--workdir", workdir]
+    return run_section(name, child_argv, workdir, limits[name], sub_env)
+
+  ver = run("versions", args.shape or "small")
+  platform = ver.get("platform")
+  shape = args.shape or ("small" if platform in (None, "cpu") else "qwen0.5b")
+  s = resolve(args, shape)
+  report.section(ver, rows("versions", ver, {}, s))
+  done["versions"] = ver
+  report.record({"section": "settings", **s, "limits": limits, "workdir": workdir,
+                 "grpo_compile_cache": grpo_env.get(COMPILE_CACHE_ENV)})
+  for name in SECTIONS[1:]:
+    if name in args.skip:
+      rec = {"section": name, "status": "skipped"}
+    else:
+      rec = run(name, shape)
+      if name == "grpo" and rec["status"] == "timeout":  # the steps it finished still count
+        rec = {**grpo_record(s, workdir), **rec}
+      if name == "memory":
+        merge_memory(rec, done.get("grpo"))
+      derive(name, rec, done.get("device", {}), s)
+    done[name] = rec
+    report.section(rec, rows(name, rec, done.get("device", {}), s))
+
+  errors = [f"{n}: {r.get('error', r['status'])}" for n, r in done.items()
+            if r["status"] in ("error", "timeout")]
+  grpo = done.get("grpo", {})
+  if grpo.get("status") == "ok" and len(grpo.get("step_s", [])) < 2:
+    errors.append(f"grpo: {len(grpo['step_s'])} step(s) in metrics.jsonl, 2 expected")
+  total = time.perf_counter() - t_start
+  report.record({"section": "summary", "errors": errors, "total_s": total})
+  if errors and not args.workdir:
+    print(f"logs kept in {workdir}", flush=True)
+  elif not args.workdir:
+    shutil.rmtree(workdir, ignore_errors=True)
+  print(f"total {total:.0f} s" + "".join(f"\nerror: {e}" for e in errors), flush=True)
   return 1 if errors else 0
 
 
