@@ -26,7 +26,10 @@ With the batch sharded over data-parallel devices in contiguous rows, every
 micro-batch then takes rows from every device, so accumulation adds no
 communication, and groups stay whole.  The
 loss of each micro-batch is its *sum* divided by the whole batch's
-denominator, so the accumulated gradient is exactly the full-batch mean's.
+denominator, so the accumulated gradient is exactly the full-batch mean's.  The
+accumulator is float32 whatever the parameters' dtype (bfloat16 parameters: each
+micro-batch's gradient is added to a float32 sum, cast back for an optimizer without
+float32 master weights only once, before the update).
 
 Packed rows.  A batch holding ``pack`` (a plan of train/packing.py: ``model.pack_sequences``)
 runs its passes padding-free: the samples' real tokens packed into ``[rows, pack_len]``
@@ -60,7 +63,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from distflow_jax.algos import losses
 from distflow_jax.models import heads, sharding
 from distflow_jax.models.transformer import forward, positions_from_mask
-from distflow_jax.train import image_inputs, packing
+from distflow_jax.train import image_inputs, optim, packing
 
 Batch = Mapping[str, jax.Array]
 
@@ -319,11 +322,14 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
         return out.total / jnp.maximum(denom, 1.0), out
 
       (_, out), grads = jax.value_and_grad(objective, has_aux=True)(params)
-      grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+      grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads)
       out_acc = out if out_acc is None else jax.tree.map(jnp.add, out_acc, out)
       return (grads_acc, out_acc), None
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    # The accumulator is float32 whatever the parameters' dtype: summing M bfloat16
+    # micro-batch gradients in bfloat16 rounds the running sum M - 1 times (8 mantissa
+    # bits); apply_update casts the sum back where the optimizer wants the parameters'.
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, accumulator_dtype(p.dtype)), params)
     first = jax.tree.map(lambda x: x[0], mbs)
     # Trace one micro-batch to get the loss output's structure for the carry.
     out0 = jax.eval_shape(lambda p, b: loss_fn(graphdef, p, b), params, first)
@@ -335,11 +341,24 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
   return PinnedStep(step)
 
 
+def accumulator_dtype(dtype) -> jnp.dtype:
+  """The gradient accumulator's dtype for a parameter of ``dtype``: float32 for 16-bit
+  floats (float64 stays), the dtype itself otherwise."""
+  if jnp.issubdtype(dtype, jnp.floating):
+    return jnp.promote_types(dtype, jnp.float32)
+  return jnp.dtype(dtype)
+
+
 def apply_update(tx: optax.GradientTransformation, params, opt_state, batch: Batch, grads,
                  out: losses.LossOutput, grad_norm: jax.Array, group_size: int):
-  """The optimizer step on summed gradients, kept only if `step_ok` and the rows are
-  grouped; returns ``(params, opt_state, stats)``."""
+  """The optimizer step on summed gradients (float32 from `make_train_step`: cast to the
+  parameters' dtype unless the optimizer keeps float32 master weights), kept only if
+  `step_ok` and the rows are grouped; returns ``(params, opt_state, stats)``."""
   grouped = prompts_grouped(batch, group_size) if group_size > 1 else jnp.bool_(True)
+  if not isinstance(opt_state, optim.MasterState):
+    # A float32 master copy takes the float32 sum as it is; otherwise the optimizer's
+    # state is in the parameters' dtype and so must its gradient be.
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
   updates, new_opt = tx.update(grads, opt_state, params)
   new_params = optax.apply_updates(params, updates)
   ok = step_ok(out.total, grad_norm, new_params, new_opt) & grouped
