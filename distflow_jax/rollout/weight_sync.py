@@ -1,27 +1,56 @@
 """Weight sync: the actor's parameters, in their training layout, into a rollout layout.
 
-The training layout spans every device of every host (FSDP, say); a rollout
-replica lives on one host's devices.  The move is:
+The training layout spans every device of every host (FSDP, say); a rollout replica
+lives on one host's devices, tensor-parallel over them.  The sync goes straight into the
+rollout layout, with no whole-model gather on any device:
 
-1. one jitted all-gather that replicates each parameter over the training
-   mesh (a collective: every process of that mesh runs it, in the same order);
-2. each host picks its own full copies (`addressable_shards`), wraps them as
-   an array replicated on the replica's mesh, no copy;
-3. one jitted reshard on the replica's mesh into its layout (tensor-parallel
-   slices; local, no cross-host traffic).
+1. The training mesh's devices, in its own order, are cut into blocks of one replica's
+   size, each block inside one process (a host holds one block per replica it could
+   run).  A *global* sharding over the training devices places, on each block, exactly
+   the shards of the rollout layout (the rollout's PartitionSpec on a mesh ``(blocks,
+   *replica axes)``: split over ``tensor`` inside a block, replicated across blocks).
+2. One jitted identity (a collective: every process of the training mesh runs it, in
+   the same order) reshards each parameter into that global sharding.  It is written on
+   the common refinement of both meshes (``_Refinement``), moving each axis that changes
+   dimension first (an all-to-all, at the shard's size) and gathering the rest after,
+   so no device holds more of a parameter than its rollout shard plus one step's
+   buffers: XLA left alone replicates the whole parameter and slices it ("Involuntary
+   full rematerialization": 3x the whole parameter per device on XLA:CPU).
+3. Each host wraps its own block's shards as arrays on the replica's mesh
+   (``jax.make_array_from_single_device_arrays``): no copy where the replica's devices
+   are the block's in the same arrangement (the run's case: the replica is built from
+   the host's actor devices in order), one local reshard otherwise.
 
-Both jitted functions are built once per (training layout, rollout layout)
-and reused, so from the second sync on nothing compiles (`compile_count`).
-When the replica's devices do not hold a training copy (disaggregated
-placement), step 2 falls back to a device-to-device transfer.
+Each device then receives only its rollout shard (``params / tensor_parallel``).  The
+previous sync's result is released (deleted) before the new one is made, so old and new
+rollout weights never coexist; a caller must not use a rollout's weights after the next
+sync of the same ``WeightSync``.
+
+Fallback, when the training devices do not cut into per-process blocks of the replica's
+size, or a parameter is not on the training mesh (disaggregated or odd placements,
+unsharded inputs): the old route, one all-gather replicating that parameter over its
+own devices, each host picking its copy, then a local reshard; that costs the whole
+parameter on every training device while it runs.
+
+The jitted functions are built once per (training layout, rollout layout) and reused,
+so from the second sync on nothing compiles (``compile_count``).  ``lower`` compiles the
+same program on abstract shapes for ``plan --memory``, with the processes of a simulated
+topology (``process_of``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+_FINE = "_sync"  # prefix of the refinement mesh's axis names
 
 
 def _replicated(sh: jax.sharding.Sharding) -> jax.sharding.Sharding:
@@ -37,45 +66,294 @@ def _identity(xs):
   return xs
 
 
-class WeightSync:
-  """Reusable resharder into fixed destination shardings (a pytree matching the params)."""
+def _suffix_products(shape: Sequence[int]) -> list[int]:
+  return [math.prod(shape[i:]) for i in range(len(shape) + 1)]
 
-  def __init__(self, dst_shardings: Any):
+
+@dataclasses.dataclass(frozen=True)
+class _Refinement:
+  """The coarsest mesh (same devices, same flat order) whose axes refine every given
+  mesh's axes; ``axes[(mesh index, axis name)]`` is the tuple of fine axes an axis spans
+  (major to minor).  None from ``of`` when the meshes' axis boundaries do not nest."""
+  mesh: Mesh
+  axes: dict[tuple[int, str], tuple[str, ...]]
+
+  @classmethod
+  def of(cls, devices: np.ndarray, meshes: Sequence[tuple[Sequence[str], Sequence[int]]]
+         ) -> "_Refinement | None":
+    bounds = sorted({b for _, shape in meshes for b in _suffix_products(shape)})
+    if any(b2 % b1 for b1, b2 in zip(bounds, bounds[1:])):
+      return None
+    strides = bounds[:-1]  # fine axis k has stride strides[k] and size bounds[k+1] // it
+    sizes = [b2 // b1 for b1, b2 in zip(bounds, bounds[1:])]
+    keep = [k for k, s in enumerate(sizes) if s > 1]
+    names = {k: f"{_FINE}{k}" for k in keep}
+    mesh = Mesh(np.asarray(devices).reshape([sizes[k] for k in reversed(keep)] or [1]),
+                tuple(names[k] for k in reversed(keep)) or (f"{_FINE}0",),
+                axis_types=(jax.sharding.AxisType.Auto,) * max(len(keep), 1))
+    axes = {}
+    for m, (axis_names, shape) in enumerate(meshes):
+      for i, (name, size) in enumerate(zip(axis_names, shape)):
+        lo = math.prod(shape[i + 1:])
+        axes[(m, name)] = tuple(names[k] for k in reversed(keep)
+                                if lo <= strides[k] < lo * size)
+    return cls(mesh, axes)
+
+  def spec(self, m: int, spec: P, ndim: int) -> tuple[tuple[str, ...], ...]:
+    """Mesh ``m``'s ``spec`` as one tuple of fine axes per dimension."""
+    out = []
+    for d in range(ndim):
+      entry = spec[d] if d < len(spec) else None
+      names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+      out.append(tuple(a for n in names for a in self.axes[(m, n)]))
+    return tuple(out)
+
+  def sharding(self, dims: tuple[tuple[str, ...], ...]) -> NamedSharding:
+    return NamedSharding(self.mesh, P(*[d if d else None for d in dims]))
+
+  def size(self, axes: Sequence[str]) -> int:
+    return math.prod(self.mesh.shape[a] for a in axes)
+
+
+def _via(ref: _Refinement, shape: Sequence[int], src, dst) -> NamedSharding | None:
+  """The intermediate layout from ``src`` to ``dst`` (fine axes per dimension): each axis
+  that changes dimension moved first (an all-to-all at the shard's size), the axes the
+  destination drops still in place (gathered after).  None when no step is needed or
+  the dimensions do not divide."""
+  dst_all = {a for d in dst for a in d}
+  mid = tuple(tuple(a for a in s if a not in dst_all) + d for s, d in zip(src, dst))
+  if mid in (src, dst) or any(n % ref.size(m) for n, m in zip(shape, mid)):
+    return None
+  return ref.sharding(mid)
+
+
+def _index_key(idx: tuple[slice, ...], shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
+  return tuple(s.indices(n)[:2] for s, n in zip(idx, shape))
+
+
+def _chunk_key(path: tuple) -> tuple:
+  """Consecutive parameters with the same key sync in one step: a layer's (the path up to
+  its index), else each parameter alone (embedding, head, a stacked weight)."""
+  names = tuple(next((str(getattr(k, a)) for a in ("key", "name", "idx") if hasattr(k, a)),
+                     str(k)) for k in path)
+  cut = next((i for i, n in enumerate(names) if n.isdigit()), None)
+  return names[:cut + 1] if cut is not None else names
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncMemory:
+  """Bytes per training device of one sync, from the compiled steps: ``output`` the
+  synced arrays (the rollout shard of each direct parameter, the whole of each fallback
+  one), ``temp`` the largest step's buffers, ``steps`` the collective calls, ``direct``
+  whether every parameter goes straight into the rollout layout."""
+  output: int
+  temp: int
+  steps: int
+  direct: bool
+
+
+@dataclasses.dataclass
+class _Route:
+  """How one training layout syncs: the collective steps (``chunks``: leaf indices and
+  the jitted reshard of those leaves), which leaves go straight into the rollout layout
+  (``direct``; the others take the fallback's replicated gather, then ``to_dst``, a
+  local reshard of those leaves) and the blocks."""
+  chunks: list[tuple[list[int], Any]]
+  direct: list[bool]
+  to_dst: Any
+  blocks: list[list[Any]]       # devices of each block, in the training mesh's order
+
+
+class WeightSync:
+  """Reusable resharder into fixed destination shardings (a pytree matching the params).
+
+  ``process_of(device) -> process``: which process holds a device (default the device's
+  own ``process_index``; ``plan --memory`` passes its simulated topology's)."""
+
+  def __init__(self, dst_shardings: Any,
+               process_of: Callable[[jax.Device], int] | None = None):
     self.dst_shardings = dst_shardings
-    self._gathers: dict[Any, Any] = {}
     self._dst_leaves = jax.tree.leaves(dst_shardings)
     self._local = [NamedSharding(s.mesh, P()) for s in self._dst_leaves]
-    self._to_dst = jax.jit(_identity, out_shardings=self._dst_leaves)
+    self._process_of = process_of or (lambda d: d.process_index)
+    self._routes: dict[Any, _Route] = {}
+    self._fns: dict[Any, Any] = {}   # one jitted step per distinct chunk signature
+    self._previous: list[weakref.ref] = []
+    meshes = {s.mesh for s in self._dst_leaves if isinstance(s, NamedSharding)}
+    one = len(meshes) == 1 and all(isinstance(s, NamedSharding) for s in self._dst_leaves)
+    self._replica: Mesh | None = next(iter(meshes)) if one else None
 
-  def _gather_fn(self, leaves: list[jax.Array]):
-    key = tuple(x.sharding for x in leaves)
-    if key not in self._gathers:
-      self._gathers[key] = jax.jit(_identity, out_shardings=[_replicated(s) for s in key])
-    return self._gathers[key]
+  # ---- routing -------------------------------------------------------------------------
+
+  def _blocks(self, train_mesh: Mesh) -> list[list[jax.Device]] | None:
+    """The training mesh's devices, in its order, cut into replica-sized blocks that each
+    stay in one process; None when they do not cut so."""
+    devices = list(train_mesh.devices.flat)
+    size = self._replica.size
+    if len(devices) % size:
+      return None
+    blocks = [devices[i:i + size] for i in range(0, len(devices), size)]
+    if any(len({self._process_of(d) for d in b}) != 1 for b in blocks):
+      return None
+    return blocks
+
+  def _step(self, leaves: list[Any], mids: list[Any], outs: list[Any]) -> Any:
+    sig = tuple((tuple(x.shape), str(x.dtype), x.sharding, m, o)
+                for x, m, o in zip(leaves, mids, outs))
+    if sig not in self._fns:
+      def reshard(xs, mids=tuple(mids)):
+        return [x if m is None else jax.lax.with_sharding_constraint(x, m)
+                for x, m in zip(xs, mids)]
+      self._fns[sig] = jax.jit(reshard, out_shardings=list(outs))
+    return self._fns[sig]
+
+  def _route(self, leaves: Sequence[Any], paths: Sequence[tuple]) -> _Route:
+    shapes = [tuple(x.shape) for x in leaves]
+    shardings = [x.sharding for x in leaves]
+    key = (tuple(shapes), tuple(shardings))
+    if key in self._routes:
+      return self._routes[key]
+    meshes = {s.mesh for s in shardings if isinstance(s, NamedSharding)}
+    train_mesh = max(meshes, key=lambda m: m.size) if meshes and self._replica else None
+    blocks = self._blocks(train_mesh) if train_mesh is not None else None
+    ref = None
+    if blocks is not None:  # the global mesh: (blocks, *replica axes), the training order
+      rep = self._replica
+      glob = ((f"{_FINE}_blocks",) + tuple(rep.axis_names),
+              (len(blocks),) + tuple(rep.devices.shape))
+      ref = _Refinement.of(train_mesh.devices, [
+          (train_mesh.axis_names, tuple(train_mesh.devices.shape)), glob])
+    direct, out, mids = [], [], []
+    for shape, sh, dst in zip(shapes, shardings, self._dst_leaves):
+      ok = ref is not None and isinstance(sh, NamedSharding) and sh.mesh == train_mesh
+      if ok:  # the rollout spec on the global mesh: replicated across blocks
+        src, want = ref.spec(0, sh.spec, len(shape)), ref.spec(1, dst.spec, len(shape))
+        ok = all(n % ref.size(d) == 0 for n, d in zip(shape, want))
+      direct.append(ok)
+      out.append(ref.sharding(want) if ok else _replicated(sh))
+      mids.append(_via(ref, shape, src, want) if ok else None)
+    groups: list[list[int]] = []
+    for i, path in enumerate(paths):
+      if groups and _chunk_key(path) == _chunk_key(paths[groups[-1][0]]):
+        groups[-1].append(i)
+      else:
+        groups.append([i])
+    chunks = [(g, self._step([leaves[i] for i in g], [mids[i] for i in g],
+                             [out[i] for i in g])) for g in groups]
+    rest = [d for d, ok in zip(self._dst_leaves, direct) if not ok]
+    route = _Route(chunks, direct, jax.jit(_identity, out_shardings=rest), blocks or [])
+    self._routes[key] = route
+    return route
+
+  # ---- the sync ------------------------------------------------------------------------
+
+  def release_previous(self, keep: Sequence[Any] = ()) -> None:
+    """Deletes the previous sync's arrays still alive (except those in ``keep``)."""
+    keep_ids = {id(x) for x in keep}
+    for ref in self._previous:
+      x = ref()
+      if x is not None and id(x) not in keep_ids and not x.is_deleted():
+        x.delete()
+    self._previous = []
 
   def __call__(self, train_params: Any) -> Any:
-    leaves, treedef = jax.tree.flatten(train_params)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(train_params)
+    paths, leaves = [p for p, _ in flat], [x for _, x in flat]
     if len(leaves) != len(self._dst_leaves):
       raise ValueError(f"weight sync: the actor has {len(leaves)} parameter arrays, the rollout "
                        f"layout {len(self._dst_leaves)}; are they the same model?")
-    full = self._gather_fn(leaves)(leaves)
-    local = []
-    for x, dst, rep in zip(full, self._dst_leaves, self._local):
-      copies = {s.device: s.data for s in x.addressable_shards}
-      devices = list(rep.mesh.devices.flat)
-      if all(d in copies for d in devices):
-        local.append(jax.make_array_from_single_device_arrays(
-            x.shape, rep, [copies[d] for d in devices]))
-      elif copies:
-        local.append(jax.device_put(next(iter(copies.values())), rep))
-      else:
-        raise ValueError("weight sync: this process holds no copy of the actor's parameters; "
-                         "the training mesh must include a device of every rollout host")
-    return jax.tree.unflatten(treedef, self._to_dst(local))
+    self.release_previous(keep=leaves)  # old and new rollout weights never coexist
+    route = self._route(leaves, paths)
+    result: list[Any] = [None] * len(leaves)
+    rest: dict[int, jax.Array] = {}
+    for idx, fn in route.chunks:
+      # One collective step per chunk, waited for: the device holds one step's buffers
+      # at a time, and CPU collectives never pile up (see DESIGN.md).
+      moved = jax.block_until_ready(fn([leaves[i] for i in idx]))
+      for i, x in zip(idx, moved):
+        shards = {s.device: s.data for s in x.addressable_shards}
+        if route.direct[i]:
+          result[i] = self._from_block(x, shards, self._dst_leaves[i], route.blocks)
+          continue
+        rep = self._local[i]
+        devices = list(rep.mesh.devices.flat)
+        if all(d in shards for d in devices):
+          rest[i] = jax.make_array_from_single_device_arrays(
+              x.shape, rep, [shards[d] for d in devices])
+        elif shards:
+          rest[i] = jax.device_put(next(iter(shards.values())), rep)
+        else:
+          raise ValueError("weight sync: this process holds no copy of the actor's "
+                           "parameters; the training mesh must include a device of every "
+                           "rollout host")
+      del moved
+    if rest:  # the fallback's leaves: one local reshard into the rollout layout
+      placed = route.to_dst([rest[i] for i in sorted(rest)])
+      for i, x in zip(sorted(rest), placed):
+        result[i] = x
+    self._previous = [weakref.ref(x) for x in result]
+    return jax.tree.unflatten(treedef, result)
+
+  def _from_block(self, x: jax.Array, shards: dict, dst: NamedSharding,
+                  blocks: list[list[jax.Device]]) -> jax.Array:
+    """This host's rollout-layout array from its block's shards of ``x``: no copy where
+    each destination device already holds its own shard, else one local move."""
+    want = dst.devices_indices_map(x.shape)
+    have = x.sharding.devices_indices_map(x.shape)
+    if all(d in shards and _index_key(have[d], x.shape) == _index_key(idx, x.shape)
+           for d, idx in want.items()):
+      mine = [d for d in dst.mesh.devices.flat if d in shards]
+      return jax.make_array_from_single_device_arrays(x.shape, dst, [shards[d] for d in mine])
+    block = next((b for b in blocks if set(b) == set(want)), None)
+    block = block or next((b for b in blocks if all(d in shards for d in b)), None)
+    if block is None:
+      raise ValueError("weight sync: this process holds no block of the actor's parameters; "
+                       "the training mesh must include the devices of every rollout host")
+    mesh = Mesh(np.asarray(block, dtype=object).reshape(dst.mesh.devices.shape),
+                dst.mesh.axis_names, axis_types=dst.mesh.axis_types)
+    arr = jax.make_array_from_single_device_arrays(
+        x.shape, NamedSharding(mesh, dst.spec), [shards[d] for d in block])
+    return jax.device_put(arr, dst)
+
+  # ---- for plan --memory ---------------------------------------------------------------
+
+  def memory(self, train_params: Any) -> SyncMemory:
+    """Each training device's bytes while the sync of (abstract, sharded) ``train_params``
+    runs: every step compiled on abstract shapes (each distinct step once),
+    ``memory_analysis()`` summed over the steps' outputs, the largest step's temp."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(train_params)
+    leaves = [x for _, x in flat]
+    route = self._route(leaves, [p for p, _ in flat])
+    output, temp, seen = 0, 0, {}
+    for idx, fn in route.chunks:
+      args = [leaves[i] for i in idx]
+      key = (id(fn), tuple((x.shape, x.dtype, x.sharding) for x in args))
+      if key not in seen:
+        m = fn.lower(args).compile().memory_analysis()
+        seen[key] = (int(m.output_size_in_bytes), int(m.temp_size_in_bytes))
+      output += seen[key][0]
+      temp = max(temp, seen[key][1])
+    return SyncMemory(output, temp, len(route.chunks), all(route.direct))
+
+  def programs(self, train_params: Any) -> list[tuple[str, Any, tuple]]:
+    """The sync's distinct collective steps for (abstract, sharded) ``train_params``, as
+    ``(name, jitted, args)``: each step that another only repeats (the layers) once."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(train_params)
+    leaves = [x for _, x in flat]
+    route = self._route(leaves, [p for p, _ in flat])
+    out, seen = [], set()
+    for idx, fn in route.chunks:
+      if id(fn) in seen:
+        continue
+      seen.add(id(fn))
+      name = "/".join(_chunk_key(flat[idx[0]][0]))
+      out.append((f"reshard[{name}]", fn, ([leaves[i] for i in idx],)))
+    return out
 
   def compile_count(self) -> int:
     """Executables built so far (stays put after the first sync of a given layout)."""
-    return self._to_dst._cache_size() + sum(f._cache_size() for f in self._gathers.values())
+    return (sum(f._cache_size() for f in self._fns.values())
+            + sum(r.to_dst._cache_size() for r in self._routes.values()))
 
 
 def reshard(train_params: Any, dst_shardings: Any) -> Any:
