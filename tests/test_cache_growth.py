@@ -11,7 +11,8 @@ import pytest
 
 from test_rollout_engine import CFG, peaky_model
 
-from distflow_jax.rollout import Engine, EngineConfig, SamplingParams, generate, replica_mesh
+from distflow_jax.rollout import (Engine, EngineConfig, SamplingParams, cache_growth, generate,
+                                  replica_mesh)
 from distflow_jax.workflow import compile_cache
 
 # S = 16 + 120 = 136: windows of 17; the first capacity holds bucket 16 + one chunk of 4.
@@ -75,9 +76,31 @@ def test_fixed_shapes_and_grow_off_keep_one_full_size_cache():
     assert eng.start_state().cache.max_len == eng.config.cache_len
   eng = engine(0.0, True)
   assert eng.init_decode_state().cache.max_len == 136  # JetStream's API: full size
-  small = eng.start_state()
-  assert eng.fit(small, 40).cache.max_len == 51 and eng.fit(small, 1).cache.max_len == 34
-  assert eng.fit(small, 10_000).cache.max_len == 136
+  assert eng.fit(eng.start_state(), 40).cache.max_len == 51
+  assert eng.fit(eng.start_state(), 1).cache.max_len == 34
+  assert eng.fit(eng.start_state(), 10_000).cache.max_len == 136
+
+
+@pytest.mark.timeout(120)
+def test_growth_releases_the_old_cache_layer_by_layer():
+  """A grow pads each layer and deletes the old one (jax declines to donate a buffer of
+  another shape, so it would otherwise live until the caller drops it); the grown state
+  is bitwise `grow_state`'s, and the fields it does not change are shared, alive."""
+  eng = engine(0.0, True)
+  state, *_ = eng.prefill_insert(params(), eng.start_state(), PROMPTS[:2], [0, 1], [0, 1],
+                                 np.zeros((2, 2), np.uint32))
+  want = jax.tree.map(np.asarray, cache_growth.grow_state(state, 68))
+  old = jax.tree.leaves(state.cache)
+  grown = eng.fit(state, 60)  # 34 -> 51 -> 68: two growths
+  assert grown.cache.max_len == 68
+  assert all(x.is_deleted() for x in old)  # the old cache: keys, values, positions
+  assert not any(x.is_deleted() for x in jax.tree.leaves(grown))
+  assert grown.tokens_B is state.tokens_B and not state.tokens_B.is_deleted()
+  for got, w in zip(jax.tree.leaves(grown), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(got), w)
+  assert grown.cache.k[0].sharding == eng._state_sh.cache.k[0]
+  with pytest.raises(ValueError, match="cannot shrink"):
+    eng._grow(grown, 34)
 
 
 @pytest.mark.timeout(300)

@@ -90,9 +90,8 @@ class Engine:
     self._init = jax.jit(functools.partial(decode.empty_state, model_cfg,
                                            c.max_concurrent_decodes),
                          static_argnums=0, out_shardings=self._state_sh)
-    # Not donated: a padded cache has another shape, so its buffers could not be reused.
-    self._grow = jax.jit(functools.partial(cache_growth.grow_state), static_argnums=1,
-                         out_shardings=self._state_sh)
+    # Layer by layer, each old layer released as its padded copy is made (cache_growth).
+    self._grow = cache_growth.Grower(self._state_sh)
     # Decode windows are those of the full length whatever the capacity (cache_growth).
     win = dict(windowed=False if c.fixed_shapes else c.cache_len)
     self._chunk = jax.jit(functools.partial(decode.decode_chunk, g, num_steps=c.decode_steps,
