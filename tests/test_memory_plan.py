@@ -1,6 +1,9 @@
 """``distflow-jax plan --memory`` (issue 15.2): its figures are the compiled steps' own,
 the analytic model stays within a stated tolerance of them, a folder holding only
-config.json is enough, and a too-small --device_memory is refused in one line.
+config.json is enough, and a too-small --device_memory is refused in one line.  Issue 31
+item 3: the fit is against what jax can use of the device (a GPU's allocator fraction
+less a reserve; TPU, CPU), the weight sync's transient is counted (the synced weights
+once, its buffers, the per-layer copy), and advice never names a value already set.
 
 Each check runs in a subprocess: the simulated device count must be set before jax
 is imported.
@@ -138,14 +141,20 @@ def test_cli_refuses_small_device_and_needs_only_config_json(config_only):
           "--devices_per_process=8", "--memory"]
   ok = _run(base + ["--memory_source=analytic", "--device_memory=80GB"])
   assert ok.returncode == 0, ok.stderr
-  assert "fits 80.00 GB: yes" in ok.stdout and "biggest consumers:" in ok.stdout
-  small = _run(base + ["--memory_source=analytic", "--device_memory=1MB"])
+  assert "fits 80.00 GB (58.93 GB usable): yes" in ok.stdout, ok.stdout
+  assert "biggest consumers:" in ok.stdout
+  small = _run(base + ["--memory_source=analytic", "--device_memory=1MB", "--target=cpu"])
   assert small.returncode == 2
   lines = small.stderr.strip().splitlines()
   assert len(lines) == 1, small.stderr
-  assert "--device_memory=1MB" in lines[0] and "biggest consumer is" in lines[0]
-  bad = _run(base + ["--memory_source=analytic", "--device_memory=lots"])
-  assert bad.returncode == 2 and "--device_memory='lots'" in bad.stderr
+  assert "--device_memory=1MB (cpu: 1.0 MB usable)" in lines[0], lines[0]
+  assert "biggest consumer is" in lines[0]
+  for extra, words in ((["--device_memory=lots"], "--device_memory='lots'"),
+                       (["--device_memory=80GB", "--target=h900"], "unknown target 'h900'"),
+                       (["--target=h100"], "add --device_memory")):
+    bad = _run(base + ["--memory_source=analytic", *extra])
+    assert bad.returncode == 2 and words in bad.stderr, (extra, bad.stderr)
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
 
 
 def test_repartition_traffic_comes_from_the_data_plane_plan():
@@ -194,3 +203,126 @@ def test_packed_token_budget_train_step_is_sized_by_its_rows(config_only, tmp_pa
   assert one[1] < two[1] < 2.2 * one[1]     # linear in the rows (plus one logits chunk)
   assert one[1] < padded[1]                 # 96 tokens against 4 padded rows of 32 + 32
   assert any("pack_sequences: analytic" in n for n in one[2])
+
+
+def _lines(text: str, start: str) -> list[str]:
+  return [line for line in text.splitlines() if line.strip().startswith(start)]
+
+
+# Issue 31's case: Qwen2.5-72B on 8 x 8, remat=full, rollout.tensor_parallel=8.
+QWEN72 = [sys.executable, "-m", "distflow_jax.cli", "plan", "--memory",
+          "--memory_source=analytic", "--config=configs/grpo.py:qwen0.5b",
+          "--config.model.path=tools/model_shapes/qwen2.5-72b",
+          "--config.actor.micro_batch_size=2", "--num_processes=8", "--devices_per_process=8",
+          "--config.model.remat=full", "--config.rollout.tensor_parallel=8",
+          "--device_memory=80GB"]
+
+
+@pytest.mark.timeout(120)
+def test_72b_plan_counts_the_sync_and_the_gpu_budget():
+  r = _run(QWEN72, timeout=100)
+  assert r.returncode == 0, r.stderr
+  out = r.stdout
+  # The synced weights count once, in both phases of the rollout node; the sync's own
+  # transient (its largest step's buffers, the per-layer copy of stacked weights) beside.
+  weights = _lines(out, "generate       rollout weights")
+  assert len(weights) == 1 and "18.18 GB" in weights[0], weights
+  assert "while generate / generate/weight_sync runs" in weights[0]
+  assert "weight sync buffers" in out and "weight sync input: per-layer copy" in out
+  assert "straight into the rollout layout" in out and "all-gather" not in out
+  # What jax can use of an 80 GB GPU: 0.75 of it less the 1 GiB reserve.
+  assert "usable by jax 58.93 GB = 80.00 GB x 0.75 - 1.07 GB reserve" in out, out
+  peak = float(_lines(out, "peak:")[0].split()[1])
+  assert 40 < peak < 58.93
+  assert "fits 80.00 GB (58.93 GB usable): yes" in out
+  # tensor_parallel is already the host's 8 devices: no advice to raise it.
+  assert "raise rollout.tensor_parallel" not in out
+  assert "rollout.tensor_parallel is already every device of a host" in out
+  # A smaller share for jax (XLA_CLIENT_MEM_FRACTION=.5) does not fit: one line.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, XLA_CLIENT_MEM_FRACTION=".5")
+  env.pop("XLA_FLAGS", None)
+  half = subprocess.run(QWEN72, cwd=REPO, env=env, capture_output=True, text=True, timeout=100)
+  assert half.returncode == 2
+  line = half.stderr.strip()
+  assert "\n" not in line and "--device_memory=80GB (h100: 38.93 GB usable)" in line, line
+  assert "while generate runs" in line
+
+
+def test_budget_reads_the_environment_as_jax_does():
+  from distflow_jax.config.loading import ConfigError
+  from distflow_jax.memory import report
+  gb = 80 * 10**9
+  b = report.budget(gb, None, {})
+  assert (b.platform, b.fraction, b.reserve) == ("gpu", 0.75, 1 << 30)
+  assert b.usable == int(0.75 * gb) - (1 << 30)
+  assert report.budget(gb, "a100", {"XLA_CLIENT_MEM_FRACTION": ".9"}).fraction == 0.9
+  old = report.budget(gb, "h100", {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8"})
+  assert old.fraction == 0.8 and "XLA_PYTHON_CLIENT_MEM_FRACTION=0.8" in old.why[0]
+  lazy = report.budget(gb, "h100", {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+  assert lazy.fraction == 0.75 and any("capped" in w for w in lazy.why)
+  assert report.budget(gb, "h100", {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}).fraction == 1
+  tight = report.budget(gb, "h100", {"XLA_CLIENT_MEM_FRACTION": ".99"})
+  assert any("out-of-memory at start-up" in w for w in tight.why)
+  tpu = report.budget(32 * 2**30, "tpu", {"XLA_CLIENT_MEM_FRACTION": ".5"})
+  assert (tpu.fraction, tpu.reserve) == (1.0, 1 << 29)  # no allocator fraction on TPU
+  cpu = report.budget(gb, "cpu", {})
+  assert cpu.usable == gb
+  for env, words in (({"XLA_CLIENT_MEM_FRACTION": "x"}, "not a fraction"),
+                     ({"XLA_CLIENT_MEM_FRACTION": "1.5"}, "not a fraction"),
+                     ({"XLA_CLIENT_MEM_FRACTION": ".5",
+                       "XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}, "both set")):
+    with pytest.raises(ConfigError, match=words):
+      report.budget(gb, None, env)
+  with pytest.raises(ConfigError, match="unknown target"):
+    report.budget(gb, "gpu9000", {})
+
+
+SYNC = textwrap.dedent("""
+    import json, sys
+    from distflow_jax import distributed
+    distributed.simulate_cpu_devices(8)
+    from absl import flags
+    from distflow_jax.config import checks, loading
+    from distflow_jax.dag import FUNCTIONS
+    from distflow_jax.memory import analytic as an, report
+    fv = flags.FlagValues()
+    loading.parse(fv, sys.argv[1:])
+    cfg = fv.config
+    plan = checks.plan_from_config(cfg, checks.topology(cfg, 2, 4), FUNCTIONS)
+    shape = report.model_shape(cfg)
+    out = {}
+    for source in ("compiled", "analytic"):
+      est = report.estimate(cfg, plan, shape, source)
+      out[source] = {i.what.split(" (")[0]: [i.nbytes, list(i.phases)] for i in est.items
+                     if i.where == "generate"}
+      out[source + "/traffic"] = est.traffic[0]
+      out[source + "/worst"] = est.worst(8)
+    out["whole"] = an.param_bytes(shape)
+    print("RESULT " + json.dumps(out))
+""")
+
+
+@pytest.mark.timeout(300)
+def test_sync_transient_compiled_and_analytic(config_only, tmp_path):
+  """2 processes x 4 devices, tensor_parallel 2: the compiled sync (rollout/weight_sync.py's
+  own steps) gives each device its rollout shard, half the model, and buffers of one
+  step, not a whole-model gather; the analytic figures agree on the shard."""
+  script = tmp_path / "sync.py"
+  script.write_text(SYNC)
+  r = _run([sys.executable, str(script), *COMMON, f"--config.model.path={config_only}",
+            "--config.rollout.tensor_parallel=2"])
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = json.loads(r.stdout.split("RESULT ", 1)[1])
+  whole = out["whole"]
+  for source in ("compiled", "analytic"):
+    gen = out[source]
+    weights, phases = gen["rollout weights"]
+    assert weights == pytest.approx(whole / 2, rel=EXACT_TOLERANCE), source
+    assert phases == ["generate", "generate/weight_sync"]
+    buffers, phases = gen["weight sync buffers"]
+    assert phases == ["generate/weight_sync"] and 0 < buffers < whole / 2, (source, buffers)
+    assert "weight sync fallback" not in gen
+    assert "each device receives at most its" in out[source + "/traffic"]
+  # The analytic buffers (SYNC_TEMP x the largest step's shard, calibrated on 72B and 7B
+  # shapes, where XLA:CPU keeps 1.7-2.0x) bound this tiny model's compiled ones.
+  assert out["compiled"]["weight sync buffers"][0] <= out["analytic"]["weight sync buffers"][0]

@@ -1,12 +1,18 @@
 """``distflow-jax plan``: print the execution plan of a config.
 
   distflow-jax plan --config=configs/grpo.py:tiny [--process=N] [--num_processes=P]
-      [--devices_per_process=D] [--memory [--device_memory=80GB] [--memory_source=analytic]]
+      [--devices_per_process=D] [--memory [--device_memory=80GB [--target=h100]]
+      [--memory_source=analytic]]
 
 Plans for the config's cluster block, else the flags, else the running jax;
 ``--process`` prints only that process's portion.  ``--memory`` adds each role's and
 node's bytes per device and the traffic per step (distflow_jax/memory/), compiled on
 simulated CPU devices of the target topology; it needs only the model's config.json.
+``--device_memory`` refuses a plan that does not fit what jax can use of a device of
+that size on ``--target`` (default a GPU): on a GPU the share its allocator takes
+(``XLA_CLIENT_MEM_FRACTION``, or the deprecated ``XLA_PYTHON_CLIENT_MEM_FRACTION``, as set
+in this environment, else 0.75) less a 1 GiB reserve for cuBLAS/cuDNN workspaces and
+NCCL buffers; on a TPU all of it less 0.5 GiB for the runtime; on a CPU all of it.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ def run(argv: Sequence[str]) -> int:
                        flag_values=fv)
   flags.DEFINE_string("device_memory", None, "with --memory: refuse a plan that does not "
                       "fit this much per device (80GB, 96GiB, ...)", flag_values=fv)
+  flags.DEFINE_string("target", None, "with --device_memory: the device kind (h100, a100, "
+                      "h200, tpu, cpu, ...; default a GPU), which sets how much of it jax "
+                      "can use", flag_values=fv)
   flags.DEFINE_enum("memory_source", "compiled", ["compiled", "analytic"], "with --memory: "
                     "compile the real steps abstractly, or the analytic model (fast, big "
                     "models)", flag_values=fv)
@@ -39,9 +48,10 @@ def run(argv: Sequence[str]) -> int:
   if rest:
     raise loading.ConfigError(f"plan takes no positional arguments, got {rest}")
   cfg = fv.config
-  if not fv.memory and (fv.device_memory is not None or fv["memory_source"].present):
-    raise loading.ConfigError("--device_memory and --memory_source go with --memory; add "
-                              "--memory")
+  if not fv.memory and (fv.device_memory is not None or fv["memory_source"].present
+                        or fv.target is not None):
+    raise loading.ConfigError("--device_memory, --target and --memory_source go with "
+                              "--memory; add --memory")
   if fv.memory:
     _simulate_devices(cfg, fv.num_processes, fv.devices_per_process)
   topo = checks.topology(cfg, fv.num_processes, fv.devices_per_process)
@@ -53,7 +63,7 @@ def run(argv: Sequence[str]) -> int:
   print(render(plan, fv.process))
   if fv.memory:
     from distflow_jax.memory import report
-    report.run(cfg, plan, fv.device_memory, fv.memory_source)
+    report.run(cfg, plan, fv.device_memory, fv.memory_source, fv.target)
   return 0
 
 

@@ -8,14 +8,19 @@ small sizes (tests/test_memory_plan.py).  Bytes per device:
 * optimizer: Adam's two moments in the parameters' dtype (``2 x`` the parameter bytes),
   or with ``model.master_weights`` and 16-bit parameters a float32 master copy and
   float32 moments (12 bytes per parameter); SGD no moments;
-* gradients: the micro-batch accumulator plus one micro-batch's gradients, ``2 x``;
+* gradients: the micro-batch accumulator, float32 whatever the parameters' dtype
+  (train/steps.py), plus one micro-batch's gradients in the parameters' dtype;
 * activations (``model.remat=none``): per layer and token ``dtype x (ACT_D x D + ACT_F x
   F + ACT_QKV x (heads + 2 kv_heads) x head_dim) + 4 x ACT_SCORES x heads x keys``
   (float32 attention scores; none with ``attention_impl=cudnn``, a fused kernel, or
   ``blockwise``, which holds one block of them), plus one
   ``[chunk, vocab]`` float32 logits block x ``ACT_LOGITS``; with ``remat=full`` each layer
   keeps only its input (``D``) and one layer's set is live, ``dots_saveable`` half;
-* KV cache: ``slots x len x layers x 2 x kv_heads x head_dim x dtype bytes``.
+* KV cache: ``slots x len x layers x 2 x kv_heads x head_dim x dtype bytes``;
+* weight sync (rollout/weight_sync.py): straight into the rollout layout, one step per
+  layer (the embedding and the head alone): each device receives its rollout shard,
+  ``params / tensor_parallel`` (the synced weights), plus ``SYNC_TEMP x`` the largest
+  step's shard in buffers.
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ ACT_D, ACT_F, ACT_QKV, ACT_SCORES, ACT_LOGITS = 10.0, 4.0, 2.0, 2.0, 3.0
 # A forward-only pass keeps about one layer's buffers (and its scores) alive at a time.
 FWD_D, FWD_F = 4.0, 2.0
 LOGITS_CHUNK = 512  # train.steps' chunk_size of the log-prob head
+# The weight sync's buffers per step, in units of that step's output shard: XLA:CPU's
+# memory_analysis gave 2.0x for the embedding and head steps and 1.7x (Qwen2.5-72B, 8 x 8
+# devices, tensor_parallel 8: 311 MB out, 623 MB temp for the embedding) to 2.0x
+# (Qwen2.5-7B, 2 x 4, tensor_parallel 2) for a layer's, 2026-11-27; tiny models keep less.
+SYNC_TEMP = 2.0
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -66,7 +76,26 @@ def opt_bytes(m: ModelConfig, shards: int, optimizer: str, master: bool = False)
 
 
 def grad_bytes(m: ModelConfig, shards: int) -> float:
-  return 2 * param_bytes(m, shards)
+  """The float32 accumulator plus one micro-batch's gradients (parameters' dtype)."""
+  return m.num_params * (4 + dtype_bytes(m.dtype)) / shards
+
+
+def layer_params(m: ModelConfig) -> int:
+  """Parameters of one decoder layer (projections, biases, norms)."""
+  q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+  attn = m.hidden_size * (q + 2 * kv) + q * m.hidden_size
+  if m.qkv_bias:
+    attn += q + 2 * kv
+  if getattr(m, "qk_norm", False):
+    attn += 2 * m.head_dim
+  return attn + 3 * m.hidden_size * m.intermediate_size + 2 * m.hidden_size
+
+
+def sync_step_bytes(m: ModelConfig, tensor_parallel: int) -> float:
+  """The weight sync's buffers on one device: ``SYNC_TEMP x`` its largest step's output
+  (the embedding, the head or one layer, split over ``tensor_parallel``)."""
+  largest = max(m.vocab_size * m.hidden_size, layer_params(m))
+  return SYNC_TEMP * largest * dtype_bytes(m.dtype) / tensor_parallel
 
 
 def tokens(rows: int, prompt_len: int, new_tokens: int, group_size: int) -> int:

@@ -7,7 +7,8 @@ the log-prob pass (``train.steps.response_logprobs``) are lowered and compiled w
 sizes buffers).  ``memory_analysis()`` then gives each device's argument, output, temp
 and alias bytes.  Model state comes from ``nnx.eval_shape`` and optimizer state from
 ``jax.eval_shape``, so no parameter is ever allocated.  The rollout KV cache is the
-abstract shape of ``rollout.decode.empty_state`` in the engine's shardings.
+abstract shape of ``rollout.decode.empty_state`` in the engine's shardings; the weight
+sync is ``rollout.weight_sync.WeightSync``'s own steps, compiled the same way.
 """
 
 from __future__ import annotations
@@ -90,6 +91,15 @@ def abstract_batch(rows: int, prompt_len: int, new_tokens: int, layout: NamedSha
   return {k: jax.ShapeDtypeStruct(s, d, sharding=layout) for k, (s, d) in spec.items()}
 
 
+def grad_bytes(params: Any) -> int:
+  """One device's gradient buffers in the train step: the float32 accumulator (16-bit
+  parameters accumulate in float32, train/steps.py) plus one micro-batch's gradients."""
+  from distflow_jax.train import steps as steps_lib
+  acc = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, steps_lib.accumulator_dtype(x.dtype), sharding=x.sharding), params)
+  return device_bytes(acc) + device_bytes(params)
+
+
 def _stats(compiled: Any) -> StepMemory:
   m = compiled.memory_analysis()
   return StepMemory(argument=int(m.argument_size_in_bytes), output=int(m.output_size_in_bytes),
@@ -133,3 +143,16 @@ def rollout_state_bytes(model_cfg: ModelConfig, mesh: Mesh, slots: int, cache_le
   state = jax.eval_shape(functools.partial(decode.empty_state, model_cfg, slots, cache_len))
   state = jax.tree.map(_sds, state, engine._decode_state_shardings())
   return device_bytes(params), device_bytes(state)
+
+
+def sync_memory(model_cfg: ModelConfig, train_mesh: Mesh, replica: Mesh,
+                process_of: Any) -> Any:
+  """The weight sync's ``SyncMemory`` per training device (rollout/weight_sync.py): the
+  actor's parameters laid out on ``train_mesh`` (one array per layer, as the engine hands
+  them over) into a replica on ``replica``, with each device's process from the plan's
+  topology (``process_of``: the simulation runs in one process)."""
+  from distflow_jax.rollout.weight_sync import WeightSync
+  loop = model_cfg.replace(scan_layers=False)
+  _, train = abstract_model(loop, train_mesh)
+  _, dst = abstract_model(loop, replica)
+  return WeightSync(jax.tree.map(lambda x: x.sharding, dst), process_of).memory(train)

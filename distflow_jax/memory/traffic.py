@@ -1,8 +1,9 @@
-"""Bytes a step moves: the weight sync's all-gather and each re-partition of the batch.
+"""Bytes a step moves: the weight sync and each re-partition of the batch.
 
 Re-partitions are sized with the data plane's own plan (``data.plan``) on the simulated
-devices, every row at full length (the most a step can move); the weight sync gathers
-the actor's parameters over its training mesh (``rollout.weight_sync``).
+devices, every row at full length (the most a step can move); the weight sync moves the
+actor's parameters straight into the rollout layout (``rollout.weight_sync``: each device
+receives its rollout shard), or on its fallback route gathers them whole.
 """
 
 from __future__ import annotations
@@ -15,15 +16,25 @@ from distflow_jax.models.config import ModelConfig
 
 
 def per_step(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig, shards: int,
-             samples: int, plen: int, nlen: int) -> list[str]:
-  """Lines on the weight sync's and each re-partition's bytes per step."""
+             samples: int, plen: int, nlen: int, direct: bool = True) -> list[str]:
+  """Lines on the weight sync's and each re-partition's bytes per step (``direct``: the
+  sync goes straight into the rollout layout, else its fallback's all-gather)."""
   topo = plan.topology
   full = an.param_bytes(model_cfg)
   out = []
-  if any(s.node.fn == "generate" for s in plan.steps):
-    out.append(f"weight sync: all-gather of the actor's {an.fmt(full)}: each device receives "
-               f"{an.fmt(full * (1 - 1 / shards))}; across hosts each process receives "
-               f"{an.fmt(full * (1 - 1 / topo.num_processes))}")
+  gen = next((s for s in plan.steps if s.node.fn == "generate"), None)
+  if gen is not None and direct:
+    tp = cfg.rollout.tensor_parallel
+    data = max(len(gen.layout.devices) // topo.num_processes // tp, 1)
+    far = data * full * (1 - 1 / topo.num_processes)
+    out.append(f"weight sync: the actor's {an.fmt(full)} straight into the rollout layout "
+               f"(rollout.tensor_parallel={tp}): each device receives at most its "
+               f"{an.fmt(full / tp)} shard; across hosts each process receives about "
+               f"{an.fmt(far)}")
+  elif gen is not None:
+    out.append(f"weight sync (fallback route): all-gather of the actor's {an.fmt(full)}: "
+               f"each device receives {an.fmt(full * (1 - 1 / shards))}; across hosts each "
+               f"process receives {an.fmt(full * (1 - 1 / topo.num_processes))}")
   row = (plen + nlen) * 5 + nlen * 4 * 4  # tokens + masks, ~4 float32 fields per token
   reps = plan.repartitions()
   out.append(f"re-partitions per step: {len(reps)}" + (
