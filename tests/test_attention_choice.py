@@ -153,3 +153,18 @@ def test_lowering_for_restores_jax():
     assert target_lib.current() is H100
   assert fa.check_cudnn_version is before
   assert target_lib.current().platform is target_lib.Platform.CPU
+
+
+def test_a_run_refuses_cudnn_it_cannot_have_before_compiling():
+  """model.attention_impl=cudnn where cuDNN cannot serve the model (this CPU; float32 on
+  an H100) is one line at set-up, not a crash in the first step's compile."""
+  from distflow_jax.config import loading
+  from distflow_jax.workflow import roles
+  cfg = loading.load("grpo:tiny", ["model.attention_impl=cudnn"])
+  with pytest.raises(loading.ConfigError) as e:
+    roles.levers(cfg, CFG)
+  assert "\n" not in str(e.value) and "model.attention_impl=auto" in str(e.value)
+  with target_lib.lowering_for(H100):
+    assert roles.levers(cfg, CFG).attention_impl == "cudnn"  # bf16, head dim 64: served
+    with pytest.raises(loading.ConfigError, match="float32"):
+      roles.levers(cfg, CFG.replace(dtype="float32"))

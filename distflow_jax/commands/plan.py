@@ -3,6 +3,7 @@
   distflow-jax plan --config=configs/grpo.py:tiny [--process=N] [--num_processes=P]
       [--devices_per_process=D] [--memory [--device_memory=80GB [--target=h100]]
       [--memory_source=analytic]]
+      [--lower=h100|a100|tpu|...]
 
 Plans for the config's cluster block, else the flags, else the running jax;
 ``--process`` prints only that process's portion.  ``--memory`` adds each role's and
@@ -13,6 +14,11 @@ that size on ``--target`` (default a GPU): on a GPU the share its allocator take
 (``XLA_CLIENT_MEM_FRACTION``, or the deprecated ``XLA_PYTHON_CLIENT_MEM_FRACTION``, as set
 in this environment, else 0.75) less a 1 GiB reserve for cuBLAS/cuDNN workspaces and
 NCCL buffers; on a TPU all of it less 0.5 GiB for the runtime; on a CPU all of it.
+``--lower=<target>`` builds every program a run of the config compiles (passes, train
+steps, rollout engine, weight sync, re-partitions, checksums, warm start) on abstract
+shapes of the same simulated topology and lowers each for the target device (h100, a100,
+tpu, ...: models/target.py), a row per program with the attention kernel it got; a
+program that cannot be built for the target is refused in one line (distflow_jax/lowering/).
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ def run(argv: Sequence[str]) -> int:
   flags.DEFINE_enum("memory_source", "compiled", ["compiled", "analytic"], "with --memory: "
                     "compile the real steps abstractly, or the analytic model (fast, big "
                     "models)", flag_values=fv)
+  flags.DEFINE_string("lower", None, "lower every program of a run for this device "
+                      "(h100, a100, tpu, ...) on abstract shapes", flag_values=fv)
   rest = loading.parse(fv, argv)
   if rest:
     raise loading.ConfigError(f"plan takes no positional arguments, got {rest}")
@@ -52,8 +60,15 @@ def run(argv: Sequence[str]) -> int:
                         or fv.target is not None):
     raise loading.ConfigError("--device_memory, --target and --memory_source go with "
                               "--memory; add --memory")
-  if fv.memory:
+  if fv.memory or fv.lower is not None:  # before jax is imported
     _simulate_devices(cfg, fv.num_processes, fv.devices_per_process)
+  target = None
+  if fv.lower is not None:
+    from distflow_jax.models import target as target_lib
+    try:
+      target = target_lib.parse(fv.lower)
+    except ValueError as e:
+      raise loading.ConfigError(f"--lower: {e}") from None
   topo = checks.topology(cfg, fv.num_processes, fv.devices_per_process)
   plan = checks.plan_from_config(cfg, topo, FUNCTIONS)
   if fv.process is not None and not 0 <= fv.process < topo.num_processes:
@@ -64,7 +79,31 @@ def run(argv: Sequence[str]) -> int:
   if fv.memory:
     from distflow_jax.memory import report
     report.run(cfg, plan, fv.device_memory, fv.memory_source, fv.target)
+  if target is not None:
+    _lower(cfg, plan, target)
   return 0
+
+
+def _lower(cfg, plan, target) -> None:
+  """Lowers every program of a run for ``target`` (see the module docstring)."""
+  import time
+
+  from distflow_jax.lowering import abstract, catalogue, gate
+  t0 = time.perf_counter()
+  print(f"programs of a run, lowered for {target.name} ({target.platform.value}"
+        + (f", compute capability {target.compute_capability[0]}."
+           f"{target.compute_capability[1]}, cuDNN {target.cudnn_version}"
+           if target.is_cuda else "") + "):", flush=True)
+  print(gate.HEADER, flush=True)
+  def build():  # for the target: the model's checks and the engine's shapes depend on it
+    ctx = abstract.abstract_context(cfg, plan, abstract.model_shape(cfg))
+    return catalogue.programs(cfg, plan, ctx)
+  cat, rows = gate.lower_all(build, target,
+                             on_row=lambda r: print(gate.render_row(r), flush=True))
+  for note in cat.notes:
+    print(f"  note: {note}")
+  print(gate.summary(rows, target, time.perf_counter() - t0), flush=True)
+  gate.check(rows, target)
 
 
 def _simulate_devices(cfg, num_processes: int | None, devices_per_process: int | None) -> None:
@@ -73,6 +112,6 @@ def _simulate_devices(cfg, num_processes: int | None, devices_per_process: int |
   np_ = num_processes or cfg.cluster.num_processes
   dpp = devices_per_process or cfg.cluster.devices_per_process
   if not np_ or not dpp:
-    raise loading.ConfigError("plan --memory needs the target topology: pass "
+    raise loading.ConfigError("plan --memory and --lower need the target topology: pass "
                               "--num_processes and --devices_per_process (or set cluster.*)")
   distributed.simulate_cpu_devices(int(np_) * int(dpp))

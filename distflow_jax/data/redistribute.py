@@ -220,6 +220,29 @@ def _prepare(tree: Any, plan: RepartitionPlan, mode: Mode):
   return _program(mesh, mode, like), (*idx, *flat), treedef
 
 
+def abstract_call(tree: Any, plan: RepartitionPlan, mode: Mode | str = Mode.DISTRIBUTED
+                  ) -> tuple[Any, tuple]:
+  """The jitted re-partition ``execute`` runs for a tree shaped as ``tree`` (arrays or
+  ``ShapeDtypeStruct``s) under ``plan``, and its arguments as ``ShapeDtypeStruct``s with
+  their shardings: ``plan --lower`` lowers it for a target device (nothing is allocated)."""
+  mode = parse_mode(mode)
+  leaves = jax.tree.leaves(tree)
+  mesh = _flat_mesh(plan)
+  rows = plan.num_devices * plan.rows_per_sender
+  on = NamedSharding(mesh, P(_AXIS))
+  flat = tuple(jax.ShapeDtypeStruct((rows,) + tuple(x.shape[1:]), x.dtype, sharding=on)
+               for x in leaves)
+  like = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)
+
+  def idx(a: np.ndarray, spec: P) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
+  if mode is Mode.DISTRIBUTED:
+    ids = (idx(plan.send_idx_NxNC, P(_AXIS)), idx(plan.recv_idx_NxM, P(_AXIS)))
+  else:
+    ids = (idx(plan.gather_idx_NxM, P()),)
+  return _program(mesh, mode, like), (*ids, *flat)
+
+
 def rehearse(tree: Any, plan: RepartitionPlan, dst: Layout,
              mode: Mode | str = Mode.DISTRIBUTED) -> None:
   """Runs ``plan`` on zeros shaped and placed as ``tree``'s ``ShapeDtypeStruct`` leaves

@@ -106,14 +106,22 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
   return nnx.from_flat_state(flat)
 
 
-def create_sharded(ctor: Callable[[], nnx.Module], mesh: Mesh, rules: Rules) -> nnx.Module:
-  """Runs `ctor` (a module constructor) directly into its shardings."""
+def init_program(ctor: Callable[[], nnx.Module], mesh: Mesh, rules: Rules):
+  """``(graphdef, jitted initialiser)``: the initialiser takes no argument and returns
+  `ctor`'s state laid out in its shardings (``plan --lower`` lowers it too)."""
   abstract = nnx.eval_shape(ctor)
   graphdef, abstract_state = nnx.split(abstract)
   shardings = state_shardings(abstract_state, mesh, rules)
 
-  state = jax.jit(lambda: nnx.state(ctor()), out_shardings=shardings)()
-  return nnx.merge(graphdef, state)
+  def init_params():
+    return nnx.state(ctor())
+  return graphdef, jax.jit(init_params, out_shardings=shardings)
+
+
+def create_sharded(ctor: Callable[[], nnx.Module], mesh: Mesh, rules: Rules) -> nnx.Module:
+  """Runs `ctor` (a module constructor) directly into its shardings."""
+  graphdef, init = init_program(ctor, mesh, rules)
+  return nnx.merge(graphdef, init())
 
 
 def shard_state(state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:

@@ -35,12 +35,17 @@ def prompt_group(ctx: RunContext, node: Node, data: dict, num_parts: int) -> int
   the batch hold whole groups and the rows are so grouped (checked on device), else 1."""
   gs = shared_prompt_group(ctx.cfg, data["response_mask"].shape[0], num_parts)
   if gs > 1:
-    check = ctx.jitted(("grouped", gs), lambda: jax.jit(
-        functools.partial(steps_lib.prompts_grouped, group_size=gs)))
+    check = grouped_check(ctx, gs)
     if not bool(check(data)):
       gs = 1
   ctx.metrics.add(f"prompt_group/{node.id}", float(gs))
   return gs
+
+
+def grouped_check(ctx: RunContext, gs: int) -> Callable:
+  """The jitted on-device check that a batch's rows come in groups of ``gs``."""
+  return ctx.jitted(("grouped", gs), lambda: jax.jit(
+      functools.partial(steps_lib.prompts_grouped, group_size=gs)))
 
 
 def pack_plan(ctx: RunContext, node: Node, lay: dlayout.Layout, data: dict,
@@ -95,10 +100,25 @@ def pass_fn(ctx: RunContext, lay: dlayout.Layout, fn: Callable, unit_rows: int,
   """A sequence pass, jitted onto the layout (its activations' rows split over the
   parameters' data and fsdp axes); in deterministic mode unit by unit."""
   if ctx.cfg.trainer.deterministic:
-    return deterministic.per_unit(fn, lay.mesh, unit_rows)
+    return deterministic.per_unit(fn, lay.mesh, unit_rows, lay.axes)
   mesh = None if params is None else steps_lib.params_mesh(params)
   return jax.jit(steps_lib.rows_sharded_on(fn, mesh), static_argnums=0,
                  out_shardings=lay.sharding)
+
+
+def logprob_pass(ctx: RunContext, role: Role, lay: dlayout.Layout, gs: int) -> Callable:
+  """The jitted log-prob pass of ``role``'s model (``logprob`` / ``ref_logprob``)."""
+  def response_logprobs(g, p, b):
+    return steps_lib.response_logprobs(g, p, b, group_size=gs)[0]
+  return ctx.jitted(("logprobs", role, lay, gs), lambda: pass_fn(
+      ctx, lay, response_logprobs, ctx.cfg.actor.micro_batch_size, ctx.roles[role].params))
+
+
+def values_pass(ctx: RunContext, lay: dlayout.Layout) -> Callable:
+  """The jitted critic pass (``values``)."""
+  return ctx.jitted(("values", lay), lambda: pass_fn(
+      ctx, lay, steps_lib.response_values, ctx.cfg.critic.micro_batch_size,
+      ctx.roles[Role.CRITIC].params))
 
 
 def _model_pass(field: str, role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout,
@@ -107,23 +127,24 @@ def _model_pass(field: str, role: Role, ctx: RunContext, node: Node, lay: dlayou
     ctx.metrics.add("old_logprob_from_rollout", 1.0)
     return batch.replace(old_logprobs=batch.data["rollout_logprobs"])
   state = ctx.roles[role]
+  data = seq(batch)
   if role is Role.CRITIC:
-    fn = ctx.jitted(("values", lay), lambda: pass_fn(
-        ctx, lay, steps_lib.response_values, ctx.cfg.critic.micro_batch_size, state.params))
-    data = seq(batch)
+    fn = values_pass(ctx, lay)
     plan = pack_plan(ctx, node, lay, data)
-    out = fn(state.graphdef, state.params, data if plan is None else {**data, "pack": plan})
   else:
-    data = seq(batch)
-    unit = ctx.cfg.actor.micro_batch_size
-    parts = data["response_mask"].shape[0] // unit if ctx.cfg.trainer.deterministic else None
-    gs = prompt_group(ctx, node, data, parts or lay.num_shards)
-    fn = ctx.jitted(("logprobs", role, lay, gs), lambda: pass_fn(
-        ctx, lay, lambda g, p, b: steps_lib.response_logprobs(g, p, b, group_size=gs)[0], unit,
-        state.params))
+    gs = prompt_group(ctx, node, data, pass_parts(ctx, lay, data["response_mask"].shape[0]))
+    fn = logprob_pass(ctx, role, lay, gs)
     plan = pack_plan(ctx, node, lay, data, group_size=gs)
-    out = fn(state.graphdef, state.params, data if plan is None else {**data, "pack": plan})
+  out = fn(state.graphdef, state.params, data if plan is None else {**data, "pack": plan})
   return batch.replace(**{field: out})
+
+
+def pass_parts(ctx: RunContext, lay: dlayout.Layout, rows: int) -> int:
+  """The pieces that must each hold whole prompt groups for a pass to share prompts: the
+  layout's shards, or (deterministic mode) its units of actor.micro_batch_size rows."""
+  if ctx.cfg.trainer.deterministic:
+    return rows // ctx.cfg.actor.micro_batch_size
+  return lay.num_shards
 
 
 NODES: NodeTable = {

@@ -6,6 +6,7 @@ updating the role's parameters and optimizer state in place on ``ctx.roles``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -20,6 +21,62 @@ from distflow_jax.train import deterministic, steps as steps_lib
 from distflow_jax.workflow.context import RunContext
 
 
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+  """How a train node splits its step's rows: ``minis`` mini-batches, ``micro`` micro-batches
+  each (None: token-budget micro-batches, ``budget`` tokens), ``parts`` shards x pieces that
+  must each hold whole prompt groups to share prompts."""
+  minis: int
+  micro: int | None
+  budget: int
+  parts: int
+  det: bool
+
+
+def step_shape(ctx: RunContext, role: Role, section, lay: dlayout.Layout, rows: int
+               ) -> StepShape:
+  minis = section.mini_batches if role is Role.ACTOR else 1
+  budget = section.get("micro_batch_tokens", 0)  # > 0: micro-batches by tokens, M per plan
+  micro = None if budget else max(rows // lay.num_shards // minis // section.micro_batch_size, 1)
+  det = ctx.cfg.trainer.deterministic
+  parts = rows // section.micro_batch_size if det else lay.num_shards * minis * (micro or 1)
+  return StepShape(minis, micro, budget, parts, det)
+
+
+def loss_for(ctx: RunContext, role: Role, section, gs: int):
+  """``(loss_fn, agg)`` of the role's train step (actor: the policy loss with the step's
+  prompt group size; critic: value regression)."""
+  if role is Role.ACTOR:
+    loss_cfg = steps_lib.ActorLoss.from_config(section, ctx.cfg.rollout.max_new_tokens, gs)
+    return functools.partial(_actor_loss, cfg=loss_cfg), loss_cfg.loss_agg
+  # the train steps take the config's spelling
+  return (functools.partial(_critic_loss, value_clip=section.value_clip),
+          LossAggMode.TOKEN_MEAN.value)
+
+
+def train_step(ctx: RunContext, role: Role, section, lay: dlayout.Layout, shape: StepShape,
+               loss_fn, agg: str, gs: int):
+  """The role's jitted train step (built once per layout, split and loss)."""
+  state = ctx.roles[role]
+  if shape.det:
+    make = lambda: deterministic.make_train_step(  # noqa: E731
+        loss_fn, state.graphdef, state.tx, lay.mesh, section.micro_batch_size, agg,
+        section.optimizer.grad_clip, gs, lay.axes)
+  else:
+    make = lambda: steps_lib.make_train_step(  # noqa: E731
+        loss_fn, state.graphdef, state.tx, shape.micro, agg, gs)
+  return ctx.jitted(("train", role, lay, shape.micro, agg, loss_fn.keywords.get("cfg"),
+                     shape.det), make)
+
+
+def minibatch_take(ctx: RunContext, minis: int, gs: int, lay: dlayout.Layout):
+  """Mini-batch i: whole groups (blocks of gs rows) dealt round robin, as micro-batches are."""
+  def take_minibatch(d, i):
+    return jax.tree.map(lambda x: x[i], steps_lib.deal_rows(d, minis, gs))
+  return ctx.jitted(("minibatch", minis, gs, lay), lambda: jax.jit(
+      take_minibatch, out_shardings=lay.sharding))
+
+
 def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: Batch) -> Batch:
   if role is Role.ACTOR and ctx.step < ctx.cfg.critic.warmup_steps:
     ctx.metrics.add("actor/critic_warmup", 1.0)  # the critic learns first; actor unchanged
@@ -27,41 +84,23 @@ def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: 
   state = ctx.roles[role]
   section = ctx.section(node, role.value.lower())
   data = seq(batch)
-  b = data["response_mask"].shape[0]
-  minis = section.mini_batches if role is Role.ACTOR else 1
-  budget = section.get("micro_batch_tokens", 0)  # > 0: micro-batches by tokens, M per plan
-  micro = None if budget else max(b // lay.num_shards // minis // section.micro_batch_size, 1)
-  det = ctx.cfg.trainer.deterministic
-  gs = 1
+  shape = step_shape(ctx, role, section, lay, data["response_mask"].shape[0])
+  minis, micro, budget = shape.minis, shape.micro, shape.budget
+  gs = prompt_group(ctx, node, data, shape.parts) if role is Role.ACTOR else 1
+  loss_fn, agg = loss_for(ctx, role, section, gs)
   if role is Role.ACTOR:
-    parts = b // section.micro_batch_size if det else lay.num_shards * minis * (micro or 1)
-    gs = prompt_group(ctx, node, data, parts)
-    loss_cfg = steps_lib.ActorLoss.from_config(section, ctx.cfg.rollout.max_new_tokens, gs)
     data["advantages"] = batch.data["advantages"]
     data["old_logprobs"] = batch.data.get("old_logprobs", batch.data["rollout_logprobs"])
+    loss_cfg = loss_fn.keywords["cfg"]
     if loss_cfg.kl_in_loss and loss_cfg.kl_coef:
       if "ref_logprobs" not in batch.data:
         raise DagError(f"DAG node {node.id!r}: actor.kl.coef > 0 needs 'ref_logprobs'; add a "
                        f"ref_logprob node to its deps or set actor.kl.coef=0")
       data["ref_logprobs"] = batch.data["ref_logprobs"]
-    loss_fn = functools.partial(_actor_loss, cfg=loss_cfg)
-    agg = loss_cfg.loss_agg
   else:
     data.update(values=batch.data["values"], returns=batch.data["returns"])
-    loss_fn = functools.partial(_critic_loss, value_clip=section.value_clip)
-    agg = LossAggMode.TOKEN_MEAN.value  # the train steps take the config's spelling
-  if det:
-    make = lambda: deterministic.make_train_step(  # noqa: E731
-        loss_fn, state.graphdef, state.tx, lay.mesh, section.micro_batch_size, agg,
-        section.optimizer.grad_clip, gs)
-  else:
-    make = lambda: steps_lib.make_train_step(  # noqa: E731
-        loss_fn, state.graphdef, state.tx, micro, agg, gs)
-  step = ctx.jitted(("train", role, lay, micro, agg, loss_fn.keywords.get("cfg"), det), make)
-  # Mini-batch i: whole groups (blocks of gs rows) dealt round robin, as micro-batches are.
-  take = ctx.jitted(("minibatch", minis, gs, lay), lambda: jax.jit(
-      lambda d, i: jax.tree.map(lambda x: x[i], steps_lib.deal_rows(d, minis, gs)),
-      out_shardings=lay.sharding))
+  step = train_step(ctx, role, section, lay, shape, loss_fn, agg, gs)
+  take = minibatch_take(ctx, minis, gs, lay)
   prefix = "actor" if role is Role.ACTOR else "critic"
   # model.pack_sequences: one packing plan per mini-batch (its micro-batches' plans stacked;
   # with <role>.micro_batch_tokens, its token-budget micro-batches); gs > 1 lays each

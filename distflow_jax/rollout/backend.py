@@ -101,6 +101,9 @@ class EngineBackend:
   def precompile(self) -> None:
     self.engine.precompile()
 
+  def sync_programs(self, train_params: Any, process_of=None) -> list[tuple[str, Any, tuple]]:
+    return self.engine.sync_programs(train_params, process_of)
+
 
 # (model_cfg, config, mesh) -> backend.
 BackendFactory = Callable[[ModelConfig, EngineConfig, Mesh | None], RolloutBackend]

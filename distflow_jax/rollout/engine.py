@@ -182,6 +182,23 @@ class Engine:
       self._sync = weight_sync.WeightSync(self.param_shardings)
     return self._sync(self._unstacked(train_params))
 
+  def sync_programs(self, train_params: Any, process_of=None) -> list[tuple[str, Any, tuple]]:
+    """The programs ``update_params`` runs for (abstract, sharded) ``train_params``: the
+    split of stacked layers, then the weight sync's steps (``process_of``: a simulated
+    topology's device -> process, as ``WeightSync`` takes it)."""
+    out = []
+    if stacking.is_stacked(train_params):
+      if self._unstack is None:
+        self._unstack = jax.jit(stacking.to_loop)
+      out.append(("unstack", self._unstack, (train_params,)))
+      # The split's output layout is what sharding propagation picks: ask the compiler.
+      placed = self._unstack.lower(train_params).compile().output_shardings
+      train_params = jax.tree.map(
+          lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+          jax.eval_shape(self._unstack, train_params), placed)
+    sync = weight_sync.WeightSync(self.param_shardings, process_of)
+    return out + [(f"sync/{n}", fn, args) for n, fn, args in sync.programs(train_params)]
+
   def _unstacked(self, params: nnx.State) -> nnx.State:
     """`params` in the engine's one-array-per-layer layout (a jitted split of stacked ones)."""
     if not stacking.is_stacked(params):
@@ -333,45 +350,64 @@ class Engine:
     rows = sorted({min(_pow2_at_least(k), b) for k in range(1, b + 1)})
     return [(p, t) for t in buckets for p in rows]
 
-  def precompile(self) -> int:
-    """Compiles ahead of time, with the parameters' and decode state's placements of the
-    first call (a no-op before it), every cache capacity's decode loop, empty state and
-    grow step, and for each of ``prefill_shapes`` its prefill and its insert at every
-    capacity; returns how many capacities and shapes it compiled (not yet compiled ones).  A later call of a compiled shape
-    finds it in jax's in-memory caches, so a new prompt width or prompt count mid-run
-    does not compile."""
-    if self._params_sig is None:
-      return 0
+  def programs(self, params_sig: Any) -> list[tuple[str, Any, tuple]]:
+    """Every program a run of this engine compiles, as ``(name, jitted, abstract args)``
+    for parameters laid out as ``params_sig`` (``ShapeDtypeStruct``s with shardings):
+    each cache capacity's empty state, decode loop and grow step, and for each of
+    ``prefill_shapes`` its prefill and its insert at every capacity.  ``precompile``
+    compiles them; ``plan --lower`` lowers them for a target device."""
     b = self.max_concurrent_decodes
     sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # noqa: E731
     states = {c: jax.tree.map(sds, jax.eval_shape(self._init, c), self._state_sh)
               for c in self.capacities}
     ints, keys = np.zeros(b, np.int32), np.zeros((b, 2), np.uint32)
-    done = 0
+    out: list[tuple[str, Any, tuple]] = []
     for i, c in enumerate(self.capacities):
-      if ("capacity", c) in self._precompiled:
-        continue
-      self._init.lower(c).compile()
-      self._chunk.lower(self._params_sig, states[c], np.asarray(False)).compile()
+      out.append((f"init[cap={c}]", self._init, (c,)))
+      out.append((f"decode[cap={c}]", self._chunk, (params_sig, states[c], np.asarray(False))))
       if i + 1 < len(self.capacities):
-        self._grow.lower(states[c], self.capacities[i + 1]).compile()
-      self._precompiled.add(("capacity", c))
-      done += 1
+        out.append((f"grow[{c}->{self.capacities[i + 1]}]", self._grow,
+                    (states[c], self.capacities[i + 1])))
     for p, t in self.prefill_shapes():
-      if (p, t) in self._precompiled:
-        continue
-      prefix = jax.tree.map(sds, jax.eval_shape(self._prefill_insert, self._params_sig,
-                                                np.zeros((p, t), np.int32),
-                                                np.ones((p,), np.int32), ints, keys),
+      args = (params_sig, np.zeros((p, t), np.int32), np.ones((p,), np.int32), ints, keys)
+      prefix = jax.tree.map(sds, jax.eval_shape(self._prefill_insert, *args),
                             self._prefill_insert_shardings())
-      self._prefill_insert.lower(self._params_sig, np.zeros((p, t), np.int32),
-                                 np.ones((p,), np.int32), ints, keys).compile()
+      out.append((f"prefill[rows={p},len={t}]", self._prefill_insert, args))
+      cache, lens_q, tok = prefix[:3]
       for c in self.capacities:
-        cache, lens_q, tok = prefix[:3]
-        self._insert.lower(states[c], cache, ints, ints, tok, lens_q, keys, ints).compile()
-      self._precompiled.add((p, t))
-      done += 1
-    return done
+        out.append((f"insert[rows={p},len={t},cap={c}]", self._insert,
+                    (states[c], cache, ints, ints, tok, lens_q, keys, ints)))
+    return out
+
+  def precompile(self) -> int:
+    """Compiles ahead of time, with the parameters' placements of the first call (a no-op
+    before it), every one of ``programs``; returns how many capacities and prompt shapes
+    it compiled (not yet compiled ones).  A later call of a compiled shape finds it in
+    jax's in-memory caches, so a new prompt width or prompt count mid-run does not
+    compile."""
+    if self._params_sig is None:
+      return 0
+    done = set()
+    for name, fn, args in self.programs(self._params_sig):
+      group = self._program_group(name)
+      if group in self._precompiled:
+        continue
+      fn.lower(*args).compile()
+      done.add(group)
+    self._precompiled |= done
+    return len(done)
+
+  @staticmethod
+  def _program_group(name: str) -> tuple:
+    """What ``precompile`` counts as one unit: a capacity (init, decode, grow) or a prompt
+    shape (prefill and its inserts)."""
+    kind, _, rest = name.partition("[")
+    fields = dict(f.split("=") for f in rest.rstrip("]").split(",") if "=" in f)
+    if kind in ("prefill", "insert"):
+      return (int(fields["rows"]), int(fields["len"]))
+    if kind == "grow":
+      return ("capacity", int(rest.split("->")[0]))
+    return ("capacity", int(fields["cap"]))
 
   def _prefill_insert_shardings(self):
     rep = self._replicated

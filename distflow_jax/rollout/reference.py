@@ -99,6 +99,11 @@ class ReferenceSampler:
       self._sync = weight_sync.WeightSync(self.param_shardings)
     return self._sync(train_params)
 
+  def sync_programs(self, train_params: Any, process_of=None) -> list[tuple[str, Any, tuple]]:
+    """The weight sync's steps for (abstract, sharded) ``train_params`` (plan --lower)."""
+    sync = weight_sync.WeightSync(self.param_shardings, process_of)
+    return [(f"sync/{n}", fn, args) for n, fn, args in sync.programs(train_params)]
+
   def generate(self, params: Any, prompts: Sequence[Sequence[int]], n: int = 1, *,
                rng: jax.Array | None = None, request_ids: Sequence[int] | None = None,
                pad_id: int = 0, max_new_tokens: int | None = None,

@@ -24,6 +24,7 @@ the gradient ``2 * ceil(log2(devices))`` times instead of a ring all-reduce's ~2
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 import jax
@@ -33,10 +34,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from distflow_jax.algos import losses
+from distflow_jax.models import sharding
 from distflow_jax.train import steps as steps_lib
 
 Batch = Mapping[str, jax.Array]
-AXIS = "data"
+AXIS = "data"  # the samples' axis of a layout mesh of its own (a role mesh: data, fsdp)
 
 
 class LayoutError(ValueError):
@@ -78,7 +80,7 @@ def _tree_sum(f: Callable, units, k: int):
   return acc
 
 
-def _tree_allreduce(x, d: int, axis: str = AXIS):
+def _tree_allreduce(x, d: int, axis: str | tuple[str, ...] = AXIS):
   """The sum over the `axis` devices in the left-complete binary tree over device index,
   then the same bits on every device."""
   if d == 1:
@@ -101,6 +103,16 @@ def _tree_allreduce(x, d: int, axis: str = AXIS):
   return x
 
 
+def _unconstrained(fn: Callable) -> Callable:
+  """``fn`` (a shard_map body: its mesh axes are manual) traced with no row constraint:
+  the enclosing ``sharding.rows_sharded`` names the same mesh's axes, which a constraint
+  under shard_map may not use."""
+  def body(*args):
+    with sharding.rows_sharded(None):
+      return fn(*args)
+  return body
+
+
 def _units(tree, k: int, unit_rows: int):
   return jax.tree.map(lambda x: x.reshape(k, unit_rows, *x.shape[1:]), tree)
 
@@ -108,18 +120,19 @@ def _units(tree, k: int, unit_rows: int):
 def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.LossOutput],
                     graphdef: nnx.GraphDef, tx: optax.GradientTransformation, mesh: Mesh,
                     unit_rows: int, agg_mode: str, grad_clip: float,
-                    group_size: int = 1) -> Callable:
+                    group_size: int = 1, axes: tuple[str, ...] = (AXIS,)) -> Callable:
   """``steps.make_train_step``'s contract, reduced in the canonical order (module doc).
 
   ``tx`` must not clip (clipping by ``grad_clip`` happens here, on the replicated
-  gradient); ``mesh`` is the batch's layout mesh, its ``data`` axis the samples'."""
-  d = mesh.shape[AXIS]
+  gradient); ``mesh`` is the batch's layout mesh, ``axes`` its samples' axes."""
+  d = math.prod(mesh.shape[a] for a in axes)
 
   def step(params, opt_state, batch):
     b = jax.tree.leaves(batch)[0].shape[0]
     k = units_per_device(b, d, unit_rows)
     denom = losses.loss_denominator(batch["response_mask"], agg_mode)
 
+    @_unconstrained
     def local(params, batch, denom):
       def unit(mb):
         def objective(p):
@@ -128,7 +141,7 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
         (_, out), grads = jax.value_and_grad(objective, has_aux=True)(params)
         return jax.lax.optimization_barrier((grads, out))
 
-      grads, out = _tree_allreduce(_tree_sum(unit, _units(batch, k, unit_rows), k), d)
+      grads, out = _tree_allreduce(_tree_sum(unit, _units(batch, k, unit_rows), k), d, axes)
       norm = optax.global_norm(grads)
       if grad_clip and grad_clip > 0:
         scale = jnp.where(norm > grad_clip, grad_clip / norm, 1.0)
@@ -136,7 +149,7 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
       return grads, out, norm
 
     grads, out, grad_norm = jax.shard_map(
-        local, mesh=mesh, in_specs=(P(), P(AXIS), P()), out_specs=P(),
+        local, mesh=mesh, in_specs=(P(), P(axes), P()), out_specs=P(),
         check_vma=False)(params, dict(batch), denom)
     return steps_lib.apply_update(tx, params, opt_state, batch, grads, out, grad_norm,
                                   group_size)
@@ -144,11 +157,13 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
   return steps_lib.PinnedStep(step)
 
 
-def per_unit(fn: Callable[..., jax.Array], mesh: Mesh, unit_rows: int) -> Callable:
+def per_unit(fn: Callable[..., jax.Array], mesh: Mesh, unit_rows: int,
+             axes: tuple[str, ...] = (AXIS,)) -> Callable:
   """``fn(graphdef, params, batch) -> [B, ...]`` run unit by unit on each device (one
-  shape on every layout), with the parameters whole on every device; jitted."""
-  d = mesh.shape[AXIS]
-  out_sharding = NamedSharding(mesh, P(AXIS))
+  shape on every layout), with the parameters whole on every device; jitted.  ``axes``:
+  the samples' axes of ``mesh``."""
+  d = math.prod(mesh.shape[a] for a in axes)
+  out_sharding = NamedSharding(mesh, P(axes))
 
   def run(graphdef, params, batch):
     b = jax.tree.leaves(batch)[0].shape[0]
@@ -157,11 +172,12 @@ def per_unit(fn: Callable[..., jax.Array], mesh: Mesh, unit_rows: int) -> Callab
                         f"{unit_rows} rows on {d} data-parallel devices")
     k = b // (d * unit_rows)
 
+    @_unconstrained
     def local(params, batch):
       out = jax.lax.map(lambda u: fn(graphdef, params, u), _units(batch, k, unit_rows))
       return out.reshape(k * unit_rows, *out.shape[2:])
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(AXIS),
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(axes)), out_specs=P(axes),
                          check_vma=False)(params, dict(batch))
 
   return jax.jit(run, static_argnums=0, out_shardings=out_sharding)

@@ -9,6 +9,7 @@ pieces (its rows of the batch, its loader shard, its rollout replica).
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 from typing import Any, Callable
 
@@ -16,7 +17,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from distflow_jax.dag.planner import NodeLayout, Plan, Topology
+from distflow_jax.dag.planner import LayoutKind, NodeLayout, Plan, Topology
 from distflow_jax.dag.spec import Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch
@@ -69,14 +70,36 @@ class RunContext:
     return merged
 
   def layout(self, plan_layout: NodeLayout) -> dlayout.Layout:
-    """The data layout (mesh + sample axes) of a plan layout; cached per layout."""
+    """The data layout (mesh + sample axes) of a plan layout; cached per layout.
+
+    A layout over a role's devices whose data x fsdp is the layout's data-parallel size
+    is that role's own mesh, rows over ``data`` and ``fsdp``: a program then takes its
+    parameters and its batch on one mesh, which cuDNN's attention needs (its partitioner
+    refuses a program whose shardings name two meshes).  Other layouts (the rollout's)
+    get a mesh of their own, rows over ``data``."""
     if plan_layout not in self._layouts:
       devs = roles_lib.ordered_devices()
       devices = [devs[i] for i in plan_layout.devices]
-      rest = len(devices) // plan_layout.dp_size
-      mesh = sharding.make_mesh({"data": plan_layout.dp_size, "tensor": rest}, devices)
-      self._layouts[plan_layout] = dlayout.Layout(mesh, ("data",))
+      self._layouts[plan_layout] = (self._role_layout(plan_layout, devices)
+                                    or self._own_layout(plan_layout, devices))
     return self._layouts[plan_layout]
+
+  def _role_layout(self, plan_layout: NodeLayout, devices: list) -> dlayout.Layout | None:
+    if plan_layout.kind is not LayoutKind.ROLE_MESH:
+      return None
+    for state in self.roles.values():
+      mesh = state.mesh
+      axes = tuple(a for a in sharding.BATCH_AXES if a in mesh.axis_names)
+      if (list(mesh.devices.flat) == devices
+          and math.prod(mesh.shape[a] for a in axes) == plan_layout.dp_size):
+        return dlayout.Layout(mesh, axes)
+    return None
+
+  @staticmethod
+  def _own_layout(plan_layout: NodeLayout, devices: list) -> dlayout.Layout:
+    rest = len(devices) // plan_layout.dp_size
+    mesh = sharding.make_mesh({"data": plan_layout.dp_size, "tensor": rest}, devices)
+    return dlayout.Layout(mesh, ("data",))
 
   def jitted(self, key: Any, make: Callable[[], Callable]) -> Callable:
     """A compiled function, built once per key (so shapes never recompile per step); its
@@ -87,24 +110,18 @@ class RunContext:
                            if hasattr(fn, "lower") else fn)
     return self._jitted[key]
 
-  def backend(self, rollout: ml_collections.ConfigDict, greedy: bool = False
-              ) -> RolloutBackend:
+  def backend(self, rollout: ml_collections.ConfigDict, greedy: bool = False,
+              devices: list[jax.Device] | None = None) -> RolloutBackend:
     """This host's rollout replica for these rollout settings (built once), of the kind
     ``rollout.backend`` names (rollout/backend.py; a config without the key: "engine")."""
-    sp = (SamplingParams(temperature=0.0) if greedy else
-          SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p,
-                         top_k=rollout.top_k))
-    conf = EngineConfig(max_concurrent_decodes=rollout.max_concurrent_decodes,
-                        prefill_buckets=tuple(rollout.prefill_buckets),
-                        max_new_tokens=rollout.max_new_tokens,
-                        stop_ids=self.tokenizer.eos_ids, sampling=sp,
-                        seed=self.cfg.seed, fixed_shapes=self.cfg.trainer.deterministic)
+    conf = engine_config(self.cfg, rollout, self.tokenizer.eos_ids, greedy)
     name = rollout.get("backend", "engine")
     make = backend_factory(name)  # refuses an unknown name, listing the valid ones
     key = (name, conf, rollout.tensor_parallel)
     if key not in self._backends:
       actor_devices = set(self.roles[Role.ACTOR].mesh.devices.flat)
-      local = [d for d in jax.local_devices() if d in actor_devices]
+      # `devices`: another host's (plan --lower builds process 0's replica anywhere).
+      local = [d for d in (devices or jax.local_devices()) if d in actor_devices]
       if self.cfg.trainer.deterministic:
         # One tensor-parallel group per host (no data-parallel split of the slots), so
         # the replica has the same shape whatever the host's device count.
@@ -124,6 +141,18 @@ class RunContext:
     key = jax.random.key(self.cfg.seed)
     key = jax.random.fold_in(key, self.step)
     return jax.random.fold_in(key, _stable_hash(node.id))
+
+
+def engine_config(cfg: ml_collections.ConfigDict, rollout: ml_collections.ConfigDict,
+                  stop_ids, greedy: bool = False) -> EngineConfig:
+  """The rollout replica's settings for these rollout settings (greedy: evaluation's)."""
+  sp = (SamplingParams(temperature=0.0) if greedy else
+        SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p,
+                       top_k=rollout.top_k))
+  return EngineConfig(max_concurrent_decodes=rollout.max_concurrent_decodes,
+                      prefill_buckets=tuple(rollout.prefill_buckets),
+                      max_new_tokens=rollout.max_new_tokens, stop_ids=tuple(stop_ids),
+                      sampling=sp, seed=cfg.seed, fixed_shapes=cfg.trainer.deterministic)
 
 
 def shared_prompt_group(cfg: ml_collections.ConfigDict, num_rows: int, num_shards: int) -> int:

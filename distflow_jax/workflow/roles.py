@@ -96,10 +96,17 @@ def levers(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig) -> ModelConfi
   """``model_cfg`` with the config's memory and compile levers (model.scan_layers, remat,
   attention_impl, attention_block): how the model runs, not what it computes."""
   m = cfg.model
-  return model_cfg.replace(scan_layers=bool(m.get("scan_layers", False)),
-                           remat=m.get("remat", "none"),
-                           attention_impl=m.get("attention_impl", "auto"),
-                           attention_block=m.get("attention_block", 512))
+  out = model_cfg.replace(scan_layers=bool(m.get("scan_layers", False)),
+                          remat=m.get("remat", "none"),
+                          attention_impl=m.get("attention_impl", "auto"),
+                          attention_block=m.get("attention_block", 512))
+  if out.attention_impl == "cudnn":  # refused here, not at the first step's compile
+    from distflow_jax.models import attention_choice, target
+    why = attention_choice.cudnn_refusal(out.jnp_dtype, out.head_dim, target.current())
+    if why is not None:
+      raise ConfigError(f"model.attention_impl=cudnn: {why}; set model.attention_impl=auto "
+                        f"(it takes cuDNN wherever cuDNN can serve the model)")
+  return out
 
 
 def build_actor(model_cfg: ModelConfig, mesh: Mesh, path: str, seed: int) -> nnx.Module:

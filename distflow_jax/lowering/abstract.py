@@ -1,0 +1,213 @@
+"""A RunContext whose models are abstract: the run's meshes and layouts, no parameter.
+
+``abstract_context`` builds the roles a run builds (workflow/roles.build_roles: actor
+with its optimizer, reference, critic) with every parameter and optimizer-state leaf a
+``ShapeDtypeStruct`` carrying the sharding the run gives it, on the plan's meshes of
+(simulated) devices.  Node builders (nodes/passes.py, nodes/training.py) and the rollout
+backends then make the very jitted functions a run makes, and ``catalogue`` lowers them
+with abstract batches from ``batch_fields``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from distflow_jax.dag.planner import Plan
+from distflow_jax.dag.spec import NodeType, Role
+from distflow_jax.memory import compiled as cp
+from distflow_jax.models import sharding
+from distflow_jax.models.config import ModelConfig
+from distflow_jax.models.heads import Critic
+from distflow_jax.workflow import roles as roles_lib
+from distflow_jax.workflow.context import RunContext
+
+
+@dataclasses.dataclass(frozen=True)
+class StopIds:
+  """What the rollout needs of a tokenizer when only config.json is at hand."""
+  eos_ids: tuple[int, ...]
+  pad_id: int = 0
+
+
+def vl_config(cfg: ml_collections.ConfigDict) -> Any:
+  """The run's Qwen2.5-VL config when its rows carry images (else None): the built-in tiny
+  one (``model.path=builtin:tiny-vl``) or ``model.path``'s config.json."""
+  from distflow_jax.config import vision_checks
+  from distflow_jax.models.vl import read_vl_config
+  from distflow_jax.workflow import vision, vl_warmstart
+  if not vision_checks.run_image_key(cfg):
+    return None
+  if cfg.model.path == vl_warmstart.BUILTIN:
+    return vl_warmstart.model_config(vl_warmstart.tokenizer(), cfg.model.dtype)
+  if vision.is_vl_checkpoint(cfg.model.path):
+    return read_vl_config(cfg.model.path, dtype=cfg.model.dtype)
+  return None
+
+
+def model_shape(cfg: ml_collections.ConfigDict) -> ModelConfig:
+  """The (text) model's shape from config.json alone, the built-in tiny VL model's too."""
+  from distflow_jax.memory import report
+  from distflow_jax.workflow import vl_warmstart
+  if cfg.model.path == vl_warmstart.BUILTIN:
+    return roles_lib.levers(cfg, vl_config(cfg).text)
+  return report.model_shape(cfg)
+
+
+def image_dims(cfg: ml_collections.ConfigDict, vlc: Any) -> tuple[int, int, tuple[int, ...]]:
+  """``(image tokens per sample, feature width, one image's patch grid)``: a built-in
+  ``shapes`` level's image size, else one 448 x 448 image (other data's images are
+  sized by their rows; the gate lowers that size)."""
+  from distflow_jax.data.images import ImageProcessor
+  from distflow_jax.tasks import registry, shapes
+  side = 448
+  spec = cfg.data.train
+  if registry.is_builtin(spec) and spec[len(registry.PREFIX):].startswith("shapes"):
+    _, level = registry.parse(spec)
+    side = shapes.PRESETS[level].size
+  proc = ImageProcessor(patch_size=vlc.vision.patch_size,
+                        merge_size=vlc.vision.spatial_merge_size,
+                        temporal_patch_size=vlc.vision.temporal_patch_size)
+  grid = proc.grid(side, side)
+  return proc.num_image_tokens(grid), vlc.text.hidden_size, tuple(grid)
+
+
+def stop_ids(cfg: ml_collections.ConfigDict) -> Any:
+  """The run's tokenizer where it loads, else the end-of-sequence ids of ``model.path``'s
+  config.json (a folder holding only config.json is enough to lower a run)."""
+  from distflow_jax.workflow import vl_warmstart
+  if cfg.model.path == vl_warmstart.BUILTIN:
+    return vl_warmstart.tokenizer()
+  try:
+    return roles_lib.load_tokenizer(cfg.model)
+  except Exception:  # noqa: BLE001 - no tokenizer files: config.json's ids
+    pass
+  ids: Any = 0
+  path = os.path.join(cfg.model.path or "", "config.json")
+  if os.path.isfile(path):
+    with open(path) as f:
+      conf = json.load(f)
+    ids = conf.get("eos_token_id", conf.get("text_config", {}).get("eos_token_id", 0))
+  ids = ids if isinstance(ids, list) else [ids]
+  return StopIds(tuple(int(i) for i in ids if i is not None) or (0,))
+
+
+def _sds(x: Any, sh: Any) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+
+
+def _critic(model_cfg: ModelConfig, mesh) -> tuple[nnx.GraphDef, Any]:
+  abstract = nnx.eval_shape(lambda: Critic(model_cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  shardings = sharding.state_shardings(state, mesh, sharding.fsdp_tp_rules())
+  return graphdef, jax.tree.map(_sds, state, shardings)
+
+
+def abstract_roles(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig
+                   ) -> dict[Role, roles_lib.ModelState]:
+  """The roles ``roles_lib.build_roles`` makes, abstract (a reward model is not built:
+  its shape comes from another folder; ``catalogue`` says so)."""
+  meshes = {m.role: roles_lib.jax_mesh(m) for m in plan.meshes}
+  trained = {s.node.role for s in plan.steps if s.node.type is NodeType.MODEL_TRAIN}
+  steps = cfg.trainer.total_steps * max(cfg.actor.ppo_epochs * cfg.actor.mini_batches, 1)
+  out: dict[Role, roles_lib.ModelState] = {}
+  graphdef, params = cp.abstract_model(model_cfg, meshes[Role.ACTOR])
+  tx = roles_lib.optimizer(cfg, cfg.actor.optimizer, steps) if Role.ACTOR in trained else None
+  opt = cp.abstract_opt_state(tx, params, meshes[Role.ACTOR]) if tx else None
+  out[Role.ACTOR] = roles_lib.ModelState(Role.ACTOR, meshes[Role.ACTOR], graphdef, params,
+                                         tx, opt)
+  if Role.REFERENCE in meshes:
+    _, ref = cp.abstract_model(model_cfg, meshes[Role.REFERENCE])
+    out[Role.REFERENCE] = roles_lib.ModelState(Role.REFERENCE, meshes[Role.REFERENCE],
+                                               graphdef, ref)
+  if Role.CRITIC in meshes:
+    cgraph, cparams = _critic(model_cfg, meshes[Role.CRITIC])
+    ctx_tx = (roles_lib.optimizer(cfg, cfg.critic.optimizer,
+                                  cfg.trainer.total_steps * cfg.critic.ppo_epochs)
+              if Role.CRITIC in trained else None)
+    copt = cp.abstract_opt_state(ctx_tx, cparams, meshes[Role.CRITIC]) if ctx_tx else None
+    out[Role.CRITIC] = roles_lib.ModelState(Role.CRITIC, meshes[Role.CRITIC], cgraph,
+                                            cparams, ctx_tx, copt)
+  return out
+
+
+def abstract_context(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig
+                     ) -> RunContext:
+  """Process 0's RunContext of a run of ``cfg`` on ``plan``, its models abstract."""
+  return RunContext(cfg=cfg, plan=plan, topo=plan.topology, process_index=0,
+                    tokenizer=stop_ids(cfg), model_cfg=model_cfg,
+                    roles=abstract_roles(cfg, plan, model_cfg), vision=_vision(cfg))
+
+
+def _vision(cfg: ml_collections.ConfigDict) -> Any:
+  """The frozen tower of a vision-language run, abstract (unsharded: it runs on each
+  process's default device), else None."""
+  from distflow_jax.models.vision import VisionTower
+  from distflow_jax.workflow.vision import VisionEncoder
+  vlc = vl_config(cfg)
+  if vlc is None:
+    return None
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: VisionTower(vlc.vision,
+                                                                  rngs=nnx.Rngs(0))))
+  return VisionEncoder(vlc, graphdef, params)
+
+
+# Per-sample fields of a step's batch by name: (trailing shape key, dtype).  "P": prompt
+# columns, "N": response columns, "PN": both, "I"/"D": image tokens / their width.
+FIELDS: dict[str, tuple[tuple[str, ...], Any]] = {
+    "sample_id": ((), jnp.int32), "group_id": ((), jnp.int32),
+    "prompt_tokens": (("P",), jnp.int32), "prompt_mask": (("P",), jnp.bool_),
+    "response_tokens": (("N",), jnp.int32), "response_mask": (("N",), jnp.bool_),
+    "rollout_logprobs": (("N",), jnp.float32), "rewards": ((), jnp.float32),
+    "advantages": (("N",), jnp.float32), "returns": (("N",), jnp.float32),
+    "old_logprobs": (("N",), jnp.float32), "ref_logprobs": (("N",), jnp.float32),
+    "values": (("N",), jnp.float32),
+    "image_embeds": (("I", "D"), jnp.float32), "image_slots": (("P",), jnp.bool_),
+    "rope_positions": (("3", "PN"), jnp.int32),
+}
+# What a registry "produces" name adds to the batch.
+PRODUCED = {"tokens": ("prompt_tokens", "prompt_mask", "response_tokens", "response_mask")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+  rows: int
+  prompt: int
+  new: int
+  image_tokens: int = 0
+  image_width: int = 0
+
+
+def batch_fields(names, dims: Dims, layout: NamedSharding | None) -> dict[str, Any]:
+  """``ShapeDtypeStruct``s of the named fields, rows sharded as ``layout``."""
+  size = {"P": dims.prompt, "N": dims.new, "PN": dims.prompt + dims.new, "3": 3,
+          "I": dims.image_tokens, "D": dims.image_width}
+  out = {}
+  for name in names:
+    trail, dtype = FIELDS[name]
+    shape = (dims.rows,) + tuple(size[k] for k in trail)
+    out[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=layout)
+  return out
+
+
+def full_masks(rows: int, prompt: int, new: int) -> tuple[np.ndarray, np.ndarray]:
+  """Masks of a batch whose every prompt and response fill their columns: the most
+  packed rows a plan can need (packing and token-budget plans' shapes follow lengths)."""
+  return np.ones((rows, prompt), bool), np.ones((rows, new), bool)
+
+
+def replicated(tree: Any, mesh) -> Any:
+  """A host plan (numpy) as ``ShapeDtypeStruct``s replicated on ``mesh``, as the nodes put
+  it (nodes/passes._placed)."""
+  rep = NamedSharding(mesh, P())
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
+                                                     sharding=rep), tree)
