@@ -603,7 +603,7 @@ def run_grpo(s: dict, workdir: str, child_out: str) -> dict:
 
 
 _PEAK_LINE = re.compile(r"^peak: ([0-9.]+) (GB|MB) on device \d+ \(process \d+\), "
-                        r"while (\S+) runs", re.M)
+                        r"while (.+?) runs\s*$", re.M)
 
 
 def run_plan(s: dict, workdir: str, source: str) -> dict:
