@@ -110,6 +110,8 @@ def test_real_model_configs_lower_for_h100(name):
   _assert_all_lower(rows)
   train = [r for r in rows if r.name.startswith("train_step")]
   assert train and all("cudnn" in r.attention for r in train)
+  prefill = [r for r in rows if r.name.startswith("prefill")]
+  assert "vl" in name or (prefill and all("cudnn" in r.attention for r in prefill)), prefill
   # the first GPU run crashed at T = P + N - 1 = 511 (odd, a mask, in training)
   assert any(r.name == "train_step[w=512]" for r in train) or "vl" in name
 

@@ -6,7 +6,7 @@ import pytest
 
 from distflow_jax import launcher
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.reduction_order]
 
 
 @pytest.mark.timeout(300)

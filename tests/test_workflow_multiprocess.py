@@ -22,7 +22,7 @@ from distflow_jax.config import loading
 from distflow_jax.workflow import trainer
 from workflow_util import params_digest, smoke_overrides, use_tape
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.reduction_order]
 
 COMPARE = ("reward", "accuracy", "response_length", "actor/loss", "actor/grad_norm",
            "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl", "actor/entropy", "critic/loss",

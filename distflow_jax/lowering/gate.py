@@ -16,6 +16,8 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import jax
+
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.lowering.catalogue import Catalogue, Program
 from distflow_jax.models import attention_choice
@@ -94,6 +96,9 @@ def lower_all(build: Callable[[], Catalogue], target: Target, on_row=None
       first = (str(e).strip().splitlines() or [""])[0]
       raise ConfigError(f"plan --lower={target.name}: the run's programs cannot be built for "
                         f"{target.name}: {type(e).__name__}: {first}{_advice(first)}") from None
+    # Building traced some programs already (the engine's shapes come from eval_shape):
+    # trace every one afresh, so each row records the attention kernels it chose.
+    jax.clear_caches()
     for p in cat.programs:
       row = lower_one(p, target)
       rows.append(row)
