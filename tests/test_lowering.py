@@ -211,3 +211,14 @@ def test_catalogue_holds_every_program_a_real_run_compiles(tmp_path, spec):
   assert len(ours) >= 10, data["compiled"]
   missing = _covered(data["compiled"], data["catalogue"])
   assert not missing, missing
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["tpu", "a100"])
+def test_other_targets_lower(name):
+  """TPU lowers from a CPU with no help (XLA's attention there); an A100's cuDNN rules
+  (head dim up to 128) are jax's own under the emulation."""
+  cat, rows = lower("grpo:tiny", BF16, devices=4, target=target_lib.TARGETS[name])
+  _assert_all_lower(rows)
+  train = [r for r in rows if r.name.startswith("train_step")]
+  assert all(("cudnn" in r.attention) == (name == "a100") for r in train), train
