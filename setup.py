@@ -9,5 +9,5 @@ into the wheel, under the package, for an installed ``distflow-jax`` to find the
 
 from setuptools import find_namespace_packages, setup
 
-# Namespace packages: distflow_jax/workflow and distflow_jax/assets have no __init__.py.
+# Namespace packages: distflow_jax/assets has no __init__.py.
 setup(packages=find_namespace_packages(include=["distflow_jax*"]) + ["distflow_jax.configs"])

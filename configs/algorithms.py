@@ -17,7 +17,7 @@ advantages are about 1; estimators that do not (Dr.GRPO, RLOO) keep the reward's
 the std of a 0/1 reward at success rate p, sqrt(p(1-p)) <= 0.5 (~0.4 here), and GRPO's
 0.3 swamps them (an outside check measured Dr.GRPO flat at 23% held-out accuracy with 0.3
 and rising to 39% with 0.067; RLOO flat with 0.3, 34% with 0.12).  REINFORCE++ with a
-baseline whitens over the batch (nodes/estimators.py), so its advantages are about 1 too.
+baseline whitens over the batch (algos/estimators.py), so its advantages are about 1 too.
 
 Clipping (clip_ratio_*) acts only when the ratio pi/pi_old differs from 1: with one epoch
 over one mini-batch the rollout's policy is the trained one and the ratio is exactly 1, so

@@ -6,7 +6,7 @@
       --config.model.path=/path/to/Qwen2.5-VL-3B-Instruct
 Variants: ``tiny`` (CPU: a tiny random Qwen2.5-VL made on first use and warm-started,
 vision tower included, on shapes demonstrations, cached in run_dir/warmstart-vl;
-workflow/vl_warmstart.py), ``qwen2.5-vl-3b`` (a local Qwen2.5-VL-3B-Instruct folder).
+warmstart/vl.py), ``qwen2.5-vl-3b`` (a local Qwen2.5-VL-3B-Instruct folder).
 What images support in this version (config/vision_checks.py): the reference rollout
 backend, no packing, a critic-free DAG, a frozen tower in RL, one image grid per batch.
 """

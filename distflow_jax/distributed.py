@@ -76,21 +76,20 @@ def initialize(auto: bool = False) -> ProcessInfo:
   )
 
 
-HOST_PID_KEY = "distflow/host_pid/{}"
-
-
 def coordination_client():
-  """JAX's coordination-service client (None before initialize)."""
-  from jax._src import distributed as jdist  # the only handle on it
-  return jdist.global_state.client
+  """JAX's coordination-service client (None before initialize): ``peers`` owns it (this
+  module imports nothing at import time, so it can set device flags before jax loads)."""
+  from distflow_jax import peers
+  return peers.coordination_client()
 
 
 def _record_self() -> None:
   """Publishes ``host:pid`` so a survivor can tell at once which local peer died
-  (``workflow.peers``)."""
+  (``peers``)."""
   import socket
 
   import jax
+  from distflow_jax.peers import HOST_PID_KEY
   client = coordination_client()
   if client is not None and jax.process_count() > 1:
     client.key_value_set(HOST_PID_KEY.format(jax.process_index()),
@@ -136,7 +135,7 @@ def run_main(main: Callable[[], int | None]) -> NoReturn:
     traceback.print_exc()
     code = 1
   if "jax" in sys.modules:
-    from distflow_jax.workflow import peers
+    from distflow_jax import peers
     peers.mark_exiting(ok=code == 0)
   sys.stdout.flush()
   sys.stderr.flush()

@@ -17,9 +17,10 @@ import pytest
 
 from distflow_jax.config import loading
 from distflow_jax.dag.spec import Role
-from distflow_jax.workflow import algo_state, trainer
-from distflow_jax.workflow import checkpoint as ck
-from distflow_jax.workflow.algo_state import AlgoState
+from distflow_jax.state import algo_state
+from distflow_jax.run import trainer
+from distflow_jax.persist import checkpoint as ck
+from distflow_jax.state.algo_state import AlgoState
 from test_checkpoint import data  # noqa: F401  (a fixture)
 from test_checkpoint import cfg, host, loader, mesh, model_cfg, perturb, roles_on
 from workflow_util import smoke_overrides

@@ -88,7 +88,7 @@ def shared_compiles(tmp_path_factory):
 @pytest.mark.usefixtures("shared_compiles")
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_one_step_of_each_variant(variant, tmp_path):
-  from distflow_jax.workflow import trainer
+  from distflow_jax.run import trainer
   # Every role on the first of the 8 simulated devices (tests/conftest.py): one device
   # compiles and runs fastest on a small CPU.  8 samples: two mini-batches of 4.
   size = ["data.prompts_per_step=8"] if variant == "ppo" else ["data.prompts_per_step=4",

@@ -159,7 +159,7 @@ def test_a_run_refuses_cudnn_it_cannot_have_before_compiling():
   """model.attention_impl=cudnn where cuDNN cannot serve the model (this CPU; float32 on
   an H100) is one line at set-up, not a crash in the first step's compile."""
   from distflow_jax.config import loading
-  from distflow_jax.workflow import roles
+  from distflow_jax.state import roles
   cfg = loading.load("grpo:tiny", ["model.attention_impl=cudnn"])
   with pytest.raises(loading.ConfigError) as e:
     roles.levers(cfg, CFG)

@@ -13,7 +13,7 @@ from test_rollout_engine import CFG, peaky_model
 
 from distflow_jax.rollout import (Engine, EngineConfig, SamplingParams, cache_growth, generate,
                                   replica_mesh)
-from distflow_jax.workflow import compile_cache
+from distflow_jax.run import compile_cache
 
 # S = 16 + 120 = 136: windows of 17; the first capacity holds bucket 16 + one chunk of 4.
 NEW, STOP = 120, (0,)

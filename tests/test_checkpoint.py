@@ -18,9 +18,9 @@ from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.models.transformer import Transformer
 from distflow_jax.train import steps as steps_lib
-from distflow_jax.workflow import checkpoint as ck
+from distflow_jax.persist import checkpoint as ck
 from distflow_jax.commands import export as export_cmd
-from distflow_jax.workflow.roles import ModelState
+from distflow_jax.state.roles import ModelState
 
 TOK = Tokenizer.builtin()
 

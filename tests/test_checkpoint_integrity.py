@@ -18,9 +18,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distflow_jax.dag.spec import Role
-from distflow_jax.workflow import checkpoint as ck
-from distflow_jax.workflow import checkpoint_files as files
-from distflow_jax.workflow import checksums
+from distflow_jax.persist import checkpoint as ck
+from distflow_jax.persist import checkpoint_files as files
+from distflow_jax.persist import checksums
 from test_checkpoint import data  # noqa: F401  (a fixture)
 from test_checkpoint import cfg, host, loader, mesh, model_cfg, perturb, roles_on
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from distflow_jax import launcher
-from distflow_jax.workflow import checkpoint as ck
+from distflow_jax.persist import checkpoint as ck
 
 pytestmark = pytest.mark.multiprocess
 

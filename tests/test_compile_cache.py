@@ -14,7 +14,7 @@ import pytest
 
 from workflow_util import smoke_overrides
 
-from distflow_jax.workflow import compile_cache
+from distflow_jax.run import compile_cache
 
 TIMEOUT_S = 840
 
@@ -99,7 +99,7 @@ def test_default_is_per_user_and_per_jax_version():
 def test_progress_line_shows_a_compile_after_the_first_step_within_80_columns():
   import io
 
-  from distflow_jax.workflow import progress
+  from distflow_jax.observe import progress
   out = io.StringIO()
   log = progress.Logger(True, out, tty=False)
   full = {"reward": 0.5, "accuracy": 0.5, "response_length": 20.0, "actor/kl": 0.01,

@@ -6,8 +6,8 @@ import pytest
 from distflow_jax.config import loading
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch, to_global, to_local
-from distflow_jax.workflow import dynamic_sampling, trainer
-from distflow_jax.workflow.metrics import Metrics
+from distflow_jax.run import dynamic_sampling, trainer
+from distflow_jax.state.metrics import Metrics
 from workflow_util import smoke_overrides
 
 N = 2
@@ -73,7 +73,7 @@ def test_dynamic_sampling_in_a_grpo_run(tmp_path):
 
 
 def test_groups_of_different_prompt_widths_are_left_padded_to_the_widest():
-  from distflow_jax.workflow.dynamic_sampling import _same_prompt_width
+  from distflow_jax.run.dynamic_sampling import _same_prompt_width
   a = {"prompt_tokens": np.array([[0, 5, 6]]), "prompt_mask": np.array([[False, True, True]])}
   b = {"prompt_tokens": np.array([[7, 8, 9, 1, 2]]), "prompt_mask": np.ones((1, 5), bool)}
   _same_prompt_width([a, b])

@@ -12,7 +12,7 @@ import pytest
 
 from distflow_jax import cli
 from distflow_jax.commands import NAMES
-from distflow_jax.workflow import progress, run_config
+from distflow_jax.observe import progress, run_config
 from workflow_util import tiny_model_folder
 
 
@@ -196,7 +196,7 @@ def test_warm_start_cache_is_keyed_by_its_settings(tmp_path):
   from distflow_jax.config import checks, loading
   from distflow_jax.dag import FUNCTIONS
   from distflow_jax.models.tokenizer import Tokenizer
-  from distflow_jax.workflow import warmstart
+  from distflow_jax.warmstart import text as warmstart
 
   def cfg_with(*overrides):
     return loading.load("grpo:tiny", [f"run_dir={tmp_path}", "model.warmstart.steps=0",

@@ -3,7 +3,7 @@ healthy one."""
 
 import pytest
 
-from distflow_jax.workflow.health import HealthConfig, HealthMonitor, Signal
+from distflow_jax.observe.health import HealthConfig, HealthMonitor, Signal
 
 HEALTHY = {"reward": 0.3, "response_length": 40.0, "actor/kl": 0.02, "actor/entropy": 0.8,
            "actor/pg_clipfrac": 0.01}
@@ -126,7 +126,7 @@ def test_stop_on_collapse_names_the_signal_and_the_last_good_checkpoint(tmp_path
 def test_progress_line_shows_skipped_steps_and_alarms():
   import io
 
-  from distflow_jax.workflow.progress import Logger
+  from distflow_jax.observe.progress import Logger
 
   out = io.StringIO()
   log = Logger(True, out)

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from distflow_jax.config import loading, values
-from distflow_jax.workflow import samples, tensorboard
+from distflow_jax.observe import samples, tensorboard
 from workflow_util import summary_values, tiny_model_folder, tiny_train_argv
 
 

@@ -62,7 +62,7 @@ SCRIPT = textwrap.dedent("""
     from distflow_jax.memory import report
     from distflow_jax.nodes.training import _actor_loss
     from distflow_jax.train import steps as steps_lib
-    from distflow_jax.workflow import roles
+    from distflow_jax.state import roles
 
     fv = flags.FlagValues()
     loading.parse(fv, sys.argv[1:])
@@ -82,7 +82,7 @@ SCRIPT = textwrap.dedent("""
     dp = plan.step("train_actor").layout.dp_size
     minis = cfg.actor.mini_batches
     micro = max(samples // dp // minis // cfg.actor.micro_batch_size, 1)
-    from distflow_jax.workflow.context import shared_prompt_group
+    from distflow_jax.state.context import shared_prompt_group
     gs = shared_prompt_group(cfg, samples, dp * minis * micro)
     loss_cfg = steps_lib.ActorLoss.from_config(cfg.actor, cfg.rollout.max_new_tokens, gs)
     import functools

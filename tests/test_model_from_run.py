@@ -10,7 +10,7 @@ import pytest
 
 from distflow_jax.commands import generate as generate_cmd
 from distflow_jax.config.loading import ConfigError
-from distflow_jax.workflow import model_source
+from distflow_jax.run import model_source
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

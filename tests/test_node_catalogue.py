@@ -20,9 +20,9 @@ from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, to_global, to_local
 from distflow_jax.nodes import training
 from distflow_jax.nodes.advantages import register_estimator
-from distflow_jax.nodes.estimators import BUILTIN_ESTIMATORS, AdvantageInput, Estimator
-from distflow_jax.workflow import trainer
-from distflow_jax.workflow.metrics import Metrics
+from distflow_jax.algos.estimators import BUILTIN_ESTIMATORS, AdvantageInput, Estimator
+from distflow_jax.run import trainer
+from distflow_jax.state.metrics import Metrics
 from workflow_util import smoke_overrides
 
 TEST_NAME = "advantage.test_constant"

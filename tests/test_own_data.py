@@ -12,7 +12,7 @@ from distflow_jax.config.loading import ConfigError
 from distflow_jax.data.loader import PromptLoader, TooFewRowsError
 from distflow_jax.data.sources import field_value
 from distflow_jax.models.tokenizer import Tokenizer
-from distflow_jax.workflow import hints
+from distflow_jax.observe import hints
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHRINK = ["--config.rollout.max_new_tokens=16", "--config.data.max_prompt_len=128",

@@ -231,7 +231,7 @@ def test_grpo_and_ppo_train_packed(tmp_path):
   import math
 
   from distflow_jax.config import loading
-  from distflow_jax.workflow import trainer
+  from distflow_jax.run import trainer
   from workflow_util import smoke_overrides
   common = ("cluster.devices_per_process=8", "model.pack_sequences=True",
             "model.share_prompt_prefix=False", "actor.micro_batch_size=1")

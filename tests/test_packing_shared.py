@@ -265,7 +265,7 @@ def test_grpo_trains_packed_with_shared_prompts(tmp_path):
   import math
 
   from distflow_jax.config import loading
-  from distflow_jax.workflow import trainer
+  from distflow_jax.run import trainer
   from workflow_util import smoke_overrides
   cfg = loading.load("grpo:tiny", smoke_overrides(
       tmp_path, "cluster.devices_per_process=8", "model.pack_sequences=True",

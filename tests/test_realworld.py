@@ -18,7 +18,7 @@ import pytest
 from fixtures import tiny_hf
 
 from distflow_jax.config import loading
-from distflow_jax.workflow import hints
+from distflow_jax.observe import hints
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

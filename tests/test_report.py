@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from distflow_jax.workflow import report, tensorboard
+from distflow_jax.observe import report, tensorboard
 from workflow_util import summary_values
 
 

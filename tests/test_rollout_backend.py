@@ -136,7 +136,7 @@ def test_run_context_builds_the_configured_backend_once():
   import types
 
   from distflow_jax.dag.spec import Role
-  from distflow_jax.workflow.context import RunContext
+  from distflow_jax.state.context import RunContext
   cfg = loading.load("grpo:tiny")
   ctx = object.__new__(RunContext)  # only what backend() reads; no plan, roles or data
   ctx.cfg, ctx.model_cfg, ctx._backends = cfg, CFG, {}

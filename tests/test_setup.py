@@ -1,11 +1,11 @@
-"""workflow/setup.py: the one run set-up of train, eval and generate; the model preset table."""
+"""run/setup.py: the one run set-up of train, eval and generate; the model preset table."""
 
 import pytest
 
 from distflow_jax.config import loading
 from distflow_jax.dag.spec import Role
 from distflow_jax.models import config as model_configs
-from distflow_jax.workflow.setup import prepare_run
+from distflow_jax.run.setup import prepare_run
 from workflow_util import smoke_overrides
 
 
@@ -47,7 +47,7 @@ def test_actor_only_and_all_roles(tmp_path):
 
 
 def test_inputs_are_checked_before_any_weights(tmp_path, monkeypatch):
-  from distflow_jax.workflow import roles as roles_lib
+  from distflow_jax.state import roles as roles_lib
   built = []
   monkeypatch.setattr(roles_lib, "build_actor", lambda *a, **k: built.append(a))
   cfg = loading.load("grpo:tiny", smoke_overrides(tmp_path))
@@ -60,7 +60,7 @@ def test_inputs_are_checked_before_any_weights(tmp_path, monkeypatch):
 
 
 def test_train_rejects_an_unknown_builtin_task_naming_the_valid_ones(tmp_path):
-  from distflow_jax.workflow import trainer
+  from distflow_jax.run import trainer
   cfg = loading.load("grpo:tiny", smoke_overrides(tmp_path, "data.train=builtin:algebra"))
   with pytest.raises(loading.ConfigError, match=r"^data.train='builtin:algebra': unknown "
                                                 r"built-in task 'algebra'; valid: "
@@ -79,7 +79,7 @@ def test_reference_owns_its_buffers_whatever_the_actor_mesh(tmp_path, mesh):
   # (a replicated leaf under another mesh shape) died with it, and the next step's
   # reference pass crashed the process (a segfault at step 2 with an fsdp 2 x tensor 4
   # actor).
-  from distflow_jax.workflow.roles import _shares_buffers
+  from distflow_jax.state.roles import _shares_buffers
   cfg = loading.load("grpo:tiny", smoke_overrides(tmp_path, *mesh))
   roles = prepare_run(cfg, roles="all", log=lambda m: None).ctx.roles
   import jax

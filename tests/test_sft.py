@@ -63,7 +63,7 @@ def test_sft_lowers_heldout_loss_and_writes_a_model_train_accepts(tmp_path, caps
 
 def test_chat_messages_train_on_every_assistant_turn(tmp_path, capsys):
   from distflow_jax.models.tokenizer import Tokenizer
-  from distflow_jax.workflow import sft_data
+  from distflow_jax.warmstart import sft_data
   conv = {"messages": [{"role": "system", "content": "Add."},
                        {"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"},
                        {"role": "user", "content": "and +4?"},
@@ -110,7 +110,7 @@ def test_resumed_sft_continues_bitwise(tmp_path, monkeypatch, capsys):
   whole, parts = tmp_path / "whole", tmp_path / "parts"
   whole.mkdir(), parts.mkdir()
   assert cli.main(sft_args(whole, data, *common)) == 0, capsys.readouterr().err
-  from distflow_jax.workflow import checkpoint
+  from distflow_jax.persist import checkpoint
   save = checkpoint.Checkpointer.save
 
   def crash_after_step_4(self, step, *a, **kw):  # the process dies once step 4 is saved
@@ -140,7 +140,8 @@ def test_warm_start_is_the_sft_loop_unchanged(tmp_path):
   from distflow_jax.dag.spec import Role
   from distflow_jax.tasks import registry as tasks
   from distflow_jax.train import steps as steps_lib
-  from distflow_jax.workflow import setup, warmstart
+  from distflow_jax.run import setup
+  from distflow_jax.warmstart import text as warmstart
   cfg = loading.load("grpo:tiny", SHAPE + [f"run_dir={tmp_path}"])
   state = setup.prepare_run(cfg, roles="actor").ctx.roles[Role.ACTOR]
   task, level = tasks.parse(cfg.data.train)
@@ -171,7 +172,7 @@ def test_warm_start_is_the_sft_loop_unchanged(tmp_path):
 
 
 def state_tok(cfg):
-  from distflow_jax.workflow import roles
+  from distflow_jax.state import roles
   return roles.load_tokenizer(cfg.model)
 
 
@@ -215,7 +216,7 @@ def test_warm_start_says_when_max_new_tokens_cuts_its_demonstrations():
   """A demonstration longer than rollout.max_new_tokens is cut (as the rollout would cut
   it), and the run says so in one line with the length that fits them all."""
   from distflow_jax.models.tokenizer import Tokenizer
-  from distflow_jax.workflow import warmstart
+  from distflow_jax.warmstart import text as warmstart
   tok = Tokenizer.builtin()
   recs = [{"prompt": "q", "completion": "1 + 2 = 3\n#### 3"},
           {"prompt": "q", "completion": "12 + 14 = 26\n26 - 7 = 19\n#### 19"}]

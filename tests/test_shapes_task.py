@@ -119,7 +119,7 @@ def test_sizes_need_no_resize_and_bad_configs_name_the_culprit():
 def test_rows_load_through_prompt_loader(tmp_path, monkeypatch, level, grid, tokens):
   from test_images import _vl_tokenizer
   import ml_collections
-  from distflow_jax.workflow import trainer
+  from distflow_jax.run import trainer
   # The built-in flow: dataset_paths writes the task's rows into run_dir/data.
   monkeypatch.setattr(trainer, "BUILTIN_TRAIN_ROWS", 6)
   cfg = ml_collections.ConfigDict({"run_dir": str(tmp_path), "seed": 0, "data": {

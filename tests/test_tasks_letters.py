@@ -97,7 +97,7 @@ def test_registry_names_the_task_and_its_levels():
 
 def test_trainer_writes_the_builtin_splits(tmp_path):
   from distflow_jax.config import loading
-  from distflow_jax.workflow import trainer
+  from distflow_jax.run import trainer
   cfg = loading.load("grpo:tiny", [f"run_dir={tmp_path}", "data.train=builtin:letters:easy",
                                    "data.eval=builtin:letters:easy", "data.eval_size=64"])
   train_path, eval_path = trainer.dataset_paths(cfg)

@@ -1,5 +1,5 @@
 """Images through the sequence passes: `response_logprobs` on a batch carrying precomputed
-vision features (train/image_inputs.py, workflow/vision.py) equals `VLModel`'s own full
+vision features (train/image_inputs.py, state/vision.py) equals `VLModel`'s own full
 forward over prompt (with an image) + response, per row and with shared prompts."""
 
 import jax
@@ -12,7 +12,7 @@ from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.vision import VisionConfig
 from distflow_jax.models.vl import VLConfig, VLModel, vl_inputs
 from distflow_jax.train import steps
-from distflow_jax.workflow.vision import VisionEncoder, image_fields
+from distflow_jax.state.vision import VisionEncoder, image_fields
 
 IMG, VSTART, VEND, PAD = 120, 122, 123, 0
 GRID = (1, 4, 4)          # 4 x 4 patches -> 2 x 2 merged groups = 4 image tokens

@@ -16,7 +16,7 @@ from distflow_jax.data import images as im
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.vision import VisionConfig
 from distflow_jax.models.vl import VLConfig, VLModel, save_vl_pretrained
-from distflow_jax.workflow import trainer
+from distflow_jax.run import trainer
 from workflow_util import smoke_overrides
 
 
@@ -101,7 +101,7 @@ def test_export_and_eval_of_a_vl_run_keep_the_tower(tmp_path, capsys):
   import shutil
   from distflow_jax import cli
   from distflow_jax.models.vl import load_vl_pretrained
-  from distflow_jax.workflow import vision
+  from distflow_jax.state import vision
   ckpt = tiny_vl_checkpoint(tmp_path / "vl")
   run_dir, out = tmp_path / "run", tmp_path / "exported"
   flags = ["--config=grpo:tiny", f"--config.run_dir={run_dir}", f"--config.model.path={ckpt}",
@@ -122,7 +122,7 @@ def test_export_and_eval_of_a_vl_run_keep_the_tower(tmp_path, capsys):
   from distflow_jax.tasks import shapes
   from distflow_jax.tasks.arithmetic import write_jsonl
   write_jsonl(shapes.TASK.generate_split("basic", "eval", 4, seed=0), str(data))
-  from distflow_jax.workflow import progress
+  from distflow_jax.observe import progress
   eval_flags = progress.eval_config_args(flags)  # what the end-of-run hint repeats
   assert cli.main(["eval", *eval_flags, f"--model={run_dir}", f"--data={data}"]) == 0, \
       capsys.readouterr().err[-2000:]

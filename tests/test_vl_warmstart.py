@@ -1,4 +1,4 @@
-"""configs/grpo_vl.py:tiny and its built-in tiny VL model (workflow/vl_warmstart.py): the
+"""configs/grpo_vl.py:tiny and its built-in tiny VL model (warmstart/vl.py): the
 folder is a real Qwen2.5-VL checkpoint, its warm start (tower included) learns, the
 config plans, and a cut-down run of it trains with finite metrics (issue 20 item 4)."""
 
@@ -16,7 +16,9 @@ from distflow_jax.data import images as im
 from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.models.vl import VLModel, load_vl_pretrained
 from distflow_jax.tasks import registry as tasks
-from distflow_jax.workflow import trainer, vision, vl_warmstart
+from distflow_jax.run import trainer
+from distflow_jax.state import vision
+from distflow_jax.warmstart import vl as vl_warmstart
 
 CONFIG = "configs/grpo_vl.py:tiny"
 

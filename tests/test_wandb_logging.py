@@ -1,4 +1,4 @@
-"""Weights & Biases logging (logging.wandb, workflow/wandb_log.py): the config, the missing
+"""Weights & Biases logging (logging.wandb, observe/wandb_log.py): the config, the missing
 extra, and a tiny offline run read back from the files wandb wrote."""
 
 import glob
@@ -10,7 +10,7 @@ import pytest
 
 from distflow_jax import cli
 from distflow_jax.config import loading, values
-from distflow_jax.workflow import wandb_log
+from distflow_jax.observe import wandb_log
 from workflow_util import tiny_model_folder, tiny_train_argv
 
 

@@ -1,4 +1,4 @@
-"""Other prompt widths compiled ahead (workflow/warm_shapes.py, trainer.compile_ahead).
+"""Other prompt widths compiled ahead (state/warm_shapes.py, trainer.compile_ahead).
 
 A function first called at one prompt width has its other widths compiled by
 `Recorder.compile_widths`; the later call at such a width then compiles nothing (and it does
@@ -18,7 +18,8 @@ from distflow_jax.data import layout as dlayout
 from distflow_jax.data import redistribute as rd
 from distflow_jax.models import sharding
 from distflow_jax.train import steps
-from distflow_jax.workflow import compile_cache, warm_shapes
+from distflow_jax.run import compile_cache
+from distflow_jax.state import warm_shapes
 
 B = 8
 
@@ -113,7 +114,8 @@ def test_compile_ahead_is_validated():
 @pytest.mark.timeout(600)
 def test_run_with_several_prompt_widths_compiles_nothing_after_step_1(tmp_path):
   from distflow_jax.config.loading import load
-  from distflow_jax.workflow import checkpoint, checksums, trainer
+  from distflow_jax.persist import checkpoint, checksums
+  from distflow_jax.run import trainer
   cfg = load("grpo:tiny", [o for o in smoke_overrides(str(tmp_path / "run")) if "buckets" not in o] + [
       "rollout.prefill_buckets=(16,20,40)", "data.train=builtin:arithmetic",
       "data.eval=", "data.chat_template=False", "data.prompts_per_step=8", "rollout.n=2",

@@ -9,7 +9,7 @@ import pytest
 
 from distflow_jax.config import loading
 from distflow_jax.dag.spec import DagError, Role
-from distflow_jax.workflow import trainer
+from distflow_jax.run import trainer
 from workflow_util import smoke_overrides
 
 

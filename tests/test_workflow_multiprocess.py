@@ -19,7 +19,7 @@ import pytest
 
 from distflow_jax import launcher
 from distflow_jax.config import loading
-from distflow_jax.workflow import trainer
+from distflow_jax.run import trainer
 from workflow_util import params_digest, smoke_overrides, use_tape
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.reduction_order]

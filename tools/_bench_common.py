@@ -191,7 +191,7 @@ class Worker:
 
 class CompileCount:
   """This process's backend compiles (count, seconds) from creation on, via jax.monitoring
-  (the event distflow_jax.workflow.compile_cache counts; for a process without distflow)."""
+  (the event distflow_jax.run.compile_cache counts; for a process without distflow)."""
 
   EVENT = "/jax/core/compile/backend_compile_duration"
 

@@ -299,7 +299,7 @@ def ours_worker(inputs_path: str, variant: Variant) -> int:
   import jax
 
   from distflow_jax.config.loading import load
-  from distflow_jax.workflow import compile_cache, executor, trainer
+  from distflow_jax.run import compile_cache, executor, trainer
 
   buckets = _buckets(inp["prompt_len"]) if variant.buckets else (inp["prompt_len"],)
   overrides = [

@@ -41,7 +41,7 @@ from distflow_jax import distributed
 from distflow_jax.config import loading
 cfg = loading.load(sys.argv[1], sys.argv[2:])
 distributed.simulate_cpu_devices(cfg.cluster.devices_per_process)
-from distflow_jax.workflow import trainer
+from distflow_jax.run import trainer
 trainer.setup(cfg, log=print)
 """
 

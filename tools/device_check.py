@@ -373,7 +373,7 @@ def _run_cfg():
 
 def _model_cfg(shape: str):
   from distflow_jax.models import ModelConfig
-  from distflow_jax.workflow import roles
+  from distflow_jax.state import roles
   return roles.levers(_run_cfg(), ModelConfig.from_hf_dict(_hf_config(shape), "bfloat16"))
 
 
@@ -386,7 +386,7 @@ def measure_train(s: dict) -> dict:
 
   from distflow_jax.models import Transformer, sharding
   from distflow_jax.train import steps
-  from distflow_jax.workflow import roles
+  from distflow_jax.state import roles
 
   run = _run_cfg()
   cfg = _model_cfg(s["shape"])

@@ -45,14 +45,14 @@ def start_job(fv, command: str, run_dir: str):
   from distflow_jax import distributed
   cfg = fv.config
   distributed.simulate_cpu_devices(cfg.cluster.devices_per_process)
-  from distflow_jax.workflow import progress
+  from distflow_jax.observe import progress
   info = distributed.initialize(auto=fv.distributed == "auto")
-  from distflow_jax.workflow import peers
+  from distflow_jax import peers
   peers.start_watchdog()  # a local peer's death stops this process with one line
   log = progress.Logger(info.process_index == 0)
   log(f"{command} {cfg.name}: {info.process_count} process(es) x {info.local_device_count} "
       f"device(s); run dir {run_dir}")
-  from distflow_jax.workflow import compile_cache
+  from distflow_jax.run import compile_cache
   compile_cache.enable(cfg, log)  # before anything compiles (trainer.compile_cache_dir)
   return info, log
 

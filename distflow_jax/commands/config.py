@@ -26,7 +26,7 @@ DEFAULT_CONFIG = "grpo:tiny"
 def resolved(argv: Sequence[str]) -> tuple[dict[str, Any], bool, bool]:
   """The resolved config as flat JSON values, and the --diff and --json flags."""
   from distflow_jax.config import defaults
-  from distflow_jax.workflow import run_config
+  from distflow_jax.observe import run_config
 
   fv = flags.FlagValues()
   flags.DEFINE_boolean("diff", False, "only the keys that differ from config/defaults.base(), "

@@ -21,7 +21,7 @@ per prompt and reports the unbiased pass@k and the per-sample accuracy.
 Every row of the file is evaluated (rows the loader refuses are counted and
 reported), in chunks of ``--batch_size`` prompts per process; each process
 evaluates its own shard on its rollout replica (see
-``workflow.evaluate.evaluate_file``).
+``run.evaluate.evaluate_file``).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def run(argv: Sequence[str]) -> int:
   if fv.k < 1 or fv.batch_size < 1 or fv.limit < 0:
     raise ConfigError(f"--k={fv.k} and --batch_size={fv.batch_size} must be >= 1, "
                       f"--limit={fv.limit} >= 0")
-  from distflow_jax.workflow import model_source
+  from distflow_jax.run import model_source
   source = model_source.kind(model, flag)
   cfg = fv.config
   with cfg.unlocked():
@@ -84,15 +84,16 @@ def run(argv: Sequence[str]) -> int:
                       f"{reward_registry.reward_names()}")
   if not os.path.exists(fv.data):
     raise ConfigError(f"--data={fv.data!r} does not exist")
-  from distflow_jax.workflow import hints
+  from distflow_jax.observe import hints
   if source == "hf":
     hints.check_model_dir(model, flag)
   hints.check_dataset_fields(fv.data, cfg.data.prompt_key, cfg.data.answer_key, "--data")
 
   from distflow_jax import distributed
   info = distributed.initialize()
-  from distflow_jax.workflow import evaluate, progress
-  from distflow_jax.workflow.setup import prepare_run
+  from distflow_jax.run import evaluate
+  from distflow_jax.observe import progress
+  from distflow_jax.run.setup import prepare_run
   log = progress.Logger(info.process_index == 0)
   if source == "checkpoint":
     folder, step = model_source.checkpoint_as_hf(model, flag)

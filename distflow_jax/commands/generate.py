@@ -102,7 +102,7 @@ def run(argv: Sequence[str]) -> int:
   if n <= 0 or new <= 0:
     raise loading.ConfigError(f"--n={n} and --max_new_tokens={new} must be positive")
   texts = _read_prompts(fv.prompts, cfg.data.prompt_key)
-  from distflow_jax.workflow import model_source
+  from distflow_jax.run import model_source
   source = model_source.kind(fv.model) if fv.model else None
   if source == "hf":
     with cfg.unlocked():
@@ -116,7 +116,7 @@ def run(argv: Sequence[str]) -> int:
   if cfg.model.path:
     # A folder without tokenizer files (or config, or weights) fails here in one line,
     # before jax starts and any weight is read.
-    from distflow_jax.workflow import hints
+    from distflow_jax.observe import hints
     hints.check_model_dir(cfg.model.path)
 
   import jax
@@ -124,7 +124,7 @@ def run(argv: Sequence[str]) -> int:
 
   from distflow_jax import distributed
   from distflow_jax.dag.spec import Role
-  from distflow_jax.workflow.setup import prepare_run
+  from distflow_jax.run.setup import prepare_run
 
   info = distributed.initialize()
   if source == "checkpoint":

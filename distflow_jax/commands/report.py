@@ -2,7 +2,7 @@
 
   distflow-jax report RUN_DIR [--out DIR]
 
-The plots and the summary are ``workflow.report``; this parses the command
+The plots and the summary are ``observe.report``; this parses the command
 line and prints the first/last values and the written paths.  A missing or
 empty metrics file, or no matplotlib, is one line and exit 2.
 """
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 def run(argv: Sequence[str]) -> int:
   """Entry point of ``distflow-jax report``; returns the exit code."""
-  from distflow_jax.workflow import report
+  from distflow_jax.observe import report
 
   parser = argparse.ArgumentParser(prog="distflow-jax report",
                                    description="PNG plots + report.md of a run's metrics.")

@@ -7,7 +7,7 @@
 Rows are prompt/answer (``data.prompt_key`` / ``data.answer_key``; the answer is the
 completion to learn) or chat ``messages`` (every assistant turn is learned).  It
 writes a Hugging Face folder (``sft.out``, default ``<run_dir>/sft/model``) that
-``train --config.model.path=`` loads; see workflow/sft_run.py.
+``train --config.model.path=`` loads; see run/sft_run.py.
 """
 
 from __future__ import annotations
@@ -32,6 +32,6 @@ def run(argv: Sequence[str]) -> int:
     raise loading.ConfigError(f"sft takes no positional arguments, got {rest}")
   cfg = fv.config
   _, log = start_job(fv, "sft", cfg.run_dir)  # before sft_run: it imports jax
-  from distflow_jax.workflow import sft_run
+  from distflow_jax.run import sft_run
   sft_run.run(cfg, eval_data=fv.eval_data, resume=fv.resume, log=log)
   return 0

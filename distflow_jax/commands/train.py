@@ -9,7 +9,7 @@ The resolved config goes to ``run_dir/config.json`` (each start appended to
 ``run_dir/config_history.jsonl``).  A resume compares the config with the
 checkpoint's: keys that change what the run computes are refused unless
 ``--allow_config_change``; others (total_steps, eval_every, save_every, keep,
-run_dir, health alarms, layout) pass and are reported (workflow/run_config.py).
+run_dir, health alarms, layout) pass and are reported (observe/run_config.py).
 A finished run (latest checkpoint at trainer.total_steps) has nothing to do
 (exit 0).  Ctrl-C says which checkpoint is saved and exits 130.
 """
@@ -39,10 +39,12 @@ def run(argv: Sequence[str]) -> int:
   if rest:
     raise loading.ConfigError(f"train takes no positional arguments, got {rest}")
   cfg = fv.config
-  from distflow_jax.workflow import wandb_log
+  from distflow_jax.observe import wandb_log
   wandb_log.check(cfg)  # logging.wandb without the wandb package: one line, before any work
   info, log = start_job(fv, "config", cfg.run_dir)
-  from distflow_jax.workflow import checkpoint, progress, run_config, trainer
+  from distflow_jax.persist import checkpoint
+  from distflow_jax.observe import progress, run_config
+  from distflow_jax.run import trainer
   # Before any weights: a refused config change or a finished run costs no warm start.
   resumed = run_config.preflight(cfg, resume=fv.resume, allow_change=fv.allow_config_change,
                                  log=log)
@@ -80,7 +82,8 @@ def run(argv: Sequence[str]) -> int:
     log.end_line()
     if wandb is not None:
       wandb.close(exit_code=1)
-    from distflow_jax.workflow import health, hints, peers
+    from distflow_jax.observe import health, hints
+    from distflow_jax import peers
     if isinstance(e, health.CollapseError):
       print(f"distflow-jax train: {e}", file=sys.stderr)
       return 1
@@ -99,7 +102,8 @@ def run(argv: Sequence[str]) -> int:
 def _interrupted(ckpt, cfg) -> str:
   """What Ctrl-C leaves: a save in flight is let finish (a second Ctrl-C abandons it; the
   half-written step is ignored by the next run)."""
-  from distflow_jax.workflow import checkpoint, progress
+  from distflow_jax.persist import checkpoint
+  from distflow_jax.observe import progress
   last = None
   if ckpt is not None:
     try:
@@ -109,7 +113,7 @@ def _interrupted(ckpt, cfg) -> str:
       last = None  # then say what is on disk
   directory = checkpoint.checkpoint_dir(cfg.run_dir)
   if last is None and os.path.isdir(directory):
-    from distflow_jax.workflow import run_config
+    from distflow_jax.observe import run_config
     steps = run_config.committed_steps(cfg.run_dir)
     last = steps[-1] if steps else None
   return progress.interrupted_line(last, directory)

@@ -107,10 +107,10 @@ def check_same_config(cfg: ml_collections.ConfigDict,
 
   A collective: every process must call it at the same point (after
   ``jax.distributed`` is initialized).  ``gather`` all-gathers a JSON-able
-  value in process order (default ``workflow.checkpoint.gather_json``).
+  value in process order (default ``persist.checkpoint.gather_json``).
   """
   if gather is None:
-    from distflow_jax.workflow.checkpoint import gather_json as gather
+    from distflow_jax.persist.checkpoint import gather_json as gather
   flat = _kept(flatten(cfg), exclude)
   digests = gather(fingerprint(flat))
   if len(set(digests)) <= 1:

@@ -185,7 +185,7 @@ def base() -> ml_collections.ConfigDict:
       total_steps=20,
       eval_every=5,
       # Held-out samples (prompt, response, reward, ground truth) logged at each evaluation
-      # to run_dir/samples.jsonl and TensorBoard text (workflow/samples.py); 0 = off.
+      # to run_dir/samples.jsonl and TensorBoard text (observe/samples.py); 0 = off.
       log_samples=4,
       save_every=10,         # checkpoint every K steps (and at the end); 0 = only at the end
       keep=3,                # keep the last N checkpoints; 0 = all
@@ -195,7 +195,7 @@ def base() -> ml_collections.ConfigDict:
       # over units of <role>.micro_batch_size rows (train/deterministic.py).  Costs memory
       # (parameters whole on each device in a step) and speed; see the README.
       deterministic=False,
-      # Training health (workflow/health.py): warn on the progress line and in the metrics
+      # Training health (observe/health.py): warn on the progress line and in the metrics
       # (health/<signal>) when a run looks like it is collapsing; 0 disables a signal.
       health=dict(
           kl_max=1.0,             # KL to the reference, nats per token
@@ -209,22 +209,22 @@ def base() -> ml_collections.ConfigDict:
       # Stop on a collapse signal (not on idle clipping) with one line naming it and the
       # last checkpoint saved before it.
       stop_on_collapse=False,
-      # JAX's persistent compilation cache (workflow/compile_cache.py): a second run of the
+      # JAX's persistent compilation cache (run/compile_cache.py): a second run of the
       # same shapes loads its executables instead of compiling them.  "" = off; the
       # environment variable DISTFLOW_JAX_COMPILE_CACHE, when set, takes its place.
       compile_cache_dir=compile_cache_dir(),
-      # When the shapes a run has not met yet compile (workflow/warm_shapes.py): every
+      # When the shapes a run has not met yet compile (state/warm_shapes.py): every
       # prompt width a step can pad to, and the rollout engines' prefill shapes.  auto:
       # with the compile cache on (paid once; later runs load them) | always | never
       # (each when first met: a stall mid-run).
       compile_ahead="auto",
   )
   # Where `train` logs besides metrics.jsonl and TensorBoard (always on).  wandb: Weights &
-  # Biases (workflow/wandb_log.py; needs pip install 'distflow-jax[wandb]'): process 0 logs
+  # Biases (observe/wandb_log.py; needs pip install 'distflow-jax[wandb]'): process 0 logs
   # each step's metrics and each evaluation's samples as a table.  name "" = the config's
   # name; mode "" = wandb's own (WANDB_MODE, else online) | online | offline.
   c.logging = dict(wandb=dict(enabled=False, project="distflow-jax", name="", mode=""))
-  # `distflow-jax sft` (workflow/sft_run.py): supervised fine-tuning on data.train's
+  # `distflow-jax sft` (run/sft_run.py): supervised fine-tuning on data.train's
   # prompt/answer (or chat `messages`) rows.  Its checkpoints and metrics.jsonl go to
   # <run_dir>/sft; the final Hugging Face folder to `out` ("" = <run_dir>/sft/model).
   c.sft = dict(

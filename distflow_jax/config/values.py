@@ -38,7 +38,7 @@ def option_types() -> dict[str, type[enum.Enum] | tuple[str, ...]]:
   from distflow_jax.models.config import ATTENTION_IMPLS, DTYPES, REMATS
   from distflow_jax.rewards.math_answer import MATCH_MODES
   from distflow_jax.train.optim import Optimizer, Schedule
-  from distflow_jax.workflow.warm_shapes import CompileAhead
+  from distflow_jax.state.warm_shapes import CompileAhead
   return {
       "loss_agg": LossAggMode, "ratio_level": RatioLevel, "kl_estimator": KLEstimator,
       "on_bad_row": OnBadRow, "redistribute": Mode, "dtype": tuple(DTYPES),
@@ -136,7 +136,7 @@ def check_values(cfg) -> None:
   _check_algo(cfg.algo)
   _check_trainer(cfg.trainer)
   if "logging" in cfg:
-    from distflow_jax.workflow import wandb_log
+    from distflow_jax.observe import wandb_log
     wandb_log.check(cfg)
   if "sft" in cfg:
     _check_sft(cfg.sft)

@@ -1,4 +1,4 @@
-"""Graph helpers for the DAG: children, topological order, a cycle, depth.
+"""The DAG as a graph: `Dag` (its nodes and edges, validated by validate.py), children, topological order, a cycle, depth.
 
 Everything here is O(nodes + edges) and iterative (no recursion), so a workflow of
 any size and declaration order validates and plans in linear time.
@@ -6,6 +6,8 @@ any size and declaration order validates and plans in linear time.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections import deque
 from collections.abc import Sequence
 
@@ -82,3 +84,37 @@ def short_list(ids: Sequence[str], limit: int = 12) -> str:
   if len(ids) <= limit:
     return str(ids)
   return f"{str(ids[:limit])[:-1]}, ... {len(ids) - limit} more]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Dag:
+  nodes: tuple[Node, ...]  # declaration order
+  entry: str
+
+  def node(self, node_id: str) -> Node:
+    return self._by_id[node_id]
+
+  @functools.cached_property
+  def _by_id(self) -> dict[str, Node]:
+    return {n.id: n for n in self.nodes}
+
+  @functools.cached_property
+  def _children(self) -> dict[str, list[str]]:
+    return children_of(self.nodes)
+
+  @functools.cached_property
+  def topological(self) -> tuple[Node, ...]:
+    """The nodes, dependencies first (Kahn's order, ties in declaration order)."""
+    return tuple(topological(self.nodes, self._children))
+
+  def children(self, node_id: str) -> list[str]:
+    return list(self._children[node_id])
+
+  def ancestors(self, node_id: str) -> set[str]:
+    by_id, seen, stack = self._by_id, set(), list(self._by_id[node_id].deps)
+    while stack:
+      d = stack.pop()
+      if d not in seen:
+        seen.add(d)
+        stack.extend(by_id[d].deps)
+    return seen

@@ -37,7 +37,6 @@ from typing import Any
 
 from distflow_jax.dag.order import ReadyQueue
 from distflow_jax.dag.registry import Placement, Registry
-from distflow_jax.dag.render import render  # noqa: F401  (re-exported: planner.render)
 from distflow_jax.dag.spec import DagError, Node, Role
 from distflow_jax.dag.validate import Dag
 

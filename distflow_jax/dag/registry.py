@@ -11,7 +11,7 @@ Users add functions without editing the package: a module listed in
 estimator: ``nodes.advantages.register_estimator(Estimator(...))``).
 
 The advantage estimators' specs are derived from their table
-(``nodes.estimators``, which imports no jax) by ``estimator_spec``, so a spec and its
+(``algos.estimators``, which imports no jax) by ``estimator_spec``, so a spec and its
 estimator cannot disagree on group needs or inputs.
 """
 
@@ -23,7 +23,7 @@ import enum
 from collections.abc import Callable, Iterable
 
 from distflow_jax.dag.spec import DagError, NodeType, Role
-from distflow_jax.nodes.estimators import BUILTIN_ESTIMATORS, Estimator
+from distflow_jax.algos.estimators import BUILTIN_ESTIMATORS, Estimator
 
 
 class Placement(enum.Enum):

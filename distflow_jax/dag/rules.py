@@ -21,7 +21,7 @@ from distflow_jax.dag.registry import SUMMED_FIELDS, Registry
 from distflow_jax.dag.spec import DagError, Node, NodeType, Role
 
 if TYPE_CHECKING:
-  from distflow_jax.dag.validate import Dag
+  from distflow_jax.dag.graph import Dag
 
 # Functions that read 'ref_logprobs' when actor.kl.coef > 0: the actor's loss term
 # (actor.kl.in_reward False), and every function whose spec says ``kl_reward`` (the

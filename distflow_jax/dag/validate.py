@@ -11,48 +11,13 @@ read critic is trained).  All of it is O(nodes + edges) and never recurses.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from distflow_jax.dag import graph, rules
+from distflow_jax.dag.graph import Dag  # noqa: F401 (re-exported: validate.Dag)
 from distflow_jax.dag.registry import SUMMED_FIELDS, FunctionSpec, Placement, Registry
 from distflow_jax.dag.spec import DagError, Node, NodeType, Role, parse_node
-
-
-@dataclasses.dataclass(frozen=True)
-class Dag:
-  nodes: tuple[Node, ...]  # declaration order
-  entry: str
-
-  def node(self, node_id: str) -> Node:
-    return self._by_id[node_id]
-
-  @functools.cached_property
-  def _by_id(self) -> dict[str, Node]:
-    return {n.id: n for n in self.nodes}
-
-  @functools.cached_property
-  def _children(self) -> dict[str, list[str]]:
-    return graph.children_of(self.nodes)
-
-  @functools.cached_property
-  def topological(self) -> tuple[Node, ...]:
-    """The nodes, dependencies first (Kahn's order, ties in declaration order)."""
-    return tuple(graph.topological(self.nodes, self._children))
-
-  def children(self, node_id: str) -> list[str]:
-    return list(self._children[node_id])
-
-  def ancestors(self, node_id: str) -> set[str]:
-    by_id, seen, stack = self._by_id, set(), list(self._by_id[node_id].deps)
-    while stack:
-      d = stack.pop()
-      if d not in seen:
-        seen.add(d)
-        stack.extend(by_id[d].deps)
-    return seen
 
 
 def build_dag(raw_nodes: Sequence[Mapping[str, Any]], registry: Registry,

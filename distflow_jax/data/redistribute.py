@@ -184,7 +184,7 @@ def redistribute(tree: Any, lengths_B: np.ndarray, src: Layout, dst: Layout,
       process 0; it always moves, as a single-controller framework would).
     group_size: keep runs of this many consecutive samples together.
     on_plan: called with ``(tree, plan)`` before a plan runs (not on the fast path):
-      the run records the move's shapes (``workflow/warm_shapes.py``).
+      the run records the move's shapes (``state/warm_shapes.py``).
 
   Returns:
     ``(tree placed as dst, perm_B)`` where output row ``j`` is input row
@@ -247,7 +247,7 @@ def rehearse(tree: Any, plan: RepartitionPlan, dst: Layout,
              mode: Mode | str = Mode.DISTRIBUTED) -> None:
   """Runs ``plan`` on zeros shaped and placed as ``tree``'s ``ShapeDtypeStruct`` leaves
   (with shardings): compiles every program a real move of those shapes runs, the
-  jitted exchange and the per-device slices around it (workflow/warm_shapes.py).  A
+  jitted exchange and the per-device slices around it (state/warm_shapes.py).  A
   collective: every process rehearses the same moves in the same order."""
   def zeros(s: jax.ShapeDtypeStruct) -> jax.Array:
     whole = np.broadcast_to(np.zeros((), s.dtype), s.shape)  # a view: no memory

@@ -10,7 +10,8 @@ own checks are the judge (the cuDNN kernel's shape rules run as on the device:
 models/target.py).
 
 This room owns: ``abstract`` (a RunContext whose models are ``ShapeDtypeStruct``s),
-``catalogue`` (the programs of a config, ``Program``), ``gate`` (lowering them, the table,
-the one-line refusal).  It may import every layer below the commands (workflow, nodes,
-rollout, train, models, data, memory); nothing but commands/ imports it.
+``program`` (``Program``, ``Catalogue``), ``catalogue`` (the programs of a config; the
+rollout's in ``rollout_programs``), ``gate`` (lowering them, the table,
+the one-line refusal).  It may import every layer below it (memory, run, config, warmstart,
+persist, observe, nodes, state, ...); nothing but commands/ imports it.
 """

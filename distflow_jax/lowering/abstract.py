@@ -1,6 +1,6 @@
 """A RunContext whose models are abstract: the run's meshes and layouts, no parameter.
 
-``abstract_context`` builds the roles a run builds (workflow/roles.build_roles: actor
+``abstract_context`` builds the roles a run builds (state/roles.build_roles: actor
 with its optimizer, reference, critic) with every parameter and optimizer-state leaf a
 ``ShapeDtypeStruct`` carrying the sharding the run gives it, on the plan's meshes of
 (simulated) devices.  Node builders (nodes/passes.py, nodes/training.py) and the rollout
@@ -28,8 +28,8 @@ from distflow_jax.memory import compiled as cp
 from distflow_jax.models import sharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.heads import Critic
-from distflow_jax.workflow import roles as roles_lib
-from distflow_jax.workflow.context import RunContext
+from distflow_jax.state import roles as roles_lib
+from distflow_jax.state.context import RunContext
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,8 @@ def vl_config(cfg: ml_collections.ConfigDict) -> Any:
   one (``model.path=builtin:tiny-vl``) or ``model.path``'s config.json."""
   from distflow_jax.config import vision_checks
   from distflow_jax.models.vl import read_vl_config
-  from distflow_jax.workflow import vision, vl_warmstart
+  from distflow_jax.state import vision
+  from distflow_jax.warmstart import vl as vl_warmstart
   if not vision_checks.run_image_key(cfg):
     return None
   if cfg.model.path == vl_warmstart.BUILTIN:
@@ -57,7 +58,7 @@ def vl_config(cfg: ml_collections.ConfigDict) -> Any:
 def model_shape(cfg: ml_collections.ConfigDict) -> ModelConfig:
   """The (text) model's shape from config.json alone, the built-in tiny VL model's too."""
   from distflow_jax.memory import report
-  from distflow_jax.workflow import vl_warmstart
+  from distflow_jax.warmstart import vl as vl_warmstart
   if cfg.model.path == vl_warmstart.BUILTIN:
     return roles_lib.levers(cfg, vl_config(cfg).text)
   return report.model_shape(cfg)
@@ -84,7 +85,7 @@ def image_dims(cfg: ml_collections.ConfigDict, vlc: Any) -> tuple[int, int, tupl
 def stop_ids(cfg: ml_collections.ConfigDict) -> Any:
   """The run's tokenizer where it loads, else the end-of-sequence ids of ``model.path``'s
   config.json (a folder holding only config.json is enough to lower a run)."""
-  from distflow_jax.workflow import vl_warmstart
+  from distflow_jax.warmstart import vl as vl_warmstart
   if cfg.model.path == vl_warmstart.BUILTIN:
     return vl_warmstart.tokenizer()
   try:
@@ -152,7 +153,7 @@ def _vision(cfg: ml_collections.ConfigDict) -> Any:
   """The frozen tower of a vision-language run, abstract (unsharded: it runs on each
   process's default device), else None."""
   from distflow_jax.models.vision import VisionTower
-  from distflow_jax.workflow.vision import VisionEncoder
+  from distflow_jax.state.vision import VisionEncoder
   vlc = vl_config(cfg)
   if vlc is None:
     return None

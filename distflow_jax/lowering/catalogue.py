@@ -2,7 +2,7 @@
 
 ``programs(cfg, plan, ctx)`` walks the plan as the executor does and asks the same
 builders the nodes call (nodes/passes.py, nodes/training.py, the rollout backend,
-data/redistribute.py, workflow/checksums.py, train/steps.py for the warm start) for each
+data/redistribute.py, persist/checksums.py, train/steps.py for the warm start) for each
 program, at every prompt width a step can have (nodes/rollout.prompt_widths).  Shapes
 that follow the samples' lengths (packed rows, token-budget micro-batches) take the
 largest the config allows: every sample as long as its columns.
@@ -14,114 +14,29 @@ vision tower of a vision-language run.  ``Catalogue.notes`` says so for the conf
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from distflow_jax.dag.planner import Move, Plan
 from distflow_jax.dag.registry import FUNCTIONS
 from distflow_jax.dag.spec import Role
 from distflow_jax.data import plan as data_plan, redistribute as rd
 from distflow_jax.lowering import abstract as ab
+from distflow_jax.lowering.program import Catalogue, Program
+from distflow_jax.lowering.rollout_programs import rollout_programs, vision_programs
 from distflow_jax.nodes import passes, rollout as rollout_node, training
-from distflow_jax.rollout.backend import EngineBackend
-from distflow_jax.rollout.reference import ReferenceSampler
 from distflow_jax.train import packing, steps as steps_lib, token_budget
-from distflow_jax.workflow import checksums, executor
-from distflow_jax.workflow.context import RunContext, shared_prompt_group
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-  """One program: the plan node (or phase) it belongs to, a name with its shape, the
-  jitted function and its abstract arguments."""
-  node: str
-  name: str
-  fn: Any
-  args: tuple
-  kwargs: dict = dataclasses.field(default_factory=dict)  # static keyword arguments
-
-  def trace(self) -> Any:
-    return self.fn.trace(*self.args, **self.kwargs)
-
-
-class _Refused:
-  """A program that failed while the catalogue was built: lowering it re-raises."""
-
-  def __init__(self, error: Exception):
-    self.error = error
-
-  def trace(self, *args):
-    raise self.error
-
-
-@dataclasses.dataclass
-class Catalogue:
-  programs: list[Program]
-  notes: list[str]
+from distflow_jax.persist import checksums
+from distflow_jax.run import executor
+from distflow_jax.state.context import RunContext, shared_prompt_group
 
 
 def _widths(cfg: ml_collections.ConfigDict) -> tuple[int, ...]:
   return rollout_node.prompt_widths(cfg.rollout.prefill_buckets, cfg.data.max_prompt_len)
-
-
-def _host0(ctx: RunContext, devices: tuple[int, ...]) -> list[jax.Device]:
-  per_host = ctx.topo.devices_per_process
-  ordered = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-  return [ordered[i] for i in devices if i < per_host]
-
-
-def rollout_programs(ctx: RunContext, node, devices, greedy: bool = False) -> list[Program]:
-  """Process 0's rollout replica: its weight sync and every generate program."""
-  rollout = ctx.section(node, "rollout")
-  backend = ctx.backend(rollout, greedy=greedy, devices=_host0(ctx, devices))
-  tag = node.id + ("/eval" if greedy else "")
-  actor = ctx.roles[Role.ACTOR].params
-  ordered = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-  process = {d: ctx.topo.process_of(i) for i, d in enumerate(ordered)}
-  out = [Program(tag, name, fn, args) for name, fn, args in
-         getattr(backend, "sync_programs", lambda p, q: [])(actor, process.get)]
-  if isinstance(backend, EngineBackend):
-    eng = backend.engine
-    sig = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                       eng._abstract_params, eng.param_shardings)
-    try:
-      out += [Program(tag, name, fn, args) for name, fn, args in eng.programs(sig)]
-    except Exception as e:  # noqa: BLE001 - shapes come from tracing a prefill: its row says why
-      out.append(Program(tag, "prefill", _Refused(e), ()))
-  elif isinstance(backend, ReferenceSampler):
-    out += _reference_programs(ctx, backend, tag)
-  return out
-
-
-def _reference_programs(ctx: RunContext, sampler: ReferenceSampler, tag: str) -> list[Program]:
-  """The reference sampler's one program at its widest call: every local prompt's n rows,
-  the longest prompt bucket plus the response budget."""
-  cfg, conf = ctx.cfg, sampler.config
-  rows = cfg.data.prompts_per_step // ctx.topo.num_processes * cfg.rollout.n
-  width = -(-(max(conf.prefill_buckets) + conf.max_new_tokens) // 8) * 8
-  sig = _placed_params(sampler)
-  images = None
-  if ctx.vision is not None:  # rollout/images.PromptImages.rows
-    i, d, _ = ab.image_dims(cfg, ctx.vision.cfg)
-    images = (np.zeros((rows, i, d), np.float32), np.zeros((rows, width), bool),
-              np.zeros((rows, 3, width), np.int32))
-  args = (sig, np.zeros((rows, width), np.int32), np.ones((rows,), np.int32),
-          np.zeros((rows, 2), np.uint32), np.int32(0), images)
-  return [Program(tag, f"next_token[rows={rows},len={width}]", sampler._next, args)]
-
-
-def _placed_params(backend) -> Any:
-  from flax import nnx
-  from distflow_jax.models.transformer import Transformer
-  abstract = nnx.eval_shape(lambda: Transformer(backend.model_cfg, rngs=nnx.Rngs(0)))
-  _, state = nnx.split(abstract)
-  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                      state, backend.param_shardings)
 
 
 SEQ = ("prompt_tokens", "prompt_mask", "response_tokens", "response_mask")
@@ -252,13 +167,13 @@ def checksum_programs(ctx: RunContext) -> list[Program]:
 
 
 def warmstart_programs(ctx: RunContext) -> list[Program]:
-  """The built-in model's supervised warm start (workflow/warmstart.run), when the config
+  """The built-in model's supervised warm start (warmstart/text.run), when the config
   has one: its train step on the actor's mesh."""
   cfg = ctx.cfg
   ws = cfg.model.warmstart
   if cfg.model.path or ws.steps <= 0:
     return []
-  from distflow_jax.workflow import sft
+  from distflow_jax.warmstart import sft
   state = ctx.roles[Role.ACTOR]
   tx = sft.optimizer(lr=ws.lr, steps=ws.steps, warmup_steps=max(ws.steps // 10, 1))
   opt = _abstract_opt(tx, state)
@@ -269,23 +184,6 @@ def warmstart_programs(ctx: RunContext) -> list[Program]:
   step = steps_lib.make_train_step(sft.sft_loss, state.graphdef, tx, 1, "token-mean")
   return [Program("warm start", "sft_step", step.jitted_for(state.params, opt),
                   (state.params, opt, batch))]
-
-
-def vision_programs(ctx: RunContext, node_id: str) -> list[Program]:
-  """The frozen vision tower's forward over one prompt's image (workflow/vision.py: once
-  per prompt, on this process's default device)."""
-  from distflow_jax.data.images import ImageProcessor
-  from distflow_jax.models.vision import vision_layout
-  enc = ctx.vision
-  vc = enc.cfg.vision
-  _, _, grid = ab.image_dims(ctx.cfg, enc.cfg)
-  proc = ImageProcessor(patch_size=vc.patch_size, merge_size=vc.spatial_merge_size,
-                        temporal_patch_size=vc.temporal_patch_size)
-  patches = int(np.prod(grid))
-  pixels = np.zeros((patches, proc.patch_dim), np.float32)
-  layout = vision_layout(vc, np.asarray(grid).reshape(1, 3))
-  return [Program(node_id, f"vision_tower[patches={patches}]", enc._fwd,
-                  (enc.graphdef, enc.params, pixels, layout))]
 
 
 def advantage_programs(ctx: RunContext, node, rows: int) -> list[Program]:
@@ -381,8 +279,8 @@ def programs(cfg: ml_collections.ConfigDict, plan: Plan, ctx: RunContext) -> Cat
   if current is not None:
     out += lengths_programs(ctx, "step end", current, fields, rows)
   out += checksum_programs(ctx)
-  from distflow_jax.workflow import vl_warmstart
+  from distflow_jax.warmstart import vl as vl_warmstart
   if cfg.model.path == vl_warmstart.BUILTIN:
-    notes.append("the built-in tiny VL model's warm start (workflow/vl_warmstart.py) is not "
+    notes.append("the built-in tiny VL model's warm start (warmstart/vl.py) is not "
                  "lowered: it runs once on a CPU-sized model and is cached")
   return Catalogue(out, notes)

@@ -239,8 +239,8 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
 
   from distflow_jax.memory import compiled as cp
   from distflow_jax.models import sharding
-  from distflow_jax.workflow import roles as roles_lib
-  from distflow_jax.workflow.context import shared_prompt_group
+  from distflow_jax.state import roles as roles_lib
+  from distflow_jax.state.context import shared_prompt_group
 
   comp = source == "compiled"
   master = bool(cfg.model.get("master_weights", False))
@@ -396,7 +396,7 @@ def _generate_items(cfg, plan, model_cfg, node_id, devs, comp, adv, notes, shard
   from distflow_jax.models import sharding
   from distflow_jax.rollout import cache_growth
   from distflow_jax.rollout.engine_config import EngineConfig
-  from distflow_jax.workflow import roles as roles_lib
+  from distflow_jax.state import roles as roles_lib
   topo = plan.topology
   src = "compiled" if comp else "analytic"
   sync = f"{node_id}/weight_sync"  # one word: the peak line reads "while <phase> runs"
@@ -528,7 +528,7 @@ def check_fits(est: Estimate, num_devices: int, device_memory: "Budget | int", t
 def model_shape(cfg: ml_collections.ConfigDict) -> ModelConfig:
   """The model's shape from ``model.path``'s config.json alone (no weights, no tokenizer),
   else the preset sized to the built-in tokenizer."""
-  from distflow_jax.workflow import roles as roles_lib
+  from distflow_jax.state import roles as roles_lib
   if cfg.model.path:
     try:
       return roles_lib.model_config(cfg, tokenizer=None)

@@ -66,7 +66,7 @@ def _repartition_bytes(plan: Plan, src, dst, rows: int, length: int, row_bytes: 
   from distflow_jax.data import layout as dlayout
   from distflow_jax.data.plan import make_repartition_plan
   from distflow_jax.models import sharding
-  from distflow_jax.workflow import roles as roles_lib
+  from distflow_jax.state import roles as roles_lib
   devs = roles_lib.ordered_devices()
 
   def layout(lay):

@@ -1,12 +1,12 @@
 """The node catalogue: the built-in DAG node functions, one module per family.
 
 ``rollout`` (generate), ``rewards`` (rule rewards, reward model), ``passes`` (logprob,
-ref_logprob, values), ``advantages`` (the estimators of ``estimators``) and ``training``
+ref_logprob, values), ``advantages`` (the estimators of ``algos.estimators``) and ``training``
 (train.actor, train.critic).  Each family's ``NODES`` maps registry names to node
 functions; ``bind_builtins`` binds them all into ``dag.registry.FUNCTIONS``.
 
 Importing this package imports no family (nor jax): the registry reads
-``nodes.estimators`` while the planner runs without jax.
+``algos.estimators`` while the planner runs without jax.
 """
 
 from __future__ import annotations

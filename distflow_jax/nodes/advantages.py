@@ -1,4 +1,4 @@
-"""Advantage nodes: ``advantage.<kind>`` runs one ``Estimator`` of ``nodes.estimators``.
+"""Advantage nodes: ``advantage.<kind>`` runs one ``Estimator`` of ``algos.estimators``.
 
 The node gathers this host's rows, checks prompt groups are whole when the estimator
 needs them, builds the per-token rewards (with the KL penalty) or reads the critic's
@@ -22,9 +22,9 @@ from distflow_jax.dag.spec import DagError, Node
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch
 from distflow_jax.nodes.common import NodeFn, NodeTable, local_fields
-from distflow_jax.nodes.estimators import BUILTIN_ESTIMATORS, AdvantageInput, Estimator
-from distflow_jax.workflow.context import RunContext, put_local
-from distflow_jax.workflow.metrics import gather_processes
+from distflow_jax.algos.estimators import BUILTIN_ESTIMATORS, AdvantageInput, Estimator
+from distflow_jax.state.context import RunContext, put_local
+from distflow_jax.state.metrics import gather_processes
 
 
 def advantage_node(est: Estimator) -> NodeFn:

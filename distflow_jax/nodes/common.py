@@ -19,7 +19,7 @@ from distflow_jax.train.image_inputs import IMAGE_FIELDS
 if TYPE_CHECKING:
   from distflow_jax.dag.spec import Node
   from distflow_jax.data.layout import Layout
-  from distflow_jax.workflow.context import RunContext
+  from distflow_jax.state.context import RunContext
 
 NodeFn = Callable[["RunContext", "Node", "Layout", Batch], Batch]
 # A family's table: registry name -> node function.

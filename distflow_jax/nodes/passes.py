@@ -20,7 +20,7 @@ from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch
 from distflow_jax.nodes.common import NodeTable, seq
 from distflow_jax.train import deterministic, packing, steps as steps_lib, token_budget
-from distflow_jax.workflow.context import RunContext, shared_prompt_group
+from distflow_jax.state.context import RunContext, shared_prompt_group
 
 
 def on_policy(ctx: RunContext) -> bool:

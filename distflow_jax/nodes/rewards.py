@@ -15,7 +15,7 @@ from distflow_jax.nodes.common import NodeFn, NodeTable, seq
 from distflow_jax.nodes.passes import pass_fn
 from distflow_jax.rewards import registry as reward_registry
 from distflow_jax.train import steps as steps_lib
-from distflow_jax.workflow.context import RunContext, put_local
+from distflow_jax.state.context import RunContext, put_local
 
 
 def _rule_reward(name: str, ctx: RunContext, node: Node, lay: dlayout.Layout,

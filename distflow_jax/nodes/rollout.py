@@ -9,9 +9,9 @@ from distflow_jax.dag.spec import Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, expand_groups, to_global
 from distflow_jax.nodes.common import NodeTable
-from distflow_jax.workflow import vision as vision_lib
-from distflow_jax.workflow.context import RunContext
-from distflow_jax.workflow.metrics import gather_processes
+from distflow_jax.state import vision as vision_lib
+from distflow_jax.state.context import RunContext
+from distflow_jax.state.metrics import gather_processes
 
 
 def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Batch) -> Batch:
@@ -46,7 +46,7 @@ def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Bat
   local = Batch({**groups.data, "prompt_tokens": prompt_tokens, "prompt_mask": prompt_mask,
                  "response_tokens": ro.tokens_RxN, "response_mask": ro.mask_RxN,
                  "rollout_logprobs": ro.logprobs_RxN}, prompts.host)
-  if images is not None:  # features travel with their samples (workflow/vision.py)
+  if images is not None:  # features travel with their samples (state/vision.py)
     feats, grids = images
     local = local.replace(**vision_lib.image_fields(
         ctx.vision.cfg, [feats[i] for i in rows], prompt_tokens, prompt_mask,

@@ -18,7 +18,7 @@ from distflow_jax.data.batch import Batch
 from distflow_jax.nodes.common import NodeTable, seq
 from distflow_jax.nodes.passes import budget_plan, pack_plan, prompt_group
 from distflow_jax.train import deterministic, steps as steps_lib
-from distflow_jax.workflow.context import RunContext
+from distflow_jax.state.context import RunContext
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,10 +35,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from distflow_jax.config.loading import ConfigError
-from distflow_jax.models import sharding as msharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.rollout import driver
-from distflow_jax.rollout.engine import Engine
+from distflow_jax.rollout.engine_backend import EngineBackend
 from distflow_jax.rollout.engine_config import EngineConfig
 from distflow_jax.rollout.reference import ReferenceSampler
 
@@ -66,43 +65,6 @@ class RolloutBackend(Protocol):
 
   def precompile(self) -> None:
     """Compiles now every shape a later `generate` may meet (after the first call)."""
-
-
-class EngineBackend:
-  """The `engine` backend: `engine.Engine` driven by `driver.generate`, unchanged."""
-
-  name = "engine"
-
-  def __init__(self, model_cfg: ModelConfig, config: EngineConfig, mesh: Mesh | None = None,
-               rules: msharding.Rules | None = None, *, engine: Engine | None = None):
-    self.engine = engine if engine is not None else Engine(model_cfg, config, mesh, rules)
-
-  @classmethod
-  def wrap(cls, engine: Engine) -> "EngineBackend":
-    """The backend over an existing engine (shares its compiles and weight sync)."""
-    return cls(engine.model_cfg, engine.config, engine=engine)
-
-  @property
-  def config(self) -> EngineConfig:
-    return self.engine.config
-
-  def load_params(self, params: nnx.State | nnx.Module | None = None) -> nnx.State:
-    return self.engine.load_params(params)
-
-  def update_weights(self, train_params: nnx.State) -> nnx.State:
-    return self.engine.update_params(train_params)
-
-  def generate(self, params: Any, prompts: Sequence[Sequence[int]], n: int = 1, *,
-               rng: jax.Array | None = None, request_ids: Sequence[int] | None = None,
-               pad_id: int = 0, max_new_tokens: int | None = None) -> RolloutResult:
-    return driver.generate(self.engine, params, prompts, n, max_new_tokens=max_new_tokens,
-                           rng=rng, pad_id=pad_id, request_ids=request_ids)
-
-  def precompile(self) -> None:
-    self.engine.precompile()
-
-  def sync_programs(self, train_params: Any, process_of=None) -> list[tuple[str, Any, tuple]]:
-    return self.engine.sync_programs(train_params, process_of)
 
 
 # (model_cfg, config, mesh) -> backend.

@@ -1,6 +1,6 @@
 """Images of the prompts of a rollout (vision-language runs), for the backends that take them.
 
-The generate node computes each prompt's vision features once (workflow/vision.py) and
+The generate node computes each prompt's vision features once (state/vision.py) and
 hands them to the backend with the prompt's multimodal RoPE positions; decoding is text:
 a token at sequence index t (t >= the prompt's length) sits at `t + rope delta` on all
 three RoPE rows.  Only the `reference` backend takes images (rollout.backend=reference).

@@ -35,7 +35,7 @@ from distflow_jax.config.loading import ConfigError
 from distflow_jax.models import sharding as msharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.rollout import driver, jetstream_adapter
-from distflow_jax.rollout.backend import EngineBackend
+from distflow_jax.rollout.engine_backend import EngineBackend
 from distflow_jax.rollout.engine import Engine
 from distflow_jax.rollout.engine_config import EngineConfig
 

@@ -16,7 +16,7 @@ bottom), then ``#### <count>``, the convention the ``math`` reward
 
 Images are **base64 PNG data URIs in the row's ``image`` field**, not PNG files next to
 the JSONL: ``generate_split`` stays a pure function of (level, split, count, seed) that
-returns rows, so the built-in flow (workflow/trainer.dataset_paths writes
+returns rows, so the built-in flow (run/trainer.dataset_paths writes
 ``task.generate_split(...)`` with ``write_jsonl`` into ``run_dir/data``) needs no output
 folder and no second kind of file to write atomically, and a row file stays valid when
 moved.  The images are tiny flat-colour PNGs (a few hundred bytes), so the JSONL grows by

@@ -1,7 +1,7 @@
 """Images in the sequence passes: precomputed vision features merged into the text model.
 
 A batch with images carries three more sample-leading fields (made once per prompt by the
-generate node, workflow/vision.py, and moved with their samples by every re-partition):
+generate node, state/vision.py, and moved with their samples by every re-partition):
 
 * ``image_embeds`` ``[B, I, D]``: the frozen vision tower's features of the sample's
   images, in reading order (I = image placeholder tokens per sample, the same for every

@@ -458,7 +458,7 @@ class PinnedStep:
 
   def lower(self, params, opt_state, batch):
     """The step lowered for these (possibly abstract) arguments, by the same jitted
-    function the calls use: compiling it fills their cache (workflow/warm_shapes.py)."""
+    function the calls use: compiling it fills their cache (state/warm_shapes.py)."""
     return self._get(params, opt_state).lower(params, opt_state, batch)
 
   def _cache_size(self) -> int:

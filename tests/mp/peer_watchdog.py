@@ -10,7 +10,7 @@ from distflow_jax import distributed
 
 def main() -> int:
   distributed.initialize()
-  from distflow_jax.workflow import peers
+  from distflow_jax import peers
   import jax
   assert peers.start_watchdog(interval_s=0.2)
   print(f"ready {jax.process_index()}", flush=True)

@@ -20,7 +20,7 @@ def main() -> int:
   out, name, *overrides = sys.argv[1:]
   info = distributed.initialize()
   from distflow_jax.config import loading
-  from distflow_jax.workflow import trainer
+  from distflow_jax.run import trainer
   from workflow_util import params_digest, use_tape
   cfg = loading.load(name, overrides)
   if os.environ.get("DISTFLOW_TEST_TAPE"):

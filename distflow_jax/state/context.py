@@ -27,9 +27,9 @@ from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.rollout.backend import RolloutBackend, backend_factory
 from distflow_jax.rollout.engine import EngineConfig, replica_mesh
 from distflow_jax.rollout.sampling import SamplingParams
-from distflow_jax.workflow import roles as roles_lib, vision as vision_lib, warm_shapes
-from distflow_jax.workflow.algo_state import AlgoState
-from distflow_jax.workflow.metrics import Metrics
+from distflow_jax.state import roles as roles_lib, vision as vision_lib, warm_shapes
+from distflow_jax.state.algo_state import AlgoState
+from distflow_jax.state.metrics import Metrics
 
 
 @dataclasses.dataclass
@@ -42,7 +42,7 @@ class RunContext:
   model_cfg: ModelConfig
   roles: dict[Role, roles_lib.ModelState]
   step: int = 0
-  # The frozen vision tower of a vision-language run (workflow/vision.py), else None.
+  # The frozen vision tower of a vision-language run (state/vision.py), else None.
   vision: vision_lib.VisionEncoder | None = None
   # State that changes from step to step (saved with the checkpoint): see algo_state.py.
   algo_state: AlgoState = dataclasses.field(default_factory=AlgoState)

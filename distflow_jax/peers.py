@@ -26,8 +26,6 @@ import threading
 
 import jax
 
-from distflow_jax import distributed
-
 # Errors a collective raises when its peer went away (not a bug of this process).
 _PEER_ERROR = re.compile(r"Gloo|Connection (closed|reset)|coordination service|UNAVAILABLE|"
                          r"DEADLINE_EXCEEDED|heartbeat", re.IGNORECASE)
@@ -41,8 +39,18 @@ def looks_like_peer_failure(error: BaseException) -> bool:
   return jax.process_count() > 1 and bool(_PEER_ERROR.search(f"{type(error).__name__}: {error}"))
 
 
-_KEY = distributed.HOST_PID_KEY
-_client = distributed.coordination_client
+# Where each process publishes ``host:pid`` at start-up (``distributed.initialize``).
+HOST_PID_KEY = "distflow/host_pid/{}"
+_KEY = HOST_PID_KEY
+
+
+def coordination_client():
+  """JAX's coordination-service client (None before initialize)."""
+  from jax._src import distributed as jdist  # the only handle on it
+  return jdist.global_state.client
+
+
+_client = coordination_client
 
 
 def lost_local_peers(timeout_s: float = 2.0) -> list[int]:

@@ -29,7 +29,7 @@ from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.models.transformer import Transformer
 from distflow_jax.models.vl import read_vl_config
 from distflow_jax.train import optim, steps as steps_lib
-from distflow_jax.workflow import vision
+from distflow_jax.state import vision
 
 
 def ordered_devices() -> list[jax.Device]:
@@ -81,7 +81,7 @@ def model_config(cfg: ml_collections.ConfigDict, tokenizer: Tokenizer,
     if not os.path.isfile(os.path.join(path, "config.json")):
       raise ConfigError(f"model.path={path!r} has no config.json: point it at a local "
                         f"Hugging Face model directory (config.json + *.safetensors)")
-    if vision.is_vl_checkpoint(path):  # the text decoder's shape; the tower: workflow/vision
+    if vision.is_vl_checkpoint(path):  # the text decoder's shape; the tower: state/vision
       return levers(cfg, read_vl_config(path, dtype=cfg.model.dtype).text)
     return levers(cfg, hf_io.read_config(path, dtype=cfg.model.dtype))
   if cfg.model.preset not in model_configs.PRESETS:

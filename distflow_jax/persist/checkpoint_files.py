@@ -10,7 +10,7 @@ an orbax JSON metadata file that is cut short.  The frozen reference model
 (``static/reference``) gets the same record, with its array checksums in it.
 
 ``checkpoint`` imports this module (and re-exports ``resolve`` and
-``read_arrays``); what here needs ``checkpoint`` imports it when called.
+``read_arrays``); the layout constants and errors both use live in ``checkpoint_contents``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from distflow_jax.workflow import checksums
+from distflow_jax.persist import checkpoint_contents as ck, checksums
 
 FILES = "_FILES.json"
 
@@ -159,7 +159,6 @@ def save_reference(path: str, params: Any) -> None:
 def restore_reference(path: str, live: Any, log: Callable[[str], None]) -> Any:
   """The saved reference in ``live``'s shardings.  Damage is refused: every step relies on
   it, so there is no earlier checkpoint to fall back to."""
-  from distflow_jax.workflow import checkpoint as ck
   where = f"the saved reference model {path}"
   problem = checksums.agree(step_problem(path, (), ck.STATE))
   params, ckptr = None, ocp.StandardCheckpointer()
@@ -182,7 +181,6 @@ def restore_reference(path: str, live: Any, log: Callable[[str], None]) -> Any:
 
 def resolve(path: str) -> tuple[str, int | None]:
   """``(checkpoints root, step or None)`` from a run dir, a checkpoints dir or a step dir."""
-  from distflow_jax.workflow import checkpoint as ck
   path = os.path.abspath(path)
   if os.path.isdir(os.path.join(path, "checkpoints")):
     return os.path.join(path, "checkpoints"), None
@@ -210,7 +208,6 @@ def read_arrays(directory: str, step: int | None = None
 
 def _read_arrays(directory: str, step: int | None
                  ) -> tuple[int, dict[str, np.ndarray], dict[str, Any]]:
-  from distflow_jax.workflow import checkpoint as ck
   directory = os.path.abspath(directory)
   mgr = ocp.CheckpointManager(directory, item_handlers={
       ck.STATE: ocp.PyTreeCheckpointHandler(), ck.META: ocp.JsonCheckpointHandler()})

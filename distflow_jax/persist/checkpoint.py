@@ -61,20 +61,16 @@ import orbax.checkpoint as ocp
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.loader import PromptLoader
 from distflow_jax.models.config import ModelConfig
-from distflow_jax.workflow import checksums
-from distflow_jax.workflow import checkpoint_files as files
-from distflow_jax.workflow.algo_state import AlgoState
-from distflow_jax.workflow.checkpoint_contents import (  # noqa: F401 (re-exported)
-    CheckpointDamaged, CheckpointError, abstract, compare_shapes, flat_shapes,
-    restore_algo_state, restore_loader, trained_state)
-from distflow_jax.workflow.checkpoint_files import read_arrays, resolve  # noqa: F401 (export's)
-from distflow_jax.workflow.checksums import agree, gather_json
-from distflow_jax.workflow.roles import ModelState
+from distflow_jax.persist import checksums
+from distflow_jax.persist import checkpoint_files as files
+from distflow_jax.state.algo_state import AlgoState
+from distflow_jax.persist.checkpoint_contents import (  # noqa: F401 (re-exported)
+    FORMAT, ITEMS, LOADER, META, STATE, STATIC, CheckpointDamaged, CheckpointError, abstract,
+    compare_shapes, flat_shapes, restore_algo_state, restore_loader, trained_state)
+from distflow_jax.persist.checkpoint_files import read_arrays, resolve  # noqa: F401 (export's)
+from distflow_jax.persist.checksums import agree, gather_json
+from distflow_jax.state.roles import ModelState
 
-FORMAT = 1
-STATE, LOADER, META = "state", "loader", "meta"
-ITEMS = (STATE, LOADER, META)
-STATIC = "static"
 _TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
 
 

@@ -26,8 +26,9 @@ from distflow_jax.dag.planner import LayoutKind, Move
 from distflow_jax.dag.registry import FUNCTIONS
 from distflow_jax.data import redistribute as rd
 from distflow_jax.data.batch import Batch, redistribute_batch
-from distflow_jax.workflow import algo_state, dynamic_sampling
-from distflow_jax.workflow.context import RunContext, shared_prompt_group
+from distflow_jax.state import algo_state
+from distflow_jax.run import dynamic_sampling
+from distflow_jax.state.context import RunContext, shared_prompt_group
 
 
 def _lengths(masks: dict) -> jax.Array:

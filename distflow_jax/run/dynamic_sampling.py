@@ -24,8 +24,8 @@ from distflow_jax.dag.planner import Move, Plan, Step
 from distflow_jax.dag.registry import FUNCTIONS
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch, to_global, to_local
-from distflow_jax.workflow.context import RunContext
-from distflow_jax.workflow.metrics import Metrics, gather_processes
+from distflow_jax.state.context import RunContext
+from distflow_jax.state.metrics import Metrics, gather_processes
 
 
 def prefix_length(plan: Plan) -> int:

@@ -39,8 +39,9 @@ from distflow_jax.models import hf_io
 from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.tasks import registry as tasks
 from distflow_jax.train import steps as steps_lib
-from distflow_jax.workflow import roles as roles_lib, sft
-from distflow_jax.workflow.roles import ModelState
+from distflow_jax.state import roles as roles_lib
+from distflow_jax.warmstart import sft
+from distflow_jax.state.roles import ModelState
 
 # The loss, shared with `distflow-jax sft` (kept importable here).
 sft_loss = sft.sft_loss
@@ -89,7 +90,7 @@ def encode_examples(records: Sequence[dict], tokenizer: Tokenizer, *, max_prompt
 def run(state: ModelState, data: dict[str, np.ndarray], *, steps: int, batch_size: int,
         lr: float, seed: int, on_step: Callable[[int, float], None] | None = None) -> float:
   """Trains ``state`` in place on ``data`` (global rows, same on every process) with the
-  SFT loop (workflow/sft.py) that ``distflow-jax sft`` runs too.
+  SFT loop (warmstart/sft.py) that ``distflow-jax sft`` runs too.
 
   Returns the final loss (mean token NLL); ``on_step(i, loss)`` every 10 steps and at the
   last.  AdamW, warm-up over a tenth of the steps, cosine decay, clip 1, no weight decay.
@@ -179,7 +180,7 @@ def ensure_model(cfg: ml_collections.ConfigDict, plan: Plan, tokenizer: Tokenize
   if os.path.isfile(os.path.join(wdir, "config.json")) and _saved_key(wdir) == key:
     log(f"warm start: using the cached model in {wdir}")
     return wdir
-  from distflow_jax.workflow import progress
+  from distflow_jax.observe import progress
   progress.phase(log, "warm start")
   model_cfg = roles_lib.model_config(cfg, tokenizer, "")
   actor_mesh = roles_lib.jax_mesh(next(m for m in plan.meshes if m.role is Role.ACTOR))
@@ -212,7 +213,7 @@ def ensure_model(cfg: ml_collections.ConfigDict, plan: Plan, tokenizer: Tokenize
 
 def _show(log: Callable[[str], None], done: int, total: int, loss: float) -> None:
   """The warm start's bar on a progress Logger, a plain line on any other callable."""
-  from distflow_jax.workflow import progress
+  from distflow_jax.observe import progress
   if isinstance(log, progress.Logger):
     log.progress("warm start", done, total, f"loss {loss:.3f}")
   else:

@@ -24,14 +24,17 @@ from distflow_jax.config.loading import ConfigError
 from distflow_jax.data.loader import PromptLoader
 from distflow_jax.tasks import registry as tasks
 from distflow_jax.nodes import rollout as rollout_nodes
-from distflow_jax.workflow import checkpoint, compile_cache, warm_shapes
-from distflow_jax.workflow import evaluate as eval_lib
-from distflow_jax.workflow import executor, health as health_lib, hints
-from distflow_jax.workflow.progress import phase
-from distflow_jax.workflow.context import RunContext
-from distflow_jax.workflow import samples as samples_lib, tensorboard, wandb_log
-from distflow_jax.workflow.metrics import JsonlWriter, Writers, gather_processes
-from distflow_jax.workflow.setup import prepare_run
+from distflow_jax.persist import checkpoint
+from distflow_jax.run import compile_cache
+from distflow_jax.state import warm_shapes
+from distflow_jax.run import evaluate as eval_lib
+from distflow_jax.run import executor
+from distflow_jax.observe import health as health_lib, hints
+from distflow_jax.observe.progress import phase
+from distflow_jax.state.context import RunContext
+from distflow_jax.observe import samples as samples_lib, tensorboard, wandb_log
+from distflow_jax.state.metrics import JsonlWriter, Writers, gather_processes
+from distflow_jax.run.setup import prepare_run
 
 # Rows written for a built-in task's train split: its questions may repeat (small question
 # spaces), the loader cycles through them.
@@ -125,12 +128,12 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
 
   With a ``checkpointer`` (see ``checkpoint.open_run``) it saves when due,
   asynchronously, and waits for the last save before returning.  Health alarms
-  (``workflow/health.py``) go to ``log`` when they start; with
+  (``observe/health.py``) go to ``log`` when they start; with
   ``trainer.stop_on_collapse`` a collapse signal raises ``health.CollapseError`` naming
   the last checkpoint saved before it (the collapsed step is not saved).  Each evaluation
-  logs ``trainer.log_samples`` held-out samples (``workflow/samples.py``; process 0, its
+  logs ``trainer.log_samples`` held-out samples (``observe/samples.py``; process 0, its
   own rows).  With ``logging.wandb`` on, process 0 also logs both to Weights & Biases
-  (``workflow/wandb_log.py``): through ``wandb`` when given (started before the warm start,
+  (``observe/wandb_log.py``): through ``wandb`` when given (started before the warm start,
   so a failed login costs nothing), else a writer started here; it is finished at the end.
   Each row carries the backend compiles since the previous row (``compile/count``,
   ``time/compile`` seconds; persistent-cache loads apart: ``compile/cache_hits``,

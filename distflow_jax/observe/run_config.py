@@ -36,7 +36,7 @@ CONFIG_FILE = "config.json"
 HISTORY_FILE = "config_history.jsonl"
 # Keys (and key prefixes) that do not change what a step computes: a resume may change them.
 # The layout (cluster, placement) is here because checkpoints reshard to any mesh and
-# process count (workflow/checkpoint.py); trainer.deterministic is not.
+# process count (persist/checkpoint.py); trainer.deterministic is not.
 PASSING = ("name", "run_dir", "trainer.total_steps", "trainer.eval_every", "trainer.save_every",
            "trainer.keep", "trainer.async_save", "trainer.health.", "trainer.stop_on_collapse",
            "trainer.log_samples", "trainer.compile_cache_dir", "cluster.", "placement.",

@@ -48,7 +48,7 @@ def check_model_dir(path: str, key: str = "model.path") -> None:
                       f"{os.path.join(path, 'tokenizer.json')}); copy it from the model's "
                       f"Hugging Face folder (only tokenizer.json is supported)")
   from distflow_jax.models import hf_io, vl
-  from distflow_jax.workflow import vision
+  from distflow_jax.state import vision
   try:
     if vision.is_vl_checkpoint(path):
       vl.read_vl_config(path)

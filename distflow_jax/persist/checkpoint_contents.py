@@ -19,8 +19,15 @@ import numpy as np
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.loader import PromptLoader
-from distflow_jax.workflow import algo_state, checksums
-from distflow_jax.workflow.roles import ModelState
+from distflow_jax.state import algo_state
+from distflow_jax.persist import checksums
+from distflow_jax.state.roles import ModelState
+
+# The checkpoint's layout: a step's items, the run's static folder, the format version.
+FORMAT = 1
+STATE, LOADER, META = "state", "loader", "meta"
+ITEMS = (STATE, LOADER, META)
+STATIC = "static"
 
 
 class CheckpointError(ConfigError):

@@ -4,7 +4,7 @@ A few rows of the evaluation batch (``trainer.log_samples``, 0 = off) go, with t
 step, to ``run_dir/samples.jsonl`` (one JSON object a line: ``step``, ``index``,
 ``prompt``, ``response``, ``reward``, ``correct``, ``answer`` = the ground truth), to
 TensorBoard as text (tag ``eval/samples``, one markdown entry per evaluation) and, with
-``logging.wandb`` on, to Weights & Biases as a table (workflow/wandb_log.py).  Only
+``logging.wandb`` on, to Weights & Biases as a table (observe/wandb_log.py).  Only
 process 0 writes; under several processes it logs rows of its own shard (each process
 evaluates its own prompts, and gathering text across hosts is not worth a collective).
 """
@@ -55,7 +55,7 @@ def to_markdown(step: int, samples: Sequence[Mapping[str, Any]]) -> str:
 
 class SampleWriter:
   """``write(step, samples)``: appends to samples.jsonl, adds a TensorBoard text entry and
-  (given a ``wandb`` writer, workflow/wandb_log.py) a W&B table."""
+  (given a ``wandb`` writer, observe/wandb_log.py) a W&B table."""
 
   def __init__(self, run_dir: str, tensorboard: Any, num_samples: int, enabled: bool,
                wandb: Any = None):

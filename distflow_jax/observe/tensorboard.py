@@ -3,7 +3,7 @@
 Written with ``tensorboardX``, which needs neither TensorFlow nor PyTorch.
 Only process 0 writes, in ``run_dir/tensorboard``; every numeric metric of a
 row becomes a scalar at that row's ``step``, and held-out samples
-(workflow/samples.py) are text entries.  Where tensorboardX is not installed
+(observe/samples.py) are text entries.  Where tensorboardX is not installed
 the run goes on with metrics.jsonl only, after one warning.
 """
 
@@ -52,7 +52,7 @@ class TensorBoardWriter:
     self._writer.flush()
 
   def add_text(self, tag: str, text: str, step: int) -> None:
-    """A markdown text entry at ``step`` (held-out samples, workflow/samples.py)."""
+    """A markdown text entry at ``step`` (held-out samples, observe/samples.py)."""
     if self._writer is None:
       return
     self._writer.add_text(tag, text, global_step=int(step))

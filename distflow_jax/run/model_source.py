@@ -51,7 +51,7 @@ def _run_tokenizer(root: str, meta: dict[str, Any], where: str) -> Any:
   """The tokenizer saved with the run; else the one its config named (the built-in one, or
   the model folder it started from, when that is still there)."""
   from distflow_jax.models.tokenizer import Tokenizer
-  from distflow_jax.workflow import checkpoint
+  from distflow_jax.persist import checkpoint
   saved = os.path.join(root, checkpoint.STATIC, "tokenizer")
   if os.path.isdir(saved):
     return Tokenizer.from_dir(saved)
@@ -68,8 +68,8 @@ def _run_tokenizer(root: str, meta: dict[str, Any], where: str) -> Any:
 def checkpoint_as_hf(path: str, flag: str = "--model") -> tuple[str, int]:
   """(temporary Hugging Face folder, step) holding the actor of the checkpoint at ``path``."""
   import jax
-  from distflow_jax.commands import export
-  from distflow_jax.workflow import checkpoint
+  from distflow_jax.persist import export
+  from distflow_jax.persist import checkpoint
   if jax.process_count() > 1:
     # Every process would read and write the whole model; export once instead.
     raise ConfigError(f"{flag}={path!r}: a run checkpoint is read on one process; under "

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from distflow_jax.algos import losses
 from distflow_jax.train import steps as steps_lib
-from distflow_jax.workflow.roles import ModelState
+from distflow_jax.state.roles import ModelState
 
 Data = Mapping[str, np.ndarray]
 

@@ -38,7 +38,7 @@ from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.models.vision import VisionConfig, vision_layout
 from distflow_jax.models.vl import VLConfig, VLModel, save_vl_pretrained, vl_inputs
 from distflow_jax.tasks import registry as tasks
-from distflow_jax.workflow import sft, warmstart
+from distflow_jax.warmstart import sft, text as warmstart
 
 BUILTIN = "builtin:tiny-vl"  # the model.path that asks for this model
 VISION_TOKENS = (im.VISION_START, im.VISION_END, im.IMAGE_PAD, "<|video_pad|>")

@@ -21,9 +21,10 @@ from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.batch import Batch
 from distflow_jax.rewards import registry as reward_registry
-from distflow_jax.workflow import samples as samples_lib, vision as vision_lib
-from distflow_jax.workflow.context import RunContext
-from distflow_jax.workflow.metrics import Metrics
+from distflow_jax.observe import samples as samples_lib
+from distflow_jax.state import vision as vision_lib
+from distflow_jax.state.context import RunContext
+from distflow_jax.state.metrics import Metrics
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -43,7 +44,7 @@ def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1, reward: str = "math
 
   With a ``samples`` list, the first ``num_samples`` prompts of this process's batch are
   appended to it as records (prompt, response, reward, correct, answer;
-  ``workflow/samples.py``); the metrics are the same either way."""
+  ``observe/samples.py``); the metrics are the same either way."""
   rollout = ctx.cfg.rollout
   if k > 1:
     rollout = ml_collections.ConfigDict(rollout.to_dict())
@@ -54,7 +55,7 @@ def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1, reward: str = "math
   plist = [ids[i, :lens[i]] for i in range(len(lens))]
   fields = prompts.host_fields(prompts.data["group_id"])
   extra = {}
-  if ctx.vision is not None:  # each prompt's features once (workflow/vision.py)
+  if ctx.vision is not None:  # each prompt's features once (state/vision.py)
     feats, grids = vision_lib.batch_images(ctx.vision, fields, plist)
     extra["images"] = vision_lib.prompt_images(ctx.vision.cfg, feats, plist, grids)
   ro = backend.generate(params, plist, k, pad_id=ctx.tokenizer.pad_id, **extra)

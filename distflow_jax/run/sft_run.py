@@ -35,9 +35,12 @@ from distflow_jax.models import hf_io
 from distflow_jax.rewards.math_answer import extract_answer
 from distflow_jax.tasks import registry as tasks
 from distflow_jax.train import steps as steps_lib
-from distflow_jax.workflow import checkpoint, evaluate, roles as roles_lib, setup, sft
-from distflow_jax.workflow import sft_data
-from distflow_jax.workflow.metrics import JsonlWriter
+from distflow_jax.persist import checkpoint
+from distflow_jax.run import evaluate, setup
+from distflow_jax.state import roles as roles_lib
+from distflow_jax.warmstart import sft
+from distflow_jax.warmstart import sft_data
+from distflow_jax.state.metrics import JsonlWriter
 
 
 def sft_dir(cfg: ml_collections.ConfigDict) -> str:

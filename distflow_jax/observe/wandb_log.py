@@ -5,7 +5,7 @@
 
 When on, process 0 logs every numeric metric of each row that goes to
 metrics.jsonl and TensorBoard (the same keys, at the row's ``step``), and the
-held-out samples of each evaluation (workflow/samples.py) as a ``wandb.Table``
+held-out samples of each evaluation (observe/samples.py) as a ``wandb.Table``
 under ``eval/samples``.  The resolved config is the W&B run's config.  Files go
 to ``WANDB_DIR`` where it is set, else to ``run_dir`` (``run_dir/wandb``).  A
 resumed run continues the W&B run it started (its id is kept in
@@ -81,7 +81,7 @@ class WandbWriter:
     check(cfg)
     w = cfg.logging.wandb
     import wandb  # pylint: disable=import-outside-toplevel
-    from distflow_jax.workflow.run_config import as_plain  # pylint: disable=import-outside-toplevel
+    from distflow_jax.observe.run_config import as_plain  # pylint: disable=import-outside-toplevel
     os.makedirs(cfg.run_dir, exist_ok=True)
     id_path = os.path.join(cfg.run_dir, ID_FILE)
     run_id = None
@@ -121,7 +121,7 @@ class WandbWriter:
       self._run.log(data, step=int(record["step"]))
 
   def add_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
-    """One table per evaluation: a row per sample (workflow/samples.py's records)."""
+    """One table per evaluation: a row per sample (observe/samples.py's records)."""
     if self._run is None or not samples:
       return
     table = self._wandb.Table(columns=list(SAMPLE_COLUMNS))

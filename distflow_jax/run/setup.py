@@ -38,8 +38,10 @@ from distflow_jax.dag import FUNCTIONS
 from distflow_jax.dag.planner import Plan, Topology
 from distflow_jax.dag.spec import Role
 from distflow_jax import nodes
-from distflow_jax.workflow import hints, roles as roles_lib, vision, vl_warmstart, warmstart
-from distflow_jax.workflow.context import RunContext
+from distflow_jax.observe import hints
+from distflow_jax.state import roles as roles_lib, vision
+from distflow_jax.warmstart import vl as vl_warmstart, text as warmstart
+from distflow_jax.state.context import RunContext
 
 RoleSet = Literal["all", "actor"]
 ROLE_SETS: tuple[str, ...] = ("all", "actor")
