@@ -274,7 +274,7 @@ def warmstart_programs(ctx: RunContext) -> list[Program]:
 def vision_programs(ctx: RunContext, node_id: str) -> list[Program]:
   """The frozen vision tower's forward over one prompt's image (workflow/vision.py: once
   per prompt, on this process's default device)."""
-  from distflow_jax.data.images import ImageProcessor
+  from distflow_jax.data.image_processor import ImageProcessor
   from distflow_jax.models.vision import vision_layout
   enc = ctx.vision
   vc = enc.cfg.vision
