@@ -9,7 +9,7 @@
 
 So a real-size run (memory, compile time, checkpoint size) can be measured on a
 machine that cannot download: the folder has the real `config.json`, bf16
-`*.safetensors` shards named as `models/hf_io.py` names them (one shard per
+`*.safetensors` shards named as `models/hf_names.py` names them (one shard per
 layer, written one at a time, so the whole model is never held in float32), a
 byte-level BPE `tokenizer.json` trained on the spot on the built-in arithmetic
 task's text and padded with unreachable dummy entries up to the model's vocab,

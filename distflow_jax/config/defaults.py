@@ -98,7 +98,7 @@ def base() -> ml_collections.ConfigDict:
       prompts_per_step=8,    # global, over all processes
       shuffle_seed=0,
       on_bad_row="skip",     # skip (counted and reported) | error
-      # Vision-language rows (data/images.py): the field holding a row's image(s): a path
+      # Vision-language rows (data/image_loading.py): the field holding a row's image(s): a path
       # (relative to the data file's folder), base64 / a data: URI, bytes, or a list of
       # them; "" = text-only.  Images over max_image_pixels (width x height, read from the
       # header) are bad rows, like missing files and non-images (data.on_bad_row).

@@ -20,7 +20,7 @@ SUFFIXES = (".jsonl", ".json", ".parquet")
 
 @dataclasses.dataclass(frozen=True)
 class BadRow:
-  reason: str   # one of loader.REASONS
+  reason: str   # one of rows.REASONS
   detail: str
 
 

@@ -68,7 +68,7 @@ def image_dims(cfg: ml_collections.ConfigDict, vlc: Any) -> tuple[int, int, tupl
   """``(image tokens per sample, feature width, one image's patch grid)``: a built-in
   ``shapes`` level's image size, else one 448 x 448 image (other data's images are
   sized by their rows; the gate lowers that size)."""
-  from distflow_jax.data.images import ImageProcessor
+  from distflow_jax.data.image_processor import ImageProcessor
   from distflow_jax.tasks import registry, shapes
   side = 448
   spec = cfg.data.train

@@ -77,7 +77,7 @@ def _placed_params(backend) -> Any:
 def vision_programs(ctx: RunContext, node_id: str) -> list[Program]:
   """The frozen vision tower's forward over one prompt's image (state/vision.py: once
   per prompt, on this process's default device)."""
-  from distflow_jax.data.images import ImageProcessor
+  from distflow_jax.data.image_processor import ImageProcessor
   from distflow_jax.models.vision import vision_layout
   enc = ctx.vision
   vc = enc.cfg.vision

@@ -7,21 +7,19 @@ weights and the KV cache; a log-prob pass; the train step).  Figures come from
 ``compiled`` (the real steps compiled on abstract shapes, on simulated devices of the
 target topology) or, with ``source="analytic"``, from ``analytic``.
 
-The fit is against what jax can use of a device (``budget``): on a GPU jax's allocator
-takes a fraction of the memory (``XLA_CLIENT_MEM_FRACTION`` or the deprecated
-``XLA_PYTHON_CLIENT_MEM_FRACTION``, else 0.75) and a reserve comes off it for what the
-CPU-compiled figures do not hold (``GPU_RESERVE``); a TPU keeps ``TPU_RESERVE`` for its
-runtime; a CPU counts all of it.  ``render`` prints the figures, the budget and its
-reasoning, the fit, the three biggest consumers and what to change (never a value that
-is already set); ``check_fits`` refuses a device that is too small in one line.
+This module owns that estimate (the resident items, the log-prob passes, the critic's
+and the actor's train steps, what to change for each consumer), the model's shape
+(``model_shape``) and ``run``; the rollout node's items are ``rollout_items``', the
+consumers ``consumers``'.  The fit is against what jax can use of a device (``budget``,
+from the ``budget`` module: jax's allocator fraction and a reserve); ``render`` prints
+the figures, the budget and its reasoning, the fit, the three biggest consumers and what
+to change (never a value that is already set) and ``check_fits`` refuses a device that
+is too small in one line (both from the ``render`` module).  ``budget``, ``render`` and
+``check_fits`` still import from here.
 """
-
 from __future__ import annotations
 
-import dataclasses
-import os
 import time
-from collections.abc import Mapping
 
 import ml_collections
 
@@ -29,156 +27,11 @@ from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.planner import Plan
 from distflow_jax.dag.spec import Role
 from distflow_jax.memory import analytic as an, traffic
+from distflow_jax.memory.budget import budget
+from distflow_jax.memory.consumers import RESIDENT, Estimate, Item
+from distflow_jax.memory.render import check_fits, render
+from distflow_jax.memory.rollout_items import generate_items
 from distflow_jax.models.config import ModelConfig
-
-RESIDENT = "resident"
-
-
-@dataclasses.dataclass(frozen=True)
-class Item:
-  """One consumer: ``where`` is a role (resident) or a node (transient, only while it runs)."""
-  where: str
-  what: str
-  nbytes: float
-  devices: tuple[int, ...]
-  phase: str        # RESIDENT, or the node phase whose run it lives through
-  source: str       # "compiled" or "analytic"
-  advice: str
-  also: tuple[str, ...] = ()   # further phases it lives through (the synced weights)
-
-  @property
-  def phases(self) -> tuple[str, ...]:
-    return (self.phase,) + self.also
-
-
-@dataclasses.dataclass
-class Estimate:
-  items: list[Item]
-  traffic: list[str]
-  notes: list[str]
-
-  def per_device(self, d: int) -> tuple[float, str]:
-    """``(peak bytes, node of the peak)`` of device ``d``: resident + its largest node."""
-    mine = [i for i in self.items if d in i.devices]
-    resident = sum(i.nbytes for i in mine if i.phase == RESIDENT)
-    phases: dict[str, float] = {}
-    for i in mine:
-      for ph in i.phases:
-        if ph != RESIDENT:
-          phases[ph] = phases.get(ph, 0.0) + i.nbytes
-    node = max(phases, key=phases.get) if phases else "-"
-    return resident + phases.get(node, 0.0), node
-
-  def worst(self, num_devices: int) -> tuple[int, float, str]:
-    d = max(range(num_devices), key=lambda k: self.per_device(k)[0])
-    return (d, *self.per_device(d))
-
-  def biggest(self, d: int, node: str, k: int = 3) -> list[Item]:
-    live = [i for i in self.items if d in i.devices and (i.phase == RESIDENT or
-                                                          node in i.phases)]
-    return sorted(live, key=lambda i: -i.nbytes)[:k]
-
-
-# What comes off jax's share of a device beside the compiled figures (stated allowances,
-# not measured here).  GPU: XLA:GPU allocates cuBLAS/cuBLASLt workspaces (up to 32 MiB
-# per GEMM on Hopper) and cuDNN's fused-attention workspaces as buffers of its own pool,
-# which a CPU compile does not have, and the BFC pool fragments; NCCL's communicator
-# buffers (NCCL_BUFFSIZE 4 MiB x channels x peers) and the CUDA context (~0.5 GB) live
-# outside the pool, in the (1 - fraction) jax leaves.  TPU: the runtime keeps part of HBM
-# (memory_stats()['bytes_limit'] is below the HBM size; check it on the device).
-GPU_RESERVE = 1 << 30
-TPU_RESERVE = 1 << 29
-GPU_DEFAULT_FRACTION = 0.75  # jax's preallocated share when no fraction is set
-# Outside jax's pool a GPU still needs the CUDA context, library handles and NCCL's
-# buffers: a fraction that leaves less than this is flagged.
-GPU_OUTSIDE_POOL = 2 * 10**9
-
-
-@dataclasses.dataclass(frozen=True)
-class Budget:
-  """What jax can use of one device: ``device_memory x fraction - reserve``, and why."""
-  target: str
-  platform: str      # "gpu", "tpu" or "cpu"
-  device_memory: int
-  fraction: float
-  reserve: int
-  why: tuple[str, ...]
-
-  @property
-  def usable(self) -> int:
-    return int(self.device_memory * self.fraction) - self.reserve
-
-  def lines(self) -> list[str]:
-    head = (f"device: {self.platform} {self.target}, {an.fmt(self.device_memory)}; usable by "
-            f"jax {an.fmt(self.usable)}")
-    if self.fraction != 1.0 or self.reserve:
-      head += (f" = {an.fmt(self.device_memory)} x {self.fraction:g} - "
-               f"{an.fmt(self.reserve)} reserve")
-    return [head] + [f"  budget: {w}" for w in self.why]
-
-
-def budget(device_memory: int, target: str | None = None,
-           env: Mapping[str, str] | None = None) -> Budget:
-  """The usable memory of ``device_memory`` on ``target`` (models/target.py's names:
-  h100, a100, tpu, cpu, ...; default a GPU), read with this process's environment
-  (``env``) as jax would read it on the device.  ConfigError (one line) on a bad name or
-  setting."""
-  from distflow_jax.models import target as target_lib
-  env = os.environ if env is None else env
-  name = target or "gpu"
-  try:
-    tgt = target_lib.parse(name)
-  except ValueError as e:
-    raise ConfigError(f"--target: {e}") from None
-  shown = tgt.name + ("" if target else " (the default; --target=tpu|cpu|... names another)")
-  if tgt.platform is target_lib.Platform.CPU:
-    return Budget(shown, "cpu", device_memory, 1.0, 0, (
-        "a CPU host: all of it (no allocator pool, no reserve)",))
-  if tgt.platform is target_lib.Platform.TPU:
-    return Budget(shown, "tpu", device_memory, 1.0, TPU_RESERVE, (
-        f"{an.fmt(TPU_RESERVE)} (0.5 GiB) reserve for the TPU runtime and program code (no "
-        f"preallocated fraction on TPU; memory_stats()['bytes_limit'] on the device is "
-        f"the exact figure)",))
-  new, old = env.get("XLA_CLIENT_MEM_FRACTION", ""), env.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "")
-  if new and old:
-    raise ConfigError("XLA_CLIENT_MEM_FRACTION and XLA_PYTHON_CLIENT_MEM_FRACTION are both "
-                      "set (jax refuses that too); keep XLA_CLIENT_MEM_FRACTION")
-  var = "XLA_CLIENT_MEM_FRACTION" if new else "XLA_PYTHON_CLIENT_MEM_FRACTION"
-  allocator = env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default").lower()
-  why = []
-  if allocator == "platform":
-    fraction = 1.0
-    why.append("XLA_PYTHON_CLIENT_ALLOCATOR=platform: no pool, jax allocates and frees on "
-               "demand (slow); the whole device less the reserve")
-  elif new or old:
-    try:
-      fraction = float(new or old)
-    except ValueError:
-      fraction = -1.0
-    if not 0 < fraction <= 1:
-      raise ConfigError(f"{var}={new or old!r} is not a fraction in (0, 1]; jax's default "
-                        f"is {GPU_DEFAULT_FRACTION}")
-    why.append(f"{var}={new or old}: jax's allocator pool is that share of the device")
-  else:
-    fraction = GPU_DEFAULT_FRACTION
-    why.append(f"jax preallocates {GPU_DEFAULT_FRACTION:g} of a GPU for its allocator pool "
-               f"(XLA_CLIENT_MEM_FRACTION unset; set it, e.g. =.9, to give jax more; newer "
-               f"jax may grow the pool past {GPU_DEFAULT_FRACTION:g} when the memory is free, "
-               f"{GPU_DEFAULT_FRACTION:g} is what it takes for sure)")
-  if allocator != "platform":
-    if env.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() in ("false", "0"):
-      why.append("XLA_PYTHON_CLIENT_PREALLOCATE=false: the pool grows on demand, still "
-                 "capped at that share")
-    outside = device_memory * (1 - fraction)
-    if outside < GPU_OUTSIDE_POOL:
-      why.append(f"only {an.fmt(outside)} is left outside jax's pool for the CUDA context, "
-                 f"libraries and NCCL's buffers (about {an.fmt(GPU_OUTSIDE_POOL)}): expect "
-                 f"out-of-memory at start-up; lower {var}")
-  why.append(f"{an.fmt(GPU_RESERVE)} (1 GiB) reserve for cuBLAS/cuDNN workspaces XLA:GPU "
-             f"allocates in its pool (not in figures compiled for CPU), allocator "
-             f"fragmentation and NCCL buffers: a stated allowance (memory/report.py "
-             f"GPU_RESERVE)")
-  return Budget(shown, "gpu", device_memory, fraction, GPU_RESERVE, tuple(why))
 
 
 def _prompt_len(cfg: ml_collections.ConfigDict) -> int:
@@ -303,8 +156,8 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
     devs = lay.devices
     dp = lay.dp_size
     if node.fn == "generate":
-      items.extend(_generate_items(cfg, plan, model_cfg, node.id, devs, comp, adv, notes,
-                                   shards))
+      items.extend(generate_items(cfg, plan, model_cfg, node.id, devs, comp, adv, notes,
+                                  shards))
     elif node.fn in ("values", "train.critic"):  # the critic's steps: analytic only
       train = node.fn == "train.critic"
       mbs = cfg.critic.micro_batch_size
@@ -384,76 +237,6 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
                                           direct=direct), notes)
 
 
-def _generate_items(cfg, plan, model_cfg, node_id, devs, comp, adv, notes, shards
-                    ) -> list[Item]:
-  """The rollout node's two phases on each training device.  Weight sync
-  (``<node>/weight_sync``): the synced weights, the sync's largest step's buffers, with
-  ``model.scan_layers`` the per-layer copy the engine makes first, and on the fallback
-  route the whole parameters gathered.  Decode (``<node>``): the synced weights, the KV
-  cache, and while it grows one old layer beside the new cache.  The previous step's
-  rollout weights are released before the sync (rollout/weight_sync.py): counted once."""
-  from distflow_jax.memory import compiled as cp
-  from distflow_jax.models import sharding
-  from distflow_jax.rollout import cache_growth
-  from distflow_jax.rollout.engine_config import EngineConfig
-  from distflow_jax.state import roles as roles_lib
-  topo = plan.topology
-  src = "compiled" if comp else "analytic"
-  sync = f"{node_id}/weight_sync"  # one word: the peak line reads "while <phase> runs"
-  tp = cfg.rollout.tensor_parallel
-  per_host = len(devs) // topo.num_processes
-  data = max(per_host // tp, 1)
-  slots = cfg.rollout.max_concurrent_decodes
-  cache_len = max(cfg.rollout.prefill_buckets) + cfg.rollout.max_new_tokens
-  if comp:
-    rdevs = roles_lib.ordered_devices()
-    host0 = [rdevs[i] for i in devs[:per_host]]
-    rmesh = sharding.make_mesh({"data": data, "tensor": tp}, host0)
-    wb, kvb = cp.rollout_state_bytes(model_cfg, rmesh, slots, cache_len)
-    actor = next(m for m in plan.meshes if m.role is Role.ACTOR)
-    t0 = time.time()
-    sm = cp.sync_memory(model_cfg, roles_lib.jax_mesh(actor), rmesh,
-                        lambda d: topo.process_of(rdevs.index(d)))
-    notes.append(f"weight sync compiled in {time.time() - t0:.0f} s: {sm.steps} steps, "
-                 f"output {an.fmt(sm.output)}, largest step's temp {an.fmt(sm.temp)} per "
-                 f"device (XLA:CPU's buffers; a GPU's collectives may differ)")
-    temp, direct, steps = sm.temp, sm.direct, sm.steps
-    gathered = max(sm.output - wb, 0.0)
-  else:
-    wb = an.param_bytes(model_cfg, tp)
-    kvb = an.kv_cache_bytes(model_cfg, slots, cache_len) / per_host
-    temp, direct, steps, gathered = an.sync_step_bytes(model_cfg, tp), True, None, 0.0
-  out = [Item(node_id, "rollout weights (synced copy)", wb, devs, node_id, src,
-              adv["rollout_w"], also=(sync,)),
-         Item(node_id, f"KV cache ({slots} slots x {cache_len})", kvb, devs, node_id, src,
-              adv["kv"])]
-  econf = EngineConfig(max_concurrent_decodes=slots,
-                       prefill_buckets=tuple(cfg.rollout.prefill_buckets),
-                       max_new_tokens=cfg.rollout.max_new_tokens)
-  caps = cache_growth.capacities(cache_len, econf.prefill_buckets[-1] + econf.decode_steps,
-                                 not cfg.trainer.deterministic)
-  if len(caps) > 1:  # the last growth: the new cache whole, one old layer's keys or values
-    out.append(Item(node_id, "KV cache growth (one old layer while it grows)",
-                    kvb * caps[-2] / caps[-1] / (2 * model_cfg.num_layers), devs, node_id,
-                    src, adv["kv"]))
-  what = f"weight sync buffers (largest of {steps} steps)" if steps else \
-      "weight sync buffers (largest step)"
-  out.append(Item(node_id, what, temp, devs, sync, src, adv["sync"]))
-  if model_cfg.scan_layers:
-    out.append(Item(node_id, "weight sync input: per-layer copy (scan_layers)",
-                    an.param_bytes(model_cfg, shards), devs, sync, "analytic",
-                    adv["unstack"]))
-  if not direct:
-    out.append(Item(node_id, "weight sync fallback: whole parameters gathered", gathered,
-                    devs, sync, src, adv["fallback"]))
-  notes.append("weight sync " + ("straight into the rollout layout: each device receives "
-                                 "only its rollout shard" if direct else
-                                 "on the fallback route: whole parameters on every training "
-                                 "device while it runs")
-               + "; the previous step's rollout weights are released first (counted once)")
-  return out
-
-
 def _packed_train_items(cfg, model_cfg, node_id, devs, dp, minis, micro, plen, nlen, tp, remat,
                         impl, gb, adv, notes) -> list[Item]:
   """The actor's train step under model.pack_sequences, analytic: a micro-batch is
@@ -473,56 +256,6 @@ def _packed_train_items(cfg, model_cfg, node_id, devs, dp, minis, micro, plen, n
           Item(node_id, f"activations ({what})", act, devs, node_id, "analytic",
                "lower actor.micro_batch_tokens" if budget else adv["act"]),
           Item(node_id, "batch", batch_b, devs, node_id, "analytic", "-")]
-
-
-def _as_budget(device_memory: "Budget | int | None") -> "Budget | None":
-  if device_memory is None or isinstance(device_memory, Budget):
-    return device_memory
-  return Budget("as given", "any", int(device_memory), 1.0, 0, ())
-
-
-def render(est: Estimate, num_devices: int, num_processes: int,
-           device_memory: "Budget | int | None") -> str:
-  """The table, the worst device's peak and its fit against what jax can use of the
-  device (``budget``; a plain byte count is taken whole), its three biggest consumers."""
-  lines = [f"memory per device ({est.notes[0]}):"]
-  for i in est.items:
-    span = f"[{i.devices[0]}..{i.devices[-1]}]" if len(i.devices) > 1 else f"[{i.devices[0]}]"
-    when = "resident" if i.phase == RESIDENT else f"while {' / '.join(i.phases)} runs"
-    lines.append(f"  {i.where:<14} {i.what:<46} {an.fmt(i.nbytes):>11}  on {span:<9} {when}")
-  lines += [f"  note: {n}" for n in est.notes[1:]]
-  d, peak, node = est.worst(num_devices)
-  per = num_devices // num_processes
-  lines.append(f"peak: {an.fmt(peak)} on device {d} (process {d // per}), while {node} runs")
-  b = _as_budget(device_memory)
-  if b is not None:
-    lines += b.lines()
-    gap = b.usable - peak
-    lines.append(f"fits {an.fmt(b.device_memory)} ({an.fmt(b.usable)} usable): "
-                 + (f"yes, {an.fmt(gap)} to spare" if gap >= 0 else
-                    f"NO, over by {an.fmt(-gap)}"))
-  lines.append("biggest consumers:")
-  for i in est.biggest(d, node):
-    lines.append(f"  {an.fmt(i.nbytes):>11}  {i.where} {i.what}: to shrink, {i.advice}")
-  lines.append("traffic per step:")
-  lines += [f"  {t}" for t in est.traffic]
-  return "\n".join(lines)
-
-
-def check_fits(est: Estimate, num_devices: int, device_memory: "Budget | int", text: str
-               ) -> None:
-  """Refuses (ConfigError, one line) a device whose usable memory is below the plan's
-  peak."""
-  b = _as_budget(device_memory)
-  d, peak, node = est.worst(num_devices)
-  if peak <= b.usable:
-    return
-  top = est.biggest(d, node, 1)[0]
-  usable = ("" if b.platform == "any" else
-            f" ({b.target.split(' ')[0]}: {an.fmt(b.usable)} usable)")
-  raise ConfigError(f"--device_memory={text}{usable}: the plan needs {an.fmt(peak)} on device "
-                    f"{d} while {node} runs, {an.fmt(peak - b.usable)} too much; the biggest "
-                    f"consumer is {top.where} {top.what} ({an.fmt(top.nbytes)}): {top.advice}")
 
 
 def model_shape(cfg: ml_collections.ConfigDict) -> ModelConfig:

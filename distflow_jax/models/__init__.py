@@ -37,9 +37,10 @@ How to use:
 Modules: config (ModelConfig), transformer (model, KV cache, pure forward),
 heads (chunked log-probs / entropy, Critic, reference copy), stacking (the
 `scan_layers` layout and conversions), sharding (rules as data, sharded
-creation), hf_io (safetensors import/export), tokenizer (HF `tokenizer.json` +
-chat template, built-in tiny tokenizer), errors
-(`ModelFileError`, a `ConfigError` naming the model folder file at fault),
+creation), hf_io (safetensors import; re-exports the names of hf_files: config.json
+and weight-file checks, hf_names: parameter <-> tensor names, hf_export: writing
+checkpoints), tokenizer (HF `tokenizer.json` + chat template, built-in tiny tokenizer),
+errors (`ModelFileError`, a `ConfigError` naming the model folder file at fault),
 vision + vl (Qwen2.5-VL: the vision tower, the composed model with multimodal
 RoPE, its safetensors import/export; imported from their modules, not re-exported).
 """

@@ -1,7 +1,7 @@
 """The transformer's small building blocks: RMSNorm, the gated MLP, linear layers.
 
 Shared by attention.py and transformer.py; parameter names (``scale``,
-``gate_proj``, ...) are the HF checkpoint's (see hf_io).
+``gate_proj``, ...) are the HF checkpoint's (see hf_names).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ layer body whatever the depth.  Parameter paths lose the layer index:
 
 Here: building the stacked module, slicing one layer out of it (the cached
 decode path runs layer by layer, writing each layer's KV buffer in place),
-the path helpers hf_io and sharding use (`stacked_path`, `layer_path`), and
+the path helpers hf_io, hf_export and sharding use (`stacked_path`, `layer_path`), and
 `to_scan` / `to_loop`, converting a whole parameter state between layouts.
 """
 

@@ -101,7 +101,7 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-  """Llama / Qwen2 / Qwen3 decoder.  Parameter paths mirror HF names (see hf_io)."""
+  """Llama / Qwen2 / Qwen3 decoder.  Parameter paths mirror HF names (see hf_names)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg

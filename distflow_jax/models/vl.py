@@ -48,7 +48,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from safetensors.numpy import save_file
 
-from distflow_jax.models import hf_io
+from distflow_jax.models import hf_files, hf_io
 from distflow_jax.models.config import DTYPES, ModelConfig
 from distflow_jax.models.errors import ModelFileError
 from distflow_jax.models.kv_cache import positions_from_mask
@@ -294,7 +294,7 @@ def _hub_name(name: str) -> str:
 
 
 def read_vl_config(path: str | os.PathLike, dtype: str | None = None) -> VLConfig:
-  cfg_file, d = hf_io._hf_config_dict(path)  # pylint: disable=protected-access
+  cfg_file, d = hf_files.hf_config_dict(path)
   try:
     return VLConfig.from_hf_dict(d, dtype)
   except KeyError as e:
@@ -308,7 +308,7 @@ def load_vl_pretrained(path: str | os.PathLike, mesh: Mesh | None = None,
                        cfg: VLConfig | None = None) -> VLModel:
   """Loads a Qwen2.5-VL safetensors checkpoint; a missing, misshapen or unexpected tensor
   is a one-line `ModelFileError` naming it and the file."""
-  hf_io._weight_files(Path(path))  # pylint: disable=protected-access
+  hf_files.weight_files(Path(path))
   cfg = cfg or read_vl_config(path, dtype)
   ignorable = ("lm_head.weight",) if cfg.text.tie_embeddings else ()
   return hf_io._load_module(  # pylint: disable=protected-access

@@ -20,7 +20,7 @@ returns rows, so the built-in flow (run/trainer.dataset_paths writes
 ``task.generate_split(...)`` with ``write_jsonl`` into ``run_dir/data``) needs no output
 folder and no second kind of file to write atomically, and a row file stays valid when
 moved.  The images are tiny flat-colour PNGs (a few hundred bytes), so the JSONL grows by
-well under a kilobyte a row; data/images.load_image decodes the URIs.  PNG is lossless, so
+well under a kilobyte a row; data/image_loading.load_image decodes the URIs.  PNG is lossless, so
 the pixels read back are exactly the ones drawn (no anti-aliasing: one colour per shape).
 
 Image sides are multiples of 28 (Qwen2-VL's patch 14 x merge 2) and at least 56x56 (the
@@ -243,7 +243,7 @@ def draw(size: int, shapes: tuple[Shape, ...]):
 
 
 def data_uri(image) -> str:
-  """A PIL image as a ``data:image/png;base64,...`` URI (data/images.load_image reads it)."""
+  """A PIL image as a ``data:image/png;base64,...`` URI (data/image_loading.load_image reads it)."""
   buf = io.BytesIO()
   image.save(buf, format="PNG")
   return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")

@@ -4,7 +4,7 @@ A row is either ``{<data.prompt_key>: text or messages, <data.answer_key>: compl
 (the answer is the target completion) or ``{"messages": [{role, content}, ...]}``: a
 conversation gives one example per assistant turn (its prompt is the conversation
 before the turn), so every assistant turn is trained on and nothing else.  Prompts
-are rendered and tokenized as the RL loader does (``loader.parse_row``); the
+are rendered and tokenized as the RL loader does (``rows.parse_row``); the
 completion gets EOS and must fit ``rollout.max_new_tokens`` (what the trained
 model may generate).  Bad rows follow ``data.on_bad_row``: skipped and counted, or
 refused; every refusal is a ``ConfigError`` naming the file and line.
@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from distflow_jax.config.loading import ConfigError
-from distflow_jax.data.loader import OnBadRow, parse_row
+from distflow_jax.data.loader import OnBadRow
+from distflow_jax.data.rows import parse_row
 from distflow_jax.data.sources import BadRow, open_source
 from distflow_jax.models.tokenizer import Tokenizer
 

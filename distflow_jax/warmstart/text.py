@@ -34,7 +34,7 @@ import ml_collections
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.planner import Plan
 from distflow_jax.dag.spec import Role
-from distflow_jax.data.loader import parse_row
+from distflow_jax.data.rows import parse_row
 from distflow_jax.models import hf_io
 from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.tasks import registry as tasks

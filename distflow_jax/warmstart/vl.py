@@ -32,7 +32,7 @@ from flax import nnx
 
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.data import images as im
-from distflow_jax.data.loader import parse_row
+from distflow_jax.data.rows import parse_row
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.models.vision import VisionConfig, vision_layout
