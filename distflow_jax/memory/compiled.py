@@ -134,14 +134,10 @@ def rollout_state_bytes(model_cfg: ModelConfig, mesh: Mesh, slots: int, cache_le
   (``data`` x ``tensor``): the engine's own shardings of the synced weights and the state
   ``rollout.decode.empty_state`` builds (KV cache, slot bookkeeping)."""
   from distflow_jax.rollout import decode
-  from distflow_jax.rollout.engine import Engine
-  from distflow_jax.rollout.engine_config import EngineConfig
+  from distflow_jax.rollout.engine_config import decode_state_shardings
   _, params = abstract_model(model_cfg, mesh)
-  engine = Engine.__new__(Engine)  # only its sharding helpers: no jit, no parameters
-  engine.model_cfg, engine._mesh = model_cfg, mesh
-  engine.config = EngineConfig(max_concurrent_decodes=slots)
   state = jax.eval_shape(functools.partial(decode.empty_state, model_cfg, slots, cache_len))
-  state = jax.tree.map(_sds, state, engine._decode_state_shardings())
+  state = jax.tree.map(_sds, state, decode_state_shardings(mesh, model_cfg))
   return device_bytes(params), device_bytes(state)
 
 
