@@ -1,8 +1,8 @@
 """The actor and critic steps: pure functions, jitted once, with donated state.
 
-The losses read log-probs, values and scores of a sequence batch's responses, computed
-from the hidden states train/hidden.py gives (the batch's keys, "Shared prompts",
-"Packed rows").  The train step splits a batch into micro-batches
+The losses read log-probs and values of a sequence batch's responses (and
+``sequence_scores`` a reward model's score of each sequence), computed from the hidden
+states train/hidden.py gives (the batch's keys, "Shared prompts", "Packed rows").  The train step splits a batch into micro-batches
 (train/micro_batches.py: rows dealt round robin in whole groups, or a token-budget
 plan's slots) and accumulates their gradients.  The loss of each micro-batch is its
 *sum* divided by the whole batch's denominator, so the accumulated gradient is exactly
