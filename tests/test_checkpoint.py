@@ -17,7 +17,7 @@ from distflow_jax.models import hf_io, sharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.models.transformer import Transformer
-from distflow_jax.train import steps as steps_lib
+from distflow_jax.train import placement
 from distflow_jax.persist import checkpoint as ck
 from distflow_jax.commands import export as export_cmd
 from distflow_jax.state.roles import ModelState
@@ -36,7 +36,7 @@ def roles_on(mesh, mcfg, seed=0):
   g, p = nnx.split(sharding.create_sharded(lambda: Transformer(mcfg, rngs=nnx.Rngs(seed)),
                                            mesh, rules))
   tx = optax.adam(1e-3)
-  opt = steps_lib.init_opt_state(tx, p)
+  opt = placement.init_opt_state(tx, p)
   ref = jax.tree.map(lambda x: x.copy(), p)
   return {Role.ACTOR: ModelState(Role.ACTOR, mesh, g, p, tx, opt),
           Role.REFERENCE: ModelState(Role.REFERENCE, mesh, g, ref)}

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distflow_jax.models import sharding
-from distflow_jax.train import deterministic, steps
+from distflow_jax.train import deterministic, placement, steps
 from test_train_steps import CFG, make_batch, model_and_params, with_old_logprobs
 
 B = 8
@@ -30,7 +30,7 @@ def _run(d, *, steps_n=2, agg="token-mean", clip=1.0, unit_rows=1, lr=0.5):
   loss_fn = lambda g, p, mb: steps.actor_loss(g, p, mb, loss_cfg, 512)  # noqa: E731
   tx = optax.adamw(lr)
   p, b, bmesh = _place(graphdef, params, batch, d)
-  opt = steps.init_opt_state(tx, p)
+  opt = placement.init_opt_state(tx, p)
   step = deterministic.make_train_step(loss_fn, graphdef, tx, bmesh, unit_rows, agg, clip)
   stats = []
   for _ in range(steps_n):

@@ -12,7 +12,7 @@ from distflow_jax.models import hf_io, sharding, stacking
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.heads import Critic, critic_values
 from distflow_jax.models.transformer import Transformer, forward, init_cache
-from distflow_jax.train import optim, steps
+from distflow_jax.train import optim, placement, steps
 
 TOL = 1e-5
 
@@ -199,7 +199,7 @@ def test_master_weights_in_a_donating_train_step():
   critic = Critic(cfg, rngs=nnx.Rngs(0))
   g, p = nnx.split(critic)
   tx = optim.with_master_weights(optax.adam(1e-3))
-  opt = steps.init_opt_state(tx, p)
+  opt = placement.init_opt_state(tx, p)
   assert {x.dtype for x in jax.tree.leaves(opt.master)} == {jnp.dtype(jnp.float32)}
   tokens = jax.random.randint(jax.random.key(3), (2, 7), 0, 61)
   batch = {"prompt_tokens": tokens[:, :3], "prompt_mask": jnp.ones((2, 3), bool),

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distflow_jax.models import ModelConfig, Transformer, heads, sharding
-from distflow_jax.train import packing, steps
+from distflow_jax.train import micro_batches, packing, placement, steps
 
 CFG = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True)
@@ -88,7 +88,7 @@ def test_deal_rows_np_matches_deal_rows():
   x = np.arange(24 * 3).reshape(24, 3)
   for m, block in ((2, 1), (3, 2), (4, 3), (5, 1) if 24 % 5 == 0 else (6, 4)):
     np.testing.assert_array_equal(packing.deal_rows_np(x, m, block),
-                                  np.asarray(steps.deal_rows({"x": x}, m, block)["x"]))
+                                  np.asarray(micro_batches.deal_rows({"x": x}, m, block)["x"]))
 
 
 def test_bucket_rows():
@@ -148,7 +148,8 @@ def _train(graphdef, params, batch, m, critic=False):
   fn = ((lambda g, p, mb: steps.critic_loss(g, p, mb, 0.2)) if critic  # noqa: E731
         else _actor_loss_fn())
   step = steps.make_train_step(fn, graphdef, tx, m, "token-mean")
-  new_p, _, stats = step(jax.tree.map(jnp.copy, params), steps.init_opt_state(tx, params), batch)
+  new_p, _, stats = step(jax.tree.map(jnp.copy, params), placement.init_opt_state(tx, params),
+                         batch)
   return new_p, stats
 
 
@@ -190,7 +191,7 @@ def test_packed_on_8_device_mesh_matches_single_device():
     sp = sharding.shard_state(jax.tree.map(jnp.copy, params), mesh, sharding.fsdp_tp_rules())
     data = {k: jax.device_put(v, NamedSharding(mesh, rows)) for k, v in batch.items()}
     pk, _ = packing.plan(batch["prompt_mask"], batch["response_mask"], 0, shards)
-    lp_fn = jax.jit(steps.rows_sharded_on(
+    lp_fn = jax.jit(placement.rows_sharded_on(
         lambda g, p, b: steps.response_logprobs(g, p, b)[0], mesh), static_argnums=0)
     lp = lp_fn(graphdef, sp, {**data, "pack": jax.device_put(pk, NamedSharding(mesh, P()))})
     np.testing.assert_allclose(np.asarray(lp), np.asarray(ref_lp), atol=1e-5)

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distflow_jax.models import ModelConfig, Transformer, heads, segments, sharding
-from distflow_jax.train import packing, steps, token_budget
+from distflow_jax.train import packing, placement, steps, token_budget
 
 CFG = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True)
@@ -179,7 +179,8 @@ def test_packed_shared_gradients_match_padded(impl):
 def _train(graphdef, params, batch, m, gs=GS):
   tx = optax.sgd(0.5)
   step = steps.make_train_step(_loss_fn(gs), graphdef, tx, m, "token-mean", gs)
-  new_p, _, stats = step(jax.tree.map(jnp.copy, params), steps.init_opt_state(tx, params), batch)
+  new_p, _, stats = step(jax.tree.map(jnp.copy, params), placement.init_opt_state(tx, params),
+                         batch)
   assert int(stats["skipped"]) == 0 and int(stats["ungrouped"]) == 0
   return new_p, stats
 
@@ -236,7 +237,7 @@ def test_packed_shared_on_8_device_mesh_matches_padded():
   rep = NamedSharding(mesh, P())
   pk, _ = shared_plan(batch, 0, 4)
   assert pk["seg"].shape[0] % 4 == 0
-  lp_fn = jax.jit(steps.rows_sharded_on(
+  lp_fn = jax.jit(placement.rows_sharded_on(
       lambda g, p, b: steps.response_logprobs(g, p, b, group_size=GS)[0], mesh),
       static_argnums=0)
   lp = lp_fn(graphdef, sp, {**data, "pack": jax.device_put(pk, rep)})

@@ -13,7 +13,8 @@ from distflow_jax.memory import compiled as cp
 from distflow_jax.models import sharding
 from distflow_jax.models.transformer import Transformer
 from distflow_jax.rollout import generate, replica_mesh
-from distflow_jax.rollout.weight_sync import WeightSync, _Refinement
+from distflow_jax.rollout.mesh_refinement import Refinement
+from distflow_jax.rollout.weight_sync import WeightSync
 from test_rollout_engine import engine, full_forward_greedy, peaky_model
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9], [2, 7]]
@@ -142,15 +143,15 @@ def test_a_sync_releases_the_previous_rollout_weights():
 
 
 def test_refinement_of_two_meshes():
-  r = _Refinement.of(np.asarray(jax.devices() * 8, dtype=object),
-                     [(("fsdp",), (64,)), (("b", "data", "tensor"), (8, 1, 8))])
+  r = Refinement.of(np.asarray(jax.devices() * 8, dtype=object),
+                    [(("fsdp",), (64,)), (("b", "data", "tensor"), (8, 1, 8))])
   assert dict(r.mesh.shape) == {"_sync1": 8, "_sync0": 8}  # major to minor
   assert r.axes[(0, "fsdp")] == ("_sync1", "_sync0")
   assert r.axes[(1, "b")] == ("_sync1",) and r.axes[(1, "tensor")] == ("_sync0",)
   assert r.axes[(1, "data")] == ()
-  r = _Refinement.of(np.asarray(jax.devices() * 8, dtype=object),
-                     [(("data", "fsdp"), (2, 32)), (("b", "data", "tensor"), (8, 1, 8))])
+  r = Refinement.of(np.asarray(jax.devices() * 8, dtype=object),
+                    [(("data", "fsdp"), (2, 32)), (("b", "data", "tensor"), (8, 1, 8))])
   assert sorted(r.mesh.shape.values()) == [2, 4, 8]
   assert len(r.axes[(0, "fsdp")]) == 2 and len(r.axes[(1, "b")]) == 2
-  assert _Refinement.of(np.asarray(jax.devices()[:6], dtype=object),
-                        [(("a", "b"), (2, 3)), (("c", "d"), (3, 2))]) is None
+  assert Refinement.of(np.asarray(jax.devices()[:6], dtype=object),
+                       [(("a", "b"), (2, 3)), (("c", "d"), (3, 2))]) is None

@@ -139,7 +139,7 @@ def test_warm_start_is_the_sft_loop_unchanged(tmp_path):
   from distflow_jax.config import loading
   from distflow_jax.dag.spec import Role
   from distflow_jax.tasks import registry as tasks
-  from distflow_jax.train import steps as steps_lib
+  from distflow_jax.train import placement, steps as steps_lib
   from distflow_jax.run import setup
   from distflow_jax.warmstart import text as warmstart
   cfg = loading.load("grpo:tiny", SHAPE + [f"run_dir={tmp_path}"])
@@ -152,7 +152,7 @@ def test_warm_start_is_the_sft_loop_unchanged(tmp_path):
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
       optax.warmup_cosine_decay_schedule(0.0, lr, max(steps // 10, 1), steps), weight_decay=0.0))
   params, opt = fresh(), None
-  opt = steps_lib.init_opt_state(tx, params)
+  opt = placement.init_opt_state(tx, params)
   step_fn = steps_lib.make_train_step(warmstart.sft_loss, state.graphdef, tx, 1, "token-mean")
   sharding = NamedSharding(state.mesh, P(tuple(a for a in ("data", "fsdp")
                                               if a in state.mesh.axis_names)))

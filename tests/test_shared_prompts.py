@@ -9,7 +9,7 @@ from flax import nnx
 
 from distflow_jax.models import ModelConfig, Transformer
 from distflow_jax.models.transformer import forward, positions_from_mask
-from distflow_jax.train import steps
+from distflow_jax.train import hidden, micro_batches, steps
 
 CFG = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True)
@@ -42,7 +42,7 @@ def model():
 def test_prefix_forward_equals_the_full_sequence(model):
   graphdef, params = model
   batch = grouped_batch()
-  tokens, mask, pos = steps.sequence_inputs(batch)
+  tokens, mask, pos = hidden.sequence_inputs(batch)
   full, _ = forward(graphdef, params, tokens, pos, mask)
   pm = jnp.asarray(batch["prompt_mask"][::NS])
   _, kv = forward(graphdef, params, jnp.asarray(batch["prompt_tokens"][::NS]),
@@ -68,9 +68,9 @@ def test_prefix_arguments_are_checked(model):
 def test_shared_logprobs_and_gradients_equal_the_plain_pass(model):
   graphdef, params = model
   batch = grouped_batch()
-  assert bool(steps.prompts_grouped(batch, NS))
-  plain = steps._response_hidden_plain(graphdef, params, batch)
-  shared = steps._response_hidden_shared(graphdef, params, batch, NS)
+  assert bool(hidden.prompts_grouped(batch, NS))
+  plain = hidden._response_hidden_plain(graphdef, params, batch)
+  shared = hidden._response_hidden_shared(graphdef, params, batch, NS)
   rm = batch["response_mask"]
   np.testing.assert_allclose(np.asarray(shared)[rm], np.asarray(plain)[rm], atol=2e-5)
 
@@ -84,14 +84,14 @@ def test_shared_logprobs_and_gradients_equal_the_plain_pass(model):
 
 def test_grouping_check(model):
   batch = grouped_batch()
-  assert bool(steps.prompts_grouped(batch, NS))
-  assert bool(steps.prompts_grouped(batch, 1))
+  assert bool(hidden.prompts_grouped(batch, NS))
+  assert bool(hidden.prompts_grouped(batch, 1))
   broken = dict(batch, prompt_tokens=batch["prompt_tokens"].copy())
   broken["prompt_tokens"][1, -1] += 1  # one token differs inside a group
-  assert not bool(steps.prompts_grouped(broken, NS))
+  assert not bool(hidden.prompts_grouped(broken, NS))
   masked = dict(batch, prompt_mask=batch["prompt_mask"].copy())
   masked["prompt_mask"][NS + 1, -2] = False  # same tokens, other padding
-  assert not bool(steps.prompts_grouped(masked, NS))
+  assert not bool(hidden.prompts_grouped(masked, NS))
   graphdef, params = model
   with pytest.raises(ValueError, match="12 rows are not whole groups of 5"):
     steps.response_logprobs(graphdef, params, batch, group_size=5)
@@ -121,12 +121,12 @@ def test_train_step_refuses_an_ungrouped_batch(model):
 
 def test_micro_batches_keep_groups_whole():
   rows = np.arange(24)
-  mbs = steps.deal_rows({"r": rows}, 3, 4)["r"]
+  mbs = micro_batches.deal_rows({"r": rows}, 3, 4)["r"]
   assert mbs.shape == (3, 8)
   np.testing.assert_array_equal(mbs[0], [0, 1, 2, 3, 12, 13, 14, 15])
   np.testing.assert_array_equal(np.sort(np.asarray(mbs).ravel()), rows)
   # 24 rows do not split into 4 micro-batches of whole groups of 4: rows are dealt singly.
-  np.testing.assert_array_equal(steps.deal_rows({"r": rows}, 4, 4)["r"][1],
+  np.testing.assert_array_equal(micro_batches.deal_rows({"r": rows}, 4, 4)["r"][1],
                                 [1, 5, 9, 13, 17, 21])
 
 

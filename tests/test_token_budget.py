@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distflow_jax.models import heads, sharding
-from distflow_jax.train import packing, steps, token_budget
+from distflow_jax.train import packing, placement, steps, token_budget
 from test_packing import CFG, N, _old, make_batch, model
 
 PACK_LEN = 16
@@ -116,7 +116,8 @@ def _step(graphdef, params, batch, m, agg="token-mean", critic=False, ratio_leve
                           ratio_level=ratio_level)
     fn = lambda g, p, mb: steps.actor_loss(g, p, mb, cfg, 512)  # noqa: E731
   step = steps.make_train_step(fn, graphdef, tx, m, agg)
-  new_p, _, stats = step(jax.tree.map(jnp.copy, params), steps.init_opt_state(tx, params), batch)
+  new_p, _, stats = step(jax.tree.map(jnp.copy, params), placement.init_opt_state(tx, params),
+                         batch)
   assert int(stats["skipped"]) == 0
   return new_p, stats
 

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distflow_jax.models import ModelConfig, Transformer
 from distflow_jax.models import heads, sharding
-from distflow_jax.train import steps
+from distflow_jax.train import hidden, steps
 
 # Small enough to compile fast; Qwen2-shaped (QKV bias, GQA).
 CFG = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128,
@@ -49,7 +49,7 @@ def test_response_logprobs_match_full_forward():
   graphdef, params = model_and_params()
   batch = make_batch()
   lp, ent = steps.response_logprobs(graphdef, params, batch)
-  tokens, mask, positions = steps.sequence_inputs(batch)
+  tokens, mask, positions = hidden.sequence_inputs(batch)
   logits, _ = nnx.merge(graphdef, params)(tokens, positions, mask)
   logp_all = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
   for b in range(B):

@@ -17,7 +17,7 @@ from workflow_util import smoke_overrides
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data import redistribute as rd
 from distflow_jax.models import sharding
-from distflow_jax.train import steps
+from distflow_jax.train import placement
 from distflow_jax.run import compile_cache
 from distflow_jax.state import warm_shapes
 
@@ -61,7 +61,7 @@ def test_other_widths_compile_ahead_and_the_later_call_compiles_nothing():
 
 
 def test_train_step_widths_compile_ahead():
-  step = steps.PinnedStep(lambda p, o, d: (p + d["prompt_tokens"].sum(), o + 1, p * 2))
+  step = placement.PinnedStep(lambda p, o, d: (p + d["prompt_tokens"].sum(), o + 1, p * 2))
   f, recorder = _recorded(step, widths=(16, 24, 40))
   p, o = jax.device_put((np.float32(0), np.float32(0)))
   b16, b24, b40 = _batch(16), _batch(24), _batch(40)

@@ -268,10 +268,10 @@ class Side:
   def __init__(self, name: str, step, logprob, params, tx, batch: dict, pass_batch: dict):
     import jax
 
-    from distflow_jax.train import steps
+    from distflow_jax.train import placement
     self.name, self.batch, self.pass_batch = name, batch, pass_batch
     self.params = copy_tree(params)
-    self.opt_state = steps.init_opt_state(tx, self.params)
+    self.opt_state = placement.init_opt_state(tx, self.params)
     self.step = step.jitted_for(self.params, self.opt_state).lower(
         self.params, self.opt_state, batch).compile()
     self.logprob = jax.jit(logprob).lower(params, pass_batch).compile()

@@ -69,7 +69,7 @@ def build(size: str, batch: int, prompt: int, response: int, micro: int, seed: i
 
   from distflow_jax.models import ModelConfig, Transformer
   from distflow_jax.models import sharding
-  from distflow_jax.train import steps
+  from distflow_jax.train import placement, steps
 
   cfg = ModelConfig(**SIZES[size])
   mesh = sharding.make_mesh({"fsdp": 1, "tensor": 1}, jax.devices()[:1])
@@ -77,7 +77,7 @@ def build(size: str, batch: int, prompt: int, response: int, micro: int, seed: i
                                   sharding.fsdp_tp_rules())
   graphdef, params = nnx.split(model)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5))
-  opt_state = steps.init_opt_state(tx, params)
+  opt_state = placement.init_opt_state(tx, params)
   gs = group_size if share else 1
   loss_cfg = steps.ActorLoss(kl_coef=0.001, group_size=gs)
   loss = lambda g, p, mb: steps.actor_loss(g, p, mb, loss_cfg, 512)  # noqa: E731

@@ -385,7 +385,7 @@ def measure_train(s: dict) -> dict:
   from flax import nnx
 
   from distflow_jax.models import Transformer, sharding
-  from distflow_jax.train import steps
+  from distflow_jax.train import placement, steps
   from distflow_jax.state import roles
 
   run = _run_cfg()
@@ -396,7 +396,7 @@ def measure_train(s: dict) -> dict:
   graphdef, params = nnx.split(model)
   del model
   tx = roles.optimizer(run, run.actor.optimizer, 100)
-  opt_state = steps.init_opt_state(tx, params)
+  opt_state = placement.init_opt_state(tx, params)
   loss_cfg = steps.ActorLoss.from_config(run.actor, r, group_size=1)
   loss = lambda g, w, mb: steps.actor_loss(g, w, mb, loss_cfg, 512)  # noqa: E731  as the node
   step = steps.make_train_step(loss, graphdef, tx, 1, loss_cfg.loss_agg, 1)

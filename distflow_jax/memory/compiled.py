@@ -65,8 +65,8 @@ def abstract_model(model_cfg: ModelConfig, mesh: Mesh) -> tuple[nnx.GraphDef, An
 
 
 def abstract_opt_state(tx: Any, params: Any, mesh: Mesh) -> Any:
-  """``tx.init(params)`` abstractly, laid out as ``steps.init_opt_state`` leaves it: a leaf
-  under a parameter's path (Adam's moments) in that parameter's sharding, the rest
+  """``tx.init(params)`` abstractly, laid out as ``placement.init_opt_state`` leaves it: a
+  leaf under a parameter's path (Adam's moments) in that parameter's sharding, the rest
   (step counts) replicated."""
   by_path = {sharding.path_str(kp): x.sharding
              for kp, x in jax.tree_util.tree_leaves_with_path(params)}
@@ -122,9 +122,9 @@ def train_step_memory(cfg: ml_collections.ConfigDict, graphdef: nnx.GraphDef, pa
 def logprob_memory(graphdef: nnx.GraphDef, params: Any, batch: dict, group_size: int,
                    layout: NamedSharding) -> StepMemory:
   """The log-prob pass (``logprob`` / ``ref_logprob`` nodes) over the whole step's batch."""
-  from distflow_jax.train import steps as steps_lib
+  from distflow_jax.train import placement, steps as steps_lib
   fn = lambda p, b: steps_lib.response_logprobs(graphdef, p, b, group_size=group_size)[0]  # noqa: E731
-  fn = steps_lib.rows_sharded_on(fn, steps_lib.params_mesh(params))
+  fn = placement.rows_sharded_on(fn, placement.params_mesh(params))
   return _stats(jax.jit(fn, out_shardings=layout).lower(params, batch).compile())
 
 
@@ -134,14 +134,10 @@ def rollout_state_bytes(model_cfg: ModelConfig, mesh: Mesh, slots: int, cache_le
   (``data`` x ``tensor``): the engine's own shardings of the synced weights and the state
   ``rollout.decode.empty_state`` builds (KV cache, slot bookkeeping)."""
   from distflow_jax.rollout import decode
-  from distflow_jax.rollout.engine import Engine
-  from distflow_jax.rollout.engine_config import EngineConfig
+  from distflow_jax.rollout.engine_config import decode_state_shardings
   _, params = abstract_model(model_cfg, mesh)
-  engine = Engine.__new__(Engine)  # only its sharding helpers: no jit, no parameters
-  engine.model_cfg, engine._mesh = model_cfg, mesh
-  engine.config = EngineConfig(max_concurrent_decodes=slots)
   state = jax.eval_shape(functools.partial(decode.empty_state, model_cfg, slots, cache_len))
-  state = jax.tree.map(_sds, state, engine._decode_state_shardings())
+  state = jax.tree.map(_sds, state, decode_state_shardings(mesh, model_cfg))
   return device_bytes(params), device_bytes(state)
 
 

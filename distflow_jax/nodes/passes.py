@@ -19,7 +19,8 @@ from distflow_jax.dag.spec import Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch
 from distflow_jax.nodes.common import NodeTable, seq
-from distflow_jax.train import deterministic, packing, steps as steps_lib, token_budget
+from distflow_jax.train import (deterministic, hidden, packing, placement, steps as steps_lib,
+                                 token_budget)
 from distflow_jax.state.context import RunContext, shared_prompt_group
 
 
@@ -45,7 +46,7 @@ def prompt_group(ctx: RunContext, node: Node, data: dict, num_parts: int) -> int
 def grouped_check(ctx: RunContext, gs: int) -> Callable:
   """The jitted on-device check that a batch's rows come in groups of ``gs``."""
   return ctx.jitted(("grouped", gs), lambda: jax.jit(
-      functools.partial(steps_lib.prompts_grouped, group_size=gs)))
+      functools.partial(hidden.prompts_grouped, group_size=gs)))
 
 
 def pack_plan(ctx: RunContext, node: Node, lay: dlayout.Layout, data: dict,
@@ -53,9 +54,10 @@ def pack_plan(ctx: RunContext, node: Node, lay: dlayout.Layout, data: dict,
   """The packing plan of `data`'s rows under model.pack_sequences (None when off), put on
   `lay`'s mesh (replicated); records `pad_fraction/<node>` (padding slots of the packed
   rows) and `pad_fraction_padded/<node>` (of the padded rows the pass would run otherwise).
-  `num_parts`: one plan per micro-batch of `steps.deal_rows(data, num_parts, block)`,
-  stacked on a leading axis (the train step's); None: one plan (a pass's).  `group_size`
-  (`prompt_group`'s, rows checked grouped): each group's prompt laid once in its row."""
+  `num_parts`: one plan per micro-batch of `train.micro_batches.deal_rows(data, num_parts,
+  block)`, stacked on a leading axis (the train step's); None: one plan (a pass's).
+  `group_size` (`prompt_group`'s, rows checked grouped): each group's prompt laid once in
+  its row."""
   m = ctx.cfg.model
   if not m.get("pack_sequences", False):
     return None
@@ -101,8 +103,8 @@ def pass_fn(ctx: RunContext, lay: dlayout.Layout, fn: Callable, unit_rows: int,
   parameters' data and fsdp axes); in deterministic mode unit by unit."""
   if ctx.cfg.trainer.deterministic:
     return deterministic.per_unit(fn, lay.mesh, unit_rows, lay.axes)
-  mesh = None if params is None else steps_lib.params_mesh(params)
-  return jax.jit(steps_lib.rows_sharded_on(fn, mesh), static_argnums=0,
+  mesh = None if params is None else placement.params_mesh(params)
+  return jax.jit(placement.rows_sharded_on(fn, mesh), static_argnums=0,
                  out_shardings=lay.sharding)
 
 

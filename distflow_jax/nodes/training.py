@@ -17,7 +17,7 @@ from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch
 from distflow_jax.nodes.common import NodeTable, seq
 from distflow_jax.nodes.passes import budget_plan, pack_plan, prompt_group
-from distflow_jax.train import deterministic, steps as steps_lib
+from distflow_jax.train import deterministic, micro_batches, steps as steps_lib
 from distflow_jax.state.context import RunContext
 
 
@@ -72,7 +72,7 @@ def train_step(ctx: RunContext, role: Role, section, lay: dlayout.Layout, shape:
 def minibatch_take(ctx: RunContext, minis: int, gs: int, lay: dlayout.Layout):
   """Mini-batch i: whole groups (blocks of gs rows) dealt round robin, as micro-batches are."""
   def take_minibatch(d, i):
-    return jax.tree.map(lambda x: x[i], steps_lib.deal_rows(d, minis, gs))
+    return jax.tree.map(lambda x: x[i], micro_batches.deal_rows(d, minis, gs))
   return ctx.jitted(("minibatch", minis, gs, lay), lambda: jax.jit(
       take_minibatch, out_shardings=lay.sharding))
 

@@ -16,12 +16,12 @@ can register it with JetStream where that package imports.  Beyond the API:
   softmax (see `sampling`), plus the sampling distribution's.
 
 Compiles are bounded: one decode loop per cache capacity, one prefill per
-(prompt-length bucket, power-of-two prompt count) and one insert per those and
-capacity, whatever the traffic.  The driver's cache starts at the smallest
-capacity and grows by decode windows (`cache_growth`: at most 8 capacities,
-results bitwise those of the full-size cache); `init_decode_state` (JetStream)
-gives the full-size one.  `compile_counts()`
-exposes the jit cache sizes so tests can assert it.
+(prompt-length bucket, power-of-two prompt count; `prefill_rows`) and one insert
+per those and capacity, whatever the traffic (`engine_programs` lists them and
+precompiles them).  The driver's cache starts at the smallest capacity and grows
+by decode windows (`cache_growth`: at most 8 capacities, results bitwise those
+of the full-size cache); `init_decode_state` (JetStream) gives the full-size
+one.  `compile_counts()` exposes the jit cache sizes so tests can assert it.
 
 Placement: the engine runs on `mesh`, by default one replica over this
 host's local devices (`replica_mesh`): slots split over `data`, heads and
@@ -44,19 +44,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from distflow_jax.models import sharding as msharding, stacking
 from distflow_jax.models.config import ModelConfig
-from distflow_jax.models.transformer import KVCache, Transformer
-from distflow_jax.rollout import cache_growth, decode, weight_sync
+from distflow_jax.models.transformer import Transformer
+from distflow_jax.rollout import cache_growth, decode, engine_programs, prefill_rows, weight_sync
 from distflow_jax.rollout.decode import DecodeState, Prefix, StepOutput
 # The settings, placement and result types live in their own modules; re-exported here.
-from distflow_jax.rollout.engine_config import EngineConfig, place_params, replica_mesh
+from distflow_jax.rollout.engine_config import (EngineConfig, decode_state_shardings, place_params,
+                                               prefix_shardings, replica_mesh)
 from distflow_jax.rollout.results import ResultTokens, SlotData
 from distflow_jax.rollout.sampling import request_keys
 
 __all__ = ["Engine", "EngineConfig", "ResultTokens", "SlotData", "replica_mesh"]
-
-
-def _pow2_at_least(n: int) -> int:
-  return 1 << max(0, int(n) - 1).bit_length()
 
 
 class Engine:
@@ -80,7 +77,7 @@ class Engine:
     self.graphdef, self._abstract_params = nnx.split(abstract)
     self.param_shardings = msharding.state_shardings(self._abstract_params, self._mesh,
                                                      self.rules)
-    self._state_sh = self._decode_state_shardings()
+    self._state_sh = decode_state_shardings(self._mesh, model_cfg)
     rep = NamedSharding(self._mesh, P())
     self._replicated = rep
     g, c = self.graphdef, config
@@ -116,30 +113,9 @@ class Engine:
 
   # ---- placement ---------------------------------------------------------------------------
 
-  def _kv_spec(self, rows: str | None) -> P:
-    tp = self._mesh.shape.get("tensor", 1)
-    heads = "tensor" if tp > 1 and self.model_cfg.num_kv_heads % tp == 0 else None
-    return P(rows, heads, None, None)  # each layer's [B, Hkv, S, Dh]
-
-  def _kv_shardings(self, rows: str | None) -> tuple[NamedSharding, ...]:
-    return (NamedSharding(self._mesh, self._kv_spec(rows)),) * self.model_cfg.num_layers
-
-  def _decode_state_shardings(self) -> DecodeState:
-    m = self._mesh
-    rows = NamedSharding(m, P("data"))
-    return DecodeState(
-        cache=KVCache(k=self._kv_shardings("data"), v=self._kv_shardings("data"),
-                      pos=NamedSharding(m, P("data", None))),
-        tokens_B=rows, index_B=rows, generated_B=rows, limit_B=rows, active_B=rows,
-        keys_Bx2=NamedSharding(m, P("data", None)))
-
   def get_prefix_destination_sharding(self) -> Prefix:
     """Shardings of a `Prefix` on this engine: rows replicated, KV heads over `tensor`."""
-    m = self._mesh
-    rep = NamedSharding(m, P())
-    kv = self._kv_shardings(None)
-    return Prefix(cache=KVCache(k=kv, v=kv, pos=rep), logits_PxV=rep, lengths_P=rep,
-                  tokens_P=rep, logprobs_P=rep, keys_Px2=rep)
+    return prefix_shardings(self._mesh, self.model_cfg)
 
   @property
   def mesh(self) -> Mesh:
@@ -186,26 +162,20 @@ class Engine:
     """The programs ``update_params`` runs for (abstract, sharded) ``train_params``: the
     split of stacked layers, then the weight sync's steps (``process_of``: a simulated
     topology's device -> process, as ``WeightSync`` takes it)."""
-    out = []
-    if stacking.is_stacked(train_params):
-      if self._unstack is None:
-        self._unstack = jax.jit(stacking.to_loop)
-      out.append(("unstack", self._unstack, (train_params,)))
-      # The split's output layout is what sharding propagation picks: ask the compiler.
-      placed = self._unstack.lower(train_params).compile().output_shardings
-      train_params = jax.tree.map(
-          lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-          jax.eval_shape(self._unstack, train_params), placed)
-    sync = weight_sync.WeightSync(self.param_shardings, process_of)
-    return out + [(f"sync/{n}", fn, args) for n, fn, args in sync.programs(train_params)]
+    return engine_programs.sync_programs(train_params, self.param_shardings, self._unstacker,
+                                         process_of)
+
+  def _unstacker(self) -> Any:
+    """The jitted split of stacked layers into one array per layer, built on first use."""
+    if self._unstack is None:
+      self._unstack = jax.jit(stacking.to_loop)
+    return self._unstack
 
   def _unstacked(self, params: nnx.State) -> nnx.State:
     """`params` in the engine's one-array-per-layer layout (a jitted split of stacked ones)."""
     if not stacking.is_stacked(params):
       return params
-    if self._unstack is None:
-      self._unstack = jax.jit(stacking.to_loop)
-    return self._unstack(params)
+    return self._unstacker()(params)
 
   # ---- JetStream API -----------------------------------------------------------------------
 
@@ -293,46 +263,12 @@ class Engine:
     """Prefills `prompts` once and starts request q on prompt `src[q]` in slot `slots[q]`.
 
     Prompt count is padded to a power of two and the length to a bucket;
-    requests are padded to `max_concurrent_decodes` rows, so compiles stay
-    bounded.  Returns the state and the first tokens / logprobs / sampling
-    logprobs of the (padded) request rows.
+    requests are padded to `max_concurrent_decodes` rows (`prefill_rows`), so
+    compiles stay bounded.  Returns the state and the first tokens / logprobs /
+    sampling logprobs of the (padded) request rows.
     """
-    b = self.max_concurrent_decodes
-    q = len(slots)
-    if not 0 < q <= b or len(src) != q or len(keys_Qx2) != q:
-      raise ValueError(f"prefill_insert: need 1..{b} requests with as many src/keys, got "
-                       f"{q} slots, {len(src)} src, {len(keys_Qx2)} keys")
-    lengths = [len(p) for p in prompts]
-    if not 0 < len(prompts) <= q or min(lengths) <= 0:
-      raise ValueError(f"prefill_insert: need 1..{q} non-empty prompts (one per request at "
-                       f"most), got {len(prompts)} with lengths {lengths}")
-    if min(src) < 0 or max(src) >= len(prompts):
-      raise ValueError(f"prefill_insert: src must index the {len(prompts)} prompts, got {src}")
-    if len(set(int(x) for x in slots)) != q or min(slots) < 0 or max(slots) >= b:
-      raise ValueError(f"prefill_insert: slots must be distinct, in [0, {b}), got {slots}")
-    t = self.bucket_for(max(lengths))
-    p = min(_pow2_at_least(len(prompts)), b)
-    rows = np.arange(len(prompts))
-    if self.config.fixed_shapes:
-      # All rows, the largest bucket, and request q's own prompt in row slots[q].
-      if list(src) != list(range(q)):
-        raise ValueError("prefill_insert: fixed shapes need one prompt per request (src = "
-                         "0..q-1)")
-      t, p, rows = self.config.prefill_buckets[-1], b, np.asarray(slots, np.int64)
-    tokens = np.zeros((p, t), np.int32)
-    lens = np.ones((p,), np.int32)
-    for i, prompt in zip(rows, prompts):
-      tokens[i, :len(prompt)] = prompt
-      lens[i] = len(prompt)
-    pad = b - q
-    src_a = np.concatenate([rows[np.asarray(src, np.int64)].astype(np.int32),
-                            np.zeros(pad, np.int32)])
-    slots_a = np.concatenate([np.asarray(slots, np.int32), np.full(pad, b, np.int32)])
-    keys = np.zeros((b, 2), np.uint32)
-    keys[:q] = np.asarray(keys_Qx2, np.uint32)
-    lim = np.full((b,), self.config.max_new_tokens, np.int32)
-    if limits is not None:
-      lim[:q] = np.minimum(np.asarray(limits, np.int32), self.config.max_new_tokens)
+    tokens, lens, src_a, slots_a, keys, lim = prefill_rows.request_rows(
+        self.config, prompts, src, slots, keys_Qx2, limits)
     if self._params_sig is None:  # what precompile lowers with (shapes and placements only)
       self._params_sig = jax.tree.map(
           lambda x: (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
@@ -342,42 +278,20 @@ class Engine:
     return state, tok, lp, slp
 
   def prefill_shapes(self) -> list[tuple[int, int]]:
-    """Every (prompt rows, prompt width) ``prefill_insert`` can compile for: rows a power of
-    two up to max_concurrent_decodes, widths the prefill buckets (fixed shapes: one)."""
-    b, buckets = self.max_concurrent_decodes, self.config.prefill_buckets
-    if self.config.fixed_shapes:
-      return [(b, buckets[-1])]
-    rows = sorted({min(_pow2_at_least(k), b) for k in range(1, b + 1)})
-    return [(p, t) for t in buckets for p in rows]
+    """Every (prompt rows, prompt width) ``prefill_insert`` can compile for (prefill_rows)."""
+    return prefill_rows.prefill_shapes(self.config)
 
   def programs(self, params_sig: Any) -> list[tuple[str, Any, tuple]]:
     """Every program a run of this engine compiles, as ``(name, jitted, abstract args)``
-    for parameters laid out as ``params_sig`` (``ShapeDtypeStruct``s with shardings):
-    each cache capacity's empty state, decode loop and grow step, and for each of
-    ``prefill_shapes`` its prefill and its insert at every capacity.  ``precompile``
-    compiles them; ``plan --lower`` lowers them for a target device."""
-    b = self.max_concurrent_decodes
-    sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # noqa: E731
-    states = {c: jax.tree.map(sds, jax.eval_shape(self._init, c), self._state_sh)
-              for c in self.capacities}
-    ints, keys = np.zeros(b, np.int32), np.zeros((b, 2), np.uint32)
-    out: list[tuple[str, Any, tuple]] = []
-    for i, c in enumerate(self.capacities):
-      out.append((f"init[cap={c}]", self._init, (c,)))
-      out.append((f"decode[cap={c}]", self._chunk, (params_sig, states[c], np.asarray(False))))
-      if i + 1 < len(self.capacities):
-        out.append((f"grow[{c}->{self.capacities[i + 1]}]", self._grow,
-                    (states[c], self.capacities[i + 1])))
-    for p, t in self.prefill_shapes():
-      args = (params_sig, np.zeros((p, t), np.int32), np.ones((p,), np.int32), ints, keys)
-      prefix = jax.tree.map(sds, jax.eval_shape(self._prefill_insert, *args),
-                            self._prefill_insert_shardings())
-      out.append((f"prefill[rows={p},len={t}]", self._prefill_insert, args))
-      cache, lens_q, tok = prefix[:3]
-      for c in self.capacities:
-        out.append((f"insert[rows={p},len={t},cap={c}]", self._insert,
-                    (states[c], cache, ints, ints, tok, lens_q, keys, ints)))
-    return out
+    for parameters laid out as ``params_sig`` (``ShapeDtypeStruct``s with shardings; see
+    ``engine_programs.programs``).  ``precompile`` compiles them; ``plan --lower`` lowers
+    them for a target device."""
+    return engine_programs.programs(
+        params_sig, slots=self.max_concurrent_decodes, capacities=self.capacities,
+        shapes=self.prefill_shapes(), state_shardings=self._state_sh,
+        prefill_shardings=self._prefill_insert_shardings(), init=self._init,
+        decode=self._chunk, grow=self._grow, prefill_insert=self._prefill_insert,
+        insert=self._insert)
 
   def precompile(self) -> int:
     """Compiles ahead of time, with the parameters' placements of the first call (a no-op
@@ -387,27 +301,9 @@ class Engine:
     compile."""
     if self._params_sig is None:
       return 0
-    done = set()
-    for name, fn, args in self.programs(self._params_sig):
-      group = self._program_group(name)
-      if group in self._precompiled:
-        continue
-      fn.lower(*args).compile()
-      done.add(group)
+    done = engine_programs.precompile(self.programs(self._params_sig), self._precompiled)
     self._precompiled |= done
     return len(done)
-
-  @staticmethod
-  def _program_group(name: str) -> tuple:
-    """What ``precompile`` counts as one unit: a capacity (init, decode, grow) or a prompt
-    shape (prefill and its inserts)."""
-    kind, _, rest = name.partition("[")
-    fields = dict(f.split("=") for f in rest.rstrip("]").split(",") if "=" in f)
-    if kind in ("prefill", "insert"):
-      return (int(fields["rows"]), int(fields["len"]))
-    if kind == "grow":
-      return ("capacity", int(rest.split("->")[0]))
-    return ("capacity", int(fields["cap"]))
 
   def _prefill_insert_shardings(self):
     rep = self._replicated

@@ -1,8 +1,10 @@
-"""The engine's static settings and placement: `EngineConfig`, `replica_mesh`, `place_params`.
+"""The engine's static settings and placement: `EngineConfig`, `replica_mesh`, `place_params`,
+and the shardings of its decode state and prefixes (`decode_state_shardings`,
+`prefix_shardings`).
 
-Split from `engine` so that other rollout backends (`backend`, `reference`)
-read the same settings without pulling in the engine.  Both names are
-re-exported by `distflow_jax.rollout.engine`.
+Split from `engine` so that other rollout backends (`backend`, `reference`) and the
+memory planner read the same settings and layouts without pulling in the engine.
+`EngineConfig` and `replica_mesh` are re-exported by `distflow_jax.rollout.engine`.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from typing import Any, Sequence
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from distflow_jax.models import sharding as msharding
 from distflow_jax.models.config import ModelConfig
-from distflow_jax.models.transformer import Transformer
+from distflow_jax.models.transformer import KVCache, Transformer
+from distflow_jax.rollout.decode import DecodeState, Prefix
 from distflow_jax.rollout.sampling import SamplingParams
 
 
@@ -97,3 +100,31 @@ def place_params(model_cfg: ModelConfig, params: nnx.State | nnx.Module | None, 
   if isinstance(params, nnx.Module):
     params = nnx.state(params)
   return jax.device_put(params, shardings)
+
+
+def _kv_shardings(mesh: Mesh, model_cfg: ModelConfig, rows: str | None
+                  ) -> tuple[NamedSharding, ...]:
+  """Each layer's ``[B, Hkv, S, Dh]`` cache: rows over `rows`, KV heads over `tensor`
+  where they divide."""
+  tp = mesh.shape.get("tensor", 1)
+  heads = "tensor" if tp > 1 and model_cfg.num_kv_heads % tp == 0 else None
+  return (NamedSharding(mesh, P(rows, heads, None, None)),) * model_cfg.num_layers
+
+
+def decode_state_shardings(mesh: Mesh, model_cfg: ModelConfig) -> DecodeState:
+  """Shardings of a replica's `DecodeState`: slots over `data`, KV heads over `tensor`."""
+  rows = NamedSharding(mesh, P("data"))
+  return DecodeState(
+      cache=KVCache(k=_kv_shardings(mesh, model_cfg, "data"),
+                    v=_kv_shardings(mesh, model_cfg, "data"),
+                    pos=NamedSharding(mesh, P("data", None))),
+      tokens_B=rows, index_B=rows, generated_B=rows, limit_B=rows, active_B=rows,
+      keys_Bx2=NamedSharding(mesh, P("data", None)))
+
+
+def prefix_shardings(mesh: Mesh, model_cfg: ModelConfig) -> Prefix:
+  """Shardings of a `Prefix` on a replica: rows replicated, KV heads over `tensor`."""
+  rep = NamedSharding(mesh, P())
+  kv = _kv_shardings(mesh, model_cfg, None)
+  return Prefix(cache=KVCache(k=kv, v=kv, pos=rep), logits_PxV=rep, lengths_P=rep,
+                tokens_P=rep, logprobs_P=rep, keys_Px2=rep)

@@ -11,11 +11,11 @@ rollout layout, with no whole-model gather on any device:
    *replica axes)``: split over ``tensor`` inside a block, replicated across blocks).
 2. One jitted identity (a collective: every process of the training mesh runs it, in
    the same order) reshards each parameter into that global sharding.  It is written on
-   the common refinement of both meshes (``_Refinement``), moving each axis that changes
-   dimension first (an all-to-all, at the shard's size) and gathering the rest after,
-   so no device holds more of a parameter than its rollout shard plus one step's
-   buffers: XLA left alone replicates the whole parameter and slices it ("Involuntary
-   full rematerialization": 3x the whole parameter per device on XLA:CPU).
+   the common refinement of both meshes (rollout/mesh_refinement.py), moving each axis
+   that changes dimension first (an all-to-all, at the shard's size) and gathering the
+   rest after, so no device holds more of a parameter than its rollout shard plus one
+   step's buffers: XLA left alone replicates the whole parameter and slices it
+   ("Involuntary full rematerialization": 3x the whole parameter per device on XLA:CPU).
 3. Each host wraps its own block's shards as arrays on the replica's mesh
    (``jax.make_array_from_single_device_arrays``): no copy where the replica's devices
    are the block's in the same arrangement (the run's case: the replica is built from
@@ -41,7 +41,6 @@ topology (``process_of``).
 from __future__ import annotations
 
 import dataclasses
-import math
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,7 +49,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-_FINE = "_sync"  # prefix of the refinement mesh's axis names
+from distflow_jax.rollout.mesh_refinement import FINE, Refinement, via
 
 
 def _replicated(sh: jax.sharding.Sharding) -> jax.sharding.Sharding:
@@ -64,67 +63,6 @@ def _replicated(sh: jax.sharding.Sharding) -> jax.sharding.Sharding:
 
 def _identity(xs):
   return xs
-
-
-def _suffix_products(shape: Sequence[int]) -> list[int]:
-  return [math.prod(shape[i:]) for i in range(len(shape) + 1)]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Refinement:
-  """The coarsest mesh (same devices, same flat order) whose axes refine every given
-  mesh's axes; ``axes[(mesh index, axis name)]`` is the tuple of fine axes an axis spans
-  (major to minor).  None from ``of`` when the meshes' axis boundaries do not nest."""
-  mesh: Mesh
-  axes: dict[tuple[int, str], tuple[str, ...]]
-
-  @classmethod
-  def of(cls, devices: np.ndarray, meshes: Sequence[tuple[Sequence[str], Sequence[int]]]
-         ) -> "_Refinement | None":
-    bounds = sorted({b for _, shape in meshes for b in _suffix_products(shape)})
-    if any(b2 % b1 for b1, b2 in zip(bounds, bounds[1:])):
-      return None
-    strides = bounds[:-1]  # fine axis k has stride strides[k] and size bounds[k+1] // it
-    sizes = [b2 // b1 for b1, b2 in zip(bounds, bounds[1:])]
-    keep = [k for k, s in enumerate(sizes) if s > 1]
-    names = {k: f"{_FINE}{k}" for k in keep}
-    mesh = Mesh(np.asarray(devices).reshape([sizes[k] for k in reversed(keep)] or [1]),
-                tuple(names[k] for k in reversed(keep)) or (f"{_FINE}0",),
-                axis_types=(jax.sharding.AxisType.Auto,) * max(len(keep), 1))
-    axes = {}
-    for m, (axis_names, shape) in enumerate(meshes):
-      for i, (name, size) in enumerate(zip(axis_names, shape)):
-        lo = math.prod(shape[i + 1:])
-        axes[(m, name)] = tuple(names[k] for k in reversed(keep)
-                                if lo <= strides[k] < lo * size)
-    return cls(mesh, axes)
-
-  def spec(self, m: int, spec: P, ndim: int) -> tuple[tuple[str, ...], ...]:
-    """Mesh ``m``'s ``spec`` as one tuple of fine axes per dimension."""
-    out = []
-    for d in range(ndim):
-      entry = spec[d] if d < len(spec) else None
-      names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-      out.append(tuple(a for n in names for a in self.axes[(m, n)]))
-    return tuple(out)
-
-  def sharding(self, dims: tuple[tuple[str, ...], ...]) -> NamedSharding:
-    return NamedSharding(self.mesh, P(*[d if d else None for d in dims]))
-
-  def size(self, axes: Sequence[str]) -> int:
-    return math.prod(self.mesh.shape[a] for a in axes)
-
-
-def _via(ref: _Refinement, shape: Sequence[int], src, dst) -> NamedSharding | None:
-  """The intermediate layout from ``src`` to ``dst`` (fine axes per dimension): each axis
-  that changes dimension moved first (an all-to-all at the shard's size), the axes the
-  destination drops still in place (gathered after).  None when no step is needed or
-  the dimensions do not divide."""
-  dst_all = {a for d in dst for a in d}
-  mid = tuple(tuple(a for a in s if a not in dst_all) + d for s, d in zip(src, dst))
-  if mid in (src, dst) or any(n % ref.size(m) for n, m in zip(shape, mid)):
-    return None
-  return ref.sharding(mid)
 
 
 def _index_key(idx: tuple[slice, ...], shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
@@ -219,9 +157,9 @@ class WeightSync:
     ref = None
     if blocks is not None:  # the global mesh: (blocks, *replica axes), the training order
       rep = self._replica
-      glob = ((f"{_FINE}_blocks",) + tuple(rep.axis_names),
+      glob = ((f"{FINE}_blocks",) + tuple(rep.axis_names),
               (len(blocks),) + tuple(rep.devices.shape))
-      ref = _Refinement.of(train_mesh.devices, [
+      ref = Refinement.of(train_mesh.devices, [
           (train_mesh.axis_names, tuple(train_mesh.devices.shape)), glob])
     direct, out, mids = [], [], []
     for shape, sh, dst in zip(shapes, shardings, self._dst_leaves):
@@ -231,7 +169,7 @@ class WeightSync:
         ok = all(n % ref.size(d) == 0 for n, d in zip(shape, want))
       direct.append(ok)
       out.append(ref.sharding(want) if ok else _replicated(sh))
-      mids.append(_via(ref, shape, src, want) if ok else None)
+      mids.append(via(ref, shape, src, want) if ok else None)
     groups: list[list[int]] = []
     for i, path in enumerate(paths):
       if groups and _chunk_key(path) == _chunk_key(paths[groups[-1][0]]):

@@ -34,7 +34,7 @@ from distflow_jax.data.batch import Batch
 from distflow_jax.models import hf_io
 from distflow_jax.rewards.math_answer import extract_answer
 from distflow_jax.tasks import registry as tasks
-from distflow_jax.train import steps as steps_lib
+from distflow_jax.train import placement
 from distflow_jax.persist import checkpoint
 from distflow_jax.run import evaluate, setup
 from distflow_jax.state import roles as roles_lib
@@ -140,7 +140,7 @@ def run(cfg: ml_collections.ConfigDict, *, eval_data: str = "", resume: bool | N
                       f"data-parallel devices; use a multiple of {dp}")
   state.tx = sft.optimizer(lr=s.lr, steps=s.steps, warmup_steps=s.warmup_steps,
                            weight_decay=s.weight_decay, grad_clip=s.grad_clip)
-  state.opt_state = steps_lib.init_opt_state(state.tx, state.params)
+  state.opt_state = placement.init_opt_state(state.tx, state.params)
   rcfg, roles = run_config(cfg), {Role.ACTOR: state}
   position = Position(len(train), cfg.seed, sft_dir(cfg))
   ck, start = checkpoint.open_run(rcfg, roles, position, resume=resume, log=log)

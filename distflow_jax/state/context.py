@@ -159,7 +159,7 @@ def shared_prompt_group(cfg: ml_collections.ConfigDict, num_rows: int, num_shard
   """Rows per shared prompt in the sequence passes on a layout of `num_shards` shards: the
   group size (rollout.n) when model.share_prompt_prefix is on and every shard holds whole
   groups, else 1 (each row runs its own prompt).  Re-partitions into such a layout keep
-  groups whole and in order (see train/steps.py, "Shared prompts")."""
+  groups whole and in order (see train/hidden.py, "Shared prompts")."""
   n = cfg.rollout.n
   if not cfg.model.share_prompt_prefix or n <= 1 or num_rows % (num_shards * n):
     return 1

@@ -28,7 +28,7 @@ from distflow_jax.models.heads import Critic
 from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.models.transformer import Transformer
 from distflow_jax.models.vl import read_vl_config
-from distflow_jax.train import optim, steps as steps_lib
+from distflow_jax.train import optim, placement
 from distflow_jax.state import vision
 
 
@@ -175,7 +175,7 @@ def build_roles(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConf
   graphdef, params = nnx.split(actor)
   tx = optimizer(cfg, cfg.actor.optimizer, steps) if Role.ACTOR in trained else None
   out[Role.ACTOR] = ModelState(Role.ACTOR, meshes[Role.ACTOR], graphdef, params, tx,
-                               steps_lib.init_opt_state(tx, params) if tx else None)
+                               placement.init_opt_state(tx, params) if tx else None)
   if Role.REFERENCE in meshes:
     ref_mesh = meshes[Role.REFERENCE]
     ref = jax.device_put(params, sharding.state_shardings(params, ref_mesh, rules))
@@ -195,7 +195,7 @@ def build_roles(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConf
     steps_c = cfg.trainer.total_steps * cfg.critic.ppo_epochs
     ctx = optimizer(cfg, cfg.critic.optimizer, steps_c) if Role.CRITIC in trained else None
     out[Role.CRITIC] = ModelState(Role.CRITIC, cmesh, cgraph, cparams, ctx,
-                                  steps_lib.init_opt_state(ctx, cparams) if ctx else None)
+                                  placement.init_opt_state(ctx, cparams) if ctx else None)
   if Role.REWARD in meshes and any(s.node.fn == "reward.model" for s in plan.steps):
     rm = load_reward_model(cfg.reward.model_path, meshes[Role.REWARD], cfg.model.dtype,
                            tokenizer)

@@ -134,7 +134,7 @@ class Recorder:
 
 
 class Recorded:
-  """A jitted function (``jax.jit`` object or ``steps.PinnedStep``: anything with
+  """A jitted function (``jax.jit`` object or ``placement.PinnedStep``: anything with
   ``.lower``) whose calls go to ``recorder``; other attributes pass through."""
 
   def __init__(self, fn: Any, key: Any, recorder: Recorder):

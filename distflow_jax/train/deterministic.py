@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from distflow_jax.algos import losses
 from distflow_jax.models import sharding
-from distflow_jax.train import steps as steps_lib
+from distflow_jax.train import placement, steps as steps_lib
 
 Batch = Mapping[str, jax.Array]
 AXIS = "data"  # the samples' axis of a layout mesh of its own (a role mesh: data, fsdp)
@@ -154,7 +154,7 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
     return steps_lib.apply_update(tx, params, opt_state, batch, grads, out, grad_norm,
                                   group_size)
 
-  return steps_lib.PinnedStep(step)
+  return placement.PinnedStep(step)
 
 
 def per_unit(fn: Callable[..., jax.Array], mesh: Mesh, unit_rows: int,

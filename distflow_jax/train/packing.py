@@ -173,7 +173,7 @@ def plan(prompt_mask: np.ndarray, response_mask: np.ndarray, pack_len: int = 0,
 
 
 def deal_rows_np(x: np.ndarray, m: int, block: int = 1) -> np.ndarray:
-  """``steps.deal_rows`` for one numpy array: ``[B, ...] -> [M, B / M, ...]``."""
+  """``micro_batches.deal_rows`` for one numpy array: ``[B, ...] -> [M, B / M, ...]``."""
   b = x.shape[0]
   if b % (m * block):
     block = 1
@@ -205,10 +205,11 @@ def _unit_bins(lengths, prompt_len, pack_len, num_shards, group_size):
 def plan_parts(prompt_mask: np.ndarray, response_mask: np.ndarray, pack_len: int,
                num_parts: int, block: int = 1, num_shards: int = 1, group_size: int = 1
                ) -> tuple[dict[str, np.ndarray], PackStats]:
-  """One plan per micro-batch of ``steps.deal_rows(batch, num_parts, block)``, stacked on a
-  leading ``[num_parts]`` axis with one row count (indices relative to the micro-batch).
-  ``group_size > 1``: each group's prompt laid once (packing_shared.py) where the groups
-  stay whole on their shards (``block`` must then be ``group_size``), else per sample."""
+  """One plan per micro-batch of ``micro_batches.deal_rows(batch, num_parts, block)``,
+  stacked on a leading ``[num_parts]`` axis with one row count (indices relative to the
+  micro-batch).  ``group_size > 1``: each group's prompt laid once (packing_shared.py)
+  where the groups stay whole on their shards (``block`` must then be ``group_size``),
+  else per sample."""
   prompt_mask, response_mask = np.asarray(prompt_mask), np.asarray(response_mask)
   pm = deal_rows_np(prompt_mask, num_parts, block)
   rm = deal_rows_np(response_mask, num_parts, block)

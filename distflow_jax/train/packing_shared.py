@@ -1,7 +1,7 @@
 """Packed rows with shared prompts: a group's prompt laid once, its responses after it.
 
 With ``model.share_prompt_prefix`` the batch's rows come in groups of ``group_size``
-consecutive rows with one prompt (steps.py, "Shared prompts").  Packed per sample
+consecutive rows with one prompt (hidden.py, "Shared prompts").  Packed per sample
 (packing.py), each row would carry its own copy of the prompt: a GRPO group of 8 responses
 to a 200-token prompt packs 1,600 prompt tokens where 200 say the same.  Here the packing
 unit is a group: its prompt's real tokens once, then each response's real tokens less the

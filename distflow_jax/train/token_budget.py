@@ -37,9 +37,9 @@ A micro-batch names its samples by slots: ``idx [M, S]`` (rows of the batch) and
 ``valid [M, S]``, shard-major (slots ``s * S/D ..`` hold shard s's samples; padding slots
 name the shard's first row and are not valid), ``S / D`` the most samples any micro-batch
 holds on any shard, bucketed like M.  The train step gathers each micro-batch's rows by
-``idx`` and turns padding slots' masks off (``steps.gather_micro_batches``).  The loss of
-each micro-batch is still its sum over the whole batch's denominator, so the update equals
-the row micro-batches' and the padded step's.
+``idx`` and turns padding slots' masks off (``micro_batches.gather_micro_batches``).  The
+loss of each micro-batch is still its sum over the whole batch's denominator, so the update
+equals the row micro-batches' and the padded step's.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from (seed, k) alone and a resumed run replays the order up to its step.  Each
 batch is placed on the model's mesh sharded over its data-parallel axes.
 
     state.tx = sft.optimizer(lr=1e-4, steps=200, warmup_steps=20)
-    state.opt_state = steps_lib.init_opt_state(state.tx, state.params)
+    state.opt_state = placement.init_opt_state(state.tx, state.params)
     sft.train(state, data, steps=200, batch_size=16, seed=0, on_step=hook)
 """
 

@@ -34,11 +34,11 @@ import ml_collections
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.planner import Plan
 from distflow_jax.dag.spec import Role
-from distflow_jax.data.rows import parse_row
+from distflow_jax.data.loader import parse_row
 from distflow_jax.models import hf_io
 from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.tasks import registry as tasks
-from distflow_jax.train import steps as steps_lib
+from distflow_jax.train import placement
 from distflow_jax.state import roles as roles_lib
 from distflow_jax.warmstart import sft
 from distflow_jax.state.roles import ModelState
@@ -100,7 +100,7 @@ def run(state: ModelState, data: dict[str, np.ndarray], *, steps: int, batch_siz
     raise ValueError(f"warm-start batch_size={batch_size} exceeds the {n} examples")
   tx = sft.optimizer(lr=lr, steps=steps, warmup_steps=max(steps // 10, 1))
   # A trainable copy: the caller's state keeps no optimizer.
-  st = dataclasses.replace(state, tx=tx, opt_state=steps_lib.init_opt_state(tx, state.params))
+  st = dataclasses.replace(state, tx=tx, opt_state=placement.init_opt_state(tx, state.params))
   loss = float("nan")
 
   def report(done: int, stats: dict) -> None:

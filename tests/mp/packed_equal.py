@@ -23,7 +23,7 @@ sys.path.insert(0, "tests")
 import test_packing_shared as tps  # noqa: E402
 
 from distflow_jax.models import sharding  # noqa: E402
-from distflow_jax.train import packing, steps  # noqa: E402
+from distflow_jax.train import packing, placement, steps  # noqa: E402
 
 mesh = sharding.make_mesh({"data": 2, "fsdp": 2}, jax.devices())
 rows, rep = NamedSharding(mesh, P(("data", "fsdp"))), NamedSharding(mesh, P())
@@ -50,7 +50,7 @@ for name, gs in (("per-sample", 1), ("shared", tps.GS)):
   data = {k: global_array(v, rows) for k, v in batch.items()}
   pk, _ = packing.plan(batch["prompt_mask"], batch["response_mask"], 0, 4, gs)
   pack = {k: global_array(np.asarray(v), rep) for k, v in pk.items()}
-  lp_fn = jax.jit(steps.rows_sharded_on(
+  lp_fn = jax.jit(placement.rows_sharded_on(
       lambda g, p, b: steps.response_logprobs(g, p, b, group_size=gs)[0], mesh),
       static_argnums=0)
   lp = whole(lp_fn(graphdef, sp, {**data, "pack": pack}))
