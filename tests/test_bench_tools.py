@@ -1,8 +1,11 @@
-"""The benchmark tools: FLOP counts by hand and against XLA's own count, and bench_e2e /
-bench_rollout end to end without Tunix (one check against Tunix where its venv exists)."""
+"""The benchmark tools: the shared harness (timing, tables, JSON, children with a deadline),
+FLOP counts by hand and against XLA's own count, and bench_e2e / bench_rollout end to end
+without Tunix (one check against Tunix where its venv exists)."""
 
+import json
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +64,125 @@ def test_median_time_counts_every_call():
   calls = []
   t = bc.median_time(lambda: calls.append(1), repeats=5)
   assert len(calls) == 5 and t >= 0
+  assert bc.best_time(lambda: calls.append(1), repeats=3) >= 0 and len(calls) == 9  # + warm-up
+
+
+def test_alternate_takes_turns_rotates_skips_and_reports_each_time():
+  calls, seen = [], []
+  contenders = {n: (lambda n=n: calls.append(n) or n) for n in ("a", "b", "c")}
+  times = bc.alternate(contenders, 3, on_time=lambda i, n, s, v: seen.append((i, n, v)))
+  assert calls == list("abcabcabc") and [x[1] for x in seen] == calls
+  assert [x[2] for x in seen] == calls and [x[0] for x in seen] == [0] * 3 + [1] * 3 + [2] * 3
+  assert {n: len(t) for n, t in times.items()} == {"a": 3, "b": 3, "c": 3}
+  calls.clear()
+  bc.alternate(contenders, 3, rotate=True, skip=lambda i, n: i == 1 and n == "a")
+  assert calls == list("abc") + list("bc") + list("cab")
+  # A contender that times itself: its own seconds count, its value is passed on.
+  times = bc.alternate({"self": lambda: bc.Measured("v", 7.5)}, 2)
+  assert times == {"self": [7.5, 7.5]} and bc.timed(lambda: bc.Measured(1, 2.0)) == (1, 2.0)
+  assert bc.spread([0.3, 0.1, 0.2], 1e3, ".0f") == "200 (100-300)"
+
+
+def test_table_plain_markdown_spans_and_tails():
+  lines = []
+  t = bc.Table(bc.Col("n", 3), bc.Col("mode", 6, "<"), "|", bc.Col("ms", 6, fmt=".1f"),
+               bc.Col("x", 5), rule=True, out=lines.append)
+  t.row(1, "dist", 2.345, "1.5x")
+  t.row(2, "cent", tail="FAILED: rc 1")
+  t.row(3, "none", bc.Span("not run", 2))
+  t.note("free text")
+  assert lines == ["  n mode   |     ms     x", "-" * 25, "  1 dist   |    2.3  1.5x",
+                   "  2 cent   FAILED: rc 1", "  3 none   | not run", "free text"]
+  md = []
+  m = bc.Table(bc.Col("measure", 8, "<"), bc.Col("share", 0), markdown=True, out=md.append)
+  m.row("train", "40.0%")
+  assert md == ["| measure  | share |", "|----------|---|", "| train    | 40.0% |"]
+
+
+def test_json_files_whole_or_not_at_all(tmp_path):
+  path = str(tmp_path / "r.json")
+  bc.write_json(path, {"a": [1, 2]}, indent=1)
+  assert bc.read_json(path) == {"a": [1, 2]} and not os.path.exists(path + ".tmp")
+  assert bc.read_json(str(tmp_path / "missing.json")) is None
+  lines = str(tmp_path / "r.jsonl")
+  out = bc.JsonLines(lines)
+  out.append({"section": "a"})
+  out.append({"section": "b"})
+  with open(lines, "a") as f:
+    f.write('\n{"section": "c", "cut by a ki')  # a blank line, then a line cut by a kill
+  assert bc.read_jsonl(lines) == [{"section": "a"}, {"section": "b"}]
+  assert bc.read_jsonl(str(tmp_path / "none.jsonl")) == []
+  assert bc.tagged(["x", bc.TAG + json.dumps({"k": 1}), "BENCHMARK"]) == [{"k": 1}]
+
+
+def test_child_env_sets_the_device_count_and_keeps_other_flags(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1 --xla_force_host_platform_device_count=8")
+  monkeypatch.setenv("DROP_ME", "1")
+  monkeypatch.setenv("KEEP_ME", "mine")
+  env = bc.child_env(devices=2, unset=["DROP_ME"], defaults={"KEEP_ME": "x", "NEW": "y"},
+                     JAX_PLATFORMS="cpu")
+  assert env["XLA_FLAGS"] == "--xla_foo=1 --xla_force_host_platform_device_count=2"
+  assert "DROP_ME" not in env and env["KEEP_ME"] == "mine" and env["NEW"] == "y"
+  assert env["JAX_PLATFORMS"] == "cpu" and os.environ["XLA_FLAGS"].endswith("=8")
+  assert bc.tunix_env()["XLA_FLAGS"].endswith("device_count=1")
+  assert "load average (1, 5, 15 min): " in bc.load_line()
+  assert len(bc.load_average().split(", ")) == 3
+
+
+def _alive(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except OSError:
+    return False
+
+
+def test_deadline_kills_the_child_and_a_grandchild_in_its_own_session():
+  """As the launcher starts its workers (start_new_session), so a group kill misses them."""
+  code = ("import subprocess, sys, time\n"
+          "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+          "start_new_session=True)\n"
+          "print('grandchild', g.pid, flush=True)\n"
+          "time.sleep(60)\n")
+  done = bc.run_with_deadline([sys.executable, "-c", code], 2)
+  assert done.returncode == -9 and done.timed_out and "deadline" in done.output
+  assert 2 <= done.wall_s < 30
+  pid = int(done.output.split("grandchild ")[1].split()[0])
+  for _ in range(50):
+    if not _alive(pid):
+      break
+    time.sleep(0.1)
+  assert not _alive(pid)
+
+
+def test_run_with_deadline_logs_to_a_file_and_passes_the_exit_status(tmp_path):
+  log = tmp_path / "child.log"
+  done = bc.run_with_deadline([sys.executable, "-c", "print('hello'); raise SystemExit(3)"],
+                              60, log_path=str(log))
+  assert (done.returncode, done.timed_out, done.output) == (3, False, "")
+  assert log.read_text() == "hello\n"
+  done = bc.run_with_deadline([sys.executable, "-c", "print('a', flush=True); "
+                               "import time; time.sleep(60)"], 1, log_path=str(log))
+  assert done.timed_out and log.read_text().startswith("a\n")
+  assert log.read_text().rstrip().endswith("[killed after the 1 s deadline]")
+  assert not bc._LIVE  # pylint: disable=protected-access
+
+
+def test_kill_children_ends_a_running_child():
+  """What a signal handler calls: the child run_with_deadline is waiting on dies now."""
+  import threading
+  result = {}
+  th = threading.Thread(target=lambda: result.update(done=bc.run_with_deadline(
+      [sys.executable, "-c", "import time; time.sleep(60)"], 120)))
+  th.start()
+  for _ in range(100):
+    if bc._LIVE:  # pylint: disable=protected-access
+      break
+    time.sleep(0.05)
+  bc.kill_children()
+  th.join(30)
+  assert result["done"].returncode == -9 and not result["done"].timed_out
+  assert result["done"].wall_s < 30
 
 
 def test_compiles_per_step_reads_a_jax_log(tmp_path):

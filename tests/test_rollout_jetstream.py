@@ -214,3 +214,39 @@ def test_jetstream_backend_equals_engine_backend():
     np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
   np.testing.assert_allclose(a.logprobs_RxN, b.logprobs_RxN, atol=1e-5)
   np.testing.assert_allclose(a.sampling_logprobs_RxN, b.sampling_logprobs_RxN, atol=1e-5)
+
+
+def test_serve_streams_collects_every_request_and_waits_for_the_done_flags():
+  """The serving loop the jetstream backend and tools/jetstream_* share, on a fake driver: the
+  requests are made inside the loop, every stream is collected in request order, and the call
+  returns only once every channel says done (JetStream posts that after the end marker)."""
+  import asyncio
+  import types
+
+  class Channel:
+    def __init__(self, tokens):
+      self.tokens, self.finished = tokens, False
+
+    async def _stream(self):
+      for t in self.tokens:
+        await asyncio.sleep(0)
+        yield [types.SimpleNamespace(token_ids=[t])]
+      loop = asyncio.get_running_loop()
+      loop.call_later(0.02, lambda: setattr(self, "finished", True))
+
+    def __aiter__(self):
+      return self._stream()
+
+    def done(self):
+      return self.finished
+
+  placed = []
+  driver = types.SimpleNamespace(place_request_on_prefill_queue=placed.append)
+
+  def make_requests():
+    asyncio.get_running_loop()  # raises outside a running loop
+    return [types.SimpleNamespace(return_channel=Channel(t)) for t in ([3, 4, 5], [], [7])]
+
+  out = asyncio.run(jetstream_adapter.serve_streams(driver, make_requests))
+  assert out == [[3, 4, 5], [], [7]] and len(placed) == 3
+  assert all(r.return_channel.done() for r in placed)

@@ -19,12 +19,15 @@ machine load hits them alike; everything is compiled first (`precompile`).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
-import time
 
 import jax
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench_common as bc  # noqa: E402
 
 
 def _args(argv):
@@ -64,14 +67,24 @@ def main(argv=None) -> int:
       seen.append(state.cache.max_len)
       return state
     eng.fit, peaks[name] = spy, seen
-  for r in range(a.rounds):
-    for name, eng in engines.items():
-      t = time.perf_counter()
-      outs[name] = generate(eng, params[name], prompts, n=a.n, rng=jax.random.key(r))
-      times[name].append((time.perf_counter() - t, int(outs[name].lengths_R.sum())))
-    np.testing.assert_array_equal(outs["growing"].tokens_RxN, outs["full-size"].tokens_RxN)
-    np.testing.assert_array_equal(outs["growing"].logprobs_RxN,
-                                  outs["full-size"].logprobs_RxN)
+  bc.flush_lines()
+  print(f"start: {bc.load_line()}")
+
+  def contender(name, eng):  # round r decodes with key r
+    rounds = iter(range(a.rounds))
+    return lambda: generate(eng, params[name], prompts, n=a.n, rng=jax.random.key(next(rounds)))
+
+  def on_time(r, name, secs, out):  # each round's times as they come, the outputs compared
+    outs[name] = out
+    times[name].append((secs, int(out.lengths_R.sum())))
+    print(f"  round {r} {name:10s} {secs:6.2f} s  {times[name][-1][1]:6d} tokens")
+    if name == "full-size":
+      np.testing.assert_array_equal(outs["growing"].tokens_RxN, outs["full-size"].tokens_RxN)
+      np.testing.assert_array_equal(outs["growing"].logprobs_RxN,
+                                    outs["full-size"].logprobs_RxN)
+
+  bc.alternate({name: contender(name, eng) for name, eng in engines.items()}, a.rounds,
+               on_time=on_time)
   lengths = outs["growing"].lengths_R
   per_slot = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4 + 4  # float32 k, v; pos
   print(f"tiny model vocab {a.vocab}, {a.slots} slots, {len(prompts)} prompts x n={a.n}, "
@@ -87,6 +100,7 @@ def main(argv=None) -> int:
           f"{', '.join(f'{t:.2f}' for t, _ in times[name])} s), "
           f"{engines[name].compile_counts()['decode_steps']} decode variants called")
   print("tokens and log-probs: identical")
+  print(f"end: {bc.load_line()}")
   return 0
 
 

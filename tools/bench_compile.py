@@ -16,13 +16,13 @@ Each process has a SIGKILL deadline.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench_common as bc  # noqa: E402
 
 
 def _args(argv):
@@ -38,23 +38,19 @@ def _args(argv):
 
 
 def run_once(args, cache: str, run_dir: str) -> list[dict]:
-  env = dict(os.environ)
-  env.pop("DISTFLOW_JAX_COMPILE_CACHE", None)  # the config's folder below, not the suite's
+  # The config's compile cache folder below, not the suite's.
+  env = bc.child_env(unset=["DISTFLOW_JAX_COMPILE_CACHE"])
   overrides = [f"trainer.compile_cache_dir={cache}", f"run_dir={run_dir}",
                f"trainer.total_steps={args.steps}", "trainer.eval_every=0",
                "trainer.save_every=0", *args.override]
-  cmd = ["timeout", "-s", "KILL", str(args.timeout_s), sys.executable, "-m",
-         "distflow_jax.cli", "train", f"--config={args.config}",
+  cmd = [sys.executable, "-m", "distflow_jax.cli", "train", f"--config={args.config}",
          *[f"--config.{o}" for o in overrides]]
-  t0 = time.perf_counter()
-  proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-  wall = time.perf_counter() - t0
-  if proc.returncode != 0:
-    raise SystemExit(f"run failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
-  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-    rows = [json.loads(line) for line in f]
+  done = bc.run_with_deadline(cmd, args.timeout_s, env=env)
+  if done.returncode != 0:
+    raise SystemExit(f"run failed (exit {done.returncode}): {done.output.strip()[-2000:]}")
+  rows = bc.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
   rows = [r for r in rows if r.get("step", 0) >= 1]
-  rows[0]["_wall"] = wall
+  rows[0]["_wall"] = done.wall_s
   return rows
 
 
@@ -75,16 +71,18 @@ def main(argv=None) -> int:
   args = _args(argv)
   work = args.workdir or tempfile.mkdtemp(prefix="bench-compile-")
   cache = os.path.join(work, "cache")
-  print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load "
-        f"{os.getloadavg()[0]:.2f}; {args.config}, {args.steps} steps, cache {cache}")
-  print("run  step 1 (s)  warm step (s)  step1/warm  compiles step 1  cache loads step 1  "
-        "compiles after  widths  command (s)")
+  print(f"# {bc.load_line()}; {args.config}, {args.steps} steps, cache {cache}", flush=True)
+  table = bc.Table(bc.Col("run", 4, "<"), bc.Col("step 1 (s)", 11, "<", ".2f"),
+                   bc.Col("warm step (s)", 14, "<", ".3f"), bc.Col("step1/warm", 11, "<", ".1f"),
+                   bc.Col("compiles step 1", 16, "<"), bc.Col("cache loads step 1", 19, "<"),
+                   bc.Col("compiles after", 15, "<"), bc.Col("widths", 7, "<"),
+                   bc.Col("command (s)", 0, "<", ".1f"))
   for i in range(args.runs):
     s = summarize(run_once(args, cache, os.path.join(work, f"run{i}")))
-    print(f"{i + 1:<4} {s['step1_s']:<11.2f} {s['warm_s']:<14.3f} {s['ratio']:<11.1f} "
-          f"{s['step1_compiles']:<16} {s['step1_cache_loads']:<19} {s['later_compiles']:<15} "
-          f"{','.join(map(str, s['widths'])):<7} {s['wall_s']:.1f}")
-  print(f"# load at the end {os.getloadavg()[0]:.2f}")
+    table.row(i + 1, s["step1_s"], s["warm_s"], s["ratio"], s["step1_compiles"],
+              s["step1_cache_loads"], s["later_compiles"], ",".join(map(str, s["widths"])),
+              s["wall_s"])
+  print(f"# end: {bc.load_line()}")
   return 0
 
 

@@ -184,19 +184,20 @@ def _fmt_count(x) -> str:
   return "?" if x is None else f"{x:d}"
 
 
-def print_table(stats: dict[str, dict], tunix: str = "tunix", out=print) -> None:
+def print_table(stats: dict[str, dict], tunix: str = "tunix", out=None) -> None:
   t = stats.get(tunix)
-  out(f"{'side':7s} {'step0 s':>8s} {'comp0':>5s} {'median s':>9s} {'mean s':>7s} "
-      f"{'recomp':>6s} {'tok/s med':>9s} {'tok/s mean':>10s}"
-      + (f" {'xTunix med':>10s} {'xTunix mean':>11s}" if t else ""))
+  ratios = (bc.Col("xTunix med", 10), bc.Col("xTunix mean", 11)) if t else ()
+  table = bc.Table(bc.Col("side", 7, "<"), bc.Col("step0 s", 8, fmt=".1f"), bc.Col("comp0", 5),
+                   bc.Col("median s", 9, fmt=".2f"), bc.Col("mean s", 7, fmt=".2f"),
+                   bc.Col("recomp", 6), bc.Col("tok/s med", 9, fmt=".0f"),
+                   bc.Col("tok/s mean", 10, fmt=".0f"), *ratios, out=out)
   for name, s in stats.items():
-    line = (f"{name:7s} {s['first_s']:8.1f} {_fmt_count(s['first_compiles']):>5s} "
-            f"{s['median_s']:9.2f} {s['mean_s']:7.2f} {_fmt_count(s['recompiles']):>6s} "
-            f"{s['rate_median']:9.0f} {s['rate_mean']:10.0f}")
+    cells = [name, s["first_s"], _fmt_count(s["first_compiles"]), s["median_s"], s["mean_s"],
+             _fmt_count(s["recompiles"]), s["rate_median"], s["rate_mean"]]
     if t:
-      line += (f" {s['rate_median'] / t['rate_median']:9.2f}x"
-               f" {s['rate_mean'] / t['rate_mean']:10.2f}x")
-    out(line)
+      cells += [f"{s['rate_median'] / t['rate_median']:.2f}x",
+                f"{s['rate_mean'] / t['rate_mean']:.2f}x"]
+    table.row(*cells)
 
 
 def main(argv=None) -> int:
@@ -220,7 +221,9 @@ def main(argv=None) -> int:
       tunix_py = ensure_tunix(args.tunix_venv)
     except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
       note = f"Tunix not run: {e}"
-  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+  bc.default_host_devices(1)
+  bc.flush_lines()
+  print(f"start: {bc.load_line()}")
   inputs = write_inputs(workdir, args)
   lo, hi = inputs["prompt_tokens"]
   print(f"GRPO {args.prompts} prompts x {args.n} samples, prompts of {lo}-{hi} tokens "
@@ -231,9 +234,8 @@ def main(argv=None) -> int:
   if tunix_py:
     print(f"  {'tunix':7s} google-tunix 0.1.7 GRPOLearner, num_iterations=1 (no old-log-prob "
           f"pass), prompts padded to {args.prompt_len}")
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices}")
-  if args.count_compiles:
-    env["JAX_LOG_COMPILES"] = "1"
+  env = bc.child_env(devices=args.devices,
+                     **({"JAX_LOG_COMPILES": "1"} if args.count_compiles else {}))
   workers = [Worker(v, sys.executable, inputs["path"], env) for v in variants]
   if tunix_py:
     workers.append(Worker("tunix", tunix_py, inputs["path"], bc.tunix_env()))
@@ -242,16 +244,18 @@ def main(argv=None) -> int:
     for w in workers:
       info = w.ready()
       print(f"{w.name}: {info.get('about', '')}")
-    for i in range(args.steps + 1):  # step 0 compiles; the order rotates every step
-      first = i % len(workers)
-      for w in workers[first:] + workers[:first]:
-        rec = w.step()
-        records[w.name].append(rec)
-        extra = "".join(f" {k}={rec[k]:g}" for k in ("prompt_width", "compiles") if k in rec)
-        print(f"  step {i} {w.name:6s} {rec['wall_s']:7.2f} s  {rec['tokens']:6.0f} tokens "
-              + extra + "  "
-              + " ".join(f"{k}={v:.2f}" for k, v in sorted(rec.get('nodes', {}).items())),
-              flush=True)
+
+    def on_step(i, name, _, rec):
+      records[name].append(rec)
+      extra = "".join(f" {k}={rec[k]:g}" for k in ("prompt_width", "compiles") if k in rec)
+      print(f"  step {i} {name:6s} {rec['wall_s']:7.2f} s  {rec['tokens']:6.0f} tokens "
+            + extra + "  "
+            + " ".join(f"{k}={v:.2f}" for k, v in sorted(rec.get('nodes', {}).items())),
+            flush=True)
+
+    # Step 0 compiles; the order rotates every step, so load drift hits every side alike.
+    bc.alternate({w.name: w.step for w in workers}, args.steps + 1, rotate=True,
+                 on_time=on_step)
   except RuntimeError as e:
     note = (note + "\n" if note else "") + str(e)
   finally:
@@ -263,8 +267,8 @@ def main(argv=None) -> int:
       print(f"{v}: XLA compiles per step: " + ", ".join(f"{k} {len(c)}" for k, c in per.items())
             + "".join(f"; step {k}: {c}" for k, c in per.items() if k not in ("setup", "0") and c))
   stats = summarize(records)
-  print(f"timed steps after step 0: median and mean wall s (mean includes recompiles), "
-        f"comp0/recomp = backend compiles in step 0 / in the timed steps")
+  print("timed steps after step 0: median and mean wall s (mean includes recompiles), "
+        "comp0/recomp = backend compiles in step 0 / in the timed steps")
   print_table(stats)
   if "tunix" in stats:
     for v in variants:
@@ -275,6 +279,7 @@ def main(argv=None) -> int:
   if note:
     print(note)
   print(f"total {time.perf_counter() - t0:.0f} s")
+  print(f"end: {bc.load_line()}")
   return 0 if stats else 1
 
 

@@ -62,16 +62,11 @@ start and the end.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
-import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TOOLS)
@@ -127,66 +122,6 @@ def _ints(text: str) -> list[int]:
   return [int(x) for x in text.split(",") if x.strip()]
 
 
-# ---------------------------------------------------------------- machine state
-
-def load_line() -> str:
-  """``date, load average (1, 5, 15 min)`` as `uptime` prints it."""
-  with open("/proc/loadavg") as f:
-    load = " ".join(f.read().split()[:3])
-  now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-  return f"{now}, load average (1, 5, 15 min): {load}, {os.cpu_count()} cpus"
-
-
-def mem_available_bytes() -> int:
-  with open("/proc/meminfo") as f:
-    for line in f:
-      if line.startswith("MemAvailable:"):
-        return int(line.split()[1]) * 1024
-  return 0
-
-
-def descendants(pid: int) -> list[int]:
-  """The ids of every live process below ``pid`` (children, grandchildren, ...), from
-  /proc: the launcher starts each worker in its own session, so killing ``pid``'s process
-  group alone would leave them running."""
-  children: dict[int, list[int]] = {}
-  for entry in os.listdir("/proc"):
-    if not entry.isdigit():
-      continue
-    try:
-      with open(f"/proc/{entry}/stat") as f:
-        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-      continue
-    children.setdefault(ppid, []).append(int(entry))
-  found, todo = [], [pid]
-  while todo:
-    for child in children.get(todo.pop(), []):
-      found.append(child)
-      todo.append(child)
-  return found
-
-
-def run_with_deadline(cmd: list[str], timeout_s: float) -> tuple[int, str]:
-  """``(returncode, stdout + stderr)`` of ``cmd`` in its own process group; after
-  ``timeout_s`` it, its group and every process below it get SIGKILL (returncode -9)."""
-  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True)
-  try:
-    out, _ = proc.communicate(timeout=timeout_s)
-  except subprocess.TimeoutExpired:
-    below = descendants(proc.pid)
-    os.killpg(proc.pid, signal.SIGKILL)
-    for pid in below:
-      try:
-        os.kill(pid, signal.SIGKILL)
-      except ProcessLookupError:
-        pass
-    out, _ = proc.communicate()
-    out += f"\n[killed after the {timeout_s:.0f} s deadline]"
-  return proc.returncode, out
-
-
 # ---------------------------------------------------------------- (a) packing vs padding
 
 def long_tailed_lengths(n: int, max_len: int, seed: int, sigma: float = 1.0):
@@ -232,20 +167,10 @@ def grpo_batch(vocab: int, lengths_B, prompt_len: int, max_new: int, seed: int) 
 def build_actor(cfg, seed: int, num_micro: int = 1):
   """``(train step, logprob fn, graphdef, params, tx)`` of the actor on one device, as
   bench_train builds it (the train_actor node's step, ``num_micro`` micro-batches)."""
-  import jax
-  import optax
-  from flax import nnx
-
-  from distflow_jax.models import Transformer, sharding
   from distflow_jax.train import steps
-  mesh = sharding.make_mesh({"fsdp": 1, "tensor": 1}, jax.devices()[:1])
-  model = sharding.create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)), mesh,
-                                  sharding.fsdp_tp_rules())
-  graphdef, params = nnx.split(model)
-  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5))
-  loss_cfg = steps.ActorLoss(kl_coef=0.001)
-  loss = lambda g, p, mb: steps.actor_loss(g, p, mb, loss_cfg, 512)  # noqa: E731
-  step = steps.make_train_step(loss, graphdef, tx, num_micro, loss_cfg.loss_agg)
+  graphdef, params = bc.sharded_actor(cfg, seed)
+  tx = bc.bench_tx()
+  step = bc.actor_step(graphdef, tx, num_micro)
   logprob = lambda p, b: steps.response_logprobs(graphdef, p, b)[0]  # noqa: E731
   return step, logprob, graphdef, params, tx
 
@@ -277,8 +202,6 @@ class Side:
     self.logprob = jax.jit(logprob).lower(params, pass_batch).compile()
     self.step_bytes = compiled_bytes(self.step)
     self.logprob_bytes = compiled_bytes(self.logprob)
-    self.step_s: list[float] = []
-    self.logprob_s: list[float] = []
 
   def run_step(self) -> dict:
     import jax
@@ -342,20 +265,16 @@ def packing_row(max_new: int, args, mem_limit: int, compiles: bc.CompileCount) -
     row["loss_abs_diff"] = abs(losses["padded"] - losses["packed"])
     row["logprob_max_abs_diff"] = float(np.abs(logps["padded"] - logps["packed"]).max())
   c1 = compiles.snapshot()
-  for _ in range(args.repeats):  # alternate, so load drift hits both alike
-    for s in runnable:
-      t0 = time.perf_counter()
-      s.run_step()
-      s.step_s.append(time.perf_counter() - t0)
-      t0 = time.perf_counter()
-      s.run_logprob(s.params)
-      s.logprob_s.append(time.perf_counter() - t0)
+  contenders = {}
+  for s in runnable:  # alternated, so load drift hits both alike
+    contenders[f"{s.name}_step_s"] = s.run_step
+    contenders[f"{s.name}_logprob_s"] = lambda s=s: s.run_logprob(s.params)
+  row.update(bc.alternate(contenders, args.repeats))
   row["compiles_while_timed"] = compiles.snapshot()[0] - c1[0]
   for s in runnable:
-    row[f"{s.name}_step_s"] = s.step_s
-    row[f"{s.name}_logprob_s"] = s.logprob_s
-    row[f"{s.name}_tokens_per_s"] = stats.useful / statistics.median(s.step_s)
-    row[f"{s.name}_logprob_tokens_per_s"] = stats.useful / statistics.median(s.logprob_s)
+    row[f"{s.name}_tokens_per_s"] = stats.useful / statistics.median(row[f"{s.name}_step_s"])
+    row[f"{s.name}_logprob_tokens_per_s"] = stats.useful / statistics.median(
+        row[f"{s.name}_logprob_s"])
   if len(runnable) == 2:
     row["step_ratio"] = ratio_if_equal(row["loss_abs_diff"], row["padded_tokens_per_s"],
                                        row["packed_tokens_per_s"])
@@ -370,73 +289,72 @@ def _gib(x: float) -> str:
 
 
 def _times(xs: list[float]) -> str:
-  return f"{statistics.median(xs) * 1e3:.0f} ({min(xs) * 1e3:.0f}-{max(xs) * 1e3:.0f})"
+  return bc.spread(xs, 1e3, ".0f")
 
 
 def _mib(x: float) -> str:
   return f"{x / 2 ** 20:.0f}"
 
 
-def print_packing_header(repeats: int) -> None:
+def packing_table(repeats: int) -> bc.Table:
   print(f"\n(a) GRPO actor step and old-logprob pass, padded vs packed (same rows, same "
         f"parameters; only the layout differs): tok/s = useful tokens per second of the "
         f"median time over {repeats}; ms = median (range); MiB = XLA memory_analysis "
         f"temp + argument bytes of the compiled program")
-  head = (f"{'max':>6} {'mean/max':>8} {'useful':>7} {'slots':>7} | {'side':<7} "
-          f"{'step ms':>18} {'tok/s':>8} {'pass ms':>18} {'pass tok/s':>10} "
-          f"{'step MiB':>8} {'pass MiB':>8} {'loss':>10}")
-  print(head)
-  print("-" * len(head))
+  return bc.Table(bc.Col("max", 6), bc.Col("mean/max", 8, fmt=".3f"), bc.Col("useful", 7),
+                  bc.Col("slots", 7), "|", bc.Col("side", 7, "<"), bc.Col("step ms", 18),
+                  bc.Col("tok/s", 8, fmt=".0f"), bc.Col("pass ms", 18),
+                  bc.Col("pass tok/s", 10, fmt=".0f"), bc.Col("step MiB", 8),
+                  bc.Col("pass MiB", 8), bc.Col("loss", 10, fmt=".6f"), rule=True)
 
 
-def print_packing(rows: list[dict]) -> None:
+def print_packing(rows: list[dict], table: bc.Table) -> None:
   for r in rows:
     for name in ("padded", "packed"):
-      slots = r[f"{name}_slots"]
-      lead = (f"{r['max_new_tokens']:>6} {r['mean_over_max']:>8.3f} {r['useful_tokens']:>7} "
-              if name == "padded" else f"{'':>6} {'':>8} {'':>7} ")
+      lead = ((r["max_new_tokens"], r["mean_over_max"], r["useful_tokens"])
+              if name == "padded" else ("", "", ""))
+      lead += (r[f"{name}_slots"], name)
+      mib = (_mib(r[f"{name}_step_bytes"]), _mib(r[f"{name}_logprob_bytes"]))
       if r["compile_only"]:
-        print(f"{lead}{slots:>7} | {name:<7} {'not run (--compile-only)':<57} "
-              f"{_mib(r[f'{name}_step_bytes']):>8} {_mib(r[f'{name}_logprob_bytes']):>8}")
-        continue
-      if not r[f"{name}_fits"]:
+        table.row(*lead, bc.Span("not run (--compile-only)", 4), *mib)
+      elif not r[f"{name}_fits"]:
         need = max(r[f"{name}_step_bytes"], r[f"{name}_logprob_bytes"])
-        print(f"{lead}{slots:>7} | {name:<7} does not fit ({_gib(need)} GiB compiled, over "
-              f"the {_gib(r['mem_limit'])} GiB limit): not run")
-        continue
-      print(f"{lead}{slots:>7} | {name:<7} {_times(r[f'{name}_step_s']):>18} "
-            f"{r[f'{name}_tokens_per_s']:>8.0f} {_times(r[f'{name}_logprob_s']):>18} "
-            f"{r[f'{name}_logprob_tokens_per_s']:>10.0f} {_mib(r[f'{name}_step_bytes']):>8} "
-            f"{_mib(r[f'{name}_logprob_bytes']):>8} {r[f'{name}_loss']:>10.6f}")
+        table.row(*lead, tail=f"does not fit ({_gib(need)} GiB compiled, over the "
+                  f"{_gib(r['mem_limit'])} GiB limit): not run")
+      else:
+        table.row(*lead, _times(r[f"{name}_step_s"]), r[f"{name}_tokens_per_s"],
+                  _times(r[f"{name}_logprob_s"]), r[f"{name}_logprob_tokens_per_s"], *mib,
+                  r[f"{name}_loss"])
     if "step_ratio" not in r:
-      print(f"{'':>6} packed/padded: not compared (a side did not run)")
+      table.note(f"{'':>6} packed/padded: not compared (a side did not run)")
     elif r["step_ratio"] is None:
-      print(f"{'':>6} packed/padded: REFUSED, the sides computed different numbers (loss "
-            f"differs by {r['loss_abs_diff']:.2e}, log-probs by {r['logprob_max_abs_diff']:.2e}"
-            f"; tolerance {LOSS_TOL:g})")
+      table.note(f"{'':>6} packed/padded: REFUSED, the sides computed different numbers (loss "
+                 f"differs by {r['loss_abs_diff']:.2e}, log-probs by "
+                 f"{r['logprob_max_abs_diff']:.2e}; tolerance {LOSS_TOL:g})")
     else:
       lp = "refused (log-probs differ)" if r["logprob_ratio"] is None else \
           f"{r['logprob_ratio']:.2f}x"
-      print(f"{'':>6} packed/padded: step {r['step_ratio']:.2f}x tokens/s, pass {lp}, step "
-            f"memory {r['packed_step_bytes'] / r['padded_step_bytes']:.2f}x; loss diff "
-            f"{r['loss_abs_diff']:.1e}, log-prob diff {r['logprob_max_abs_diff']:.1e}; "
-            f"compiles while timed: {r['compiles_while_timed']}")
-    print(f"{'':>6} lengths {r['lengths']}; {r['packed_rows']} packed rows of {r['pack_len']} "
-          f"vs {r['samples']} padded rows; {r['micro_batches']} micro-batch(es) per step; "
-          f"model.attention_impl={r['attention_impl']}")
+      table.note(f"{'':>6} packed/padded: step {r['step_ratio']:.2f}x tokens/s, pass {lp}, "
+                 f"step memory {r['packed_step_bytes'] / r['padded_step_bytes']:.2f}x; loss "
+                 f"diff {r['loss_abs_diff']:.1e}, log-prob diff "
+                 f"{r['logprob_max_abs_diff']:.1e}; compiles while timed: "
+                 f"{r['compiles_while_timed']}")
+    table.note(f"{'':>6} lengths {r['lengths']}; {r['packed_rows']} packed rows of "
+               f"{r['pack_len']} vs {r['samples']} padded rows; {r['micro_batches']} "
+               f"micro-batch(es) per step; model.attention_impl={r['attention_impl']}")
 
 
 def run_packing(args) -> list[dict]:
   compiles = bc.CompileCount()
-  mem_limit = int(args.mem_limit_gib * GiB) or mem_available_bytes() // 2
+  mem_limit = int(args.mem_limit_gib * GiB) or bc.mem_available_bytes() // 2
   maxima = _ints(args.max_lengths) + ([16384] if args.with_16k else [])
-  print_packing_header(args.repeats)
+  table = packing_table(args.repeats)
   rows = []
   for max_new in maxima:
     row = packing_row(max_new, args, mem_limit, compiles)
     row["mem_limit"], row["compile_only"] = mem_limit, args.compile_only
     rows.append(row)
-    print_packing([row])
+    print_packing([row], table)
   return rows
 
 
@@ -472,22 +390,18 @@ def own_train_step_memory(length: int, attention_impl: str, prompt: int = 16) ->
   """``{temp_bytes, argument_bytes}`` of the actor train step compiled for one row of
   ``length`` tokens (``prompt`` + the rest response), on abstract shapes."""
   import jax
-  import optax
 
   from distflow_jax.memory import compiled as cm
   from distflow_jax.models import sharding
-  from distflow_jax.train import steps
   cfg = tiny_config(length, attention_impl)
   mesh = sharding.make_mesh({"fsdp": 1, "tensor": 1}, jax.devices()[:1])
   graphdef, params = cm.abstract_model(cfg, mesh)
-  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5))
+  tx = bc.bench_tx()
   opt = cm.abstract_opt_state(tx, params, mesh)
   batch = cm.abstract_batch(1, prompt, length - prompt,
                             jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
                             ("old_logprobs", "ref_logprobs", "advantages"))
-  loss_cfg = steps.ActorLoss(kl_coef=0.001)
-  loss = lambda g, p, mb: steps.actor_loss(g, p, mb, loss_cfg, 512)  # noqa: E731
-  step = steps.make_train_step(loss, graphdef, tx, 1, loss_cfg.loss_agg)
+  step = bc.actor_step(graphdef, tx)
   m = step.jitted_for(params, opt).lower(params, opt, batch).compile().memory_analysis()
   return {"temp_bytes": int(m.temp_size_in_bytes),
           "argument_bytes": int(m.argument_size_in_bytes)}
@@ -553,19 +467,17 @@ def redistribute_row(tokens: int, args) -> dict:
            "--procs", str(args.procs), "--devices-per-process", str(args.devices_per_process),
            "--rows-per-host", str(args.rows_per_host), "--tokens", str(tokens),
            "--iters", str(args.iters), "--timeout-s", str(args.timeout_s), "--json", out_json]
-    t0 = time.perf_counter()
-    rc, out = run_with_deadline(cmd, 2 * args.timeout_s + 60)  # two launches, one per mode
-    wall = time.perf_counter() - t0
-    entries = json.load(open(out_json)) if os.path.exists(out_json) else []
+    done = bc.run_with_deadline(cmd, 2 * args.timeout_s + 60)  # two launches, one per mode
+    entries = bc.read_json(out_json) or []
   row = {"tokens": tokens, "procs": args.procs, "rows_per_host": args.rows_per_host,
-         "rc": rc, "wall_s": wall, "command": " ".join(cmd[1:])}
+         "rc": done.returncode, "wall_s": done.wall_s, "command": " ".join(cmd[1:])}
   for e in entries:
     row[f"{e['mode']}_ms"] = e["ms_per_op"]
     row[f"{e['mode']}_peak_rss_mib"] = e["peak_rss_mib"]
   if "distributed_ms" in row and "centralized_ms" in row:
     row["centralized_over_distributed"] = row["centralized_ms"] / row["distributed_ms"]
   else:
-    row["error_tail"] = out[-2000:]
+    row["error_tail"] = done.output[-2000:]
   return row
 
 
@@ -575,22 +487,21 @@ def run_redistribute(args) -> list[dict]:
         f"{args.procs} processes x {args.devices_per_process} devices, {args.rows_per_host} "
         f"samples per process, 13 bytes per token; ms = median of {args.iters} "
         f"re-partitions, slowest process")
-  head = (f"{'tokens':>7} {'MiB/proc':>8} | {'distributed ms':>14} {'centralized ms':>14} "
-          f"{'cent/dist':>9} | {'peak RSS x procs GiB (dist, cent)':>34}")
-  print(head)
-  print("-" * len(head))
+  table = bc.Table(bc.Col("tokens", 7), bc.Col("MiB/proc", 8, fmt=".1f"), "|",
+                   bc.Col("distributed ms", 14, fmt=".1f"),
+                   bc.Col("centralized ms", 14, fmt=".1f"), bc.Col("cent/dist", 9), "|",
+                   bc.Col("peak RSS x procs GiB (dist, cent)", 34), rule=True)
   rows = []
   for t in tokens:
     r = redistribute_row(t, args)
     rows.append(r)
     mib = args.rows_per_host * t * 13 / 2 ** 20
     if "centralized_over_distributed" not in r:
-      print(f"{t:>7} {mib:>8.1f} | FAILED (rc {r['rc']}):\n{r['error_tail']}")
+      table.row(t, mib, bc.Span(f"FAILED (rc {r['rc']}):\n{r['error_tail']}", 1))
       continue
     rss = [r[f"{m}_peak_rss_mib"] * args.procs / 1024 for m in ("distributed", "centralized")]
-    print(f"{t:>7} {mib:>8.1f} | {r['distributed_ms']:>14.1f} {r['centralized_ms']:>14.1f} "
-          f"{r['centralized_over_distributed']:>8.2f}x | {rss[0]:>16.2f} {rss[1]:>16.2f}",
-          flush=True)
+    table.row(t, mib, r["distributed_ms"], r["centralized_ms"],
+              f"{r['centralized_over_distributed']:.2f}x", f"{rss[0]:>16.2f} {rss[1]:>16.2f}")
   return rows
 
 
@@ -598,9 +509,10 @@ def run_redistribute(args) -> list[dict]:
 
 def main(argv=None) -> int:
   args = _args(argv)
-  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+  bc.default_host_devices(1)
+  bc.flush_lines()
   import jax
-  start = load_line()
+  start = bc.load_line()
   print(f"start: {start}")
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} "
         f"({jax.default_backend()}); argv: {' '.join(argv if argv is not None else sys.argv[1:])}")
@@ -616,11 +528,10 @@ def main(argv=None) -> int:
     result["redistribute"] = run_redistribute(args)
     if any("centralized_over_distributed" not in r for r in result["redistribute"]):
       rc = rc or 2
-  result["end"] = load_line()
+  result["end"] = bc.load_line()
   print(f"\nend: {result['end']}")
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=1)
+    bc.write_json(args.json, result, indent=1)
   return rc
 
 

@@ -22,18 +22,17 @@ first re-partition).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
 import statistics
 import sys
 import time
 
-_PREFIX = "BENCH "
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench_common as bc  # noqa: E402
 
 
 def _rss_mb() -> float:
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+  return bc.peak_rss_bytes() / 2 ** 20
 
 
 def _io_bytes() -> tuple[int, int]:
@@ -90,22 +89,13 @@ def child(mode: str, rows_per_host: int, tokens: int, iters: int) -> None:
   plan = make_repartition_plan(lengths, src, dst)
   sent, recv = plan.traffic(rd.row_bytes(batch), centralized=mode == "centralized")[
       info.process_index]
-  print(_PREFIX + json.dumps({
+  bc.emit({
       "process": info.process_index, "procs": info.process_count,
       "devices": info.global_device_count, "mode": mode,
       "time_s": statistics.median(times), "sent": sent, "recv": recv,
       "io_written": (io1[0] - io0[0]) // iters, "io_read": (io1[1] - io0[1]) // iters,
       "rss_before_mb": rss_before, "peak_rss_mb": _rss_mb(),
-      "block": plan.block, "rows_per_sender": plan.rows_per_sender}), flush=True)
-
-
-def _collect(result) -> list[dict]:
-  rows = []
-  for lines in result.outputs:
-    for line in lines:
-      if line.startswith(_PREFIX):
-        rows.append(json.loads(line[len(_PREFIX):]))
-  return rows
+      "block": plan.block, "rows_per_sender": plan.rows_per_sender})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,16 +118,18 @@ def main(argv: list[str] | None = None) -> int:
 
   procs = [int(x) for x in args.procs.split(",")]
   row_kb = args.tokens * 13 / 1024
+  bc.flush_lines()
+  print(f"start: {bc.load_line()}")
   print(f"weak scaling: {args.rows_per_host} samples x {args.tokens} tokens "
         f"({row_kb:.0f} KiB/sample, {args.rows_per_host * row_kb / 1024:.1f} MiB) "
         f"per process, {args.devices_per_process} devices per process; "
         f"per-host replica -> FSDP over all devices")
-  header = (f"{'procs':>5} {'devs':>4} | {'mode':<11} {'ms/op':>8} "
-            f"{'busiest sent MiB':>16} {'recv MiB':>9} {'gloo sent MiB':>13} "
-            f"{'peak RSS MiB':>12} {'(+ over start)':>14}")
-  print(header)
-  print("-" * len(header))
-  table = []
+  table = bc.Table(bc.Col("procs", 5), bc.Col("devs", 4), "|", bc.Col("mode", 11, "<"),
+                   bc.Col("ms/op", 8, fmt=".1f"), bc.Col("busiest sent MiB", 16, fmt=".1f"),
+                   bc.Col("recv MiB", 9, fmt=".1f"), bc.Col("gloo sent MiB", 13, fmt=".1f"),
+                   bc.Col("peak RSS MiB", 12, fmt=".0f"), bc.Col("(+ over start)", 14, fmt="+.0f"),
+                   rule=True)
+  entries = []
   for n in procs:
     for mode in ("distributed", "centralized"):
       cmd = [sys.executable, os.path.abspath(__file__), "--child", mode,
@@ -145,10 +137,10 @@ def main(argv: list[str] | None = None) -> int:
              "--iters", str(args.iters)]
       res = launcher.launch(n, args.devices_per_process, cmd, timeout_s=args.timeout_s,
                             out=None)
-      rows = _collect(res)
+      rows = bc.tagged(sum(res.outputs, []))
       if not res.ok or len(rows) != n:
         tail = "\n".join(sum(res.outputs, [])[-20:])
-        print(f"{n:>5} {'':>4} | {mode:<11} FAILED: {res.describe()}\n{tail}")
+        table.row(n, "", mode, tail=f"FAILED: {res.describe()}\n{tail}")
         continue
       busiest = max(rows, key=lambda r: (r["sent"] + r["recv"], -r["process"]))
       heaviest = max(rows, key=lambda r: r["peak_rss_mb"])
@@ -161,14 +153,13 @@ def main(argv: list[str] | None = None) -> int:
                "peak_rss_mib": heaviest["peak_rss_mb"],
                "peak_rss_increase_mib": heaviest["peak_rss_mb"] - heaviest["rss_before_mb"],
                "peak_rss_process": heaviest["process"]}
-      table.append(entry)
-      print(f"{n:>5} {entry['devices']:>4} | {mode:<11} {entry['ms_per_op']:>8.1f} "
-            f"{entry['busiest_sent_mib']:>16.1f} {entry['busiest_recv_mib']:>9.1f} "
-            f"{entry['busiest_gloo_sent_mib']:>13.1f} {entry['peak_rss_mib']:>12.0f} {entry['peak_rss_increase_mib']:>+14.0f}",
-            flush=True)
+      entries.append(entry)
+      table.row(n, entry["devices"], mode, entry["ms_per_op"], entry["busiest_sent_mib"],
+                entry["busiest_recv_mib"], entry["busiest_gloo_sent_mib"],
+                entry["peak_rss_mib"], entry["peak_rss_increase_mib"])
+  print(f"end: {bc.load_line()}")
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(table, f, indent=1)
+    bc.write_json(args.json, entries, indent=1)
   return 0
 
 

@@ -78,7 +78,8 @@ def main(argv=None) -> int:
       tunix_py = bc.ensure_tunix(args.tunix_venv)
     except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
       tunix_note = f"Tunix's sampler skipped: {e}"
-  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+  bc.default_host_devices(1)
+  bc.flush_lines()
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -92,6 +93,7 @@ def main(argv=None) -> int:
   b, tp, tn = args.batch, args.prompt, args.new
   rs = np.random.RandomState(0)
   prompts = rs.randint(1, cfg.vocab_size, size=(b, tp)).astype(np.int32)
+  print(f"start: {bc.load_line()}")
   print(f"model: {cfg.num_params / 1e6:.2f} M params; batch {b}, prompt {tp}, new {tn}; "
         f"jax {jax.__version__} on {jax.devices()[0].platform}")
 
@@ -100,13 +102,6 @@ def main(argv=None) -> int:
                                     decode_steps=min(args.decode_steps, tn)),
                   mesh=replica_mesh(1, jax.local_devices()[:1]))
   params = engine.load_params(model)
-
-  def timed(fn):
-    def run():
-      t0 = time.perf_counter()
-      out = fn()
-      return out, time.perf_counter() - t0
-    return run
 
   def ours():
     out = generate(engine, params, prompts.tolist())
@@ -132,7 +127,7 @@ def main(argv=None) -> int:
         buf.block_until_ready()
     return np.asarray(buf[:, tp:])
 
-  runners = {"engine": timed(ours), "no-cache": timed(no_cache)}
+  runners = {"engine": ours, "no-cache": no_cache}
   tmp = tempfile.mkdtemp(prefix="bench_rollout_")
   model_dir = os.path.join(tmp, "model")
   hf_io.save_pretrained(model_dir, model)
@@ -162,7 +157,7 @@ def main(argv=None) -> int:
       # measured and the faster of the two is the reference.
       default_threads = torch.get_num_threads()
       for threads in dict.fromkeys((default_threads, 1)):
-        runners[f"transformers.generate/{threads}t"] = timed(hf_runner(threads))
+        runners[f"transformers.generate/{threads}t"] = hf_runner(threads)
       hf_note = f"transformers {transformers.__version__}, torch {torch.__version__}"
 
   tunix = None
@@ -175,9 +170,9 @@ def main(argv=None) -> int:
                                 "--inputs", path],
                       os.path.join(tmp, "tunix.log"), bc.tunix_env())
 
-    def tunix_runner():
+    def tunix_runner():  # the sampler call's own time, inside the worker
       rec = tunix.step()
-      return np.asarray(rec["tokens"]), rec["gen_s"]
+      return bc.Measured(np.asarray(rec["tokens"]), rec["gen_s"])
 
   try:
     if tunix is not None:
@@ -188,23 +183,26 @@ def main(argv=None) -> int:
         tunix_note = f"Tunix's sampler skipped: {e}"
     results, warm = {}, {}
     for name, fn in runners.items():  # warm-up / compile
-      results[name], warm[name] = fn()
+      results[name], warm[name] = bc.timed(fn)
+      print(f"  warm-up {name:28s} {warm[name]:8.3f} s")
     # Runners 5x slower than the engine's warm-up (compile included) get one timed round:
     # their ratio is not in doubt and extra rounds would take minutes.  Tunix's sampler,
     # whose compile may be slow but whose ratio is the point, is timed every round.
-    times = {name: [] for name in runners}
-    for i in range(args.rounds):
-      for name, fn in runners.items():
-        if i and name != "tunix sampler" and warm[name] > 5 * warm["engine"]:
-          continue
-        times[name].append(fn()[1])
+    times = bc.alternate(
+        runners, args.rounds,
+        skip=lambda i, name: (i and name != "tunix sampler"
+                              and warm[name] > 5 * warm["engine"]),
+        on_time=lambda i, name, secs, _: print(f"  round {i} {name:28s} {secs:8.3f} s"))
   finally:
     if tunix is not None:
       tunix.close()
   rate = {name: b * tn / statistics.median(ts) for name, ts in times.items()}
-  print(f"{'runner':28s} {'tok/s':>10s} {'median s':>9s}   engine speed-up")
+  table = bc.Table(bc.Col("runner", 28, "<"), bc.Col("tok/s", 10, fmt=".0f"),
+                   bc.Col("median s", 9, fmt=".3f"), bc.Col("range s", 13),
+                   bc.Col("engine speed-up", 17))
   for name, r in rate.items():
-    print(f"{name:28s} {r:10.0f} {b * tn / r:9.3f}   {rate['engine'] / r:5.2f}x")
+    table.row(name, r, b * tn / r, f"{min(times[name]):.3f}-{max(times[name]):.3f}",
+              f"{rate['engine'] / r:.2f}x")
   hf_rates = [r for name, r in rate.items() if name.startswith("transformers")]
   if hf_rates:
     print(f"engine vs best transformers.generate: {rate['engine'] / max(hf_rates):.2f}x")
@@ -221,6 +219,7 @@ def main(argv=None) -> int:
     print(f"Tunix sampler vs engine, token for token: {frac:.3f} of tokens, {rows}/{b} rows "
           f"equal")
   print(f"engine compiles: {engine.compile_counts()}")
+  print(f"end: {bc.load_line()}")
   return 0
 
 

@@ -27,7 +27,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,50 +60,30 @@ def build(size: str, batch: int, prompt: int, response: int, micro: int, seed: i
   """(step, params, opt_state, batch, model config) for one actor train step on 1 device.
 
   Rows come in groups of `group_size` with one prompt; `share` computes it once per group."""
-  import jax
   import jax.numpy as jnp
-  import numpy as np
-  import optax
-  from flax import nnx
 
-  from distflow_jax.models import ModelConfig, Transformer
-  from distflow_jax.models import sharding
-  from distflow_jax.train import placement, steps
+  from distflow_jax.models import ModelConfig
+  from distflow_jax.train import placement
 
   cfg = ModelConfig(**SIZES[size])
-  mesh = sharding.make_mesh({"fsdp": 1, "tensor": 1}, jax.devices()[:1])
-  model = sharding.create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)), mesh,
-                                  sharding.fsdp_tp_rules())
-  graphdef, params = nnx.split(model)
-  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5))
+  graphdef, params = bc.sharded_actor(cfg, seed)
+  tx = bc.bench_tx()
   opt_state = placement.init_opt_state(tx, params)
-  gs = group_size if share else 1
-  loss_cfg = steps.ActorLoss(kl_coef=0.001, group_size=gs)
-  loss = lambda g, p, mb: steps.actor_loss(g, p, mb, loss_cfg, 512)  # noqa: E731
-  n_micro = batch // micro if micro else 1
-  step = steps.make_train_step(loss, graphdef, tx, n_micro, loss_cfg.loss_agg, gs)
-  rs = np.random.RandomState(seed)
+  step = bc.actor_step(graphdef, tx, batch // micro if micro else 1,
+                       group_size if share else 1)
   if batch % group_size:
     raise SystemExit(f"--batch {batch} is not a multiple of --group-size {group_size}")
-  prompts = rs.randint(1, cfg.vocab_size, (batch // group_size, prompt)).astype(np.int32)
-  data = {
-      "prompt_tokens": np.repeat(prompts, group_size, axis=0),
-      "prompt_mask": np.ones((batch, prompt), bool),
-      "response_tokens": rs.randint(1, cfg.vocab_size, (batch, response)).astype(np.int32),
-      "response_mask": np.ones((batch, response), bool),
-      "old_logprobs": rs.uniform(-7, -5, (batch, response)).astype(np.float32),
-      "ref_logprobs": rs.uniform(-7, -5, (batch, response)).astype(np.float32),
-      "advantages": rs.normal(size=(batch, response)).astype(np.float32),
-  }
+  data = bc.actor_batch(cfg.vocab_size, batch, prompt, response, seed, group_size)
   data = {k: jnp.asarray(v) for k, v in data.items()}
   return step, params, opt_state, data, cfg
 
 
 def main(argv=None) -> int:
   args = _args(argv)
-  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+  bc.default_host_devices(1)
   import jax
 
+  print(f"start: {bc.load_line()}", flush=True)
   step, params, opt_state, data, cfg = build(args.size, args.batch, args.prompt, args.response,
                                              args.micro_batch_size, group_size=args.group_size)
   share_step, share_p, share_o, _, _ = build(args.size, args.batch, args.prompt, args.response,
@@ -117,8 +96,10 @@ def main(argv=None) -> int:
         f"{args.batch // (args.micro_batch_size or args.batch)} micro-batch(es), groups of "
         f"{args.group_size}; "
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} cpus")
+  print(f"step FLOPs: {flops['total'] / 1e9:.3f} G (blocks {flops['blocks'] / 1e9:.3f}, "
+        f"unembed {flops['unembed'] / 1e9:.3f}, attention {flops['attention'] / 1e9:.3f}; "
+        f"textbook 6NT {flops['simple_6nt'] / 1e9:.3f})", flush=True)
   state = {"p": params, "o": opt_state, "sp": share_p, "so": share_o}
-  times = {"plain": [], "shared": []}
 
   def run():
     state["p"], state["o"], stats = step(state["p"], state["o"], data)
@@ -131,28 +112,25 @@ def main(argv=None) -> int:
   run()  # compile
   run_shared()
   peak = bc.matmul_peak(args.peak_n)
-  for _ in range(args.repeats):  # alternate, so load drift hits both alike
-    for name, fn in (("plain", run), ("shared", run_shared)):
-      t0 = time.perf_counter()
-      fn()
-      times[name].append(time.perf_counter() - t0)
+  # Alternated, so load drift hits both alike.
+  times = bc.alternate({"plain": run, "shared": run_shared}, args.repeats)
   t_step = statistics.median(times["plain"])
   t_shared = statistics.median(times["shared"])
   peak2 = bc.matmul_peak(args.peak_n)  # again after: load drifts, keep the higher
   peak = max(peak, peak2)
   achieved = flops["total"] / t_step
-  print(f"step FLOPs: {flops['total'] / 1e9:.3f} G (blocks {flops['blocks'] / 1e9:.3f}, "
-        f"unembed {flops['unembed'] / 1e9:.3f}, attention {flops['attention'] / 1e9:.3f}; "
-        f"textbook 6NT {flops['simple_6nt'] / 1e9:.3f})")
-  print(f"step time (median of {args.repeats}): {t_step * 1e3:.1f} ms; "
+  print(f"step time (median of {args.repeats}): {t_step * 1e3:.1f} ms (range "
+        f"{min(times['plain']) * 1e3:.1f}-{max(times['plain']) * 1e3:.1f}); "
         f"{args.batch * (args.prompt + args.response) / t_step:.0f} tokens/s")
   print(f"achieved: {bc.fmt_rate(achieved)}; matmul peak ({args.peak_n}^2 f32 jnp.dot): "
         f"{bc.fmt_rate(peak)}")
   print(f"train step / matmul peak: {achieved / peak:.1%} (target >= 40%)")
   if args.group_size > 1:
-    print(f"prompt shared per group of {args.group_size}: {t_shared * 1e3:.1f} ms, "
+    print(f"prompt shared per group of {args.group_size}: {t_shared * 1e3:.1f} ms (range "
+          f"{min(times['shared']) * 1e3:.1f}-{max(times['shared']) * 1e3:.1f}), "
           f"{t_step / t_shared:.2f}x the plain step")
   print(f"train step compiles: {step._cache_size()}")
+  print(f"end: {bc.load_line()}")
   return 0
 
 

@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench_common as bc  # noqa: E402
 
 ALGORITHMS = ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "dapo", "gspo")
 TASKS = ("arithmetic", "letters")
@@ -127,22 +128,11 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
   return runs
 
 
-def load_average() -> str:
-  try:
-    out = subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout
-    return out.strip().split("load average:")[-1].strip()
-  except (OSError, subprocess.SubprocessError):
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def _child(cmd: list[str], log_path: str, timeout: float) -> int:
+  """The child's exit status (124 when SIGKILLed at ``timeout`` s; 0 = no deadline)."""
   os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-  with open(log_path, "w") as log:
-    try:
-      return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            timeout=timeout or None).returncode
-    except subprocess.TimeoutExpired:
-      return 124
+  done = bc.run_with_deadline(cmd, timeout or None, log_path=log_path)
+  return 124 if done.timed_out else done.returncode
 
 
 def warm_start(out: str, task: str, run: Run, timeout: float) -> str | None:
@@ -177,11 +167,7 @@ def execute(run: Run, cache: str | None, timeout: float) -> None:
 
 
 def read_metrics(run: Run) -> None:
-  path = os.path.join(run.run_dir, "metrics.jsonl")
-  rows = []
-  if os.path.exists(path):
-    with open(path) as f:
-      rows = [json.loads(line) for line in f if line.strip()]
+  rows = bc.read_jsonl(os.path.join(run.run_dir, "metrics.jsonl"))
   run.curve = [(int(r["step"]), float(r["eval/accuracy"])) for r in rows if "eval/accuracy" in r]
   steps = [r for r in rows if "time/step" in r]
   run.steps_done = len(steps)
@@ -207,10 +193,11 @@ def table(runs: list[Run], args: argparse.Namespace, load_start: str, load_end: 
       f"Load average (1, 5, 15 min) at start: {load_start}; at end: {load_end}.", "",
       "Accuracy: held-out eval/accuracy; SE = sqrt(p(1-p)/n_eval) of the final accuracy. "
       "Generated samples count DAPO's dynamic-sampling retries. Train s = the sum of the "
-      "steps' time/step (no setup, compile of the first step included).", "",
-      "| task | algorithm | start | best (step) | final | SE | n_eval | trained samples | "
-      "generated samples | wall s | train s | health alarms | notes |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+      "steps' time/step (no setup, compile of the first step included).", ""]
+  table = bc.Table(*[bc.Col(t) for t in (
+      "task", "algorithm", "start", "best (step)", "final", "SE", "n_eval", "trained samples",
+      "generated samples", "wall s", "train s", "health alarms", "notes")], markdown=True,
+      out=lines.append)
   for r in runs:
     if r.curve:
       start, final = r.curve[0][1], r.curve[-1][1]
@@ -221,9 +208,9 @@ def table(runs: list[Run], args: argparse.Namespace, load_start: str, load_end: 
       acc = ["-"] * 4
     note = "; ".join(x for x in (r.note, f"failed: rc {r.rc}, see {r.run_dir}.log"
                                  if r.rc else "") if x)
-    lines.append(f"| {r.task} | {r.algorithm} | " + " | ".join(acc) + f" | {r.n_eval} | "
-                 f"{r.steps_done * r.samples_per_step} | {r.generated} | {r.wall_s:.0f} | "
-                 f"{r.train_s:.0f} | {', '.join(r.alarms) or '-'} | {note or '-'} |")
+    table.row(r.task, r.algorithm, *acc, r.n_eval, r.steps_done * r.samples_per_step,
+              r.generated, f"{r.wall_s:.0f}", f"{r.train_s:.0f}", ", ".join(r.alarms) or "-",
+              note or "-")
   return "\n".join(lines) + "\n"
 
 
@@ -258,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   runs = plan_runs(args)
   os.makedirs(args.out, exist_ok=True)
-  load_start = load_average()
+  load_start = bc.load_average()
   print(f"[compare] {len(runs)} runs; load average at start {load_start}", flush=True)
   caches = {}
   for run in runs:
@@ -269,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     final = _pct(run.curve[-1][1]) if run.curve else "-"
     print(f"[compare] {run.task} / {run.algorithm}: rc {run.rc}, {run.wall_s:.0f}s, final "
           f"held-out accuracy {final}", flush=True)
-  load_end = load_average()
+  load_end = bc.load_average()
   md = os.path.join(args.out, "compare.md")
   with open(md, "w") as f:
     f.write(table(runs, args, load_start, load_end))

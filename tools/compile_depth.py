@@ -11,7 +11,8 @@ numbers are `jax.jit(...).lower(...)` plus `.compile()` on the default backend.
 from __future__ import annotations
 
 import argparse
-import time
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,9 @@ from flax import nnx
 
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import Transformer, forward
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench_common as bc  # noqa: E402
 
 
 def compile_seconds(cfg: ModelConfig, batch: int, seq: int) -> float:
@@ -31,9 +35,7 @@ def compile_seconds(cfg: ModelConfig, batch: int, seq: int) -> float:
     hidden, _ = forward(graphdef, params, tokens, pos, return_hidden=True)
     return jnp.mean(hidden.astype(jnp.float32) ** 2)
 
-  start = time.perf_counter()
-  jax.jit(jax.value_and_grad(loss)).lower(params, tokens).compile()
-  return time.perf_counter() - start
+  return bc.timed(lambda: jax.jit(jax.value_and_grad(loss)).lower(params, tokens).compile())[1]
 
 
 def main() -> None:
@@ -49,14 +51,17 @@ def main() -> None:
                      intermediate_size=args.hidden * 3, num_heads=8, num_kv_heads=2,
                      head_dim=args.hidden // 8, qkv_bias=True, dtype=args.dtype,
                      remat=args.remat)
+  print(f"start: {bc.load_line()}")
   print(f"backend {jax.default_backend()}, d={args.hidden}, batch {args.batch}x{args.seq}, "
         f"remat={args.remat}, dtype={args.dtype}")
-  print(f"{'layers':>6} | {'loop (s)':>9} | {'scan (s)':>9}")
+  table = bc.Table(bc.Col("layers", 6), "|", bc.Col("loop (s)", 9, fmt=".2f"), "|",
+                   bc.Col("scan (s)", 9, fmt=".2f"))
   for n in args.layers:
     cfg = base.replace(num_layers=n)
     loop = compile_seconds(cfg, args.batch, args.seq)
     scan = compile_seconds(cfg.replace(scan_layers=True), args.batch, args.seq)
-    print(f"{n:>6} | {loop:>9.2f} | {scan:>9.2f}", flush=True)
+    table.row(n, loop, scan)
+  print(f"end: {bc.load_line()}")
 
 
 if __name__ == "__main__":

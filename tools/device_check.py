@@ -81,14 +81,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import math
 import os
 import re
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -248,14 +246,6 @@ def _hf_config(shape: str) -> dict:
   return mrm.hf_config("qwen2.5-0.5b", SHAPES[shape])
 
 
-def _cpu_env(**extra) -> dict:
-  """This environment with one host device (the CPU would otherwise split as XLA_FLAGS says)."""
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
-  return dict(os.environ, XLA_FLAGS=" ".join(flags + ["--xla_force_host_platform_device_count=1"]),
-              **extra)
-
-
 def grpo_flags(s: dict, model_dir: str, run_dir: str) -> list[str]:
   """The config flags of the GRPO section's run (plan --memory takes the same)."""
   rows = s["grpo_prompts"] * s["grpo_n"]
@@ -277,11 +267,6 @@ def grpo_flags(s: dict, model_dir: str, run_dir: str) -> list[str]:
 
 def _say(text: str) -> None:
   print(f"[device_check] {text}", file=sys.stderr, flush=True)
-
-
-def _best(fn, repeats: int) -> float:
-  fn()
-  return min(bc.median_time(fn, 1) for _ in range(repeats))
 
 
 def _dist_versions() -> dict[str, str]:
@@ -349,12 +334,12 @@ def measure_device(platform: str) -> dict:
       else ("bfloat16",):
     a = jax.random.normal(key, (n, n), dtype)
     b = jax.random.normal(jax.random.fold_in(key, 1), (n, n), dtype)
-    matmul[dtype] = bc.matmul_flops(n) / _best(lambda: dot(a, b).block_until_ready(), 3)
+    matmul[dtype] = bc.matmul_flops(n) / bc.best_time(lambda: dot(a, b).block_until_ready(), 3)
     del a, b
   elems = (64 << 20) if platform == "cpu" else (256 << 20)  # 256 MiB / 1 GiB of float32
   x = jnp.zeros((elems,), jnp.float32)
   add = jax.jit(lambda x: x + 1)
-  copy_bw = 2 * x.nbytes / _best(lambda: add(x).block_until_ready(), 5)
+  copy_bw = 2 * x.nbytes / bc.best_time(lambda: add(x).block_until_ready(), 5)
   del x
   known = peak_for(dev.device_kind)
   if known:
@@ -381,10 +366,9 @@ def measure_train(s: dict) -> dict:
   """Median step time of the actor train step; FLOPs and MFU are filled in by the caller."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
   from flax import nnx
 
-  from distflow_jax.models import Transformer, sharding
+  from distflow_jax.models import sharding
   from distflow_jax.train import placement, steps
   from distflow_jax.state import roles
 
@@ -400,17 +384,7 @@ def measure_train(s: dict) -> dict:
   loss_cfg = steps.ActorLoss.from_config(run.actor, r, group_size=1)
   loss = lambda g, w, mb: steps.actor_loss(g, w, mb, loss_cfg, 512)  # noqa: E731  as the node
   step = steps.make_train_step(loss, graphdef, tx, 1, loss_cfg.loss_agg, 1)
-  rs = np.random.RandomState(0)
-  data = {
-      "prompt_tokens": rs.randint(1, cfg.vocab_size, (b, p)).astype(np.int32),
-      "prompt_mask": np.ones((b, p), bool),
-      "response_tokens": rs.randint(1, cfg.vocab_size, (b, r)).astype(np.int32),
-      "response_mask": np.ones((b, r), bool),
-      "old_logprobs": rs.uniform(-7, -5, (b, r)).astype(np.float32),
-      "ref_logprobs": rs.uniform(-7, -5, (b, r)).astype(np.float32),
-      "advantages": rs.normal(size=(b, r)).astype(np.float32),
-  }
-  data = {k: jnp.asarray(v) for k, v in data.items()}
+  data = {k: jnp.asarray(v) for k, v in bc.actor_batch(cfg.vocab_size, b, p, r).items()}
   state = {"p": params, "o": opt_state}
   del params, opt_state
 
@@ -487,22 +461,6 @@ def _one_line(e) -> str:
   return lines[0][:300] if lines else ""
 
 
-def _write_json(path: str, obj) -> None:
-  """Whole or not at all: a kill mid-write leaves the previous file."""
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f)
-  os.replace(tmp, path)
-
-
-def _read_json(path: str):
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except (OSError, ValueError):
-    return None
-
-
 class MemoryWatch:
   """Keeps `path` holding the first device's `memory_stats()` (so a run killed at its limit
   still leaves the peak so far), polled every `every` s once jax's backends are up: never
@@ -537,7 +495,7 @@ class MemoryWatch:
     stats = jax.devices()[0].memory_stats()
     self.polls += 1
     keys = ("peak_bytes_in_use", "bytes_in_use", "bytes_limit", "largest_alloc_size")
-    _write_json(self.path, dict(platform=jax.default_backend(), polls=self.polls,
+    bc.write_json(self.path, dict(platform=jax.default_backend(), polls=self.polls,
                                 stats={k: int(stats[k]) for k in keys if k in stats}
                                 if stats else None))
 
@@ -546,12 +504,8 @@ def grpo_record(s: dict, workdir: str) -> dict:
   """What the GRPO run left in `workdir`: its steps from metrics.jsonl (whole lines only) and
   the memory file.  The child reports it; after a kill the parent reads the same files."""
   run_dir = os.path.join(workdir, "run")
-  metrics = []
-  with contextlib.suppress(OSError), open(os.path.join(run_dir, "metrics.jsonl")) as f:
-    for line in f:
-      with contextlib.suppress(ValueError):
-        metrics.append(json.loads(line))
-  metrics.sort(key=lambda m: m["step"])
+  metrics = sorted(bc.read_jsonl(os.path.join(run_dir, "metrics.jsonl")),
+                   key=lambda m: m["step"])
   nodes = ("generate", "ref_logprob", "old_logprob", "train_actor")
   flags = grpo_flags(s, os.path.join(workdir, "model"), run_dir)
   return dict(prompts=s["grpo_prompts"], n=s["grpo_n"], prompt_len=GRPO_PROMPT_LEN,
@@ -560,7 +514,7 @@ def grpo_record(s: dict, workdir: str) -> dict:
               compile_s=[m.get("time/compile") for m in metrics],
               tokens=[m.get("tokens") for m in metrics],
               nodes_s=[{k: m.get(f"time/{k}") for k in nodes} for m in metrics],
-              memory=_read_json(os.path.join(workdir, MEMORY_FILE)),
+              memory=bc.read_json(os.path.join(workdir, MEMORY_FILE)),
               command="distflow-jax train " + " ".join(flags))
 
 
@@ -584,7 +538,7 @@ def run_grpo(s: dict, workdir: str, child_out: str) -> dict:
     if len(grpo_record(s, workdir)["step_s"]) < 2:
       return
     watch.poll()
-    _write_json(child_out, dict(grpo_record(s, workdir), folder_write_s=write_s,
+    bc.write_json(child_out, dict(grpo_record(s, workdir), folder_write_s=write_s,
                                 process_wall_s=time.perf_counter() - t0,
                                 ended="after step 2, before the final checkpoint save"))
     sys.stdout.flush()
@@ -658,7 +612,7 @@ def child(args) -> int:
     import traceback
     traceback.print_exc()  # into the section's log
     rec = {"error": f"{type(e).__name__}: {_one_line(e)}"[:300]}
-  _write_json(args.child_out, rec)
+  bc.write_json(args.child_out, rec)
   sys.stdout.flush()
   sys.stderr.flush()
   os._exit(0)  # no interpreter teardown: the device is released now, nothing else to wait for
@@ -666,31 +620,8 @@ def child(args) -> int:
 
 # ---------------------------------------------------------------- the parent
 
-_RUNNING: list = [None]  # the child now running, for the signal handlers
-
-
-def _die_with_parent(parent: int) -> None:
-  """In the child before exec: SIGKILL when the parent dies (Linux prctl PR_SET_PDEATHSIG),
-  so a check killed at a loan's end leaves nothing on the device."""
-  with contextlib.suppress(Exception):
-    import ctypes
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))
-  if os.getppid() != parent:  # the parent died before prctl took effect
-    os._exit(1)
-
-
-def _kill(p: subprocess.Popen) -> None:
-  with contextlib.suppress(ProcessLookupError, PermissionError):
-    os.killpg(p.pid, signal.SIGKILL)
-  with contextlib.suppress(ProcessLookupError):
-    p.kill()
-  p.wait()
-
-
 def _on_signal(signum, _frame) -> None:
-  p = _RUNNING[0]
-  if p is not None:
-    _kill(p)
+  bc.kill_children()
   print(f"device_check: stopped by signal {signum}; the rows above (and --out) hold every "
         f"section that ended", file=sys.stderr, flush=True)
   os._exit(128 + signum)
@@ -711,21 +642,11 @@ def run_section(name: str, argv: list[str], workdir: str, limit: int, env: dict)
     os.remove(out_file)
   cmd = [sys.executable, os.path.abspath(__file__), *argv, "--child", name,
          "--child-out", out_file]
-  parent = os.getpid()
-  t0 = time.perf_counter()
-  with open(log_path, "w") as log:
-    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                         env=env, start_new_session=True,
-                         preexec_fn=lambda: _die_with_parent(parent))
-    _RUNNING[0] = p
-    try:
-      rc, timed_out = p.wait(timeout=limit), False
-    except subprocess.TimeoutExpired:
-      _kill(p)
-      rc, timed_out = p.returncode, True
-    finally:
-      _RUNNING[0] = None
-  rec = _read_json(out_file)
+  # A child dies with this script (PDEATHSIG): a check killed at a loan's end leaves nothing
+  # on the device.
+  done = bc.run_with_deadline(cmd, limit, env=env, log_path=log_path, die_with_parent=True)
+  rc, timed_out = done.returncode, done.timed_out
+  rec = bc.read_json(out_file)
   if not isinstance(rec, dict):
     rec = {}
   if timed_out:
@@ -733,7 +654,7 @@ def run_section(name: str, argv: list[str], workdir: str, limit: int, env: dict)
   elif rc or not os.path.exists(out_file):
     rec.setdefault("error", f"child exit {rc}: {_last_line(log_path)}")
   status = "timeout" if timed_out else "error" if "error" in rec else "ok"
-  return {"section": name, "status": status, **rec, "wall_s": time.perf_counter() - t0,
+  return {"section": name, "status": status, **rec, "wall_s": done.wall_s,
           "limit_s": limit, "log": log_path}
 
 
@@ -874,45 +795,26 @@ def merge_memory(rec: dict, grpo: dict | None) -> None:
       rec["measured_note"] = "at the GRPO run's kill"
 
 
-WIDTHS = (58, 30, 50, 7)
-
-
-def _fmt(row) -> str:
-  return "| " + " | ".join(str(c).ljust(w) for c, w in zip(row, WIDTHS)) + " |"
-
-
 class Report:
   """Prints each section's rows and appends its record to --out the moment it ends."""
 
   def __init__(self, out: str | None):
-    self.out = out
-    if out:
-      open(out, "w").close()
-    print(_fmt(("measure", "value", "against", "share")), flush=True)
-    print("|" + "|".join("-" * (w + 2) for w in WIDTHS) + "|", flush=True)
+    self.records = bc.JsonLines(out)
+    self.table = bc.Table(bc.Col("measure", 58, "<"), bc.Col("value", 30, "<"),
+                          bc.Col("against", 50, "<"), bc.Col("share", 7, "<"), markdown=True)
 
   def record(self, rec: dict) -> None:
-    if self.out:
-      with open(self.out, "a") as f:
-        f.write(json.dumps(rec, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    self.records.append(rec)
 
   def section(self, rec: dict, table_rows: list[tuple]) -> None:
     for r in table_rows:
-      print(_fmt(r), flush=True)
+      self.table.row(*r)
     self.record(rec)
 
 
 def read_out(path: str) -> dict[str, dict]:
   """An --out file's records by section (a line cut by a kill is left out)."""
-  out = {}
-  with open(path) as f:
-    for line in f:
-      with contextlib.suppress(ValueError):
-        rec = json.loads(line)
-        out[rec["section"]] = rec
-  return out
+  return {rec["section"]: rec for rec in bc.read_jsonl(path)}
 
 
 def main(argv=None) -> int:
@@ -927,10 +829,10 @@ def main(argv=None) -> int:
     signal.signal(sig, _on_signal)
   limits = {name: section_limit(args, name) for name in SECTIONS}
   print(f"device_check: each section in its own process, limits (s) "
-        + ", ".join(f"{k} {v}" for k, v in limits.items()) + f"; work dir {workdir}",
-        flush=True)
+        + ", ".join(f"{k} {v}" for k, v in limits.items()) + f"; work dir {workdir}; "
+        f"start: {bc.load_line()}", flush=True)
   report = Report(args.out)
-  env = _cpu_env()
+  env = bc.child_env(devices=1)  # one host device (else the CPU splits as XLA_FLAGS says)
   grpo_env = env if COMPILE_CACHE_ENV in os.environ else dict(env, **{COMPILE_CACHE_ENV: ""})
   done: dict[str, dict] = {}
 
@@ -973,7 +875,8 @@ def main(argv=None) -> int:
     print(f"logs kept in {workdir}", flush=True)
   elif not args.workdir:
     shutil.rmtree(workdir, ignore_errors=True)
-  print(f"total {total:.0f} s" + "".join(f"\nerror: {e}" for e in errors), flush=True)
+  print(f"total {total:.0f} s; end: {bc.load_line()}"
+        + "".join(f"\nerror: {e}" for e in errors), flush=True)
   return 1 if errors else 0
 
 

@@ -52,8 +52,10 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench_common as bc  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-INNER = "--inside-venv"
 MAIN_COMMIT = "acd4f5ad50ed2fb38e0e5bd7defd81e34a62706c"  # JetStream main, 2026-01-05
 MAIN_URL = f"git+https://github.com/AI-Hypercomputer/JetStream@{MAIN_COMMIT}"
 VENVS = {"0.2.2": "/tmp/jetstream-venv", "main": "/tmp/jetstream-main-venv"}
@@ -102,27 +104,6 @@ def ensure_venv(version: str, args: argparse.Namespace) -> str:
     print(f"installing this checkout (editable) into {venv}", flush=True)
     subprocess.run([py, "-m", "pip", "install", "-q", "-e", REPO, "--no-deps"], check=True)
   return py
-
-
-async def _serve(driver, make_requests) -> list[list[int]]:
-  """Places every request and collects each one's streamed token ids.  The requests are
-  made here: their return channels bind to the running event loop."""
-  requests = make_requests()
-  for r in requests:
-    driver.place_request_on_prefill_queue(r)
-
-  async def collect(req) -> list[int]:
-    out: list[int] = []
-    async for samples in req.return_channel:
-      out.extend(samples[0].token_ids)
-    return out
-
-  out = list(await asyncio.gather(*(collect(r) for r in requests)))
-  # close() posts the end marker and then the done flag to this loop from JetStream's
-  # detokenize thread; closing the loop between the two makes that thread raise.
-  while not all(r.return_channel.done() for r in requests):
-    await asyncio.sleep(0.01)
-  return out
 
 
 def run_inside(args: argparse.Namespace) -> int:
@@ -192,7 +173,7 @@ def run_inside(args: argparse.Namespace) -> int:
         reqs = lambda: [ja.token_request(p, mt, has_bos=hb, orchestrator=orchestrator)  # noqa
                         for p, (_, mt, hb) in zip(prompts, REQUESTS)]
         start = time.perf_counter()
-        streams = asyncio.run(_serve(driver, reqs))
+        streams = asyncio.run(ja.serve_streams(driver, reqs))
         elapsed = time.perf_counter() - start
     finally:
       driver.stop()
@@ -248,9 +229,21 @@ def _backend_row(cfg, ecfg, model, prompts, gen: str, devices: int) -> dict:
               js_tps=tps[0], native_tps=tps[1], devices=devices)
 
 
+def print_table(table: list[dict]) -> None:
+  """One row per (version, mode), or a FAILED row for a version with no result."""
+  out = bc.Table(*[bc.Col(t, w, "<") for t, w in (
+      ("jetstream", 10), ("interface", 11), ("mode", 18), ("requests", 10), ("ends*", 8),
+      ("equal", 7), ("jetstream tok/s", 17), ("native tok/s", 15))], sep="")
+  for r in table:
+    if "failed" in r:
+      out.row(r["version"], "-", "-", f"FAILED (exit {r['failed']})")
+      continue
+    out.row(r["version"], r["api"], r["mode"], r["requests"], r["ends"],
+            f"{r['equal']}/{r['requests']}", f"{r['js_tps']:.1f}", f"{r['native_tps']:.1f}")
+
+
 def main(argv: list[str]) -> int:
-  inner = INNER in argv
-  argv = [a for a in argv if a != INNER]
+  inner, argv = bc.inside_venv(argv)
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--versions", default="0.2.2,main", help="comma list of 0.2.2, main")
   ap.add_argument("--main-src", default="", help="a git directory holding MAIN_COMMIT "
@@ -263,26 +256,18 @@ def main(argv: list[str]) -> int:
   table = []
   for version in args.versions.split(","):
     py = ensure_venv(version, args)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = bc.child_env(devices=2, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-      cmd = [py, os.path.abspath(__file__), INNER, "--json", out.name]
+      cmd = [py, os.path.abspath(__file__), bc.INSIDE_VENV, "--json", out.name]
       code = subprocess.run(cmd + (["--verbose"] if args.verbose else []), env=env).returncode
-      rows = json.load(open(out.name)) if os.path.getsize(out.name) else []
+      rows = bc.read_json(out.name) or []
     if not rows:
       # JetStream's threads SIGKILL the process when one of them raises (JetThread).
       print(f"JetStream {version}: no result (exit {code}); see the traceback above")
     table += [dict(version=version, **r) for r in rows] or [dict(version=version, mode="-",
                                                                  api="-", failed=code)]
-  print(f"\n{'jetstream':<10}{'interface':<11}{'mode':<18}{'requests':<10}{'ends*':<8}"
-        f"{'equal':<7}{'jetstream tok/s':<17}{'native tok/s':<15}")
-  for r in table:
-    if "failed" in r:
-      print(f"{r['version']:<10}{'-':<11}{'-':<18}FAILED (exit {r['failed']})")
-      continue
-    equal = f"{r['equal']}/{r['requests']}"
-    print(f"{r['version']:<10}{r['api']:<11}{r['mode']:<18}{r['requests']:<10}{r['ends']:<8}"
-          f"{equal:<7}{r['js_tps']:<17.1f}{r['native_tps']:<15.1f}")
+  print()
+  print_table(table)
   ok = table and all(r.get("equal", -1) == r.get("requests") for r in table)
   print(f"* streams ending at a stop token / the engine's {MAX_NEW}-token limit / max_tokens; "
         f"tok/s: orchestrator vs generate, or backend jetstream vs engine\n"

@@ -42,8 +42,10 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench_common as bc  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-INNER = "--inside-venv"
 
 
 def bootstrap(args: argparse.Namespace, argv: list[str]) -> int:
@@ -60,10 +62,9 @@ def bootstrap(args: argparse.Namespace, argv: list[str]) -> int:
     subprocess.run(pip + ["--upgrade", "pip"], check=True)
     subprocess.run(pip + ["google-jetstream"], check=True)
     subprocess.run(pip + ["-e", REPO], check=True)
-  env = dict(os.environ)
-  env.setdefault("JAX_PLATFORMS", "cpu")
-  env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-  code = subprocess.run([py, os.path.abspath(__file__), INNER] + argv, env=env).returncode
+  env = bc.child_env(defaults=dict(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3"))
+  code = subprocess.run([py, os.path.abspath(__file__), bc.INSIDE_VENV] + argv,
+                        env=env).returncode
   if code < 0 or code == 137:
     # JetStream's threads SIGKILL the process when one of them raises (JetThread).
     print(f"the run was killed (exit {code}): a JetStream thread raised; see its traceback "
@@ -71,30 +72,11 @@ def bootstrap(args: argparse.Namespace, argv: list[str]) -> int:
   return code
 
 
-async def serve(driver, orchestrator, prompts: list[list[int]], max_tokens: int
-                ) -> list[list[int]]:
+def serve(driver, orchestrator, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
   """Sends every prompt as a token request and collects each one's streamed token ids."""
-  from distflow_jax.rollout.jetstream_adapter import token_request
-
-  requests = []
-  for p in prompts:
-    req = token_request(p, max_tokens, orchestrator=orchestrator)
-    driver.place_request_on_prefill_queue(req)
-    requests.append(req)
-
-  async def collect(req) -> list[int]:
-    out: list[int] = []
-    async for samples in req.return_channel:
-      out.extend(samples[0].token_ids)  # one sample per slot
-    return out
-
-  out = list(await asyncio.gather(*(collect(r) for r in requests)))
-  # A channel's close() posts two callbacks to this loop (the end marker, then its done
-  # flag) from JetStream's detokenize thread; the stream ends at the first, and if the loop
-  # closed before the second, that thread would raise and JetStream kills the process.
-  while not all(r.return_channel.done() for r in requests):
-    await asyncio.sleep(0.01)
-  return out
+  from distflow_jax.rollout.jetstream_adapter import serve_streams, token_request
+  return asyncio.run(serve_streams(driver, lambda: [
+      token_request(p, max_tokens, orchestrator=orchestrator) for p in prompts]))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -140,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
                                interleaved_mode=True)
   start = time.perf_counter()
   try:
-    served = asyncio.run(serve(driver, orchestrator, prompts, args.max_new_tokens))
+    served = serve(driver, orchestrator, prompts, args.max_new_tokens)
   finally:
     driver.stop()
   elapsed = time.perf_counter() - start
@@ -163,8 +145,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str]) -> int:
-  inner = INNER in argv
-  argv = [a for a in argv if a != INNER]
+  inner, argv = bc.inside_venv(argv)
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--venv", default="/tmp/jetstream-venv")
   ap.add_argument("--reinstall", action="store_true", help="pip install again")

@@ -29,7 +29,9 @@ import socket
 import subprocess
 import sys
 
-INNER = "--inside-venv"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench_common as bc  # noqa: E402
+
 BOS, STOP = 1, 2
 
 
@@ -101,8 +103,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str]) -> int:
-  inner = INNER in argv
-  argv = [a for a in argv if a != INNER]
+  inner, argv = bc.inside_venv(argv)
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--venv", default="/tmp/jetstream-venv",
                   help="a JetStream venv (tools/jetstream_conformance.py makes them)")
@@ -117,9 +118,9 @@ def main(argv: list[str]) -> int:
   if not os.path.exists(py):
     print(f"no venv at {args.venv}: run tools/jetstream_conformance.py first", file=sys.stderr)
     return 2
-  env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
-             TF_CPP_MIN_LOG_LEVEL="3")
-  return subprocess.run([py, os.path.abspath(__file__), INNER] + argv, env=env).returncode
+  env = bc.child_env(defaults=dict(JAX_PLATFORMS="cpu"), TF_CPP_MIN_LOG_LEVEL="3")
+  return subprocess.run([py, os.path.abspath(__file__), bc.INSIDE_VENV] + argv,
+                        env=env).returncode
 
 
 if __name__ == "__main__":

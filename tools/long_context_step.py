@@ -20,11 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench_common as bc  # noqa: E402
 
 VOCAB = 128  # ModelConfig.tiny's default vocabulary; the tokens are random
 
@@ -73,22 +73,24 @@ def train_step_memory(length: int, attention_impl: str, block: int = 512,
       lambda g, p, mb: steps_lib.actor_loss(g, p, mb, loss_cfg, 512), graphdef, tx, 1,
       loss_cfg.loss_agg)
   batch = jax.tree.map(jnp.asarray, _batch(length, VOCAB))
-  t0 = time.perf_counter()
-  compiled = step.jitted_for(params, opt_state).lower(params, opt_state, batch).compile()
-  compile_s = time.perf_counter() - t0
+  compiled, compile_s = bc.timed(
+      lambda: step.jitted_for(params, opt_state).lower(params, opt_state, batch).compile())
   temp = compiled.memory_analysis().temp_size_in_bytes
-  times, stats = [], {}
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    params, opt_state, stats = compiled(params, opt_state, batch)
-    jax.block_until_ready(stats)
-    times.append(time.perf_counter() - t0)
+  state = {"params": params, "opt_state": opt_state, "stats": {}}
+
+  def one_step():
+    state["params"], state["opt_state"], state["stats"] = compiled(
+        state["params"], state["opt_state"], batch)
+    jax.block_until_ready(state["stats"])
+
+  times = bc.alternate({"step": one_step}, steps)["step"]
+  stats = state["stats"]
   done = steps_lib.finalize_stats(stats, "long_context_step") if stats else {}
   return {"length": length, "attention_impl": attention_impl, "block": block,
           "temp_bytes": int(temp), "compile_s": round(compile_s, 2),
           "step_s": [round(t, 2) for t in times], "loss": done.get("loss"),
           "grad_norm": done.get("grad_norm"),
-          "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+          "peak_rss_bytes": bc.peak_rss_bytes()}
 
 
 def main(argv=None) -> int:

@@ -13,10 +13,15 @@ packed per sample (packing.plan) and packed with each group's prompt laid once
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import numpy as np
 
 from distflow_jax.train import packing
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench_common as bc  # noqa: E402
 
 
 def batch_masks(prompts: int, n: int, prompt_len: int, max_new: int, seed: int = 0):
@@ -44,10 +49,11 @@ def main() -> None:
   _, shared = packing.plan(pm, rm, args.pack_len, args.shards, args.n)
   print(f"B={pm.shape[0]} rows, P={pm.shape[1]}, N={rm.shape[1]}, pack_len="
         f"{args.pack_len or pm.shape[1] + rm.shape[1] - 1}, shards={args.shards}")
-  print(f"{'layout':<22}{'slots':>10}{'real tokens':>13}{'pad fraction':>14}")
-  print(f"{'padded':<22}{plain.padded:>10}{plain.useful:>13}{plain.padded_pad_fraction:>14.3f}")
+  table = bc.Table(bc.Col("layout", 22, "<"), bc.Col("slots", 10), bc.Col("real tokens", 13),
+                   bc.Col("pad fraction", 14, fmt=".3f"), sep="")
+  table.row("padded", plain.padded, plain.useful, plain.padded_pad_fraction)
   for name, st in (("packed per sample", plain), ("packed, shared prompt", shared)):
-    print(f"{name:<22}{st.packed:>10}{st.useful:>13}{st.pad_fraction:>14.3f}")
+    table.row(name, st.packed, st.useful, st.pad_fraction)
   print(f"shared / per-sample slots: {shared.packed / plain.packed:.3f}")
 
 

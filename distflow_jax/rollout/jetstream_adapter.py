@@ -46,10 +46,11 @@ ids as text out; stop tokens = the engine's stop ids) unless one is passed.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import inspect
 import typing
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -135,6 +136,29 @@ def token_request(tokens: Any, max_tokens: int, *, has_bos: bool = False,
                                     # an array: 0.2.2 reads .shape when it adds no BOS
                                     prefill_content=np.asarray(tokens, np.int32),
                                     is_client_side_tokenization=False, **flag)
+
+
+async def serve_streams(driver: Any, make_requests: Callable[[], list]) -> list[list[int]]:
+  """Places every request on a JetStream `orchestrator.Driver` and collects each one's
+  streamed token ids (one sample per request).  The requests are made here, by
+  `make_requests` (e.g. `token_request`s): their return channels bind to the running loop."""
+  requests = make_requests()
+  for r in requests:
+    driver.place_request_on_prefill_queue(r)
+
+  async def collect(req) -> list[int]:
+    out: list[int] = []
+    async for samples in req.return_channel:
+      out.extend(samples[0].token_ids)
+    return out
+
+  out = list(await asyncio.gather(*(collect(r) for r in requests)))
+  # A channel's close() posts two callbacks to this loop (the end marker, then its done
+  # flag) from JetStream's detokenize thread; the stream ends at the first, and if the loop
+  # closed before the second, that thread would raise and JetStream kills the process.
+  while not all(r.return_channel.done() for r in requests):
+    await asyncio.sleep(0.01)
+  return out
 
 
 def as_jetstream(engine: Engine, *, tokenizer: Any = None, bos_id: int = 0) -> Any:

@@ -89,23 +89,9 @@ class JetStreamBackend(EngineBackend):
 
 async def _serve(drv: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
   """Every prompt as a token request (no BOS added); each one's streamed ids."""
-  reqs = [jetstream_adapter.token_request(p, max_tokens, has_bos=True,
-                                          orchestrator=orchestrator) for p in prompts]
-  for r in reqs:
-    drv.place_request_on_prefill_queue(r)
-
-  async def collect(r) -> list[int]:
-    out: list[int] = []
-    async for samples in r.return_channel:
-      out.extend(samples[0].token_ids)
-    return out
-
-  out = list(await asyncio.gather(*(collect(r) for r in reqs)))
-  # close() posts the end marker, then the done flag, from JetStream's detokenize thread;
-  # closing this loop between the two would make that thread raise (and kill the process).
-  while not all(r.return_channel.done() for r in reqs):
-    await asyncio.sleep(0.01)
-  return out
+  return await jetstream_adapter.serve_streams(drv, lambda: [
+      jetstream_adapter.token_request(p, max_tokens, has_bos=True, orchestrator=orchestrator)
+      for p in prompts])
 
 
 def _replay_trace(trace: list, num: int, n_max: int, stop_ids: Sequence[int]
