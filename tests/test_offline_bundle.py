@@ -41,8 +41,9 @@ def _run(args, timeout, env=None):
 
 
 def _offline_env():
-  """No pip configuration: no index, no find-links but the ones on the command line."""
-  env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+  """No pip configuration: no index, no find-links but the ones on the command line; no
+  PYTHONPATH (a checkout on it would shadow the bundle's installed package)."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != "PYTHONPATH"}
   env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1")
   return env
 
