@@ -99,6 +99,7 @@ class NodeLayout:
   kind: LayoutKind
   devices: tuple[int, ...]
   dp_size: int
+  role: Role | None = None  # a ROLE_MESH layout's role: its batch lies on that role's mesh
 
   def same_data_layout(self, other: "NodeLayout") -> bool:
     return self.devices == other.devices and self.dp_size == other.dp_size
@@ -276,7 +277,8 @@ def make_plan(dag: Dag, registry: Registry, topo: Topology,
                        f"has no role")
       m = meshes[node.role]
       return NodeLayout(name=f"mesh({node.role.value.lower()}, dp={m.dp_size})",
-                    kind=LayoutKind.ROLE_MESH, devices=m.devices, dp_size=m.dp_size)
+                        kind=LayoutKind.ROLE_MESH, devices=m.devices, dp_size=m.dp_size,
+                        role=node.role)
     if current is None:
       raise DagError(f"DAG node {node.id!r}: a host-side COMPUTE node cannot start the "
                      f"workflow; it needs data from a model node")

@@ -64,20 +64,25 @@ def model_shape(cfg: ml_collections.ConfigDict) -> ModelConfig:
   return report.model_shape(cfg)
 
 
+def image_processor(vlc: Any) -> Any:
+  """The image processor of a vision-language config's tower (patch, merge, frames)."""
+  from distflow_jax.data.image_processor import ImageProcessor
+  vc = vlc.vision
+  return ImageProcessor(patch_size=vc.patch_size, merge_size=vc.spatial_merge_size,
+                        temporal_patch_size=vc.temporal_patch_size)
+
+
 def image_dims(cfg: ml_collections.ConfigDict, vlc: Any) -> tuple[int, int, tuple[int, ...]]:
   """``(image tokens per sample, feature width, one image's patch grid)``: a built-in
   ``shapes`` level's image size, else one 448 x 448 image (other data's images are
   sized by their rows; the gate lowers that size)."""
-  from distflow_jax.data.image_processor import ImageProcessor
   from distflow_jax.tasks import registry, shapes
   side = 448
-  spec = cfg.data.train
-  if registry.is_builtin(spec) and spec[len(registry.PREFIX):].startswith("shapes"):
-    _, level = registry.parse(spec)
-    side = shapes.PRESETS[level].size
-  proc = ImageProcessor(patch_size=vlc.vision.patch_size,
-                        merge_size=vlc.vision.spatial_merge_size,
-                        temporal_patch_size=vlc.vision.temporal_patch_size)
+  if registry.is_builtin(cfg.data.train):
+    task, level = registry.parse(cfg.data.train)
+    if task.name == "shapes":
+      side = shapes.PRESETS[level].size
+  proc = image_processor(vlc)
   grid = proc.grid(side, side)
   return proc.num_image_tokens(grid), vlc.text.hidden_size, tuple(grid)
 

@@ -8,28 +8,28 @@ that follow the samples' lengths (packed rows, token-budget micro-batches) take 
 largest the config allows: every sample as long as its columns.
 
 Not built here: a ``reward.model`` node's scorer (its shape is another folder's), the
-advantage nodes' host-side ``jnp`` arithmetic (single operations, no model) and the
-vision tower of a vision-language run.  ``Catalogue.notes`` says so for the config.
+advantage nodes' host-side ``jnp`` arithmetic (single operations, no model) and the tiny
+vision-language model's warm start.  ``Catalogue.notes`` says so for the config.
 """
 
 from __future__ import annotations
 
-from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding
 
-from distflow_jax.dag.planner import Move, Plan
+from distflow_jax.dag.planner import LayoutKind, Move, Plan
 from distflow_jax.dag.registry import FUNCTIONS
 from distflow_jax.dag.spec import Role
 from distflow_jax.data import plan as data_plan, redistribute as rd
 from distflow_jax.lowering import abstract as ab
+from distflow_jax.memory import compiled as cp
 from distflow_jax.lowering.program import Catalogue, Program
 from distflow_jax.lowering.rollout_programs import rollout_programs, vision_programs
 from distflow_jax.nodes import passes, rollout as rollout_node, training
-from distflow_jax.train import packing, steps as steps_lib, token_budget
+from distflow_jax.train import packing, token_budget
 from distflow_jax.persist import checksums
 from distflow_jax.run import executor
 from distflow_jax.state.context import RunContext, shared_prompt_group
@@ -121,8 +121,9 @@ def train_programs(ctx: RunContext, node, lay, rows: int) -> list[Program]:
     elif cfg.model.get("pack_sequences", False):
       plan, _ = packing.plan_parts(pm, rm, cfg.model.pack_len, shape.micro, gs, shards, gs)
       mb["pack"] = ab.replicated(plan, lay.mesh)
-    fn = step.jitted_for(state.params, state.opt_state) if hasattr(step, "jitted_for") else step
-    out.append(Program(node.id, f"train_step[w={w}]", fn, (state.params, state.opt_state, mb)))
+    out.append(Program(node.id, f"train_step[w={w}]", step.jitted_for(state.params,
+                                                                     state.opt_state),
+                       (state.params, state.opt_state, mb)))
   return out
 
 
@@ -131,8 +132,7 @@ def move_programs(ctx: RunContext, step, src, lay, fields: list[str], rows: int
   """A REPARTITION into ``lay``: the token-length sum and the all-to-all of the batch's
   fields at that point (every prompt width)."""
   cfg = ctx.cfg
-  group = (cfg.rollout.n if step.layout.kind.name == "ROLLOUT"
-           else shared_prompt_group(cfg, rows, lay.num_shards))
+  group = executor.move_group(ctx, step.layout.kind is LayoutKind.ROLLOUT, rows, lay)
   lengths = np.full((rows,), 1, np.int64)
   try:
     plan = data_plan.make_repartition_plan(lengths, src, lay, group_size=group)
@@ -173,15 +173,14 @@ def warmstart_programs(ctx: RunContext) -> list[Program]:
   ws = cfg.model.warmstart
   if cfg.model.path or ws.steps <= 0:
     return []
-  from distflow_jax.warmstart import sft
+  from distflow_jax.warmstart import sft, text
   state = ctx.roles[Role.ACTOR]
-  tx = sft.optimizer(lr=ws.lr, steps=ws.steps, warmup_steps=max(ws.steps // 10, 1))
-  opt = _abstract_opt(tx, state)
+  tx = text.optimizer(ws.lr, ws.steps)
+  opt = cp.abstract_opt_state(tx, state.params, state.mesh)
   sharding, _ = sft.data_parallel(state.mesh)
   dims = ab.Dims(ws.batch_size, cfg.data.max_prompt_len, cfg.rollout.max_new_tokens)
-  batch = ab.batch_fields(("prompt_tokens", "prompt_mask", "response_tokens",
-                           "response_mask"), dims, sharding)
-  step = steps_lib.make_train_step(sft.sft_loss, state.graphdef, tx, 1, "token-mean")
+  batch = ab.batch_fields(SEQ, dims, sharding)
+  step = sft.make_step(state.graphdef, tx)
   return [Program("warm start", "sft_step", step.jitted_for(state.params, opt),
                   (state.params, opt, batch))]
 
@@ -229,18 +228,13 @@ def init_programs(ctx: RunContext) -> list[Program]:
 def lengths_programs(ctx: RunContext, node_id: str, lay, fields, rows: int) -> list[Program]:
   """The executor's token-length sum of the batch at ``lay`` (before a re-partition and at
   the end of every step), at every prompt width."""
-  fn = ctx.jitted("token_lengths", lambda: jax.jit(executor._lengths))
+  fn = executor.lengths_fn(ctx)
   out = []
   for w in _widths(ctx.cfg):
     tree = ab.batch_fields(("prompt_mask", "response_mask"), _dims(ctx, rows, w),
                            lay.sharding)
     out.append(Program(node_id, f"token_lengths[w={w}]", fn, (tree,)))
   return out
-
-
-def _abstract_opt(tx, state) -> Any:
-  from distflow_jax.memory import compiled as cp
-  return cp.abstract_opt_state(tx, state.params, state.mesh)
 
 
 def programs(cfg: ml_collections.ConfigDict, plan: Plan, ctx: RunContext) -> Catalogue:

@@ -34,6 +34,8 @@ class Row:
   whiles: int
   seconds: float
   error: str = ""
+  calls: tuple[tuple[str, int], ...] = ()   # (kernel, attention calls), as `attention` shows
+
 
   @property
   def ok(self) -> bool:
@@ -46,18 +48,24 @@ def hlo_counts(text: str) -> tuple[int, int, int]:
   return ops, text.count("stablehlo.case"), text.count("stablehlo.while")
 
 
+def _calls(choices: list[attention_choice.Choice]) -> tuple[tuple[str, int], ...]:
+  counts = collections.Counter(c.impl.value for c in choices)
+  return tuple(counts.items())
+
+
 def _attention(choices: list[attention_choice.Choice]) -> str:
   if not choices:
     return "-"
   parts = []
-  by_impl = collections.defaultdict(list)
-  for c in choices:
-    by_impl[c.impl.value].append(c)
-  for impl, cs in by_impl.items():
-    ts = sorted({c.padded[0] for c in cs})
+  for impl, count in _calls(choices):
+    ts = sorted({c.padded[0] for c in choices if c.impl.value == impl})
     span = f"T={ts[0]}" if len(ts) == 1 else f"T={ts[0]}..{ts[-1]}"
-    parts.append(f"{impl} x{len(cs)} ({span})")
+    parts.append(f"{impl} x{count} ({span})")
   return ", ".join(parts)
+
+
+def _first_line(e: BaseException) -> str:
+  return (str(e).strip().splitlines() or [""])[0]
 
 
 def _advice(error: str) -> str:
@@ -74,11 +82,11 @@ def lower_one(program: Program, target: Target) -> Row:
     try:
       text = program.trace().lower(lowering_platforms=(target.platform.value,)).as_text()
     except Exception as e:  # noqa: BLE001 - every refusal becomes the row's one line
-      first = (str(e).strip().splitlines() or [""])[0]
       return Row(program.node, program.name, _attention(seen), 0, 0, 0,
-                 time.perf_counter() - t0, f"{type(e).__name__}: {first}")
+                 time.perf_counter() - t0, f"{type(e).__name__}: {_first_line(e)}",
+                 _calls(seen))
   return Row(program.node, program.name, _attention(seen), *hlo_counts(text),
-             time.perf_counter() - t0)
+             time.perf_counter() - t0, calls=_calls(seen))
 
 
 def lower_all(build: Callable[[], Catalogue], target: Target, on_row=None
@@ -93,7 +101,7 @@ def lower_all(build: Callable[[], Catalogue], target: Target, on_row=None
     except ConfigError as e:
       raise ConfigError(f"plan --lower={target.name}: {e}") from None
     except Exception as e:  # noqa: BLE001 - one line, naming the target
-      first = (str(e).strip().splitlines() or [""])[0]
+      first = _first_line(e)
       raise ConfigError(f"plan --lower={target.name}: the run's programs cannot be built for "
                         f"{target.name}: {type(e).__name__}: {first}{_advice(first)}") from None
     # Building traced some programs already (the engine's shapes come from eval_shape):
@@ -121,9 +129,7 @@ def summary(rows: list[Row], target: Target, seconds: float) -> str:
   failed = [r for r in rows if not r.ok]
   kernels = collections.Counter()
   for r in rows:
-    for part in r.attention.split(", "):
-      if part != "-":
-        kernels[part.split(" ")[0]] += int(part.split(" x")[1].split(" ")[0])
+    kernels.update(dict(r.calls))
   att = ", ".join(f"{k} {v}" for k, v in sorted(kernels.items())) or "none"
   return (f"lowered {len(rows) - len(failed)}/{len(rows)} programs for {target.name} "
           f"({target.platform.value}) in {seconds:.0f} s; attention calls: {att}; "

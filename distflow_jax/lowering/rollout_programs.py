@@ -16,31 +16,31 @@ from distflow_jax.lowering import abstract as ab
 from distflow_jax.lowering.program import Program, _Refused
 from distflow_jax.rollout.engine_backend import EngineBackend
 from distflow_jax.rollout.reference import ReferenceSampler
+from distflow_jax.state import roles as roles_lib
 from distflow_jax.state.context import RunContext
 
 
-def _host0(ctx: RunContext, devices: tuple[int, ...]) -> list[jax.Device]:
-  per_host = ctx.topo.devices_per_process
-  ordered = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-  return [ordered[i] for i in devices if i < per_host]
+def _placed(abstract_params: Any, shardings: Any) -> Any:
+  """A backend's parameters as ``ShapeDtypeStruct``s in its own layout."""
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      abstract_params, shardings)
 
 
 def rollout_programs(ctx: RunContext, node, devices, greedy: bool = False) -> list[Program]:
   """Process 0's rollout replica: its weight sync and every generate program."""
   rollout = ctx.section(node, "rollout")
-  backend = ctx.backend(rollout, greedy=greedy, devices=_host0(ctx, devices))
+  ordered = roles_lib.ordered_devices()
+  host0 = [ordered[i] for i in devices if ctx.topo.process_of(i) == 0]
+  backend = ctx.backend(rollout, greedy=greedy, devices=host0)
   tag = node.id + ("/eval" if greedy else "")
-  actor = ctx.roles[Role.ACTOR].params
-  ordered = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
   process = {d: ctx.topo.process_of(i) for i, d in enumerate(ordered)}
-  out = [Program(tag, name, fn, args) for name, fn, args in
-         getattr(backend, "sync_programs", lambda p, q: [])(actor, process.get)]
+  out = [Program(tag, p.name, p.fn, p.args)
+         for p in backend.sync_programs(ctx.roles[Role.ACTOR].params, process.get)]
   if isinstance(backend, EngineBackend):
     eng = backend.engine
-    sig = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                       eng._abstract_params, eng.param_shardings)
     try:
-      out += [Program(tag, name, fn, args) for name, fn, args in eng.programs(sig)]
+      out += [Program(tag, p.name, p.fn, p.args)
+              for p in eng.programs(_placed(eng._abstract_params, eng.param_shardings))]
     except Exception as e:  # noqa: BLE001 - shapes come from tracing a prefill: its row says why
       out.append(Program(tag, "prefill", _Refused(e), ()))
   elif isinstance(backend, ReferenceSampler):
@@ -54,38 +54,25 @@ def _reference_programs(ctx: RunContext, sampler: ReferenceSampler, tag: str) ->
   cfg, conf = ctx.cfg, sampler.config
   rows = cfg.data.prompts_per_step // ctx.topo.num_processes * cfg.rollout.n
   width = -(-(max(conf.prefill_buckets) + conf.max_new_tokens) // 8) * 8
-  sig = _placed_params(sampler)
   images = None
   if ctx.vision is not None:  # rollout/images.PromptImages.rows
     i, d, _ = ab.image_dims(cfg, ctx.vision.cfg)
     images = (np.zeros((rows, i, d), np.float32), np.zeros((rows, width), bool),
               np.zeros((rows, 3, width), np.int32))
-  args = (sig, np.zeros((rows, width), np.int32), np.ones((rows,), np.int32),
+  args = (_placed(sampler._abstract_params, sampler.param_shardings),
+          np.zeros((rows, width), np.int32), np.ones((rows,), np.int32),
           np.zeros((rows, 2), np.uint32), np.int32(0), images)
   return [Program(tag, f"next_token[rows={rows},len={width}]", sampler._next, args)]
-
-
-def _placed_params(backend) -> Any:
-  from flax import nnx
-  from distflow_jax.models.transformer import Transformer
-  abstract = nnx.eval_shape(lambda: Transformer(backend.model_cfg, rngs=nnx.Rngs(0)))
-  _, state = nnx.split(abstract)
-  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                      state, backend.param_shardings)
 
 
 def vision_programs(ctx: RunContext, node_id: str) -> list[Program]:
   """The frozen vision tower's forward over one prompt's image (state/vision.py: once
   per prompt, on this process's default device)."""
-  from distflow_jax.data.image_processor import ImageProcessor
   from distflow_jax.models.vision import vision_layout
   enc = ctx.vision
-  vc = enc.cfg.vision
   _, _, grid = ab.image_dims(ctx.cfg, enc.cfg)
-  proc = ImageProcessor(patch_size=vc.patch_size, merge_size=vc.spatial_merge_size,
-                        temporal_patch_size=vc.temporal_patch_size)
   patches = int(np.prod(grid))
-  pixels = np.zeros((patches, proc.patch_dim), np.float32)
-  layout = vision_layout(vc, np.asarray(grid).reshape(1, 3))
+  pixels = np.zeros((patches, ab.image_processor(enc.cfg).patch_dim), np.float32)
+  layout = vision_layout(enc.cfg.vision, np.asarray(grid).reshape(1, 3))
   return [Program(node_id, f"vision_tower[patches={patches}]", enc._fwd,
                   (enc.graphdef, enc.params, pixels, layout))]

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from distflow_jax.models import segments, target as target_lib
-from distflow_jax.models.attention_choice import Impl, choose
+from distflow_jax.models.attention_choice import Impl, choose, round_up
 from distflow_jax.models.blockwise import blockwise_attention
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.kv_cache import CacheWriter, heads_major
@@ -197,7 +197,7 @@ def _dot_product_attention(q_BxTxHxDh: jax.Array, k_BxKxSxDh: jax.Array,
   t, s = q_BxTxHxDh.shape[1], k_BxKxSxDh.shape[2]
   k_BxSxKxDh, v_BxSxKxDh = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k_BxKxSxDh, v_BxKxSxDh))
   k_BxSxKxDh, v_BxSxKxDh = k_BxSxKxDh.astype(q_BxTxHxDh.dtype), v_BxSxKxDh.astype(q_BxTxHxDh.dtype)
-  tp, sp = -(-t // pad_to) * pad_to, -(-s // pad_to) * pad_to
+  tp, sp = round_up(t, pad_to), round_up(s, pad_to)
   if (tp, sp) != (t, s):
     q_BxTxHxDh = jnp.pad(q_BxTxHxDh, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
     k_BxSxKxDh = jnp.pad(k_BxSxKxDh, ((0, 0), (0, sp - s), (0, 0), (0, 0)))

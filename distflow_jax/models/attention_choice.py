@@ -65,7 +65,7 @@ class Choice:
 
   @property
   def padded(self) -> tuple[int, int]:
-    return _round_up(self.t, self.pad_to), _round_up(self.s, self.pad_to)
+    return round_up(self.t, self.pad_to), round_up(self.s, self.pad_to)
 
   def describe(self) -> str:
     tp, sp = self.padded
@@ -74,7 +74,8 @@ class Choice:
                                                                else "")
 
 
-def _round_up(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
+  """``x`` rounded up to a multiple of ``m``."""
   return -(-x // m) * m
 
 

@@ -66,6 +66,10 @@ class RolloutBackend(Protocol):
   def precompile(self) -> None:
     """Compiles now every shape a later `generate` may meet (after the first call)."""
 
+  def sync_programs(self, train_params: Any, process_of=None) -> list:
+    """The programs `update_weights` runs for (abstract, sharded) `train_params`, as
+    `engine_programs.Program`s (`plan --lower` lowers them for a target device)."""
+
 
 # (model_cfg, config, mesh) -> backend.
 BackendFactory = Callable[[ModelConfig, EngineConfig, Mesh | None], RolloutBackend]

@@ -158,7 +158,7 @@ class Engine:
       self._sync = weight_sync.WeightSync(self.param_shardings)
     return self._sync(self._unstacked(train_params))
 
-  def sync_programs(self, train_params: Any, process_of=None) -> list[tuple[str, Any, tuple]]:
+  def sync_programs(self, train_params: Any, process_of=None) -> list[engine_programs.Program]:
     """The programs ``update_params`` runs for (abstract, sharded) ``train_params``: the
     split of stacked layers, then the weight sync's steps (``process_of``: a simulated
     topology's device -> process, as ``WeightSync`` takes it)."""
@@ -281,8 +281,8 @@ class Engine:
     """Every (prompt rows, prompt width) ``prefill_insert`` can compile for (prefill_rows)."""
     return prefill_rows.prefill_shapes(self.config)
 
-  def programs(self, params_sig: Any) -> list[tuple[str, Any, tuple]]:
-    """Every program a run of this engine compiles, as ``(name, jitted, abstract args)``
+  def programs(self, params_sig: Any) -> list[engine_programs.Program]:
+    """Every program a run of this engine compiles, as ``(name, jitted, abstract args, group)``
     for parameters laid out as ``params_sig`` (``ShapeDtypeStruct``s with shardings; see
     ``engine_programs.programs``).  ``precompile`` compiles them; ``plan --lower`` lowers
     them for a target device."""

@@ -52,5 +52,5 @@ class EngineBackend:
   def precompile(self) -> None:
     self.engine.precompile()
 
-  def sync_programs(self, train_params: Any, process_of=None) -> list[tuple[str, Any, tuple]]:
+  def sync_programs(self, train_params: Any, process_of=None) -> list:
     return self.engine.sync_programs(train_params, process_of)

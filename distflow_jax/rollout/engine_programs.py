@@ -5,7 +5,7 @@ state, a decode loop and a grow step to the next capacity; for each prompt shape
 (rollout/prefill_rows.py: a power-of-two row count up to the slots, a prefill bucket) a
 prefill and an insert at every capacity.  ``programs`` lists them as ``(name, jitted,
 abstract args)`` for parameters laid out as a given signature; ``precompile`` compiles
-them ahead of time, counting a capacity or a prompt shape (``program_group``) as one
+them ahead of time, counting a capacity or a prompt shape (a program's ``group``) as one
 unit; ``sync_programs`` lists what a weight update runs.  ``plan --lower`` lowers the same
 lists for a target device.
 """
@@ -13,7 +13,7 @@ lists for a target device.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -21,7 +21,13 @@ import numpy as np
 from distflow_jax.models import stacking
 from distflow_jax.rollout import weight_sync
 
-Program = tuple[str, Any, tuple]  # (name, jitted function, abstract arguments)
+class Program(NamedTuple):
+  """One compiled program: a name with its shape, the jitted function, its abstract
+  arguments, and the unit ``precompile`` counts it in (a capacity or a prompt shape)."""
+  name: str
+  fn: Any
+  args: tuple
+  group: tuple = ()
 
 
 def programs(params_sig: Any, *, slots: int, capacities: Sequence[int],
@@ -38,60 +44,51 @@ def programs(params_sig: Any, *, slots: int, capacities: Sequence[int],
   ints, keys = np.zeros(slots, np.int32), np.zeros((slots, 2), np.uint32)
   out: list[Program] = []
   for i, c in enumerate(capacities):
-    out.append((f"init[cap={c}]", init, (c,)))
-    out.append((f"decode[cap={c}]", decode, (params_sig, states[c], np.asarray(False))))
+    unit = ("capacity", c)
+    out.append(Program(f"init[cap={c}]", init, (c,), unit))
+    out.append(Program(f"decode[cap={c}]", decode, (params_sig, states[c], np.asarray(False)),
+                       unit))
     if i + 1 < len(capacities):
-      out.append((f"grow[{c}->{capacities[i + 1]}]", grow, (states[c], capacities[i + 1])))
+      out.append(Program(f"grow[{c}->{capacities[i + 1]}]", grow,
+                         (states[c], capacities[i + 1]), unit))
   for p, t in shapes:
     args = (params_sig, np.zeros((p, t), np.int32), np.ones((p,), np.int32), ints, keys)
     prefix = jax.tree.map(sds, jax.eval_shape(prefill_insert, *args), prefill_shardings)
-    out.append((f"prefill[rows={p},len={t}]", prefill_insert, args))
+    out.append(Program(f"prefill[rows={p},len={t}]", prefill_insert, args, (p, t)))
     cache, lens_q, tok = prefix[:3]
     for c in capacities:
-      out.append((f"insert[rows={p},len={t},cap={c}]", insert,
-                  (states[c], cache, ints, ints, tok, lens_q, keys, ints)))
+      out.append(Program(f"insert[rows={p},len={t},cap={c}]", insert,
+                         (states[c], cache, ints, ints, tok, lens_q, keys, ints), (p, t)))
   return out
 
 
-def program_group(name: str) -> tuple:
-  """What ``precompile`` counts as one unit: a capacity (init, decode, grow) or a prompt
-  shape (prefill and its inserts)."""
-  kind, _, rest = name.partition("[")
-  fields = dict(f.split("=") for f in rest.rstrip("]").split(",") if "=" in f)
-  if kind in ("prefill", "insert"):
-    return (int(fields["rows"]), int(fields["len"]))
-  if kind == "grow":
-    return ("capacity", int(rest.split("->")[0]))
-  return ("capacity", int(fields["cap"]))
-
-
 def precompile(programs: Iterable[Program], done: set[tuple]) -> set[tuple]:
-  """Compiles each of ``programs`` whose group (``program_group``) is not in ``done``;
-  returns the groups it compiled."""
+  """Compiles each of ``programs`` whose ``group`` is not in ``done``; returns the groups
+  it compiled."""
   compiled = set()
-  for name, fn, args in programs:
-    group = program_group(name)
-    if group in done:
+  for p in programs:
+    if p.group in done:
       continue
-    fn.lower(*args).compile()
-    compiled.add(group)
+    p.fn.lower(*p.args).compile()
+    compiled.add(p.group)
   return compiled
 
 
-def sync_programs(train_params: Any, param_shardings: Any, unstack: Callable[[], Any],
+def sync_programs(train_params: Any, param_shardings: Any,
+                  unstack: Callable[[], Any] | None = None,
                   process_of: Callable[[jax.Device], int] | None = None) -> list[Program]:
-  """The programs an engine's weight update runs for (abstract, sharded) ``train_params``:
-  the split of stacked layers (``unstack()``: the engine's jitted split), then the weight
-  sync's steps into ``param_shardings`` (``process_of``: a simulated topology's device ->
-  process, as ``WeightSync`` takes it)."""
+  """The programs a weight update runs for (abstract, sharded) ``train_params``: the split
+  of stacked layers (``unstack()``: the engine's jitted split; None: a backend that takes
+  stacked layers as they are), then the weight sync's steps into ``param_shardings``
+  (``process_of``: a simulated topology's device -> process, as ``WeightSync`` takes it)."""
   out = []
-  if stacking.is_stacked(train_params):
+  if unstack is not None and stacking.is_stacked(train_params):
     split = unstack()
-    out.append(("unstack", split, (train_params,)))
+    out.append(Program("unstack", split, (train_params,)))
     # The split's output layout is what sharding propagation picks: ask the compiler.
     placed = split.lower(train_params).compile().output_shardings
     train_params = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
         jax.eval_shape(split, train_params), placed)
   sync = weight_sync.WeightSync(param_shardings, process_of)
-  return out + [(f"sync/{n}", fn, args) for n, fn, args in sync.programs(train_params)]
+  return out + [Program(f"sync/{n}", fn, args) for n, fn, args in sync.programs(train_params)]

@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from distflow_jax.models import sharding as msharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import Transformer, forward
-from distflow_jax.rollout import driver, weight_sync
+from distflow_jax.rollout import driver, engine_programs, weight_sync
 from distflow_jax.rollout.images import PromptImages
 from distflow_jax.rollout.engine_config import EngineConfig, place_params, replica_mesh
 from distflow_jax.rollout.sampling import SamplingParams, sample
@@ -81,8 +81,9 @@ class ReferenceSampler:
     self.mesh = mesh if mesh is not None else replica_mesh()
     self.rules = rules if rules is not None else msharding.fsdp_tp_rules()
     abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
-    graphdef, abstract_params = nnx.split(abstract)
-    self.param_shardings = msharding.state_shardings(abstract_params, self.mesh, self.rules)
+    graphdef, self._abstract_params = nnx.split(abstract)
+    self.param_shardings = msharding.state_shardings(self._abstract_params, self.mesh,
+                                                     self.rules)
     rep = NamedSharding(self.mesh, P())
     self._next = jax.jit(functools.partial(next_token, graphdef, sp=config.sampling),
                          out_shardings=(rep, rep, rep))
@@ -99,10 +100,10 @@ class ReferenceSampler:
       self._sync = weight_sync.WeightSync(self.param_shardings)
     return self._sync(train_params)
 
-  def sync_programs(self, train_params: Any, process_of=None) -> list[tuple[str, Any, tuple]]:
+  def sync_programs(self, train_params: Any, process_of=None) -> list:
     """The weight sync's steps for (abstract, sharded) ``train_params`` (plan --lower)."""
-    sync = weight_sync.WeightSync(self.param_shardings, process_of)
-    return [(f"sync/{n}", fn, args) for n, fn, args in sync.programs(train_params)]
+    return engine_programs.sync_programs(train_params, self.param_shardings,
+                                         process_of=process_of)
 
   def generate(self, params: Any, prompts: Sequence[Sequence[int]], n: int = 1, *,
                rng: jax.Array | None = None, request_ids: Sequence[int] | None = None,

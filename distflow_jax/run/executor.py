@@ -36,11 +36,24 @@ def _lengths(masks: dict) -> jax.Array:
           + masks["response_mask"].sum(axis=1, dtype=jnp.int32))
 
 
+def lengths_fn(ctx: RunContext):
+  """The jitted prompt + response token count per sample, built once through ``ctx`` so
+  that its other prompt widths compile ahead too (``plan --lower`` lowers it as well)."""
+  return ctx.jitted("token_lengths", lambda: jax.jit(_lengths))
+
+
 def _token_lengths(ctx: RunContext, batch: Batch) -> np.ndarray:
-  """Prompt + response tokens per sample, replicated on every process (one small gather);
-  jitted through ``ctx`` so that its other prompt widths compile ahead too."""
-  fn = ctx.jitted("token_lengths", lambda: jax.jit(_lengths))
+  """Prompt + response tokens per sample, replicated on every process (one small gather)."""
+  fn = lengths_fn(ctx)
   return rd.replicate_lengths(fn({k: batch.data[k] for k in ("prompt_mask", "response_mask")}))
+
+
+def move_group(ctx: RunContext, to_rollout: bool, rows: int, lay) -> int:
+  """Runs of consecutive samples a re-partition into ``lay`` keeps together: whole prompt
+  groups into a rollout layout, else where the sequence passes can share their prompt."""
+  if to_rollout:
+    return ctx.cfg.rollout.n
+  return shared_prompt_group(ctx.cfg, rows, lay.num_shards)
 
 
 def _block(batch: Batch) -> None:
@@ -68,10 +81,7 @@ def _run_steps(ctx: RunContext, steps, batch: Batch, current):
     to_rollout = step.layout.kind is LayoutKind.ROLLOUT
     if current is not None and step.move_in is Move.REPARTITION:
       lengths = _token_lengths(ctx, batch)
-      if to_rollout:
-        group = ctx.cfg.rollout.n
-      else:  # keep groups whole where the sequence passes can share their prompt
-        group = shared_prompt_group(ctx.cfg, batch.num_samples, lay.num_shards)
+      group = move_group(ctx, to_rollout, batch.num_samples, lay)
       try:
         batch, _ = redistribute_batch(batch, lengths, current, lay,
                                       mode=ctx.cfg.data.redistribute, group_size=group,

@@ -72,11 +72,11 @@ class RunContext:
   def layout(self, plan_layout: NodeLayout) -> dlayout.Layout:
     """The data layout (mesh + sample axes) of a plan layout; cached per layout.
 
-    A layout over a role's devices whose data x fsdp is the layout's data-parallel size
-    is that role's own mesh, rows over ``data`` and ``fsdp``: a program then takes its
-    parameters and its batch on one mesh, which cuDNN's attention needs (its partitioner
-    refuses a program whose shardings name two meshes).  Other layouts (the rollout's)
-    get a mesh of their own, rows over ``data``."""
+    A role's layout is that role's own mesh, rows over ``data`` and ``fsdp``: a program
+    then takes its parameters and its batch on one mesh, which cuDNN's attention needs (its
+    partitioner refuses a program whose shardings name two meshes).  Other layouts (the
+    rollout's, or a role this run holds no model of) get a mesh of their own, rows over
+    ``data``."""
     if plan_layout not in self._layouts:
       devs = roles_lib.ordered_devices()
       devices = [devs[i] for i in plan_layout.devices]
@@ -85,15 +85,14 @@ class RunContext:
     return self._layouts[plan_layout]
 
   def _role_layout(self, plan_layout: NodeLayout, devices: list) -> dlayout.Layout | None:
-    if plan_layout.kind is not LayoutKind.ROLE_MESH:
+    if plan_layout.kind is not LayoutKind.ROLE_MESH or plan_layout.role not in self.roles:
       return None
-    for state in self.roles.values():
-      mesh = state.mesh
-      axes = tuple(a for a in sharding.BATCH_AXES if a in mesh.axis_names)
-      if (list(mesh.devices.flat) == devices
-          and math.prod(mesh.shape[a] for a in axes) == plan_layout.dp_size):
-        return dlayout.Layout(mesh, axes)
-    return None
+    mesh = self.roles[plan_layout.role].mesh
+    axes = tuple(a for a in sharding.BATCH_AXES if a in mesh.axis_names)
+    if (list(mesh.devices.flat) != devices
+        or math.prod(mesh.shape[a] for a in axes) != plan_layout.dp_size):
+      return None  # a role built on other devices than the plan's (hand-made contexts)
+    return dlayout.Layout(mesh, axes)
 
   @staticmethod
   def _own_layout(plan_layout: NodeLayout, devices: list) -> dlayout.Layout:

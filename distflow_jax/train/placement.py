@@ -7,7 +7,7 @@ again) and, through ``rows_sharded_on``, its activations' rows split over that m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -42,20 +42,10 @@ def init_opt_state(tx: optax.GradientTransformation, params: nnx.State) -> Any:
 
 def rows_sharded_on(fn: Callable, mesh) -> Callable:
   """``fn`` traced with its activations' rows split over ``mesh``'s data and fsdp axes
-  (``sharding.rows_sharded``): FSDP keeps each device's own rows only.
-
-  ``fn``'s last argument is the batch (a dict of row-leading arrays, plus an optional
-  packing plan under ``pack``): its rows are re-stated on ``mesh`` at entry.  The batch
-  arrives in its data layout's mesh (``data`` x ``tensor``), the parameters in the
-  role's (``data`` x ``fsdp`` x ``tensor``) over the same devices; values mixing both
-  would reach cuDNN's attention, whose partitioner refuses two meshes in one program."""
+  (``sharding.rows_sharded``): FSDP keeps each device's own rows only."""
 
   def traced(*args):
     with sharding.rows_sharded(mesh):
-      if args and isinstance(args[-1], Mapping):
-        batch = {k: v if k == "pack" else jax.tree.map(sharding.constrain_rows, v)
-                 for k, v in args[-1].items()}
-        args = (*args[:-1], batch)
       return fn(*args)
   # Named after fn: compile logs and `plan --lower` show what the program is.
   traced.__name__ = getattr(fn, "__name__", traced.__name__)

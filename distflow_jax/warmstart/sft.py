@@ -67,6 +67,12 @@ def batch_order(n: int, batch_size: int, seed: int) -> Iterator[np.ndarray]:
     pos += batch_size
 
 
+def make_step(graphdef, tx):
+  """The SFT train step: the completion tokens' mean NLL, one micro-batch (``plan --lower``
+  lowers this same step)."""
+  return steps_lib.make_train_step(sft_loss, graphdef, tx, 1, "token-mean")
+
+
 def train(state: ModelState, data: Data, *, steps: int, batch_size: int, seed: int,
           start: int = 0, on_step: Callable[[int, dict], None] | None = None) -> None:
   """Trains ``state`` (its ``tx`` and ``opt_state`` set) in place from step ``start`` to
@@ -81,7 +87,7 @@ def train(state: ModelState, data: Data, *, steps: int, batch_size: int, seed: i
   order = batch_order(n, batch_size, seed)
   for _ in range(start):  # the batches the checkpointed steps already took
     next(order)
-  step_fn = steps_lib.make_train_step(sft_loss, state.graphdef, state.tx, 1, "token-mean")
+  step_fn = make_step(state.graphdef, state.tx)
   sharding, _ = data_parallel(state.mesh)
   for i in range(start, steps):
     idx = next(order)

@@ -87,6 +87,12 @@ def encode_examples(records: Sequence[dict], tokenizer: Tokenizer, *, max_prompt
           "response_mask": resp_mask}
 
 
+def optimizer(lr: float, steps: int):
+  """The warm start's optimizer: AdamW, warm-up over a tenth of the steps, cosine decay,
+  clip 1, no weight decay."""
+  return sft.optimizer(lr=lr, steps=steps, warmup_steps=max(steps // 10, 1))
+
+
 def run(state: ModelState, data: dict[str, np.ndarray], *, steps: int, batch_size: int,
         lr: float, seed: int, on_step: Callable[[int, float], None] | None = None) -> float:
   """Trains ``state`` in place on ``data`` (global rows, same on every process) with the
@@ -98,7 +104,7 @@ def run(state: ModelState, data: dict[str, np.ndarray], *, steps: int, batch_siz
   n = len(data["response_mask"])
   if batch_size > n:
     raise ValueError(f"warm-start batch_size={batch_size} exceeds the {n} examples")
-  tx = sft.optimizer(lr=lr, steps=steps, warmup_steps=max(steps // 10, 1))
+  tx = optimizer(lr, steps)
   # A trainable copy: the caller's state keeps no optimizer.
   st = dataclasses.replace(state, tx=tx, opt_state=placement.init_opt_state(tx, state.params))
   loss = float("nan")
