@@ -20,7 +20,8 @@ def test_builtin_name_resolves():
 
 
 @pytest.mark.parametrize("override, pattern", [
-    ("actor.optimizr.lr=1e-5", r"unknown key.*optimizr.*Did you mean \"optimizer\""),
+    ("actor.optimizr.lr=1e-5", r"unknown config key 'actor.optimizr.lr' "
+     r"\(from --config.actor.optimizr.lr\); did you mean 'actor.optimizer.lr'\?"),
     ("actor.optimizer.lr=abc", r"lr=abc: could not convert"),
     ("nosuchsection=1", r"nosuchsection"),
 ])

@@ -18,6 +18,8 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
+from distflow_jax.config import defaults, flag_checks, schema
+
 
 class ConfigError(ValueError):
   """A config, config file or override that cannot be used; names the key."""
@@ -66,7 +68,9 @@ def parse(fv: flags.FlagValues, argv: Sequence[str]) -> list[str]:
   """Defines --config on fv, parses argv into it; returns positional leftovers.
 
   config_flags discovers ``--config.x`` overrides from the argument list given
-  at definition time, so the flag is defined here, with the real argv.
+  at definition time, so the flag is defined here, with the real argv.  The
+  loaded config is then held to the schema (``config/schema.py``): a key the
+  file set that ``defaults.base()`` lacks, or a blank path, is refused.
   """
   argv = ["--config=" + resolve_config_path(a.split("=", 1)[1])
           if a.startswith("--config=") else a for a in _last_override_wins(argv)]
@@ -74,6 +78,9 @@ def parse(fv: flags.FlagValues, argv: Sequence[str]) -> list[str]:
     i = argv.index("--config")
     if i + 1 < len(argv):
       argv[i + 1] = resolve_config_path(argv[i + 1])
+  repeated = flag_checks.repeated_problem(fv, argv)
+  if repeated:
+    raise ConfigError(repeated)
   full = ["distflow-jax"] + list(argv)
   config_flags.DEFINE_config_file("config", None, "ml_collections config file[:arg]",
                                   flag_values=fv, lock_config=True, sys_argv=full)
@@ -89,13 +96,47 @@ def parse(fv: flags.FlagValues, argv: Sequence[str]) -> list[str]:
   except OSError as e:
     raise ConfigError(str(e)) from None
   except Exception as e:  # noqa: BLE001 - the user's config file raised (or did not compile)
-    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "--config")
     detail = " ".join(str(e).split()) or "(no message)"
-    raise ConfigError(f"config file {spec.partition(':')[0]} failed to load: "
+    raise ConfigError(f"config file {_config_file(argv)} failed to load: "
                       f"{type(e).__name__}: {detail}") from None
-  if cfg is None or not isinstance(cfg, ml_collections.ConfigDict):
-    raise ConfigError("no config given: pass --config=configs/grpo.py:tiny (or another file)")
+  _check_loaded(cfg, _config_file(argv) if _config_spec(argv) else None)
   return rest[1:]
+
+
+def _config_spec(argv: Sequence[str]) -> str | None:
+  """The ``--config`` value of ``argv`` (the last one), if any."""
+  argv = list(argv)
+  spec = None
+  for i, a in enumerate(argv):
+    if a.startswith("--config="):
+      spec = a.split("=", 1)[1]
+    elif a == "--config" and i + 1 < len(argv):
+      spec = argv[i + 1]
+  return spec
+
+
+def _config_file(argv: Sequence[str]) -> str:
+  spec = _config_spec(argv)
+  return spec.partition(":")[0] if spec else "--config"
+
+
+def _type_problem(cfg, path: str) -> str | None:
+  if isinstance(cfg, ml_collections.ConfigDict):
+    return None
+  got = "None" if cfg is None else type(cfg).__name__
+  return (f"{path}: get_config() returned {got}, expected an ml_collections "
+          f"ConfigDict (start from distflow_jax.config.defaults.base())")
+
+
+def _check_loaded(cfg, path: str | None) -> None:
+  """The loaded config is a ConfigDict of the schema's keys with usable paths."""
+  if path is None and cfg is None:
+    raise ConfigError("no config given: pass --config=configs/grpo.py:tiny (or another file)")
+  problem = (_type_problem(cfg, path or "--config")
+             or schema.file_keys_problem(cfg, defaults.base(), path or "--config")
+             or schema.paths_problem(cfg))
+  if problem:
+    raise ConfigError(problem)
 
 
 def _last_override_wins(argv: Sequence[str]) -> list[str]:
@@ -127,12 +168,26 @@ def _unknown_flag(e: Exception, fv: flags.FlagValues) -> str:
 
 
 def _bad_override(e: Exception, argv: Sequence[str]) -> str:
-  msg = e.args[0] if e.args else repr(e)
-  msg = str(msg).strip("'\"")
-  key = next((a.split("=", 1)[0][2:] for a in argv if a.startswith("--config.")
-              and str(msg).split("\n")[0].strip("'\"") in a), None)
-  head = f"override --{key}: " if key else "config override: "
-  return head + "unknown key " + msg.replace("\n", " ")
+  """An override ml_collections could not apply: the first ``--config.<key>`` the file's
+  config (loaded again, alone) lacks, with the nearest valid key."""
+  spec = _config_spec(argv)
+  try:
+    cfg = load(spec) if spec else None
+  except ConfigError as loaded:  # the file itself is wrong (e.g. not a ConfigDict)
+    return str(loaded)
+  if isinstance(cfg, ml_collections.ConfigDict):
+    valid = set(schema.keys(cfg))
+    for a in argv:
+      if not (a.startswith("--config.") and "=" in a):
+        continue
+      key = a.split("=", 1)[0][len("--config."):]
+      parts = key.split(".")
+      if any(".".join(parts[:i]) in {o.key for o in schema.OPEN} for i in range(1, len(parts))):
+        continue
+      if key not in valid:
+        return schema.unknown_key_message(key, sorted(valid), f"from --config.{key}")
+  msg = str(e.args[0] if e.args else repr(e)).strip("'\"")
+  return "config override: " + " ".join(msg.split())
 
 
 def _first_and_last_line(msg: str) -> str:

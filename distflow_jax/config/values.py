@@ -35,7 +35,8 @@ def option_types() -> dict[str, type[enum.Enum] | tuple[str, ...]]:
   from distflow_jax.algos.losses import LossAggMode, RatioLevel
   from distflow_jax.data.loader import OnBadRow
   from distflow_jax.data.redistribute import Mode
-  from distflow_jax.models.config import ATTENTION_IMPLS, DTYPES, REMATS
+  from distflow_jax.models.config import ATTENTION_IMPLS, DTYPES, PRESETS, REMATS
+  from distflow_jax.rollout.backend import BACKENDS
   from distflow_jax.rewards.math_answer import MATCH_MODES
   from distflow_jax.train.optim import Optimizer, Schedule
   from distflow_jax.state.warm_shapes import CompileAhead
@@ -44,6 +45,7 @@ def option_types() -> dict[str, type[enum.Enum] | tuple[str, ...]]:
       "on_bad_row": OnBadRow, "redistribute": Mode, "dtype": tuple(DTYPES),
       "optimizer": Optimizer, "schedule": Schedule, "match": MATCH_MODES,
       "remat": REMATS, "attention_impl": ATTENTION_IMPLS, "compile_ahead": CompileAhead,
+      "backend": tuple(BACKENDS), "preset": tuple(PRESETS),
   }
 
 
@@ -150,6 +152,7 @@ def _check_rollout(r) -> None:
   in_range(r.temperature, "rollout.temperature", 0, note=" (0 = greedy)")
   in_range(r.top_p, "rollout.top_p", 0, 1, lo_open=True)
   positive(r.top_k, "rollout.top_k", allow_zero=True)
+  option(r.get("backend", "engine"), "rollout.backend", "backend")
   buckets = list(r.prefill_buckets)
   if not buckets or buckets != sorted(set(buckets)) or buckets[0] <= 0:
     raise ConfigError(f"rollout.prefill_buckets={buckets} must be positive and strictly "
@@ -163,10 +166,20 @@ def _check_data(d) -> None:
   option(d.on_bad_row, "data.on_bad_row", "on_bad_row")
   option(d.redistribute, "data.redistribute", "redistribute")
   positive(d.get("max_image_pixels", 1), "data.max_image_pixels")
+  from distflow_jax.tasks import registry as tasks
+  for split in ("train", "eval"):
+    spec = d[split]
+    if isinstance(spec, str) and tasks.is_builtin(spec):
+      try:
+        tasks.parse(spec)
+      except tasks.UnknownTaskError as e:
+        raise ConfigError(f"data.{split}={spec!r}: {e}") from None
 
 
 def _check_model(m) -> None:
   option(m.dtype, "model.dtype", "dtype")
+  if not m.path:  # the built-in architecture is used
+    option(m.preset, "model.preset", "preset")
   option(m.remat, "model.remat", "remat")
   option(m.attention_impl, "model.attention_impl", "attention_impl")
   block = m.get("attention_block", 512)
