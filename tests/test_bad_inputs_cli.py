@@ -116,3 +116,46 @@ def test_every_shipped_config_and_variant_loads_under_the_schema():
   for name, variants in SHIPPED.items():
     for variant in variants:
       assert loading.load(f"{name}:{variant}").run_dir, (name, variant)
+
+
+def _run_dir_with_a_checkpoint(tmp_path, step: int = 3) -> str:
+  """A run dir whose checkpoint ``step`` committed, its meta recording grpo:tiny's config
+  (seed 0): what preflight reads, without orbax."""
+  import json
+  from distflow_jax.config import loading
+  from distflow_jax.observe import run_config
+  run_dir = str(tmp_path / "run")
+  cfg = loading.load("grpo:tiny", [f"run_dir={run_dir}"])
+  meta = tmp_path / "run" / "checkpoints" / str(step) / "meta"
+  meta.mkdir(parents=True)
+  (meta / "metadata").write_text(json.dumps({"step": step, "seed": cfg.seed,
+                                             "config": run_config.as_plain(cfg)}))
+  return run_dir
+
+
+@pytest.fixture
+def no_expensive_work(monkeypatch):
+  """Fails the test if train builds its roles, loads a model or warm-starts."""
+  from distflow_jax.run import trainer
+  from distflow_jax.warmstart import text
+
+  def must_not_run(*args, **kwargs):
+    raise AssertionError("expensive work started before the refusal")
+  monkeypatch.setattr(trainer, "setup", must_not_run)
+  monkeypatch.setattr(text, "ensure_model", must_not_run)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("extra, checkpoint, needles", [
+    # The seed cannot change on a resume, --allow_config_change or not.
+    (["--config.seed=1", "--allow_config_change"], True, ["seed 0 -> 1", "must keep its seed"]),
+    (["--config.seed=1"], True, ["seed 0 -> 1", "must keep its seed"]),
+    (["--resume"], False, ["--resume: there is no complete checkpoint"]),
+    (["--noresume"], True, ["holds checkpoints of steps [3]", "--resume"]),
+])
+def test_resume_refusals_come_before_the_warm_start(tmp_path, capsys, no_expensive_work, extra,
+                                                    checkpoint, needles):
+  run_dir = (_run_dir_with_a_checkpoint(tmp_path) if checkpoint else str(tmp_path / "run"))
+  code, err = run(capsys, "train", "--config=grpo:tiny", f"--config.run_dir={run_dir}", *extra)
+  assert code == 2, err
+  assert_one_line(err, "distflow-jax train: error:", *needles)

@@ -42,6 +42,10 @@ PASSING = ("name", "run_dir", "trainer.total_steps", "trainer.eval_every", "trai
            "trainer.log_samples", "trainer.compile_cache_dir", "cluster.", "placement.",
            "logging.",
            "sft.")  # sft.*: `distflow-jax sft` only
+# Keys a resume can never change, not even with --allow_config_change: every random draw of
+# a step derives from (seed, step), so a checkpoint continues only under its own seed
+# (persist/checkpoint.py refuses it on restore; preflight says so before any work).
+FIXED = ("seed",)
 # Values compared whole, not key by key (a changed DAG is one change).
 WHOLE = ("dag",)
 
@@ -134,11 +138,18 @@ def preflight(cfg: ml_collections.ConfigDict, *, resume: bool | None, allow_chan
   """Checks a resume against the run dir's newest checkpoint before anything is loaded.
 
   Raises ``ConfigError`` naming the keys that change what the run computes
-  (unless ``allow_change``).  ``resume=False`` and an empty run dir skip the
-  checks (``checkpoint.open_run`` refuses or starts the run).
+  (unless ``allow_change``) or a ``FIXED`` key that changed, and refuses
+  ``resume=True`` over a run dir without checkpoints and ``resume=False`` over
+  one with them: each decided from the run dir alone, before any weights.
   """
   steps = committed_steps(cfg.run_dir)
-  if resume is False or not steps:
+  directory = os.path.join(os.path.abspath(cfg.run_dir), "checkpoints")
+  if resume and not steps:
+    raise ConfigError(f"--resume: there is no complete checkpoint in {directory}")
+  if resume is False and steps:
+    raise ConfigError(f"{directory} holds checkpoints of steps {steps}; continue them with "
+                      f"--resume or choose another --config.run_dir")
+  if not steps:
     return ResumeState()
   state = ResumeState(latest=steps[-1], finished=steps[-1] >= cfg.trainer.total_steps)
   step, saved = saved_config(cfg.run_dir, steps)
@@ -148,6 +159,12 @@ def preflight(cfg: ml_collections.ConfigDict, *, resume: bool | None, allow_chan
         f"(written by an older version): the config cannot be compared, going on")
     return state
   state.changes = diff(saved, as_plain(cfg))
+  fixed = {k: v for k, v in state.changes.items() if k in FIXED and MISSING not in v}
+  if fixed:
+    raise ConfigError(
+        f"resume of {cfg.run_dir}: {describe(fixed)} since checkpoint step {step}, but a "
+        f"resumed run must keep its {', '.join(fixed)} (--allow_config_change does not cover "
+        f"it); set it back, or start a new run with another --config.run_dir")
   # A key one side lacks (added or removed by another version) cannot be judged: reported.
   unknown = {k: v for k, v in state.changes.items() if MISSING in v}
   computing = {k: v for k, v in state.changes.items() if not passes(k) and k not in unknown}
