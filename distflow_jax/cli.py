@@ -85,9 +85,36 @@ def _fail(cmd: str, message: str, code: int, debug: bool) -> int:
   return code
 
 
+# The exit code of a command whose reader closed stdout (`distflow-jax help train | head -1`):
+# what a process killed by SIGPIPE reports to a shell (128 + 13).
+EXIT_BROKEN_PIPE = 141
+
+
+def _stdout_to_devnull() -> None:
+  """Points stdout's file descriptor at /dev/null, so the interpreter's last flush of what
+  is still buffered for the closed pipe does not fail again at exit."""
+  try:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+  except (OSError, ValueError):  # no real stdout (captured): nothing to silence
+    pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs one command; returns its exit code.  Never raises (but SystemExit and
-  KeyboardInterrupt): errors become one line on stderr (see the module doc)."""
+  KeyboardInterrupt): errors become one line on stderr (see the module doc).  A reader
+  that closes stdout early ends the command quietly with exit code 141."""
+  try:
+    code = _main(argv)
+    sys.stdout.flush()  # inside: a closed pipe fails here, not at exit
+    return code
+  except BrokenPipeError:
+    _stdout_to_devnull()
+    return EXIT_BROKEN_PIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
   argv, debug = _take_debug(list(sys.argv[1:] if argv is None else argv))
   if argv[:1] == ["help"] and len(argv) > 1 and argv[1] in COMMANDS:
     argv = [argv[1], "--help"]  # `distflow-jax help train` = `distflow-jax train --help`
@@ -106,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   from distflow_jax.rewards.registry import RewardFunctionError
   try:
     return COMMANDS[cmd](rest)
+  except BrokenPipeError:
+    raise  # the reader closed stdout: main ends quietly
   except (loading.ConfigError, DagError) as e:
     return _fail(cmd, f"error: {e}", 2, debug)
   except RewardFunctionError as e:  # the user's reward code raised or returned a non-number
