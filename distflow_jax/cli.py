@@ -1,4 +1,4 @@
-"""The ``distflow-jax`` command: the dispatcher (command bodies: distflow_jax/commands/).
+"""The ``distflow-jax`` command: runs one of the commands below.
 
   distflow-jax plan   --config=configs/grpo.py:tiny [--process=N] [--num_processes=P]
   distflow-jax launch -n 2 --devices-per-process 2 -- python prog.py
@@ -119,8 +119,8 @@ def _main(argv: Sequence[str] | None) -> int:
   if argv[:1] == ["help"] and len(argv) > 1 and argv[1] in COMMANDS:
     argv = [argv[1], "--help"]  # `distflow-jax help train` = `distflow-jax train --help`
   if not argv or argv[0] in ("-h", "--help", "help"):
-    print(__doc__.strip())
-    print(f"\ncommands: {', '.join(COMMANDS)}")
+    from distflow_jax.commands import usage
+    print(usage.readable(f"{__doc__.strip()}\n\ncommands: {', '.join(COMMANDS)}"))
     return 0 if argv else 2
   cmd, rest = argv[0], argv[1:]
   if cmd not in COMMANDS:

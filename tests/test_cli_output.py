@@ -55,8 +55,9 @@ WIDTH = 100
 SUBPACKAGES = sorted(n for n in os.listdir(os.path.join(REPO, "distflow_jax"))
                      if os.path.isdir(os.path.join(REPO, "distflow_jax", n))
                      and not n.startswith("_"))
-# A path into the package's source: distflow_jax/..., or <subpackage>/<module>.py.
-SOURCE_PATH = re.compile(r"distflow_jax/|\b(?:" + "|".join(SUBPACKAGES) + r")/\w+\.py\b")
+# A path into the package's source: distflow_jax/..., or <subpackage>/... not inside a
+# longer path (runs/x/data/... and /data/... are the user's).
+SOURCE_PATH = re.compile(r"distflow_jax/|(?<![\w/.~-])(?:" + "|".join(SUBPACKAGES) + r")/\w")
 
 
 def _help(capsys, *argv: str) -> str:
@@ -85,3 +86,19 @@ def test_help_is_clean_text(capsys, argv):
   text = _help(capsys, *argv)
   assert text.strip(), argv
   assert not _problems(text), "\n".join(_problems(text))
+
+
+@pytest.mark.timeout(120)
+def test_eval_help_example_names_what_the_default_run_writes(capsys, tmp_path):
+  """The example's --data is the held-out file `distflow-jax train` (grpo:tiny) writes."""
+  from distflow_jax.commands import train
+  from distflow_jax.config import loading
+  from distflow_jax.run import trainer
+  default = loading.load(train.DEFAULT_CONFIG)
+  cfg = loading.load(train.DEFAULT_CONFIG, [f"run_dir={tmp_path}"])
+  _, eval_path = trainer.dataset_paths(cfg)  # writes the built-in task's files under tmp_path
+  written = os.path.join(default.run_dir, os.path.relpath(eval_path, tmp_path))
+  text = _help(capsys, "eval", "--help")
+  examples = [l for l in text.splitlines() if l.strip().startswith("distflow-jax eval")]
+  assert f"--data={written}" in examples[0], (written, examples[0])
+  assert f"--model={default.run_dir}" in examples[0], examples[0]

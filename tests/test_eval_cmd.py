@@ -70,7 +70,10 @@ def test_eval_pass_at_k_over_uneven_chunks(model_says_7, tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
   res = json.loads(out.read_text())
   assert res["prompts"] == 10 and res["skipped_rows"] == 0 and res["k"] == 2
-  assert res["eval/accuracy"] == pytest.approx(0.4, abs=1e-12)
+  # k samples: pass@k and the samples' mean accuracy, each under its own key; greedy
+  # accuracy's key is not reused for the sampled mean.
+  assert "eval/accuracy" not in res
+  assert res["eval/mean_accuracy@2"] == pytest.approx(0.4, abs=1e-12)
   assert res["eval/pass@2"] == pytest.approx(0.4, abs=1e-12)
   assert res["eval/response_length"] == pytest.approx(10.0)  # 9 answer tokens + EOS
   assert "eval chunk 4/4" in r.stdout and "eval/pass@2: 0.4000" in r.stdout

@@ -38,7 +38,7 @@ FLAG_OF = {"plan": "--process=N", "train": "--[no]allow_config_change", "eval": 
 def test_help_of_every_command(capsys, name, flag):
   code, out, err = _main(capsys, name, flag)
   assert code == 0, err
-  assert out.startswith(f"``distflow-jax {name}``"), out[:200]
+  assert out.startswith(f"`distflow-jax {name}`"), out[:200]
   head, _, flag_part = out.partition("\nflags:\n")
   assert flag_part, out
   lines = [l for l in flag_part.splitlines() if l.startswith("  ")]

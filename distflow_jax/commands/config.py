@@ -2,9 +2,9 @@
 
   distflow-jax config [--config=configs/grpo.py:tiny] [--config.x=y ...] [--diff] [--json]
 
-``--diff`` prints only the keys that differ from the defaults
-(``config/defaults.base()``) and the DAG: what the config file and the
-overrides set.  ``--json`` prints the same as JSON (what ``train`` writes to
+``--diff`` prints only the keys that differ from the defaults every config file starts
+from (``distflow_jax.config.defaults.base()``) and the DAG: what the config file and
+the overrides set.  ``--json`` prints the same as JSON (what ``train`` writes to
 ``run_dir/config.json``).  Without ``--config`` it shows the built-in default
 (``grpo:tiny``), like ``train``.
 """
@@ -29,7 +29,7 @@ def resolved(argv: Sequence[str]) -> tuple[dict[str, Any], bool, bool]:
   from distflow_jax.observe import run_config
 
   fv = flags.FlagValues()
-  flags.DEFINE_boolean("diff", False, "only the keys that differ from config/defaults.base(), "
+  flags.DEFINE_boolean("diff", False, "only the keys that differ from the defaults, "
                        "and the DAG", flag_values=fv)
   flags.DEFINE_boolean("json", False, "print JSON instead of one 'key: value' a line",
                        flag_values=fv)

@@ -1,6 +1,6 @@
 """``distflow-jax eval``: accuracy and pass@k of a local model on a dataset.
 
-  distflow-jax eval --model=runs/grpo_tiny/warmstart --data=runs/grpo_tiny/data/arithmetic_medium_eval.jsonl
+  distflow-jax eval --model=runs/grpo_tiny --data=runs/grpo_tiny/data/arithmetic_basic_eval.jsonl
   distflow-jax eval --config=configs/grpo.py:qwen0.5b --model=/models/Qwen2.5-0.5B-Instruct \\
       --data=/data/gsm8k_test.jsonl --k=8 --out=eval.json
 
@@ -15,13 +15,14 @@ prompts are rendered (``data.prompt_key`` / ``data.answer_key``, dotted for nest
 rows, ``data.chat_template``,
 ``data.max_prompt_len``) and decoded (``rollout.max_new_tokens``, slots, and
 ``rollout.temperature`` for pass@k); override it with ``--config.x=y`` as for
-``train``; ``reward.match`` says how answers are compared.  ``--k=1`` (default) is greedy accuracy; ``--k>1`` draws k samples
-per prompt and reports the unbiased pass@k and the per-sample accuracy.
+``train``; ``reward.match`` says how answers are compared.  ``--k=1`` (default) is
+greedy accuracy (``eval/accuracy``); ``--k>1`` draws k samples per prompt and reports
+the unbiased pass@k (``eval/pass@k``) and the accuracy of a single sample, averaged
+over all k (``eval/mean_accuracy@k``).
 
 Every row of the file is evaluated (rows the loader refuses are counted and
 reported), in chunks of ``--batch_size`` prompts per process; each process
-evaluates its own shard on its rollout replica (see
-``run.evaluate.evaluate_file``).
+evaluates its own shard on its rollout replica.
 """
 
 from __future__ import annotations

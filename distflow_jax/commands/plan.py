@@ -7,7 +7,7 @@
 
 Plans for the config's cluster block, else the flags, else the running jax;
 ``--process`` prints only that process's portion.  ``--memory`` adds each role's and
-node's bytes per device and the traffic per step (distflow_jax/memory/), compiled on
+node's bytes per device and the traffic per step, compiled on
 simulated CPU devices of the target topology; it needs only the model's config.json.
 ``--device_memory`` refuses a plan that does not fit what jax can use of a device of
 that size on ``--target`` (default a GPU): on a GPU the share its allocator takes
@@ -17,8 +17,8 @@ NCCL buffers; on a TPU all of it less 0.5 GiB for the runtime; on a CPU all of i
 ``--lower=<target>`` builds every program a run of the config compiles (passes, train
 steps, rollout engine, weight sync, re-partitions, checksums, warm start) on abstract
 shapes of the same simulated topology and lowers each for the target device (h100, a100,
-tpu, ...: models/target.py), a row per program with the attention kernel it got; a
-program that cannot be built for the target is refused in one line (distflow_jax/lowering/).
+tpu, ...), a row per program with the attention kernel it got; a
+program that cannot be built for the target is refused in one line.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 Rows are prompt/answer (``data.prompt_key`` / ``data.answer_key``; the answer is the
 completion to learn) or chat ``messages`` (every assistant turn is learned).  It
 writes a Hugging Face folder (``sft.out``, default ``<run_dir>/sft/model``) that
-``train --config.model.path=`` loads; see run/sft_run.py.
+``train --config.model.path=`` loads.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ The resolved config goes to ``run_dir/config.json`` (each start appended to
 ``run_dir/config_history.jsonl``).  A resume compares the config with the
 checkpoint's: keys that change what the run computes are refused unless
 ``--allow_config_change``; others (total_steps, eval_every, save_every, keep,
-run_dir, health alarms, layout) pass and are reported (observe/run_config.py).
+run_dir, health alarms, layout) pass and are reported.
 A finished run (latest checkpoint at trainer.total_steps) has nothing to do
 (exit 0).  Ctrl-C says which checkpoint is saved and exits 130.
 """

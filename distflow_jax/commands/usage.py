@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
 HELP_FLAGS = ("-h", "--help")
+WIDTH = 100  # help text columns
 CONFIG_LINE = ("  --config=FILE[:ARG]  config file or built-in name (grpo:tiny); "
                "--config.KEY=VALUE overrides a key (`distflow-jax config` lists them)")
 
@@ -85,13 +87,27 @@ def flag_lines(run: Callable[[Sequence[str]], int]) -> list[str]:
   return found
 
 
+def readable(text: str, width: int = WIDTH) -> str:
+  """A docstring as terminal text: ``code`` marked with single backticks, lines longer
+  than ``width`` wrapped under their own indent (a flag's help under the flag, indented)."""
+  out: list[str] = []
+  for line in text.replace("``", "`").splitlines():
+    if len(line) <= width:
+      out.append(line)
+      continue
+    indent = line[:len(line) - len(line.lstrip())]
+    out.extend(textwrap.wrap(line.strip(), width, initial_indent=indent,
+                             subsequent_indent=indent + "    ", break_on_hyphens=False))
+  return "\n".join(out)
+
+
 def show(name: str, run: Callable[[Sequence[str]], int]) -> int:
   """Prints command ``name``'s usage and flags; exit code 0."""
   module = importlib.import_module(f"distflow_jax.commands.{name}")
-  print((module.__doc__ or f"distflow-jax {name}").strip())
+  parts = [(module.__doc__ or f"distflow-jax {name}").strip()]
   lines = flag_lines(run)
   if lines:
-    print("\nflags:")
-    print("\n".join(lines))
-  print("\nCommon: --debug (or DISTFLOW_DEBUG=1) prints tracebacks; -h/--help this text.")
+    parts.append("\nflags:\n" + "\n".join(lines))
+  parts.append("\nCommon: --debug (or DISTFLOW_DEBUG=1) prints tracebacks; -h/--help this text.")
+  print(readable("\n".join(parts)))
   return 0

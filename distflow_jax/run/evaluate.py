@@ -40,7 +40,8 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
 def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1, reward: str = "math",
              samples: list[dict[str, Any]] | None = None,
              num_samples: int = 0) -> dict[str, float]:
-  """Accuracy (greedy, k=1) or pass@k (k samples at the rollout temperature).
+  """Accuracy (greedy, k=1: ``eval/accuracy``) or pass@k and the mean accuracy of the k
+  samples at the rollout temperature (``eval/pass@k``, ``eval/mean_accuracy@k``).
 
   With a ``samples`` list, the first ``num_samples`` prompts of this process's batch are
   appended to it as records (prompt, response, reward, correct, answer;
@@ -73,7 +74,8 @@ def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1, reward: str = "math
     m.add_mean("eval/accuracy", correct[:, 0])
   else:
     m.add_mean(f"eval/pass@{k}", [pass_at_k(k, int(c.sum()), k) for c in correct])
-    m.add_mean("eval/accuracy", correct)
+    # One sample's accuracy, averaged over the k: not greedy accuracy, so not its key.
+    m.add_mean(f"eval/mean_accuracy@{k}", correct)
   m.add_mean("eval/response_length", ro.lengths_R)
   # How many answers end in the verifier's "#### N" form: separates learning the answer
   # convention from getting the arithmetic right.
@@ -154,8 +156,10 @@ def evaluate_file(ctx: RunContext, path: str, *, k: int = 1, batch_size: int = 6
     for key, v in m.items():
       totals[key] = totals.get(key, 0.0) + v * n
     done += n
-    acc = totals.get("eval/accuracy", float("nan")) / done
-    log(f"eval chunk {c + 1}/{chunks}: {int(done)} prompts, accuracy so far {acc:.4f}")
+    key = "eval/accuracy" if k == 1 else f"eval/pass@{k}"
+    acc = totals.get(key, float("nan")) / done
+    log(f"eval chunk {c + 1}/{chunks}: {int(done)} prompts, {key.split('/')[-1]} so far "
+        f"{acc:.4f}")
   out = {key: v / done for key, v in totals.items()}
   out["prompts"] = int(done)
   out["skipped_rows"] = int(_global_sum(sum(v for key, v in counts.items() if key != "ok")))
