@@ -199,6 +199,7 @@ def test_compiles_per_step_reads_a_jax_log(tmp_path):
       "setup": ["jit(copy)"], "0": ["jit(step)", "jit(decode_chunk)"], "1": []}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_compare_algorithms_smoke(tmp_path):
   """tools/compare_algorithms.py end to end at a toy budget: one warm start shared by the
@@ -273,6 +274,7 @@ def test_bench_e2e_variants_add_one_saving_each():
   assert bench_e2e._buckets(32) == (8, 16, 24, 32)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_bench_e2e_smoke_no_tunix(tmp_path, capsys):
   """tools/bench_e2e.py end to end without Tunix: the equal-work variant pads every step's

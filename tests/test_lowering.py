@@ -63,6 +63,7 @@ LEVERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("spec,overrides", TINY, ids=[t[0] for t in TINY])
 def test_shipped_tiny_configs_lower_for_h100(spec, overrides):
@@ -102,6 +103,7 @@ REAL = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", sorted(REAL))
 def test_real_model_configs_lower_for_h100(name):
@@ -188,6 +190,7 @@ def _covered(compiled, cat):
   return missing
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("spec", ["grpo:tiny", "ppo:tiny"])
 def test_catalogue_holds_every_program_a_real_run_compiles(tmp_path, spec):
@@ -213,6 +216,7 @@ def test_catalogue_holds_every_program_a_real_run_compiles(tmp_path, spec):
   assert not missing, missing
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", ["tpu", "a100"])
 def test_other_targets_lower(name):
