@@ -126,6 +126,7 @@ def ppo_run(run_dir):
   return start, metrics, params, ctx
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_resumed_ppo_matches_the_uninterrupted_run_bitwise(tmp_path):
   # The uninterrupted run saves steps 2 and 4; its step-2 checkpoint is what a run stopped

@@ -84,6 +84,7 @@ def shared_compiles(tmp_path_factory):
   compilation_cache.reset_cache()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.usefixtures("shared_compiles")
 @pytest.mark.parametrize("variant", VARIANTS)

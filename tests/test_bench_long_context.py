@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import bench_long_context as blc  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_packing_and_memory_parts_at_toy_lengths(tmp_path, capsys):
   out = tmp_path / "blc.json"

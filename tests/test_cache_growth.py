@@ -49,6 +49,7 @@ def _capacities_seen(eng, monkeypatch):
   return seen
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_growing_cache_gives_the_full_size_cache_results(temperature, monkeypatch):
@@ -103,6 +104,7 @@ def test_growth_releases_the_old_cache_layer_by_layer():
     eng._grow(grown, 34)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_nothing_compiles_after_precompile_at_any_capacity():
   # Fresh (its own compile counts), one prefill bucket to keep the ahead-compiles few.

@@ -37,6 +37,7 @@ def _by_step(rows):
   return {int(r["step"]): r for r in rows}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S * 3)
 def test_second_run_loads_every_executable_and_no_step_after_the_first_compiles(tmp_path):
   cache = str(tmp_path / "cache")

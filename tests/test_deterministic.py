@@ -39,6 +39,7 @@ def _run(d, *, steps_n=2, agg="token-mean", clip=1.0, unit_rows=1, lr=0.5):
   return [np.asarray(x) for x in jax.tree.leaves(p)], stats
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_deterministic_step_is_bitwise_equal_on_8_4_2_devices(agg):

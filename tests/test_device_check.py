@@ -50,6 +50,7 @@ def _row(out, start):
   return [c.strip() for c in rows[0].split("|")[1:-1]]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(330)
 def test_tiny_shape_on_cpu(tmp_path):
   out_json = tmp_path / "check.jsonl"

@@ -109,6 +109,7 @@ def _step_lines(out: str) -> list[str]:
   return [l for l in out.splitlines() if l.startswith("step ")]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_run_interrupt_resume_finish_and_config_changes(tmp_path, capsys, monkeypatch):
   run_dir = tmp_path / "run"

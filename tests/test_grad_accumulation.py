@@ -63,6 +63,7 @@ def _dist(a, b):
                                                         jax.tree.leaves(b)))))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bf16_micro_batches_accumulate_in_float32(monkeypatch):
   setup = _setup()

@@ -50,6 +50,7 @@ def generate(model, prompts, out):
   return [json.loads(l) for l in open(out)], r.stderr
 
 
+@pytest.mark.slow
 def test_kind_tells_runs_from_model_folders(run_dir, tmp_path):
   assert model_source.kind(str(run_dir)) == "checkpoint"  # holds a config.json, the run's
   assert model_source.kind(str(run_dir / "checkpoints")) == "checkpoint"

@@ -225,6 +225,7 @@ def test_config_refuses_packing_with_deterministic_and_short_rows():
                                           "model.share_prompt_prefix=False"]))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_grpo_and_ppo_train_packed(tmp_path):
   """A tiny GRPO run (2 steps, old log-probs recomputed, reference KL, 2 mini-batches) and

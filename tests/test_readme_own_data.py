@@ -90,6 +90,7 @@ def test_the_section_shows_the_whole_path_in_order():
   assert "2026-11-26" in section_text()
 
 
+@pytest.mark.slow
 @pytest.mark.hf
 @pytest.mark.timeout(900)
 def test_readme_own_task_commands_run_end_to_end(tmp_path):

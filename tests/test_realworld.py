@@ -41,6 +41,7 @@ def read_rows(run_dir):
     return [json.loads(l) for l in f]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_qwen_config_trains_on_gsm8k_fixture_then_report(tmp_path):
   model = tiny_hf.make_answering_hf_dir(str(tmp_path / "qwen"), "\\boxed{24}", arch="qwen2")

@@ -37,6 +37,7 @@ def metrics(tmp_path) -> list[dict]:
     return [json.loads(l) for l in f]
 
 
+@pytest.mark.slow
 def test_sft_lowers_heldout_loss_and_writes_a_model_train_accepts(tmp_path, capsys):
   data = write_jsonl(tmp_path / "add.jsonl", add_rows(300))
   out = tmp_path / "model"
@@ -100,6 +101,7 @@ def test_chat_messages_train_on_every_assistant_turn(tmp_path, capsys):
   assert [r["step"] for r in metrics(again) if "eval/loss" in r] == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_resumed_sft_continues_bitwise(tmp_path, monkeypatch, capsys):
   # Plain answers: no accuracy evaluation (its generation adds compile time, not coverage).
   data = write_jsonl(tmp_path / "add.jsonl", [dict(r, answer=r["answer"][5:])

@@ -65,6 +65,7 @@ def test_prefix_arguments_are_checked(model):
     forward(graphdef, params, tok, pos, prefix=kv, prefix_repeat=2, return_kv=True)
 
 
+@pytest.mark.slow
 def test_shared_logprobs_and_gradients_equal_the_plain_pass(model):
   graphdef, params = model
   batch = grouped_batch()

@@ -126,6 +126,7 @@ def our_greedy(model, prompt, n_new):
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_transformers_greedy_generation_through_the_exported_tokenizer_equals_ours(tmp_path,
                                                                                    arch):

@@ -85,6 +85,7 @@ def test_response_logprobs_match_vl_model(model):
     assert np.all(np.asarray(logp[i, len(r):]) == 0)
 
 
+@pytest.mark.slow
 def test_shared_prompts_match_per_row(model):
   rng = np.random.default_rng(1)
   prompts = [prompt(rng, 2, 3)] * 2 + [prompt(rng, 4, 1)] * 2

@@ -52,6 +52,7 @@ VL = ["rollout.backend=reference", "data.train=builtin:shapes", "data.eval=",
 @pytest.mark.parametrize("share,extra", [
     (True, ()), (False, ()), (False, ("trainer.deterministic=True",)),
     (True, ("algo.dynamic_sampling_tries=2",))])
+@pytest.mark.slow
 def test_grpo_on_shapes_with_a_tiny_vl_model(tmp_path, monkeypatch, share, extra):
   monkeypatch.setattr(trainer, "BUILTIN_TRAIN_ROWS", 32)
   ckpt = tiny_vl_checkpoint(tmp_path / "vl")
@@ -93,6 +94,7 @@ def test_unsupported_combinations_are_refused_in_one_line(tmp_path, override, wh
   assert "\n" not in str(e.value) and why in str(e.value), str(e.value)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_export_and_eval_of_a_vl_run_keep_the_tower(tmp_path, capsys):
   """`distflow-jax export` of a vision-language run writes the whole Qwen2.5-VL: the

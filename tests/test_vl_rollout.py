@@ -4,6 +4,7 @@ with an image equal `VLModel`'s own greedy decoding (a full forward per token)."
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from distflow_jax.models.vl import VLModel, vl_inputs
@@ -32,6 +33,7 @@ def vl_greedy(model, prompt_ids, pixels, n_new):
   return toks, lps
 
 
+@pytest.mark.slow
 def test_reference_backend_greedy_matches_vl_model():
   model = VLModel(tiny_vl_config(), rngs=nnx.Rngs(5))
   rng = np.random.default_rng(0)

@@ -72,6 +72,7 @@ def test_configs_plan(args):
   assert "train_actor" in r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_steps_of_the_tiny_config(tmp_path, monkeypatch):
   monkeypatch.setattr(trainer, "BUILTIN_TRAIN_ROWS", 64)

@@ -111,6 +111,7 @@ def test_compile_ahead_is_validated():
     check_values(load("grpo:tiny", ["trainer.compile_ahead=sometimes"]))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_run_with_several_prompt_widths_compiles_nothing_after_step_1(tmp_path):
   from distflow_jax.config.loading import load

@@ -50,6 +50,7 @@ def test_prompt_width_is_the_smallest_bucket_that_fits():
   assert prompt_width(5, (64,), 48) == 48
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_short_prompts_are_not_padded_to_max_prompt_len(tmp_path):
   cfg = loading.load("grpo:tiny", smoke_overrides(
@@ -64,6 +65,7 @@ def test_short_prompts_are_not_padded_to_max_prompt_len(tmp_path):
     assert math.isfinite(m["actor/loss"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ppo_three_steps_trains_actor_and_critic(tmp_path):
   cfg, ctx, metrics, changed = run("ppo:tiny", tmp_path, "data.prompts_per_step=16",
@@ -111,6 +113,7 @@ def test_repartition_between_rollout_and_training_layouts(tmp_path):
   assert changed
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_mini_batches_of_whole_groups(tmp_path):
   # 32 rows on 8 devices, 2 mini-batches: each shard's part of a mini-batch is one group.

@@ -53,6 +53,23 @@ def _single(tmp_path, name, extra, tape=None, mode=None):
   return rows
 
 
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+  """``recorded(name, extra) -> (rows, tape)``: the 1 x 8 run that records its rollouts for
+  the other layouts to replay, run once per resolved config in this module (the default-mode
+  GRPO case and the shared-prompt packed case are the same run: share_prompt_prefix=True is
+  grpo:tiny's default).  The replays only read the tape."""
+  runs = {}
+
+  def run(name, extra):
+    key = str(loading.load(name, smoke_overrides("RUN_DIR", *extra)))
+    if key not in runs:
+      root = tmp_path_factory.mktemp("recorded")
+      runs[key] = (_single(root, name, extra, root / "tape", "record"), root / "tape")
+    return runs[key]
+  return run
+
+
 def _multi(tmp_path, name, extra, procs, devs, tape=None, mode="replay"):
   out = tmp_path / f"multi_{procs}x{devs}.json"
   overrides = smoke_overrides(tmp_path / f"run_{procs}x{devs}",
@@ -86,14 +103,13 @@ REL, ABS = 2e-4, 1e-6
 
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_layouts_agree_on_the_same_samples(case, tmp_path):
+def test_layouts_agree_on_the_same_samples(case, tmp_path, recorded):
   name, extra = CASES[case]
   # An entropy bonus keeps the gradient well above rounding noise: with every reward 0
   # (an untrained micro model) the GRPO gradient is the KL term alone, about 0 at step 1,
   # and Adam would scale rounding noise up to full-size, layout-dependent steps.
   extra = [*extra, "actor.entropy_coef=0.01"]
-  tape = tmp_path / "tape"
-  single = _single(tmp_path, name, extra, tape, "record")
+  single, tape = recorded(name, extra)
   for procs, devs in LAYOUTS:
     multi = _multi(tmp_path, name, extra, procs, devs, tape)
     assert [m["step"] for m in multi] == [m["step"] for m in single] == [1, 2, 3]
@@ -106,15 +122,14 @@ def test_layouts_agree_on_the_same_samples(case, tmp_path):
 
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("share", [False, True])
-def test_packed_on_2x2_agrees_with_padded_on_1x8(share, tmp_path):
+def test_packed_on_2x2_agrees_with_padded_on_1x8(share, tmp_path, recorded):
   # Issue 19: packed passes (with token-budget micro-batches) give the padded passes'
   # numbers on another layout too; the 1 x 8 run's rollouts are replayed in the 2 x 2 one.
   # share=True: both runs share prompts (padded shared passes against packed rows laying
   # each group's prompt once, train/packing_shared.py).
   name, extra = CASES["grpo"]
   extra = [*extra, "actor.entropy_coef=0.01", f"model.share_prompt_prefix={share}"]
-  tape = tmp_path / "tape"
-  single = _single(tmp_path, name, extra, tape, "record")
+  single, tape = recorded(name, extra)
   multi = _multi(tmp_path, name, [*extra, "model.pack_sequences=True",
                                   "model.pack_len=48", "actor.micro_batch_tokens=96"], 2, 2, tape)
   assert [m["step"] for m in multi] == [s["step"] for s in single] == [1, 2, 3]
