@@ -39,3 +39,61 @@ def test_plugin_reward_that_is_not_a_finite_float32_is_refused(tmp_path, capsys,
                      config=config)
   assert code == 2, err
   assert_one_line(err, "distflow-jax train: error:", needle, "sample id")
+
+
+# --- empty answers: nothing to score against is a bad row, like a missing answer ----------
+
+def _rows(path, rows) -> str:
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return str(path)
+
+
+def _arith(n: int, answer=lambda i: f"#### {i + 1}") -> list[dict]:
+  return [{"prompt": f"What is {i} + 1?", "answer": answer(i)} for i in range(n)]
+
+
+@pytest.mark.timeout(300)
+def test_train_refuses_a_file_whose_answers_are_all_empty(tmp_path, capsys):
+  data = _rows(tmp_path / "empty.jsonl", _arith(16, lambda i: "" if i % 2 else "  "))
+  code, err = _train(capsys, tmp_path, f"--config.data.train={data}")
+  assert code == 2, err
+  assert_one_line(err, "distflow-jax train: error:", data, "empty_answer", "'answer'")
+
+
+@pytest.mark.timeout(300)
+def test_eval_names_the_row_with_an_empty_answer(tmp_path, capsys):
+  data = _rows(tmp_path / "eval.jsonl", _arith(6) + [{"prompt": "What is 9 + 1?",
+                                                      "answer": ""}] + _arith(2))
+  code, err = run(capsys, "eval", f"--model={tiny_model_folder(tmp_path)}", f"--data={data}",
+                  "--config.data.on_bad_row=error")
+  assert code == 2, err
+  assert_one_line(err, "distflow-jax eval: error:", f"{data}:7: empty_answer", "'answer'")
+
+
+@pytest.mark.timeout(300)
+def test_train_counts_empty_answers_as_bad_rows(tmp_path, capsys):
+  data = _rows(tmp_path / "mixed.jsonl", _arith(8) + _arith(8, lambda i: ""))
+  code, err = _train(capsys, tmp_path, f"--config.data.train={data}",
+                     "--config.data.shuffle_seed=0")
+  assert code == 0, err
+  with open(tmp_path / "run" / "metrics.jsonl") as f:
+    step = [json.loads(l) for l in f][-1]
+  assert step["data/bad_rows"] > 0, step
+
+
+SFT_SHAPE = ["--config.model.preset=micro", "--config.sft.steps=2", "--config.sft.batch_size=8",
+             "--config.sft.warmup_steps=1", "--config.sft.eval_every=0", "--config.sft.eval_size=0"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rows, needle", [
+    (_arith(8, lambda i: " "), "'answer' is empty"),
+    ([{"messages": [{"role": "user", "content": "1+1="},
+                    {"role": "assistant", "content": ""}]}] * 8, "every assistant turn is empty"),
+])
+def test_sft_refuses_data_whose_targets_are_all_empty(tmp_path, capsys, rows, needle):
+  data = _rows(tmp_path / "sft.jsonl", rows)
+  code, err = run(capsys, "sft", f"--config.data.train={data}",
+                  f"--config.run_dir={tmp_path}/run", *SFT_SHAPE)
+  assert code == 2, err
+  assert_one_line(err, "distflow-jax sft: error:", data, "0 usable", needle)

@@ -14,7 +14,7 @@ numbers of bad rows.  Its state (epoch, position in the shard, bad-row counts)
 is a small JSON-able dict; restoring it reproduces the following batches
 exactly.
 
-Malformed rows (unreadable JSON, non-UTF-8, missing field, empty prompt,
+Malformed rows (unreadable JSON, non-UTF-8, missing field, empty prompt or answer,
 prompt longer than ``max_prompt_len`` tokens, an image that is missing, not an image or
 over ``max_image_pixels``) are counted by reason and either
 skipped (``on_bad_row="skip"``, with a warning on the first of each reason) or
@@ -141,6 +141,7 @@ class PromptLoader:
     self._epoch = 0
     self._position = 0
     self._counts = {"ok": 0, **{r: 0 for r in REASONS}}
+    self._first_bad: dict[str, str] = {}  # reason -> its first row met, for the summary
     self._dataset = self._epoch_dataset(0)
 
   @property
@@ -182,6 +183,7 @@ class PromptLoader:
         return self._epoch, item
       self._counts[item.reason] += 1
       where = f"{_where(self.source, record)}: {item.reason}: {item.detail}"
+      self._first_bad.setdefault(item.reason, where)
       if self.on_bad_row is OnBadRow.ERROR:
         raise BadRowError(f"{where} (data.on_bad_row=error; fix the row or set "
                           f"--config.data.on_bad_row=skip to count and skip such rows)")
@@ -195,7 +197,8 @@ class PromptLoader:
 
   def _bad_summary(self) -> str:
     bad = {k: v for k, v in self.counts.items() if k != "ok" and v}
-    return (f"bad rows {bad} (see data.max_prompt_len, data.prompt_key/answer_key, "
+    first = "".join(f"; first {r}: {w}" for r, w in self._first_bad.items())
+    return (f"bad rows {bad}{first} (see data.max_prompt_len, data.prompt_key/answer_key, "
             f"data.image_key, data.on_bad_row)" if bad else "no bad rows")
 
   def __next__(self) -> Batch:
