@@ -97,3 +97,63 @@ def test_sft_refuses_data_whose_targets_are_all_empty(tmp_path, capsys, rows, ne
                   f"--config.run_dir={tmp_path}/run", *SFT_SHAPE)
   assert code == 2, err
   assert_one_line(err, "distflow-jax sft: error:", data, "0 usable", needle)
+
+
+# --- data files that cannot be read at all: one line naming the file -----------------------
+
+def _parquet(path, rows) -> bytes:
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  pq.write_table(pa.Table.from_pylist(rows), str(path), compression="snappy")
+  return path.read_bytes()
+
+
+def _corrupt(raw: bytes) -> bytes:
+  """A Parquet file whose compressed pages are scrambled: the footer still reads."""
+  out = bytearray(raw)
+  for i in range(100, min(400, len(out) - 200)):
+    out[i] ^= 0x5A
+  return bytes(out)
+
+
+UNREADABLE = {  # name -> (file name, bytes from a good Parquet file's bytes, what the line says)
+    "garbage_parquet": ("d.parquet", lambda good: b"\x00garbage\xff" * 300, "not a readable Parquet"),
+    "truncated_parquet": ("d.parquet", lambda good: good[:len(good) // 2], "not a readable Parquet"),
+    "empty_parquet": ("d.parquet", lambda good: b"", "not a readable Parquet"),
+    "corrupt_snappy_parquet": ("d.parquet", _corrupt, "not a readable Parquet"),
+    "empty_jsonl": ("d.jsonl", lambda good: b"", "has no rows"),
+    "blank_jsonl": ("d.jsonl", lambda good: b"\n  \n\n", "has no rows"),
+    "csv": ("d.csv", lambda good: b"prompt,answer\nhi,1\n", "unknown suffix '.csv'"),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", sorted(UNREADABLE))
+def test_eval_refuses_an_unreadable_data_file(tmp_path, capsys, case):
+  name, damage, needle = UNREADABLE[case]
+  good = _parquet(tmp_path / "good.parquet", [
+      {"prompt": f"What is {i} + 1? " * 8, "answer": f"#### {i + 1}"} for i in range(64)])
+  data = tmp_path / name
+  data.write_bytes(damage(good))
+  code, err = run(capsys, "eval", f"--model={tiny_model_folder(tmp_path)}", f"--data={data}")
+  assert code == 2, err
+  assert_one_line(err, "distflow-jax eval: error:", str(data), needle)
+
+
+@pytest.mark.timeout(300)
+def test_train_refuses_a_corrupt_parquet_file(tmp_path, capsys):
+  data = tmp_path / "train.parquet"
+  data.write_bytes(_corrupt(_parquet(data, _arith(64))))
+  code, err = _train(capsys, tmp_path, f"--config.data.train={data}")
+  assert code == 2, err
+  assert_one_line(err, "distflow-jax train: error:", str(data), "not a readable Parquet")
+
+
+@pytest.mark.timeout(300)
+def test_sft_refuses_a_truncated_parquet_file(tmp_path, capsys):
+  data = tmp_path / "sft.parquet"
+  data.write_bytes(_parquet(data, _arith(64))[:300])
+  code, err = run(capsys, "sft", f"--config.data.train={data}",
+                  f"--config.run_dir={tmp_path}/run", *SFT_SHAPE)
+  assert code == 2, err
+  assert_one_line(err, "distflow-jax sft: error:", str(data), "not a readable Parquet")

@@ -99,8 +99,8 @@ class PromptLoader:
                    if isinstance(path_or_source, (str, os.PathLike))
                    else path_or_source)
     if len(self.source) < process_count:
-      raise ValueError(f"{self.source.path!r} has {len(self.source)} records, "
-                       f"fewer than the {process_count} processes reading it")
+      raise TooFewRowsError(f"{self.source.path!r} has {len(self.source)} records, "
+                            f"fewer than the {process_count} processes reading it")
     shard = len(self.source) // process_count  # the smallest shard: the same on all processes
     if num_epochs is not None and shard * num_epochs < batch_size:
       raise TooFewRowsError(
