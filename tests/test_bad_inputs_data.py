@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from distflow_jax import cli
 from test_bad_inputs_corpus import assert_one_line, config_file, run
 from workflow_util import tiny_model_folder
 
@@ -157,3 +158,75 @@ def test_sft_refuses_a_truncated_parquet_file(tmp_path, capsys):
                   f"--config.run_dir={tmp_path}/run", *SFT_SHAPE)
   assert code == 2, err
   assert_one_line(err, "distflow-jax sft: error:", str(data), "not a readable Parquet")
+
+
+# --- image rows: an empty image list, and paths out of the image root ---------------------
+
+VL_EVAL = ["--config.data.image_key=image", "--config.rollout.backend=reference",
+           "--config.data.max_prompt_len=96", "--config.rollout.prefill_buckets=(96,)",
+           "--config.rollout.max_new_tokens=4", "--config.model.max_seq_len=128"]
+
+
+@pytest.fixture(scope="module")
+def vl_setup(tmp_path_factory):
+  """A tiny Qwen2.5-VL folder and a data folder of shapes rows whose images are PNG files
+  beside the data file (img<i>.png), plus one PNG outside it (outside.png)."""
+  import base64
+  from distflow_jax.tasks import registry as tasks
+  from test_vl_rl import tiny_vl_checkpoint
+  root = tmp_path_factory.mktemp("vl")
+  ckpt = tiny_vl_checkpoint(root / "model")
+  rows = tasks.get("shapes").generate_split("basic", "eval", 4, seed=0)
+  (root / "data").mkdir()
+  png = [base64.b64decode(r["image"].split(",", 1)[1]) for r in rows]
+  for i, data in enumerate(png):
+    (root / "data" / f"img{i}.png").write_bytes(data)
+  (root / "outside.png").write_bytes(png[0])
+  return str(ckpt), root, [dict(r, image=f"img{i}.png") for i, r in enumerate(rows)]
+
+
+def _vl_eval(capsys, vl_setup, third_image, *extra):
+  """eval of the 4 shapes rows with the third row's image replaced by ``third_image``."""
+  ckpt, root, rows = vl_setup
+  rows = rows[:2] + [dict(rows[2], image=third_image)] + rows[3:]
+  data = _rows(root / "data" / "eval.jsonl", rows)
+  code = cli.main(["eval", f"--model={ckpt}", f"--data={data}", *VL_EVAL, *extra])
+  out = capsys.readouterr()
+  return data, code, out.err, out.out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("image, needle", [
+    ([], "holds no image"),
+    ("../outside.png", "outside the image root"),
+    ("../../../../../../../etc/passwd", "outside the image root"),
+    ("ABSOLUTE_OUTSIDE", "outside the image root"),
+])
+def test_eval_names_an_image_row_that_is_empty_or_out_of_its_folder(
+    capsys, vl_setup, image, needle):
+  if image == "ABSOLUTE_OUTSIDE":
+    image = str(vl_setup[1] / "outside.png")
+  data, code, err, _ = _vl_eval(capsys, vl_setup, image, "--config.data.on_bad_row=error")
+  assert code == 2, err
+  assert_one_line(err, "distflow-jax eval: error:", f"{data}:3: bad_image", "'image'", needle)
+
+
+@pytest.mark.timeout(300)
+def test_eval_skips_and_counts_an_empty_image_list(capsys, vl_setup):
+  _, code, err, out = _vl_eval(capsys, vl_setup, [])
+  assert code == 0, err
+  assert "prompts: 3" in out and "skipped_rows: 1" in out, out
+
+
+@pytest.mark.timeout(300)
+def test_absolute_image_paths_inside_the_root_are_read(capsys, vl_setup):
+  """An absolute path under the data file's folder is read; one under data.image_root too,
+  relative paths then being read from that root."""
+  _, code, err, _ = _vl_eval(capsys, vl_setup, str(vl_setup[1] / "data" / "img2.png"),
+                             "--config.data.on_bad_row=error")
+  assert code == 0, err
+  _, code, err, out = _vl_eval(capsys, vl_setup, "data/img2.png",
+                               "--config.data.on_bad_row=skip",
+                               f"--config.data.image_root={vl_setup[1]}")
+  assert code == 0, err
+  assert "prompts: 1" in out and "skipped_rows: 3" in out, out  # img<i>.png are not at the root

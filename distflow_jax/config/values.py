@@ -163,6 +163,9 @@ def _check_data(d) -> None:
   option(d.on_bad_row, "data.on_bad_row", "on_bad_row")
   option(d.redistribute, "data.redistribute", "redistribute")
   positive(d.get("max_image_pixels", 1), "data.max_image_pixels")
+  if not isinstance(d.get("image_root", ""), str):
+    raise ConfigError(f"data.image_root={d.image_root!r} must be a folder path ('' = the data "
+                      f"file's folder)")
 
 
 def _check_model(m) -> None:

@@ -83,7 +83,7 @@ class PromptLoader:
                on_bad_row: OnBadRow | str = OnBadRow.SKIP, pad_id: int = 0,
                num_epochs: int | None = None, prompt_key: str = "prompt",
                answer_key: str = "answer", source_key: str = "data_source",
-               use_chat_template: bool = True, image_key: str = "",
+               use_chat_template: bool = True, image_key: str = "", image_root: str = "",
                image_processor: images_lib.ImageProcessor | None = None,
                max_image_pixels: int = images_lib.DEFAULT_MAX_IMAGE_PIXELS):
     if process_index is None or process_count is None:
@@ -134,8 +134,12 @@ class PromptLoader:
       images_lib.require_pillow()
       # A tokenizer without the vision tokens is refused here, in one line.
       image_pad = images_lib.vision_token_ids(tokenizer)[images_lib.IMAGE_PAD]
+      if image_root and not os.path.isdir(image_root):
+        raise ConfigError(f"data.image_root={image_root!r} is not a folder (image paths are "
+                          f"read from it; '' = the data file's folder)")
       self._parse_kw.update(
-          image_key=image_key, image_dir=os.path.dirname(os.path.abspath(self.source.path)),
+          image_key=image_key,
+          image_dir=os.path.abspath(image_root or os.path.dirname(self.source.path)),
           image_processor=image_processor or images_lib.ImageProcessor(),
           max_image_pixels=max_image_pixels, image_pad_id=image_pad)
     self._epoch = 0

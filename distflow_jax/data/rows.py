@@ -80,6 +80,9 @@ def parse_row(raw: dict[str, Any] | BadRow, record: int, *, tokenizer: Tokenizer
   if image_key:
     try:
       refs = images_lib.image_values(field_value(raw, image_key))
+      if not refs:  # an image row without an image: nothing for its placeholders
+        raise images_lib.ImageError("holds no image (null or an empty list); every row of "
+                                    "an image dataset needs at least one")
       loaded = [images_lib.load_image(r, image_dir, max_image_pixels) for r in refs]
       original_messages = messages
       messages = images_lib.place_images(messages, len(loaded))
