@@ -230,3 +230,21 @@ def test_absolute_image_paths_inside_the_root_are_read(capsys, vl_setup):
                                f"--config.data.image_root={vl_setup[1]}")
   assert code == 0, err
   assert "prompts: 1" in out and "skipped_rows: 3" in out, out  # img<i>.png are not at the root
+
+
+# --- a DAG that trains only the critic: nothing would change the policy ------------------
+
+@pytest.mark.timeout(120)
+def test_plan_refuses_a_dag_that_trains_only_the_critic(tmp_path, capsys):
+  config = config_file(tmp_path, """
+      c.dag = [dict(id="generate", fn="generate"),
+               dict(id="reward", fn="reward.math", deps=["generate"]),
+               dict(id="values", fn="values", deps=["generate"]),
+               dict(id="advantage", fn="advantage.gae", deps=["reward", "values"]),
+               dict(id="train_critic", fn="train.critic", deps=["advantage", "values"])]
+      c.critic.micro_batch_size = 4
+      """)
+  code, err = run(capsys, "plan", f"--config={config}")
+  assert code == 2, err
+  assert_one_line(err, "distflow-jax plan: error:", "'train_critic'", "no node trains the actor",
+                  "train.actor")
