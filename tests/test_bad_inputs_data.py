@@ -248,3 +248,32 @@ def test_plan_refuses_a_dag_that_trains_only_the_critic(tmp_path, capsys):
   assert code == 2, err
   assert_one_line(err, "distflow-jax plan: error:", "'train_critic'", "no node trains the actor",
                   "train.actor")
+
+
+# --- token budgets: between the longest sample and what a micro-batch could ever hold -----
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("key, value, needle", [
+    ("actor.micro_batch_tokens", "1000000000000", "more than one micro-batch could ever hold"),
+    ("actor.micro_batch_tokens", "1", "below the longest sample"),
+    ("critic.micro_batch_tokens", "1000000000000", "more than one micro-batch could ever hold"),
+    ("critic.micro_batch_tokens", "8", "below the longest sample"),
+])
+def test_plan_bounds_the_token_budget(capsys, key, value, needle):
+  code, err = run(capsys, "plan", "--config=ppo:tiny", "--config.model.pack_sequences=True",
+                  f"--config.{key}={value}")
+  assert code == 2, err
+  assert_one_line(err, "distflow-jax plan: error:", f"{key}=", needle)
+
+
+def test_out_of_memory_advice_names_the_token_budget():
+  from distflow_jax.config import loading
+  from distflow_jax.observe import hints
+  cfg = loading.load("ppo:tiny", ["model.pack_sequences=True", "actor.micro_batch_tokens=96",
+                                  "critic.micro_batch_tokens=128"])
+  hint = hints.oom_hint(MemoryError("RESOURCE_EXHAUSTED: Out of memory"), cfg)
+  assert "--config.actor.micro_batch_tokens=96" in hint, hint
+  assert "--config.critic.micro_batch_tokens=128" in hint, hint
+  assert "micro_batch_size" not in hint, hint  # unused with a token budget
+  plain = hints.oom_hint(MemoryError(), loading.load("grpo:tiny"))
+  assert "--config.actor.micro_batch_size=" in plain and "critic" not in plain, plain
