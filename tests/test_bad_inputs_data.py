@@ -277,3 +277,60 @@ def test_out_of_memory_advice_names_the_token_budget():
   assert "micro_batch_size" not in hint, hint  # unused with a token budget
   plain = hints.oom_hint(MemoryError(), loading.load("grpo:tiny"))
   assert "--config.actor.micro_batch_size=" in plain and "critic" not in plain, plain
+
+
+# --- weights that are not finite: refused when loaded, naming where ----------------------
+
+def _poisoned_folder(tmp_path, value: float) -> tuple[str, str]:
+  """The tiny model folder with one value of one tensor set to ``value``; (folder, tensor)."""
+  import numpy as np
+  from safetensors.numpy import load_file, save_file
+  folder = tiny_model_folder(tmp_path)
+  weights = f"{folder}/model.safetensors"
+  tensors = load_file(weights)
+  name = sorted(k for k in tensors if k.endswith("mlp.down_proj.weight"))[0]
+  tensors[name] = tensors[name].copy()
+  tensors[name].reshape(-1)[7] = np.asarray(value, tensors[name].dtype)
+  save_file(tensors, weights, metadata={"format": "pt"})
+  return folder, name
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("command, value", [("eval", float("nan")), ("generate", float("inf"))])
+def test_a_model_folder_with_non_finite_weights_is_refused(tmp_path, capsys, command, value):
+  folder, tensor = _poisoned_folder(tmp_path, value)
+  data = _rows(tmp_path / "d.jsonl", _arith(4))
+  args = ([f"--data={data}"] if command == "eval" else
+          [f"--prompts={data}", f"--out={tmp_path}/out.jsonl"])
+  code, err = run(capsys, command, f"--model={folder}", *args)
+  assert code == 2, err
+  assert_one_line(err, f"distflow-jax {command}: error:", f"{folder}/model.safetensors",
+                  repr(tensor), "non-finite")
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_with_non_finite_weights_is_refused_by_export_and_eval(
+    tmp_path, capsys, monkeypatch):
+  """A diverged run's saved actor (simulated: one array of the restored step set to NaN)."""
+  import numpy as np
+  from distflow_jax.persist import checkpoint
+  code, err = _train(capsys, tmp_path, "--config.data.train=builtin:arithmetic",
+                     "--config.trainer.save_every=1", "--config.trainer.async_save=False")
+  assert code == 0, err
+  read = checkpoint.read_arrays
+
+  def poisoned(*a, **k):
+    step, arrays, meta = read(*a, **k)
+    name = sorted(n for n in arrays if n.startswith("actor.params.") and "mlp" in n)[0]
+    arrays[name] = np.full(np.shape(arrays[name]), np.nan, np.asarray(arrays[name]).dtype)
+    return step, arrays, meta
+  monkeypatch.setattr(checkpoint, "read_arrays", poisoned)
+  run_dir = f"{tmp_path}/run"
+  code, err = run(capsys, "export", "--checkpoint", run_dir, "--out", f"{tmp_path}/hf")
+  assert code == 2, err
+  assert_one_line(err, "distflow-jax export: error:", f"checkpoint {run_dir}", "actor.params.",
+                  "non-finite")
+  data = _rows(tmp_path / "d.jsonl", _arith(4))
+  code, err = run(capsys, "eval", f"--model={run_dir}", f"--data={data}")
+  assert code == 2, err
+  assert_one_line(err, "distflow-jax eval: error:", f"checkpoint {run_dir}", "non-finite")
