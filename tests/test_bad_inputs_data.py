@@ -42,6 +42,14 @@ def test_plugin_reward_that_is_not_a_finite_float32_is_refused(tmp_path, capsys,
   assert_one_line(err, "distflow-jax train: error:", needle, "sample id")
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("key", ["reward.weight", "reward.correct"])
+def test_plan_refuses_a_reward_setting_beyond_float32(capsys, key):
+  code, err = run(capsys, "plan", "--config=grpo:tiny", f"--config.{key}=1e39")
+  assert code == 2, err
+  assert_one_line(err, "distflow-jax plan: error:", f"{key}=1e+39", "float32")
+
+
 # --- empty answers: nothing to score against is a bad row, like a missing answer ----------
 
 def _rows(path, rows) -> str:

@@ -266,8 +266,12 @@ def check_optimizer(o, key: str) -> None:
 
 
 def _check_reward(r) -> None:
+  big = 3.4028234663852886e38  # float32 max: rewards are float32, a larger value is inf there
   for name in ("weight", "correct", "wrong"):
     in_range(r[name], f"reward.{name}")
+    if abs(r[name]) > big:
+      raise ConfigError(f"reward.{name}={r[name]!r} is beyond float32's range (|x| <= "
+                        f"{big:.4g}), which rewards are kept in")
   in_range(r.tolerance, "reward.tolerance", 0)
   option(r.match, "reward.match", "match")
   if r.match == "math_verify":
