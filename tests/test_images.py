@@ -244,14 +244,13 @@ def test_jsonl_rows_with_images(tmp_path):
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
   loader = _loader(path, tok, image_key="extra.image")
   batches = list(loader)
-  assert len(batches) == 5 and loader.counts["ok"] == 5 and loader.counts["bad_image"] == 0
+  # A row of an image dataset without an image is a bad row (a run's tower needs one).
+  assert len(batches) == 4 and loader.counts["ok"] == 4 and loader.counts["bad_image"] == 1
   host = _check_example(batches[0], tok, [a])
   assert host["prompt"] == "What is in the picture?" and "pixel_values" in host
   _check_example(batches[1], tok, [b, a])
   _check_example(batches[2], tok, [c])
   _check_example(batches[3], tok, [c])
-  host = _check_example(batches[4], tok, [])
-  assert host["pixel_values"].shape == (0, PROC.patch_dim)
   # The image's block comes before the user's text, after the system message.
   text = batches[2].host[int(batches[2].data["sample_id"][0])]["prompt_text"]
   assert text.index("Be brief.") < text.index(im.IMAGE_BLOCK) < text.index("Describe.")
@@ -280,14 +279,17 @@ def test_parquet_rows_with_images(tmp_path):
                  []],
   })
   pq.write_table(table, tmp_path / "data.parquet")
-  batches = list(_loader(tmp_path / "data.parquet", tok, image_key="image_bytes"))
+  # Rows without an image (null, []) are bad rows of an image dataset: skipped, counted.
+  loader = _loader(tmp_path / "data.parquet", tok, image_key="image_bytes")
+  batches = list(loader)
+  assert len(batches) == 2 and loader.counts["bad_image"] == 1
   _check_example(batches[0], tok, [a])
-  _check_example(batches[1], tok, [])
-  _check_example(batches[2], tok, [a])
-  batches = list(_loader(tmp_path / "data.parquet", tok, image_key="images"))
+  _check_example(batches[1], tok, [a])
+  loader = _loader(tmp_path / "data.parquet", tok, image_key="images")
+  batches = list(loader)
+  assert len(batches) == 2 and loader.counts["bad_image"] == 1
   _check_example(batches[0], tok, [a])
   _check_example(batches[1], tok, [b, a])
-  _check_example(batches[2], tok, [])
 
 
 def _bad_rows(tmp_path):

@@ -181,9 +181,33 @@ def _check_batches(cfg, plan: planner_lib.Plan, dag: Dag, registry: Registry) ->
         raise ConfigError(f"{spec.section}.mini_batches={mini} does not divide the "
                           f"{per_shard} samples per data-parallel shard of node "
                           f"{step.node.id!r}")
-      by_rows = not section.get("micro_batch_tokens", 0)  # else micro-batches by tokens
+      budget = section.get("micro_batch_tokens", 0)
+      by_rows = not budget  # else micro-batches by tokens
+      if budget:
+        _check_token_budget(cfg, f"{spec.section}.micro_batch_tokens", budget, step.node.id,
+                            per_shard // mini)
       if by_rows and (per_shard // mini) % section.micro_batch_size:
         raise ConfigError(
             f"{spec.section}.micro_batch_size={section.micro_batch_size} does not divide "
             f"the {per_shard // mini} samples per shard and mini-batch of node "
             f"{step.node.id!r} ({samples} samples / dp {lay.dp_size} / {mini} mini-batches)")
+
+
+def _check_token_budget(cfg, key: str, budget: int, node_id: str, per_mini: int) -> None:
+  """A token budget between the longest sample (a sample is never split across
+  micro-batches) and everything one shard's mini-batch can hold: below it every long sample
+  sits alone in its own micro-batch (a step of one micro-batch per sample), above it each
+  micro-batch allocates ``ceil(budget / pack_len)`` packed rows that no data could fill."""
+  longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens - 1  # what a pass feeds
+  most = per_mini * longest
+  where = f"node {node_id!r}"
+  if budget < longest:
+    raise ConfigError(
+        f"{key}={budget} is below the longest sample, data.max_prompt_len + "
+        f"rollout.max_new_tokens - 1 = {longest} tokens ({where}); a sample is not split "
+        f"across micro-batches, so raise it to at least {longest}")
+  if budget > most:
+    raise ConfigError(
+        f"{key}={budget} is more than one micro-batch could ever hold at {where}: its "
+        f"{per_mini} samples per shard and mini-batch x {longest} tokens = {most}; each "
+        f"micro-batch would allocate rows for {budget} tokens, so set it to at most {most}")

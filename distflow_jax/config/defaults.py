@@ -103,6 +103,9 @@ def base() -> ml_collections.ConfigDict:
       # them; "" = text-only.  Images over max_image_pixels (width x height, read from the
       # header) are bad rows, like missing files and non-images (data.on_bad_row).
       image_key="",
+      # The folder image paths are read from, and must resolve inside ('..' out of it and
+      # absolute paths elsewhere are bad rows); "" = the data file's own folder.
+      image_root="",
       max_image_pixels=40_000_000,
       eval_size=128,
       # How re-partitions move data: distributed (one all-to-all) | centralized (the

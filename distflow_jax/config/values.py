@@ -174,6 +174,9 @@ def _check_data(d) -> None:
         tasks.parse(spec)
       except tasks.UnknownTaskError as e:
         raise ConfigError(f"data.{split}={spec!r}: {e}") from None
+  if not isinstance(d.get("image_root", ""), str):
+    raise ConfigError(f"data.image_root={d.image_root!r} must be a folder path ('' = the data "
+                      f"file's folder)")
 
 
 def _check_model(m) -> None:
@@ -276,8 +279,12 @@ def check_optimizer(o, key: str) -> None:
 
 
 def _check_reward(r) -> None:
+  big = 3.4028234663852886e38  # float32 max: rewards are float32, a larger value is inf there
   for name in ("weight", "correct", "wrong"):
     in_range(r[name], f"reward.{name}")
+    if abs(r[name]) > big:
+      raise ConfigError(f"reward.{name}={r[name]!r} is beyond float32's range (|x| <= "
+                        f"{big:.4g}), which rewards are kept in")
   in_range(r.tolerance, "reward.tolerance", 0)
   option(r.match, "reward.match", "match")
   if r.match == "math_verify":

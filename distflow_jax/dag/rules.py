@@ -6,6 +6,8 @@ or only after set-up and a first rollout.  Every error is one line naming the no
   first even where no single node sees both.
 * One trainer per role: a role has one parameter set and one optimizer state.
 * A critic that is read (``values``) is also trained (``train.critic``).
+* Something trains the actor: a workflow whose only trainer is the critic's would run
+  rollouts, rewards and critic updates forever while the policy never changes.
 * ``check_kl_reference`` (needs the config, called by ``plan_from_config``): a KL
   coefficient > 0 needs reference log-probs made before the node that reads them.
 """
@@ -35,6 +37,7 @@ def check_workflow(dag: "Dag", registry: Registry) -> None:
   _check_one_producer(dag, registry)
   _check_one_trainer(dag)
   _check_critic_trained(dag)
+  _check_actor_trained(dag)
 
 
 def _check_one_producer(dag: "Dag", registry: Registry) -> None:
@@ -69,6 +72,16 @@ def _check_critic_trained(dag: "Dag") -> None:
     raise DagError(f"DAG node(s) {short_list(readers)} run the CRITIC model, but no node "
                    f"trains it, so its values would never learn: add a train.critic node "
                    f"(deps: the advantage node and {readers[0]!r})")
+
+
+def _check_actor_trained(dag: "Dag") -> None:
+  trainers = [n for n in dag.nodes if n.type is NodeType.MODEL_TRAIN]
+  if trainers and not any(n.role is Role.ACTOR for n in trainers):
+    roles = sorted({n.role.value if n.role else "no role" for n in trainers})
+    raise DagError(f"DAG node(s) {short_list([n.id for n in trainers])} train only the "
+                   f"{'/'.join(roles)} model and no node trains the actor, so nothing would "
+                   f"change the policy (every step would sample the same model): add a "
+                   f"train.actor node (deps: the advantage node)")
 
 
 def check_kl_reference(steps: Iterable[Any], registry: Registry, coef: Any,

@@ -1,7 +1,7 @@
 """Loading the images a data row names: references to decoded PIL images.
 
-Where images come from (:func:`load_image`): a path (absolute, or relative to the data
-file's folder), a ``data:image/...;base64,`` URI or bare base64 text, raw bytes, or a
+Where images come from (:func:`load_image`): a path (relative to the data file's folder,
+or ``data.image_root`` when set, and resolving inside it; absolute only under it), a ``data:image/...;base64,`` URI or bare base64 text, raw bytes, or a
 ``{"bytes": ..., "path": ...}`` struct (Hugging Face ``datasets``' Image column in
 Parquet).  EXIF orientation is applied, as transformers' ``load_image`` does.  Anything
 unusable raises :class:`~distflow_jax.data.image_processor.ImageError`, one line naming
@@ -56,7 +56,12 @@ def load_image(ref: Any, base_dir: str = "", max_pixels: int = DEFAULT_MAX_IMAGE
                ) -> Any:
   """One image reference -> a decoded PIL image (EXIF orientation applied).  Raises
   :class:`ImageError` naming the image when it is missing, not an image, or larger than
-  ``max_pixels`` (checked from the header, before decoding)."""
+  ``max_pixels`` (checked from the header, before decoding).
+
+  With ``base_dir`` (the image root: the data file's folder or ``data.image_root``), a path
+  is read from it and must resolve inside it, symlinks followed: ``../`` out of it and
+  absolute paths elsewhere are refused without being opened.  Without it (a caller's own
+  images, not a data file's) a path is taken as it is."""
   from PIL import Image  # pylint: disable=import-outside-toplevel
   if isinstance(ref, dict):  # datasets' Image struct: {"bytes": ..., "path": ...}
     data = ref.get("bytes")
@@ -75,17 +80,29 @@ def load_image(ref: Any, base_dir: str = "", max_pixels: int = DEFAULT_MAX_IMAGE
       raise ImageError(f"image {name} is a data URI without ';base64'")
     return _decode(io.BytesIO(_b64(payload, name)), f"image {name}", max_pixels)
   path = os.path.join(base_dir, os.path.expanduser(ref)) if ref else ref
-  if ref and os.path.isfile(path):
+  inside = not base_dir or _inside(path, base_dir)
+  if ref and inside and os.path.isfile(path):
     return _decode(path, f"image file {os.path.abspath(path)}", max_pixels)
-  if len(ref) >= 64 and _BASE64.fullmatch(ref):
+  if len(ref) >= 64 and _BASE64.fullmatch(ref):  # before the root check: JPEG's starts "/9j/"
     try:
       data = _b64(ref, name)
       return _decode(io.BytesIO(data), f"image {name} (base64)", max_pixels)
     except ImageError:
       pass
+  if ref and not inside:  # not opened, whether or not it exists
+    raise ImageError(f"image path {name} resolves outside the image root "
+                     f"{os.path.realpath(base_dir)!r}; image paths must stay inside the data "
+                     f"file's folder (or data.image_root): no '..' out of it, no absolute "
+                     f"path elsewhere")
   raise ImageError(f"image {name} not found: no file {os.path.abspath(path) if ref else ''!r}"
                    f" (relative paths are from the data file's folder; base64 text or a "
                    f"data: URI also work)")
+
+
+def _inside(path: str, root: str) -> bool:
+  """Whether ``path`` resolves (symlinks followed, '..' applied) to ``root`` or below it."""
+  real, top = os.path.realpath(path), os.path.realpath(root)
+  return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
 
 
 def _b64(text: str, name: str) -> bytes:

@@ -14,7 +14,7 @@ numbers of bad rows.  Its state (epoch, position in the shard, bad-row counts)
 is a small JSON-able dict; restoring it reproduces the following batches
 exactly.
 
-Malformed rows (unreadable JSON, non-UTF-8, missing field, empty prompt,
+Malformed rows (unreadable JSON, non-UTF-8, missing field, empty prompt or answer,
 prompt longer than ``max_prompt_len`` tokens, an image that is missing, not an image or
 over ``max_image_pixels``) are counted by reason and either
 skipped (``on_bad_row="skip"``, with a warning on the first of each reason) or
@@ -83,7 +83,7 @@ class PromptLoader:
                on_bad_row: OnBadRow | str = OnBadRow.SKIP, pad_id: int = 0,
                num_epochs: int | None = None, prompt_key: str = "prompt",
                answer_key: str = "answer", source_key: str = "data_source",
-               use_chat_template: bool = True, image_key: str = "",
+               use_chat_template: bool = True, image_key: str = "", image_root: str = "",
                image_processor: images_lib.ImageProcessor | None = None,
                max_image_pixels: int = images_lib.DEFAULT_MAX_IMAGE_PIXELS):
     if process_index is None or process_count is None:
@@ -99,8 +99,8 @@ class PromptLoader:
                    if isinstance(path_or_source, (str, os.PathLike))
                    else path_or_source)
     if len(self.source) < process_count:
-      raise ValueError(f"{self.source.path!r} has {len(self.source)} records, "
-                       f"fewer than the {process_count} processes reading it")
+      raise TooFewRowsError(f"{self.source.path!r} has {len(self.source)} records, "
+                            f"fewer than the {process_count} processes reading it")
     shard = len(self.source) // process_count  # the smallest shard: the same on all processes
     if num_epochs is not None and shard * num_epochs < batch_size:
       raise TooFewRowsError(
@@ -134,13 +134,18 @@ class PromptLoader:
       images_lib.require_pillow()
       # A tokenizer without the vision tokens is refused here, in one line.
       image_pad = images_lib.vision_token_ids(tokenizer)[images_lib.IMAGE_PAD]
+      if image_root and not os.path.isdir(image_root):
+        raise ConfigError(f"data.image_root={image_root!r} is not a folder (image paths are "
+                          f"read from it; '' = the data file's folder)")
       self._parse_kw.update(
-          image_key=image_key, image_dir=os.path.dirname(os.path.abspath(self.source.path)),
+          image_key=image_key,
+          image_dir=os.path.abspath(image_root or os.path.dirname(self.source.path)),
           image_processor=image_processor or images_lib.ImageProcessor(),
           max_image_pixels=max_image_pixels, image_pad_id=image_pad)
     self._epoch = 0
     self._position = 0
     self._counts = {"ok": 0, **{r: 0 for r in REASONS}}
+    self._first_bad: dict[str, str] = {}  # reason -> its first row met, for the summary
     self._dataset = self._epoch_dataset(0)
 
   @property
@@ -182,6 +187,7 @@ class PromptLoader:
         return self._epoch, item
       self._counts[item.reason] += 1
       where = f"{_where(self.source, record)}: {item.reason}: {item.detail}"
+      self._first_bad.setdefault(item.reason, where)
       if self.on_bad_row is OnBadRow.ERROR:
         raise BadRowError(f"{where} (data.on_bad_row=error; fix the row or set "
                           f"--config.data.on_bad_row=skip to count and skip such rows)")
@@ -195,7 +201,8 @@ class PromptLoader:
 
   def _bad_summary(self) -> str:
     bad = {k: v for k, v in self.counts.items() if k != "ok" and v}
-    return (f"bad rows {bad} (see data.max_prompt_len, data.prompt_key/answer_key, "
+    first = "".join(f"; first {r}: {w}" for r, w in self._first_bad.items())
+    return (f"bad rows {bad}{first} (see data.max_prompt_len, data.prompt_key/answer_key, "
             f"data.image_key, data.on_bad_row)" if bad else "no bad rows")
 
   def __next__(self) -> Batch:

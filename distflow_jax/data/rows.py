@@ -29,7 +29,8 @@ import numpy as np
 from distflow_jax.data import images as images_lib
 from distflow_jax.data.sources import BadRow, answer_text, field_value, messages_of
 
-REASONS = ("bad_json", "not_utf8", "missing_field", "empty_prompt", "too_long", "bad_image")
+REASONS = ("bad_json", "not_utf8", "missing_field", "empty_prompt", "empty_answer", "too_long",
+           "bad_image")
 
 
 class Tokenizer(Protocol):
@@ -71,11 +72,17 @@ def parse_row(raw: dict[str, Any] | BadRow, record: int, *, tokenizer: Tokenizer
   answer = answer_text(field_value(raw, answer_key), answer_key)
   if isinstance(answer, BadRow):
     return answer
+  if not answer.strip():  # nothing to verify against: every completion would score 0
+    return BadRow("empty_answer", f"field {answer_key!r} is empty (no ground truth to score "
+                  f"against; is data.answer_key the right field?)")
   is_chat = not isinstance(prompt_value, (str, bytes))
   vision = None
   if image_key:
     try:
       refs = images_lib.image_values(field_value(raw, image_key))
+      if not refs:  # an image row without an image: nothing for its placeholders
+        raise images_lib.ImageError("holds no image (null or an empty list); every row of "
+                                    "an image dataset needs at least one")
       loaded = [images_lib.load_image(r, image_dir, max_image_pixels) for r in refs]
       original_messages = messages
       messages = images_lib.place_images(messages, len(loaded))

@@ -15,7 +15,14 @@ import json
 import os
 from typing import Any, Protocol
 
+from distflow_jax.config.loading import ConfigError
+
 SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class DataFileError(ConfigError):
+  """A data file that cannot be read as a whole (not Parquet, truncated, corrupt, no rows,
+  an unknown suffix); one line naming the file and what is wrong."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +83,8 @@ class JsonlSource:
     except json.JSONDecodeError as e:
       return BadRow("bad_json", f"not valid JSON: {e.msg} at column {e.colno}")
     if not isinstance(row, dict):
-      return BadRow("bad_json", f"a row must be a JSON object, got {type(row).__name__}")
+      return BadRow("bad_json", f"a row must be a JSON object, got {type(row).__name__} "
+                    f"(.json files are read as JSON Lines: one object per line)")
     return row
 
 
@@ -84,9 +92,17 @@ class ParquetSource:
   """Rows of a Parquet file (all columns), memory-mapped."""
 
   def __init__(self, path: str):
+    import pyarrow as pa
     import pyarrow.parquet as pq
     self.path = os.fspath(path)
-    self._table = pq.read_table(self.path, memory_map=True)
+    try:  # reads (and decompresses) every column now, so a corrupt page is met here
+      self._table = pq.read_table(self.path, memory_map=True)
+    except (pa.ArrowException, OSError) as e:
+      if isinstance(e, OSError) and e.errno is not None:
+        raise  # the file system's own error (missing, a folder, no permission): names it
+      raise DataFileError(f"data file {self.path}: not a readable Parquet file "
+                          f"({_first_line(e)}); is it truncated, corrupt or another "
+                          f"format?") from None
 
   def __len__(self) -> int:
     return self._table.num_rows
@@ -96,6 +112,12 @@ class ParquetSource:
 
   def __getitem__(self, index: int) -> dict[str, Any] | BadRow:
     return self._table.slice(index, 1).to_pylist()[0]
+
+
+def _first_line(e: BaseException) -> str:
+  lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+  text = lines[0] if lines else type(e).__name__
+  return text if len(text) <= 160 else text[:157] + "..."
 
 
 def field_value(row: dict[str, Any], key: str) -> Any:
@@ -166,9 +188,11 @@ def open_source(path: str) -> RecordSource:
   if not os.path.exists(path):
     raise FileNotFoundError(f"prompt dataset {path!r} does not exist")
   suffix = os.path.splitext(path)[1].lower()
-  if suffix in (".jsonl", ".json"):
-    return JsonlSource(path)
-  if suffix == ".parquet":
-    return ParquetSource(path)
-  raise ValueError(f"cannot read {path!r}: unknown suffix {suffix!r}; valid "
-                   f"suffixes are {list(SUFFIXES)}")
+  if suffix not in SUFFIXES:
+    raise DataFileError(f"cannot read data file {path}: unknown suffix {suffix!r}; valid "
+                        f"suffixes are {list(SUFFIXES)} (convert it to JSON Lines or Parquet)")
+  source: RecordSource = ParquetSource(path) if suffix == ".parquet" else JsonlSource(path)
+  if len(source) == 0:
+    raise DataFileError(f"data file {path} has no rows (an empty file"
+                        f"{' or only blank lines' if suffix != '.parquet' else ''})")
+  return source

@@ -131,9 +131,24 @@ def _tensor_reader(where: dict, files: Sequence[Path], folder: Path, p: str,
   def read(index):
     try:
       if transposed:
-        return np.asarray(tensor[tuple(reversed(index))]).T.astype(dtype)
-      return np.asarray(tensor[index]).astype(dtype)
+        out = np.asarray(tensor[tuple(reversed(index))]).T.astype(dtype)
+      else:
+        out = np.asarray(tensor[index]).astype(dtype)
     except Exception as e:  # pylint: disable=broad-except  (an unreadable dtype, say)
       raise ModelFileError(f"{f}: cannot read tensor {stored!r}: {e}") from None
+    _check_finite(out, f"tensor {stored!r} in {f} (model folder {folder})")
+    return out
   return read
+
+
+def _check_finite(x: np.ndarray, what: str) -> None:
+  """Refuses NaN / inf weights as they are read (one pass over the host copy, which the
+  read has just made): such a model evaluates to accuracy 0 and generates nothing, silently."""
+  if not np.issubdtype(x.dtype, np.inexact) and "float" not in str(x.dtype):
+    return  # integer buffers (none today) cannot be non-finite
+  finite = np.isfinite(x if x.dtype.itemsize >= 4 else x.astype(np.float32))
+  if not finite.all():
+    bad = x.size - int(np.count_nonzero(finite))
+    raise ModelFileError(f"{what} holds {bad} non-finite value(s) (NaN or inf) of {x.size}; "
+                         f"the weights are corrupt or diverged: use another checkpoint")
 

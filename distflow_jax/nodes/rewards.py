@@ -40,7 +40,14 @@ def _rule_reward(name: str, ctx: RunContext, node: Node, lay: dlayout.Layout,
   ctx.metrics.add_mean(f"reward/{node.id}", scores)
   if name == "math":  # the verifier's score is correctness, so it is also the accuracy
     ctx.metrics.add_mean("accuracy", scores > 0)
-  rewards = weight * scores.astype(np.float32)
+  with np.errstate(over="ignore", invalid="ignore"):
+    rewards = np.float32(weight) * scores.astype(np.float32)
+  if not np.all(np.isfinite(rewards)):
+    i = int(np.flatnonzero(~np.isfinite(rewards))[0])
+    raise reward_registry.RewardFunctionError(
+        f"DAG node {node.id!r}: reward.weight={weight} times the score {scores[i]} of "
+        f"sample id {int(local.data[SAMPLE_ID][i])} is {rewards[i]} in float32; lower the "
+        f"weight or the reward's scale")
   if "rewards" in batch.data:
     rewards = rewards + to_local(Batch({"rewards": batch.data["rewards"],
                                         SAMPLE_ID: batch.data[SAMPLE_ID],

@@ -108,12 +108,12 @@ def oom_hint(error: BaseException, cfg: ml_collections.ConfigDict | None = None)
   first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
   knobs = []
   if cfg is not None:
-    r, a, d = cfg.rollout, cfg.actor, cfg.data
+    r, d = cfg.rollout, cfg.data
     knobs = [
         f"rollout.max_concurrent_decodes={r.max_concurrent_decodes} (KV cache: slots x "
         f"(max_prompt_len + max_new_tokens))",
         f"rollout.max_new_tokens={r.max_new_tokens}",
-        f"actor.micro_batch_size={a.micro_batch_size} (training activations and logits)",
+        *_micro_batch_knobs(cfg),
         f"data.max_prompt_len={d.max_prompt_len}",
     ]
     if cfg.model.dtype == "float32":
@@ -123,3 +123,20 @@ def oom_hint(error: BaseException, cfg: ml_collections.ConfigDict | None = None)
   lines = [f"out of memory: {first}", "lower one of these and run again:"]
   lines += [f"  --config.{k}" for k in knobs] or ["  the batch, sequence lengths or model size"]
   return "\n".join(lines)
+
+
+def _micro_batch_knobs(cfg: ml_collections.ConfigDict) -> list[str]:
+  """The key that sizes each trained role's micro-batches: its token budget when one is set
+  (micro_batch_size is then unused), else micro_batch_size; the critic's only when the DAG
+  trains it."""
+  fns = {n.get("fn") for n in (cfg.get("dag") or []) if isinstance(n, dict)}
+  out = []
+  for role, fn in (("actor", "train.actor"), ("critic", "train.critic")):
+    if role == "critic" and fn not in fns:
+      continue
+    s = cfg[role]
+    budget = s.get("micro_batch_tokens", 0)
+    out.append(f"{role}.micro_batch_tokens={budget} (tokens per training micro-batch: "
+               f"activations and logits)" if budget else
+               f"{role}.micro_batch_size={s.micro_batch_size} (training activations and logits)")
+  return out

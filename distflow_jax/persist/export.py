@@ -22,10 +22,13 @@ from distflow_jax.models.transformer import Transformer
 from distflow_jax.persist import checkpoint
 
 PREFIX = "actor.params."
+# One fused reduction per array: read once, no host copy (recompiled per shape and dtype).
+_all_finite = jax.jit(lambda x: jnp.all(jnp.isfinite(x)))
 
 
 def actor_model(arrays: dict, meta: dict, where: str) -> Transformer:
-  """The actor rebuilt from a checkpoint's arrays; errors name what does not fit."""
+  """The actor rebuilt from a checkpoint's arrays; errors name what does not fit, and an
+  array holding NaN or inf (a diverged run's weights)."""
   model_cfg = checkpoint.model_config_from_meta(meta)
   graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
   flat = nnx.to_flat_state(state)
@@ -46,6 +49,11 @@ def actor_model(arrays: dict, meta: dict, where: str) -> Transformer:
       raise checkpoint.CheckpointError(f"{where}: {name} has shape {x.shape}, the model "
                                        f"config expects {tuple(spec.shape)}")
     values[key] = jnp.asarray(x, spec.dtype)
+    if not bool(_all_finite(values[key])):
+      raise checkpoint.CheckpointError(
+          f"{where}: the actor's {name} holds non-finite values (NaN or inf); the run "
+          f"diverged before this step was saved: use an earlier step (export --step N, or "
+          f"--model=RUN_DIR/checkpoints/<step>)")
   for key, var in flat:
     var.set_value(values[key])
   return nnx.merge(graphdef, nnx.from_flat_state(flat))

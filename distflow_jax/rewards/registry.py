@@ -83,14 +83,44 @@ def _fn_name(fn: Callable) -> str:
   return getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
 
 
+# What a reward function may return: a real number (bool counts as 0 / 1).  Text ("1.0"),
+# None, complex numbers and arrays are refused: float("1.0") would hide a function that
+# returns the wrong thing.
+_REAL = (bool, int, float, np.bool_, np.integer, np.floating)
+
+
+def _checked_score(value: Any, name: str, sample_id: Any) -> np.float32:
+  """``value`` as the float32 the batch stores; RewardFunctionError naming the function,
+  the sample and the value when it is not a real number or not finite AFTER the cast
+  (1e300 is finite as a Python float and inf as a float32)."""
+  if not isinstance(value, _REAL) and not (
+      isinstance(value, np.ndarray) and value.shape == () and
+      np.issubdtype(value.dtype, np.number) and not np.iscomplexobj(value)):
+    raise RewardFunctionError(
+        f"reward function {name!r} returned {value!r} ({type(value).__name__}) for sample "
+        f"id {sample_id!r}; it must return a real number (int / float), not "
+        f"{type(value).__name__}")
+  try:
+    with np.errstate(over="ignore", invalid="ignore"):
+      cast = np.float32(value)
+  except OverflowError:  # an int too large even for a float64
+    cast = np.float32(np.inf)
+  if not np.isfinite(cast):
+    raise RewardFunctionError(
+        f"reward function {name!r} returned {value!r} for sample id {sample_id!r}; scores "
+        f"must be finite float32 numbers (|score| < {float(np.finfo(np.float32).max):.3g})")
+  return cast
+
+
 def score_batch(reward: "str | RewardFn", completions: Sequence[str],
                 ground_truths: Sequence[str],
                 sample_ids: Sequence[Any] | None = None) -> np.ndarray:
   """Scores a batch of completions: float32 [B].
 
   A user function that raises, or returns something that is not a finite
-  number, stops the batch with ``RewardFunctionError`` naming the function
-  and the sample id (the cause is chained), never a silent zero.
+  number (text, None, ...) or is not finite as a float32, stops the batch with
+  ``RewardFunctionError`` naming the function, the sample id and the value (the
+  cause is chained), never a silent zero.
   """
   fn = get_reward(reward) if isinstance(reward, str) else reward
   name = _fn_name(fn)
@@ -109,17 +139,7 @@ def score_batch(reward: "str | RewardFn", completions: Sequence[str],
       raise RewardFunctionError(
           f"reward function {name!r} raised on sample id {ids[i]!r}: "
           f"{type(e).__name__}: {e}") from e
-    try:
-      value = float(value)
-    except (TypeError, ValueError):
-      raise RewardFunctionError(
-          f"reward function {name!r} returned {value!r} ({type(value).__name__}) "
-          f"for sample id {ids[i]!r}; it must return a float") from None
-    if not math.isfinite(value):
-      raise RewardFunctionError(
-          f"reward function {name!r} returned {value} for sample id {ids[i]!r}; "
-          "scores must be finite")
-    scores[i] = value
+    scores[i] = _checked_score(value, name, ids[i])
   return scores
 
 

@@ -128,7 +128,8 @@ def load_shard(ctx: RunContext, path: str, limit: int = 0
                         prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
                         use_chat_template=cfg.data.chat_template,
                         on_bad_row=cfg.data.on_bad_row,
-                        image_key=vision_checks.run_image_key(cfg))
+                        image_key=vision_checks.run_image_key(cfg),
+                        image_root=cfg.data.get("image_root", ""))
   return list(loader), loader.counts, len(source)
 
 

@@ -101,7 +101,8 @@ def setup(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print
   common = dict(tokenizer=tokenizer, max_prompt_len=cfg.data.max_prompt_len,
                 pad_id=tokenizer.pad_id, use_chat_template=cfg.data.chat_template,
                 prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
-                on_bad_row=cfg.data.on_bad_row, image_key=vision_checks.run_image_key(cfg))
+                on_bad_row=cfg.data.on_bad_row, image_key=vision_checks.run_image_key(cfg),
+                image_root=cfg.data.get("image_root", ""))
   train = PromptLoader(train_path, batch_size=cfg.data.prompts_per_step // nproc,
                        seed=cfg.data.shuffle_seed, **common)
   ev = None

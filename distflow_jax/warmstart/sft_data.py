@@ -59,11 +59,16 @@ def _turns(raw: dict, where: str, row: int) -> list[Pair] | BadRow:
       isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
     return BadRow("missing_field", f"field {MESSAGES!r} must be a list of "
                   f"{{'role', 'content'}} messages with text content")
-  out = [Pair(list(msgs[:i]), m["content"], where, row) for i, m in enumerate(msgs)
-         if m.get("role") == "assistant" and i > 0]
-  if not out:
+  turns = [i for i, m in enumerate(msgs) if m.get("role") == "assistant" and i > 0]
+  if not turns:
     return BadRow("missing_field", f"field {MESSAGES!r} has no assistant turn after a "
                   f"prompt (roles {[m.get('role') for m in msgs]})")
+  # An empty assistant turn is nothing to learn (it would train EOS alone); it stays in
+  # the prompts of the turns after it.
+  out = [Pair(list(msgs[:i]), msgs[i]["content"], where, row) for i in turns
+         if msgs[i]["content"].strip()]
+  if not out:
+    return BadRow("empty_answer", f"field {MESSAGES!r}: every assistant turn is empty")
   return out
 
 
@@ -81,6 +86,9 @@ def _pairs_of(raw: dict | BadRow, where: str, row: int, prompt_key: str, answer_
   if not isinstance(answer, str):
     return BadRow("missing_field", f"field {answer_key!r} must be text, got "
                   f"{type(answer).__name__}")
+  if not answer.strip():
+    return BadRow("empty_answer", f"field {answer_key!r} is empty (no target to learn; is "
+                  f"data.answer_key the right field?)")
   return [Pair(raw[prompt_key], answer, where, row)]
 
 
