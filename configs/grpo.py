@@ -51,8 +51,10 @@ def get_config(arg: str = "tiny"):
     c.data.max_prompt_len = 32
     c.data.eval_size = 256
     c.rollout.prefill_buckets = (16, 24, 32)
-    c.rollout.max_new_tokens = 32
-    c.model.max_seq_len = 64
+    # Fits every demonstration: "9 + 9 = 18\n18 + 9 = 27\nThe answer is 27." + EOS is 41
+    # tokens (tests/test_shipped_demonstrations.py); one that did not fit would be left out.
+    c.rollout.max_new_tokens = 48
+    c.model.max_seq_len = 80
     c.model.warmstart.steps = 200
     c.model.warmstart.plain_answer_prob = 0.7
     c.data.prompts_per_step = 16

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -68,11 +69,18 @@ def shrink(cmd: str) -> str:
   return cmd
 
 
-def user_env() -> dict:
-  """A user's shell: the venv's distflow-jax and python3 first on PATH, one CPU device
+def user_env(folder: Path) -> dict:
+  """A user's new shell in ``folder``: no venv on PATH (only the README's own
+  ``source .venv/bin/activate`` finds distflow-jax and the venv's python3), ``folder/.venv``
+  standing for the venv the README's install made (this interpreter's), one CPU device
   (not the 8 simulated devices conftest gives the test process)."""
+  bin_dir = os.path.realpath(os.path.dirname(sys.executable))
+  os.symlink(sys.prefix, folder / ".venv")
   env = dict(os.environ)
-  env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+  env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                if p and os.path.realpath(p) != bin_dir)
+  env.pop("VIRTUAL_ENV", None)
+  assert shutil.which("distflow-jax", path=env["PATH"]) is None
   flags = [f for f in env.get("XLA_FLAGS", "").split()
            if not f.startswith("--xla_force_host_platform_device_count")]
   env["XLA_FLAGS"] = " ".join(flags)
@@ -81,8 +89,15 @@ def user_env() -> dict:
   return env
 
 
+def is_shell_state(cmd: str) -> bool:
+  """A line whose effect later lines of the same shell keep (the venv's activation)."""
+  return shlex.split(cmd, comments=True)[:1] in (["source"], ["."])
+
+
 def test_the_section_shows_the_whole_path_in_order():
   cmds = commands(section_text())
+  assert is_shell_state(cmds[0]), cmds[0]  # a new shell activates the install's venv
+  cmds = cmds[1:]
   firsts = [c.split()[:2] for c in cmds]
   order = [firsts.index(["distflow-jax", name]) for name in ("sft", "train", "eval", "export")]
   assert order == sorted(order), firsts
@@ -95,11 +110,14 @@ def test_the_section_shows_the_whole_path_in_order():
 @pytest.mark.timeout(900)
 def test_readme_own_task_commands_run_end_to_end(tmp_path):
   pytest.importorskip("transformers")
-  env = user_env()
+  env, state = user_env(tmp_path), ""
   for cmd in commands(section_text()):
+    if is_shell_state(cmd):  # this shell keeps it for the commands after
+      state += cmd + "\n"
+      continue
     cmd = shrink(cmd)
-    done = subprocess.run(["bash", "-c", "set -eo pipefail\n" + cmd], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(["bash", "-c", "set -eo pipefail\n" + state + cmd], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{cmd}\nexit {done.returncode}\n{done.stdout[-3000:]}\n" \
                                  f"{done.stderr[-3000:]}"
     if cmd.startswith("distflow-jax eval ") and "--k=8" in cmd:

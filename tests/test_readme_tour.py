@@ -1,9 +1,14 @@
-"""README's "A five-minute tour", run as written: its bash block is read from README.md, each
-line runs in a subprocess in a fresh folder, and what each command promises is checked.
+"""README's tour, run as pasted into a fresh shell after the README's first command: the
+first command's train and the tour's bash block are read from README.md, each line runs in
+``bash -c`` in a fresh folder whose ``.venv`` stands for the one the install made, with a
+PATH that lacks the venv's bin (a bare ``distflow-jax`` there is "command not found": only
+the README's own ``source .venv/bin/activate`` finds it), and what each command promises is
+checked.
 
-Only what keeps it fast is added: ``--config.trainer.total_steps=N`` becomes 2, 3, ... in
-order, every ``train`` gets a smaller model and batch (``FAST``), and paths under /tmp/ go
-under the test's own folder.  A README change that no longer runs fails here.
+Only what keeps it fast is added: the README's ``--config.trainer.total_steps=N`` (the
+first command's implicit one first) become 1, 2, 3, ... in order, every ``train`` gets a
+smaller model and batch (``FAST``), and paths under /tmp/ go under the test's own folder.
+A README change that no longer runs as pasted fails here.
 """
 
 import json
@@ -16,10 +21,13 @@ import sys
 
 import pytest
 
+from distflow_jax.config import loading
+
 pytestmark = pytest.mark.multiprocess  # its `launch` line starts 2 jax.distributed processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECTION = "## A five-minute tour"
+SECTION = "## A tour, after the first command"
+FIRST = "## The two commands"
 # Appended to each `train` (the same on both, so the launched one may resume the first).
 FAST = ["--config.model.preset=micro", "--config.model.warmstart.steps=0",
         "--config.data.eval_size=8", "--config.data.prompts_per_step=8", "--config.rollout.n=2",
@@ -27,15 +35,30 @@ FAST = ["--config.model.preset=micro", "--config.model.warmstart.steps=0",
 COMMAND_TIMEOUT_S = 200
 
 
-def tour_lines(readme: str = os.path.join(REPO, "README.md")) -> list[str]:
-  """The tour's bash block, a command a line (backslash continuations joined)."""
+def _blocks(section: str, readme: str = os.path.join(REPO, "README.md")) -> list[str]:
+  """A section's bash blocks, a command a line (backslash continuations joined)."""
   text = open(readme).read()
-  assert SECTION in text, f"README.md has no {SECTION!r} section"
-  section = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
-  block = re.search(r"```bash\n(.*?)```", section, re.S)
-  assert block, f"README.md's {SECTION!r} has no bash block"
-  lines = block.group(1).replace("\\\n", " ").splitlines()
+  assert section in text, f"README.md has no {section!r} section"
+  part = text.split(section, 1)[1].split("\n## ", 1)[0]
+  blocks = re.findall(r"```bash\n(.*?)```", part, re.S)
+  assert blocks, f"README.md's {section!r} has no bash block"
+  lines = blocks[0].replace("\\\n", " ").splitlines()
   return [l.strip() for l in lines if l.strip()]
+
+
+def tour_lines() -> list[str]:
+  return _blocks(SECTION)
+
+
+def first_command() -> list[str]:
+  """The README's first command as the shell runs it, `&&` by `&&`."""
+  (line,) = _blocks(FIRST)[:1]
+  return [part.strip() for part in line.split("&&")]
+
+
+def is_shell_state(line: str) -> bool:
+  """A line whose effect later lines of the same shell keep (the venv's activation)."""
+  return shlex.split(line, comments=True)[:1] in (["source"], ["."])
 
 
 def adapt(tokens: list[str], tmp: str, steps: list[int]) -> list[str]:
@@ -46,22 +69,30 @@ def adapt(tokens: list[str], tmp: str, steps: list[int]) -> list[str]:
     m = re.fullmatch(r"--config\.trainer\.total_steps=(\d+)", t)
     if m:
       steps.append(int(m.group(1)))
-      t = f"--config.trainer.total_steps={len(steps) + 1}"
+      t = f"--config.trainer.total_steps={len(steps)}"
     out.append(t)
   if "train" in out:
     out += FAST  # train is the last command of a line (launch's too)
   return out
 
 
-def child_env(bin_dir: str) -> dict[str, str]:
-  """A user's shell: this machine's one CPU device (not the tests' 8), the venv's bin first."""
+def fresh_shell(tmp: str) -> dict[str, str]:
+  """A user's new shell in ``tmp``: this machine's one CPU device (not the tests' 8), no
+  venv on PATH, and ``tmp/.venv`` standing for the venv the README's install made (this
+  interpreter's, which has the package)."""
+  bin_dir = os.path.dirname(sys.executable)
+  os.symlink(sys.prefix, os.path.join(tmp, ".venv"))
   env = dict(os.environ)
   flags = [f for f in env.get("XLA_FLAGS", "").split()
            if not f.startswith("--xla_force_host_platform_device_count")]
   env["XLA_FLAGS"] = " ".join(flags)
   env["JAX_PLATFORMS"] = "cpu"
-  env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
-  env.pop("DISTFLOW_DEBUG", None)
+  env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                if p and os.path.realpath(p) != os.path.realpath(bin_dir))
+  for key in ("DISTFLOW_DEBUG", "VIRTUAL_ENV"):
+    env.pop(key, None)
+  assert shutil.which("distflow-jax", path=env["PATH"]) is None, \
+      "a distflow-jax outside the venv is on PATH: the fresh shell would find it"
   return env
 
 
@@ -70,9 +101,14 @@ def files(folder) -> list[str]:
 
 
 def test_tour_block_is_what_the_test_expects():
-  """The commands the checks below are written for, in the README's order."""
+  """The commands the checks below are written for, in the README's order; the first
+  command installs into .venv and activates it before it runs distflow-jax."""
+  first = first_command()
+  assert first[0] == "python3 -m venv .venv" and "pip install" in first[2], first
+  assert is_shell_state(first[1]) and first[3] == "distflow-jax train", first
   lines = tour_lines()
-  names = [shlex.split(l, comments=True)[:2] for l in lines]
+  assert is_shell_state(lines[0]), lines[0]  # a new shell activates the venv again
+  names = [shlex.split(l, comments=True)[:2] for l in lines[1:]]
   assert [n[1] if n[0] == "distflow-jax" else n[0] for n in names] == [
       "plan", "train", "report", "export", "eval", "echo", "generate", "launch"]
   assert all("--config.trainer.total_steps=" in l for l in lines if " train " in l + " ")
@@ -80,24 +116,42 @@ def test_tour_block_is_what_the_test_expects():
 
 @pytest.mark.timeout(600)
 def test_readme_tour_runs_as_written(tmp_path):
-  bin_dir = os.path.dirname(sys.executable)
-  if shutil.which("distflow-jax", path=bin_dir) is None:
-    pytest.skip(f"no distflow-jax script beside {sys.executable} (pip install -e . installs it)")
-  env = child_env(bin_dir)
-  tmp, steps, results = str(tmp_path), [], {}
+  tmp, results, steps = str(tmp_path), {}, []
+  env = fresh_shell(tmp)
+
+  def run(state: str, cmd: str, line: str) -> subprocess.CompletedProcess:
+    r = subprocess.run(["bash", "-c", state + cmd], cwd=tmp, env=env, capture_output=True,
+                       text=True, timeout=COMMAND_TIMEOUT_S)
+    assert r.returncode == 0, (f"README line failed ({r.returncode}): {line}\n"
+                               f"ran: {cmd}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r
+
+  # The first command, in its shell: the venv's creation and pip install are what
+  # tmp/.venv stands for; its activation and train run as written.
+  first = first_command()
+  state = "".join(p + "\n" for p in first if is_shell_state(p))
+  steps.append(loading.load("grpo:tiny").trainer.total_steps)  # train's default, implicit
+  train = adapt(shlex.split(first[-1]), tmp, []) + [f"--config.trainer.total_steps={len(steps)}"]
+  results["first"] = run(state, shlex.join(train), first[-1])
+  # The tour, in a new shell.
+  state = ""
   for line in tour_lines():
+    if is_shell_state(line):  # this shell keeps it for the lines after
+      state += line + "\n"
+      continue
     tokens = shlex.split(line, comments=True)
     if tokens[0] != "distflow-jax":  # a plain shell line (the prompts file)
-      argv, name = ["bash", "-c", line.replace("/tmp/", tmp + "/")], tokens[0]
+      cmd, name = line.replace("/tmp/", tmp + "/"), tokens[0]
     else:
-      argv, name = adapt(tokens, tmp, steps), tokens[1]
-    r = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True,
-                       timeout=COMMAND_TIMEOUT_S)
-    assert r.returncode == 0, (f"README tour line failed ({r.returncode}): {line}\n"
-                               f"ran: {shlex.join(argv)}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    results[name] = r
+      cmd, name = shlex.join(adapt(tokens, tmp, steps)), tokens[1]
+    results[name] = run(state, cmd, line)
+  assert steps == sorted(set(steps)), \
+      f"each train line must train past the one before it (total_steps {steps})"
+
   run = tmp_path / "runs" / "grpo_tiny"
-  assert steps == sorted(steps), f"the tour's total_steps should grow: {steps}"
+  # The tour's train resumed the first command's run and trained past it.
+  said = results["train"].stdout + results["train"].stderr
+  assert "resumed from" in said and "(step 1)" in said and "nothing to do" not in said, said
 
   assert "generate" in results["plan"].stdout  # the plan names the DAG's nodes
   data = run / "data" / "arithmetic_basic_eval.jsonl"
@@ -118,5 +172,5 @@ def test_readme_tour_runs_as_written(tmp_path):
   assert len(out) >= 1 and all(o["prompt"] and "completion" in o for o in out)
   # launch: the run continued on 2 processes to the launch line's (shortened) total_steps.
   metrics = [json.loads(l) for l in open(run / "metrics.jsonl")]
-  assert metrics[-1]["step"] == len(steps) + 1 == 3
+  assert metrics[-1]["step"] == len(steps) == 3
   assert "2 process(es)" in results["launch"].stdout + results["launch"].stderr

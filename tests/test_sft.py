@@ -148,7 +148,7 @@ def test_warm_start_is_the_sft_loop_unchanged(tmp_path):
   state = setup.prepare_run(cfg, roles="actor").ctx.roles[Role.ACTOR]
   task, level = tasks.parse(cfg.data.train)
   data = warmstart.encode_examples(task.demonstrations(level, 96, seed=0), state_tok(cfg),
-                                   max_prompt_len=40, max_new_tokens=8, use_chat_template=False)
+                                   max_prompt_len=40, max_new_tokens=40, use_chat_template=False)
   fresh = lambda: jax.tree.map(lambda x: x.copy(), state.params)  # noqa: E731
   steps, bs, lr = 12, 16, 1e-3
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
@@ -214,9 +214,10 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case, extra, pattern):
 
 
 @pytest.mark.timeout(60)
-def test_warm_start_says_when_max_new_tokens_cuts_its_demonstrations():
-  """A demonstration longer than rollout.max_new_tokens is cut (as the rollout would cut
-  it), and the run says so in one line with the length that fits them all."""
+def test_warm_start_leaves_out_demonstrations_longer_than_max_new_tokens():
+  """A demonstration longer than rollout.max_new_tokens is left out, never cut and given an
+  EOS (that taught the model to stop mid-answer), and the run says so in one line with the
+  length that fits them all."""
   from distflow_jax.models.tokenizer import Tokenizer
   from distflow_jax.warmstart import text as warmstart
   tok = Tokenizer.builtin()
@@ -224,10 +225,11 @@ def test_warm_start_says_when_max_new_tokens_cuts_its_demonstrations():
           {"prompt": "q", "completion": "12 + 14 = 26\n26 - 7 = 19\n#### 19"}]
   sizes = [len(tok.encode(r["completion"])) + 1 for r in recs]
   logs = []
-  outs = warmstart.completion_ids(recs, tok, sizes[1], logs.append)
-  assert [len(o) for o in outs] == sizes and not logs
-  outs = warmstart.completion_ids(recs, tok, sizes[0], logs.append)
-  assert [len(o) for o in outs] == [sizes[0], sizes[0]] and outs[1][-1] == tok.eos_id
+  kept, outs = warmstart.fitting_demonstrations(recs, tok, sizes[1], logs.append)
+  assert kept == recs and [len(o) for o in outs] == sizes and not logs
+  kept, outs = warmstart.fitting_demonstrations(recs, tok, sizes[0], logs.append)
+  assert kept == recs[:1] and outs == [tok.encode(recs[0]["completion"]) + [tok.eos_id]]
   assert len(logs) == 1 and "\n" not in logs[0], logs
-  assert f"rollout.max_new_tokens={sizes[0]} cuts 1 of 2" in logs[0]
+  assert "1 of 2 warm-start demonstrations are longer than " \
+         f"rollout.max_new_tokens={sizes[0]}" in logs[0]
   assert f"raise rollout.max_new_tokens to {sizes[1]}" in logs[0]

@@ -32,7 +32,7 @@ CHEAP = [
     "--config.data.prompts_per_step=4",
     "--config.rollout.n=2",
     "--config.actor.micro_batch_size=8",
-    "--config.rollout.max_new_tokens=8",
+    # rollout.max_new_tokens as shipped: a smaller one would leave out every demonstration.
     "--config.rollout.max_concurrent_decodes=8",
     "--config.data.eval_size=8",
     "--config.trainer.eval_every=0",

@@ -258,21 +258,26 @@ def summary_lines(run_dir: str, *, checkpoint_dir: str, last_checkpoint: int | N
     out.append(f"checkpoint: {os.path.join(checkpoint_dir, str(last_checkpoint))}")
   out.append(f"metrics:    {os.path.join(run_dir, 'metrics.jsonl')}")
   hf = os.path.join(run_dir, "hf")
+  from distflow_jax.observe import invocation
+  cmd = invocation.command()  # the venv's script by its full path where PATH lacks it
   out += ["next:",
-          f"  distflow-jax report {run_dir}",
-          "  distflow-jax eval " + "".join(f"{shlex.quote(a)} " for a in
-                                          eval_config_args(config_args))
+          f"  {cmd} report {run_dir}",
+          f"  {cmd} eval " + "".join(f"{shlex.quote(a)} " for a in
+                                     eval_config_args(config_args))
           + f"--model={run_dir} --data={eval_data or 'FILE.jsonl'}",
-          f"  distflow-jax export --checkpoint {run_dir} --out {hf}   (for transformers)"]
+          f"  {cmd} export --checkpoint {run_dir} --out {hf}   (for transformers)"]
   return out
 
 
 def eval_config_args(config_args: Sequence[str]) -> list[str]:
   """Of a run's ``--config`` flags, those ``distflow-jax eval`` repeats so that it reads the
   run's prompts, decodes its answers and plans its nodes as the run did: all but the ones
-  about where and how long the run went (``run_dir``, ``trainer.*``, ``logging.*``) and
-  ``model.path`` (``--model`` sets it)."""
-  drop = ("--config.run_dir=", "--config.trainer.", "--config.logging.", "--config.model.path=")
+  about where and how long the run went (``run_dir``, ``trainer.*``, ``logging.*``), on
+  which processes and devices (``cluster.*``, ``placement.*``, ``rollout.tensor_parallel``:
+  eval runs on this machine's devices, where a launched run's ``cluster.num_processes=2``
+  is refused) and ``model.path`` (``--model`` sets it)."""
+  drop = ("--config.run_dir=", "--config.trainer.", "--config.logging.", "--config.model.path=",
+          "--config.cluster.", "--config.placement.", "--config.rollout.tensor_parallel=")
   joined, args = [], list(config_args)
   for i, a in enumerate(args):  # "--config X" as "--config=X"
     if i and "=" not in args[i - 1] and args[i - 1].startswith("--config") \

@@ -47,31 +47,44 @@ from distflow_jax.state.roles import ModelState
 sft_loss = sft.sft_loss
 
 
-def completion_ids(records: Sequence[dict], tokenizer: Tokenizer, max_new_tokens: int,
-                   log: Callable[[str], None] = print) -> list[list[int]]:
-  """Each demonstration's completion + EOS as token ids, cut to ``max_new_tokens``.  Logs
-  one line when any is cut: a cut answer teaches the model to stop mid-answer, and a
-  rollout of that length can never finish it (the reward scores it 0)."""
-  full = [tokenizer.encode(r["completion"]) + [tokenizer.eos_id] for r in records]
-  long = [len(o) for o in full if len(o) > max_new_tokens]
+def fitting_demonstrations(records: Sequence[dict], tokenizer: Tokenizer, max_new_tokens: int,
+                           log: Callable[[str], None] = print
+                           ) -> tuple[list[dict], list[list[int]]]:
+  """The demonstrations whose completion + EOS fits ``max_new_tokens``, and those token ids.
+
+  A longer one is left out, never cut: a cut answer given an EOS teaches the model to stop
+  mid-answer ("...The answe" with a clean stop), and a rollout of that length could never
+  finish it.  Logs one line when any is left out; refuses (``ConfigError``) when none fits."""
+  kept, ids, long = [], [], []
+  for r in records:
+    out = tokenizer.encode(r["completion"]) + [tokenizer.eos_id]
+    if len(out) > max_new_tokens:
+      long.append(len(out))
+    else:
+      kept.append(r)
+      ids.append(out)
+  if long and not kept:
+    raise ConfigError(f"rollout.max_new_tokens={max_new_tokens}: none of the {len(records)} "
+                      f"warm-start demonstrations fits (completion + EOS: {min(long)} to "
+                      f"{max(long)} tokens); raise rollout.max_new_tokens to {max(long)}")
   if long:
-    log(f"WARNING: rollout.max_new_tokens={max_new_tokens} cuts {len(long)} of {len(full)} "
-        f"warm-start demonstrations (up to {max(long)} tokens with EOS); their answers can "
-        f"never be right in this run: raise rollout.max_new_tokens to {max(long)} to fit all")
-  return [o[:max_new_tokens - 1] + [tokenizer.eos_id] if len(o) > max_new_tokens else o
-          for o in full]
+    log(f"WARNING: {len(long)} of {len(records)} warm-start demonstrations are longer than "
+        f"rollout.max_new_tokens={max_new_tokens} (up to {max(long)} tokens with EOS) and are "
+        f"left out, not cut; raise rollout.max_new_tokens to {max(long)} to keep them all")
+  return kept, ids
 
 
 def encode_examples(records: Sequence[dict], tokenizer: Tokenizer, *, max_prompt_len: int,
                     max_new_tokens: int, use_chat_template: bool,
                     log: Callable[[str], None] = print) -> dict[str, np.ndarray]:
-  """Left-padded prompts and right-padded completion + EOS, as the RL batch lays them out."""
+  """Left-padded prompts and right-padded completion + EOS, as the RL batch lays them out;
+  only the demonstrations that fit ``max_new_tokens`` (``fitting_demonstrations``)."""
+  records, outs = fitting_demonstrations(records, tokenizer, max_new_tokens, log)
   n = len(records)
   prompt = np.full((n, max_prompt_len), tokenizer.pad_id, np.int32)
   prompt_mask = np.zeros((n, max_prompt_len), bool)
   resp = np.full((n, max_new_tokens), tokenizer.pad_id, np.int32)
   resp_mask = np.zeros((n, max_new_tokens), bool)
-  outs = completion_ids(records, tokenizer, max_new_tokens, log)
   for i, (rec, out) in enumerate(zip(records, outs)):
     ex = parse_row({"prompt": rec["prompt"], "answer": rec["completion"]}, i,
                    tokenizer=tokenizer, max_prompt_len=max_prompt_len,
@@ -103,7 +116,8 @@ def run(state: ModelState, data: dict[str, np.ndarray], *, steps: int, batch_siz
   """
   n = len(data["response_mask"])
   if batch_size > n:
-    raise ValueError(f"warm-start batch_size={batch_size} exceeds the {n} examples")
+    raise ConfigError(f"model.warmstart.batch_size={batch_size} exceeds the {n} warm-start "
+                      f"examples (the demonstrations that fit rollout.max_new_tokens)")
   tx = optimizer(lr, steps)
   # A trainable copy: the caller's state keeps no optimizer.
   st = dataclasses.replace(state, tx=tx, opt_state=placement.init_opt_state(tx, state.params))

@@ -83,13 +83,14 @@ class Demos:
 def encode_demos(records: Sequence[dict], tok: Tokenizer, cfg: VLConfig, *, image_key: str,
                  max_prompt_len: int, max_new_tokens: int, use_chat_template: bool,
                  log: Callable[[str], None] = print) -> Demos:
-  """Prompts (with their image placeholders) encoded as the RL loader encodes them."""
+  """Prompts (with their image placeholders) encoded as the RL loader encodes them; only the
+  demonstrations that fit ``max_new_tokens`` (``warmstart.text.fitting_demonstrations``)."""
+  records, outs = warmstart.fitting_demonstrations(records, tok, max_new_tokens, log)
   n, p, r = len(records), max_prompt_len, max_new_tokens
   tokens = np.full((n, p + r), tok.pad_id, np.int32)
   mask = np.zeros((n, p + r), bool)
   target = np.zeros((n, p + r), bool)
   pixels, grid = [], None
-  outs = warmstart.completion_ids(records, tok, r, log)
   for i, (rec, out) in enumerate(zip(records, outs)):
     ex = parse_row({"prompt": rec["prompt"], "answer": rec["completion"],
                     image_key: rec[image_key]}, i, tokenizer=tok, max_prompt_len=p,
