@@ -104,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if usage.wants_help(rest):
     return usage.show(cmd, COMMANDS[cmd])
   from distflow_jax.rewards.registry import RewardFunctionError
+  from distflow_jax.persist import run_lock
   try:
     return COMMANDS[cmd](rest)
   except (loading.ConfigError, DagError) as e:
@@ -118,6 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     detail = _one_line(str(e))
     return _fail(cmd, f"failed: {type(e).__name__}{': ' + detail if detail else ''}{hint}", 1,
                  debug)
+  finally:
+    run_lock.release_all()  # the run dir is free again, however the command ended
 
 
 def entry() -> None:

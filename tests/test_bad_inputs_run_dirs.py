@@ -1,0 +1,167 @@
+"""Bad inputs about where a job writes (issue 36), through the real command line: a run dir
+another live job holds, a stale lock, export / eval / generate destinations, a full disk.
+Each ends in ONE line naming the culprit (exit 2 for a user mistake, 1 for a failed run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from distflow_jax import cli
+from test_bad_inputs_corpus import assert_one_line
+
+# A run dir whose latest checkpoint is at total_steps: train gets as far as the run dir
+# (the lock, the preflight) and has nothing to do, without a model or a step.
+FINISHED = ["--config=grpo:tiny", "--config.trainer.total_steps=2"]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+  code = cli.main(list(argv))
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def finished_run_dir(path) -> str:
+  os.makedirs(path / "checkpoints" / "2")
+  return str(path)
+
+
+def sleeper() -> subprocess.Popen:
+  """A live process to hold a lock (killed by the test)."""
+  return subprocess.Popen(["sleep", "120"])  # it ends by itself in 120 s
+
+
+def lock_file(run_dir: str) -> str:
+  return os.path.join(run_dir, "run.lock")
+
+
+def holder_of(run_dir: str) -> dict | None:
+  """The lock file's record, read as plain JSON (what a user sees in it)."""
+  try:
+    with open(lock_file(run_dir)) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    return None
+
+
+def write_lock(run_dir: str, pid: int, host: str | None = None) -> None:
+  with open(os.path.join(run_dir, "run.lock"), "w") as f:
+    json.dump({"host": host or socket.gethostname(), "pid": pid, "started": time.time(),
+               "command": "train"}, f)
+
+
+# ---- 1. one job per run dir ---------------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_a_second_job_on_a_live_run_dir_is_refused_naming_the_holder(tmp_path, capsys,
+                                                                      command):
+  run_dir = finished_run_dir(tmp_path / "run")
+  holder = sleeper()
+  try:
+    write_lock(run_dir, holder.pid)
+    code, _, err = run(capsys, command, *FINISHED, f"--config.run_dir={run_dir}")
+  finally:
+    holder.kill()
+    holder.wait()
+  assert code == 2, err
+  assert_one_line(err, f"distflow-jax {command}: error: run dir {run_dir} is in use by",
+                  f"pid {holder.pid} on host {socket.gethostname()}")
+  assert not os.path.exists(os.path.join(run_dir, "config.json"))  # nothing written
+  assert holder_of(run_dir)["pid"] == holder.pid
+
+
+@pytest.mark.timeout(120)
+def test_another_hosts_lock_is_refused_naming_the_file(tmp_path, capsys):
+  run_dir = finished_run_dir(tmp_path / "run")
+  write_lock(run_dir, 1, host="elsewhere-host")
+  code, _, err = run(capsys, "train", *FINISHED, f"--config.run_dir={run_dir}")
+  assert code == 2, err
+  assert_one_line(err, "pid 1 on host elsewhere-host", lock_file(run_dir))
+
+
+@pytest.mark.timeout(120)
+def test_train_holds_the_lock_while_it_runs_and_releases_it(tmp_path, capsys, monkeypatch):
+  run_dir = finished_run_dir(tmp_path / "run")
+  from distflow_jax.observe import run_config
+  seen, preflight = [], run_config.preflight
+
+  def spy(cfg, **kw):
+    seen.append(holder_of(cfg.run_dir))
+    return preflight(cfg, **kw)
+  monkeypatch.setattr(run_config, "preflight", spy)
+  code, out, err = run(capsys, "train", *FINISHED, f"--config.run_dir={run_dir}")
+  assert code == 0, err
+  assert "nothing to do" in out
+  assert seen[0] is not None and (seen[0]["pid"], seen[0]["command"]) == (os.getpid(), "train")
+  assert holder_of(run_dir) is None
+
+
+@pytest.mark.timeout(120)
+def test_the_lock_is_released_when_the_command_fails(tmp_path, capsys):
+  run_dir = finished_run_dir(tmp_path / "run")
+  from distflow_jax.config import loading
+  from distflow_jax.observe import run_config
+  saved = run_config.as_plain(loading.load("grpo:tiny"))
+  saved["actor"]["optimizer"]["lr"] = 0.5  # a resume that changes the lr is refused
+  os.makedirs(os.path.join(run_dir, "checkpoints", "2", "meta"))
+  with open(os.path.join(run_dir, "checkpoints", "2", "meta", "metadata"), "w") as f:
+    json.dump({"config": saved}, f)
+  code, _, err = run(capsys, "train", "--config=grpo:tiny", "--config.trainer.total_steps=5",
+                     f"--config.run_dir={run_dir}")
+  assert code == 2, err
+  assert "actor.optimizer.lr" in err
+  assert holder_of(run_dir) is None
+
+
+@pytest.mark.timeout(120)
+def test_a_sigkilled_holders_stale_lock_is_taken_over_with_a_line(tmp_path, capsys):
+  run_dir = finished_run_dir(tmp_path / "run")
+  holder = subprocess.Popen(
+      ["timeout", "-s", "KILL", "120", sys.executable, "-c",
+       "import sys, time; from distflow_jax.persist import run_lock; "
+       "import os; run_lock.take(sys.argv[1], 'train'); print(os.getpid(), flush=True); "
+       "time.sleep(120)",
+       run_dir], stdout=subprocess.PIPE, text=True,
+      env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+  try:
+    pid = int(holder.stdout.readline())
+    os.kill(pid, signal.SIGKILL)  # no clean-up runs: the lock stays behind
+  finally:
+    holder.wait(timeout=30)  # `timeout` ends with its child
+  assert holder_of(run_dir)["pid"] == pid
+  code, out, err = run(capsys, "train", *FINISHED, f"--config.run_dir={run_dir}")
+  assert code == 0, err
+  assert (f"taking over the stale lock of `train` (pid {pid} on host "
+          f"{socket.gethostname()}") in out, out
+  assert holder_of(run_dir) is None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_two_processes_share_one_run_dir_and_only_process_0_locks_it(tmp_path):
+  from distflow_jax import launcher
+  run_dir = finished_run_dir(tmp_path / "run")
+  cmd = [sys.executable, "-m", "distflow_jax.cli", "train", *FINISHED,
+         "--config.cluster.devices_per_process=1", f"--config.run_dir={run_dir}"]
+  result = launcher.launch(2, 1, cmd, timeout_s=240, out=None)
+  assert result.ok, result.describe() + "\n" + "\n".join(sum(result.outputs, []))
+  assert holder_of(run_dir) is None
+  # A second job while a live process holds the run dir: its process 0 refuses, and the
+  # launcher stops the rest of that job.
+  holder = sleeper()
+  try:
+    write_lock(run_dir, holder.pid)
+    result = launcher.launch(2, 1, cmd, timeout_s=240, out=None)
+  finally:
+    holder.kill()
+    holder.wait()
+  assert result.first_failure == (0, 2), result.describe()
+  assert any(f"is in use by `train` (pid {holder.pid}" in l for l in result.outputs[0])
