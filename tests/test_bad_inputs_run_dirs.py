@@ -165,3 +165,118 @@ def test_two_processes_share_one_run_dir_and_only_process_0_locks_it(tmp_path):
     holder.wait()
   assert result.first_failure == (0, 2), result.describe()
   assert any(f"is in use by `train` (pid {holder.pid}" in l for l in result.outputs[0])
+
+
+# ---- 2. output destinations, checked before anything is loaded -------------------------------------
+
+def a_run(tmp_path) -> str:
+  """A run dir with a checkpoint step, a warm-start cache and metrics (no real weights: every
+  case below must be refused before anything is read)."""
+  run_dir = tmp_path / "run"
+  os.makedirs(run_dir / "checkpoints" / "2" / "meta")
+  os.makedirs(run_dir / "warmstart")
+  (run_dir / "warmstart" / "distflow_warmstart.json").write_text("{}")
+  (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+  return str(run_dir)
+
+
+def a_model_folder(tmp_path) -> str:
+  folder = tmp_path / "hf"
+  os.makedirs(folder)
+  (folder / "config.json").write_text("{}")
+  return str(folder)
+
+
+# (argv with {run} / {hf} / {file}, what the one line must name); --checkpoint, --model,
+# --data and --prompts name nothing that exists: the destination must be refused first.
+DEST_CASES = {
+    "export_onto_a_model_folder": (
+        ["export", "--checkpoint=/no/such", "--out={hf}"],
+        ["--out={hf} is a folder that is not empty; pass --overwrite"]),
+    "export_onto_the_run_dir": (
+        ["export", "--checkpoint={run}", "--out={run}", "--overwrite"],
+        ["--out={run} is the run dir {run}", "not even with --overwrite"]),
+    "export_onto_the_warmstart": (
+        ["export", "--checkpoint={run}", "--out={run}/warmstart", "--overwrite"],
+        ["--out={run}/warmstart is inside run {run}'s warmstart folder"]),
+    "export_onto_a_checkpoint": (
+        ["export", "--checkpoint={run}", "--out={run}/checkpoints/2", "--overwrite"],
+        ["inside run {run}'s checkpoints folder"]),
+    "export_onto_a_file": (
+        ["export", "--checkpoint=/no/such", "--out={file}", "--overwrite"],
+        ["--out={file} is a file, not a folder"]),
+    "eval_onto_a_file": (
+        ["eval", "--model=/no/such", "--data=/no/such.jsonl", "--out={file}"],
+        ["--out={file} exists; pass --overwrite"]),
+    "eval_onto_the_runs_metrics": (
+        ["eval", "--model=/no/such", "--data=/no/such.jsonl", "--out={run}/metrics.jsonl",
+         "--overwrite"], ["run {run}'s own metrics.jsonl"]),
+    "eval_onto_a_folder": (
+        ["eval", "--model=/no/such", "--data=/no/such.jsonl", "--out={hf}", "--overwrite"],
+        ["--out={hf} is a folder"]),
+    "generate_onto_a_file": (
+        ["generate", "--prompts=/no/such.jsonl", "--out={file}"],
+        ["--out={file} exists; pass --overwrite"]),
+    "generate_into_a_checkpoint": (
+        ["generate", "--prompts=/no/such.jsonl", "--out={run}/checkpoints/2/out.jsonl",
+         "--overwrite"], ["inside run {run}'s checkpoints folder"]),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", DEST_CASES)
+def test_output_destination_is_refused_first(tmp_path, capsys, case):
+  argv, needles = DEST_CASES[case]
+  names = {"run": a_run(tmp_path), "hf": a_model_folder(tmp_path),
+           "file": str(tmp_path / "old.jsonl")}
+  (tmp_path / "old.jsonl").write_text("old\n")
+  before = {p: sorted(os.listdir(p)) for p in (names["run"], names["hf"])}
+  code, _, err = run(capsys, *[a.format(**names) for a in argv])
+  assert code == 2, err
+  assert_one_line(err, f"distflow-jax {argv[0]}: error:", *[n.format(**names) for n in needles])
+  assert (tmp_path / "old.jsonl").read_text() == "old\n"
+  assert {p: sorted(os.listdir(p)) for p in before} == before  # nothing written or removed
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("argv, culprit", [
+    (["export", "--checkpoint=/no/such", "--out={run}/hf"], "/no/such"),
+    (["eval", "--model=/no/such", "--data=/no/such.jsonl", "--out={run}/eval.json"], "/no/such"),
+])
+def test_a_new_path_beside_the_run_is_a_fine_destination(tmp_path, capsys, argv, culprit):
+  names = {"run": a_run(tmp_path)}
+  code, _, err = run(capsys, *[a.format(**names) for a in argv])
+  assert code == 2, err
+  assert_one_line(err, culprit)
+  assert "--out" not in err
+
+
+@pytest.mark.timeout(300)
+def test_export_overwrite_replaces_model_files_and_drops_the_warm_start_key(tmp_path, capsys):
+  from test_checkpoint import TOK, cfg, loader, mesh, model_cfg, roles_on
+  from distflow_jax.persist import checkpoint as ck
+  data = tmp_path / "train.jsonl"
+  data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                          for i in range(12)))
+  c = ck.Checkpointer(str(tmp_path / "run" / "checkpoints"), save_every=1, keep=1,
+                      log=lambda m: None)
+  mcfg = model_cfg()
+  c.save(1, roles_on(mesh(1), mcfg), loader(str(data)), cfg(), mcfg, TOK)
+  c.close()
+  # A copied warm-start folder: the key would make the warm-start cache serve RL weights.
+  old = tmp_path / "old_warmstart"
+  os.makedirs(old)
+  for name in ("config.json", "model-00001-of-00002.safetensors",
+               "model.safetensors.index.json", "distflow_warmstart.json"):
+    (old / name).write_text("{}")
+  (old / "NOTES.md").write_text("mine")
+  code, out, err = run(capsys, "export", f"--checkpoint={tmp_path}/run", f"--out={old}",
+                       "--overwrite")
+  assert code == 0, err
+  assert "exported the actor of step 1" in out
+  left = set(os.listdir(old))
+  assert {"NOTES.md", "config.json", "model.safetensors", "tokenizer.json"} <= left, left
+  assert not left & {"distflow_warmstart.json", "model-00001-of-00002.safetensors",
+                     "model.safetensors.index.json"}, left
+  from distflow_jax.models import hf_io
+  assert hf_io.load_pretrained(str(old)).cfg.hidden_size == 32

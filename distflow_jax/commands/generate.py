@@ -83,7 +83,10 @@ def run(argv: Sequence[str]) -> int:
   """Entry point of ``distflow-jax generate``; returns the exit code."""
   fv = flags.FlagValues()
   flags.DEFINE_string("prompts", None, "JSONL file of prompts", flag_values=fv)
-  flags.DEFINE_string("out", "-", "output JSONL file ('-' = stdout)", flag_values=fv)
+  flags.DEFINE_string("out", "-", "output JSONL file ('-' = stdout; checked first: an "
+                      "existing file needs --overwrite; never a run's own files)",
+                      flag_values=fv)
+  flags.DEFINE_boolean("overwrite", False, "replace an existing --out file", flag_values=fv)
   flags.DEFINE_integer("n", None, "samples per prompt (default rollout.n)", flag_values=fv)
   flags.DEFINE_integer("max_new_tokens", None, "default rollout.max_new_tokens", flag_values=fv)
   flags.DEFINE_string("model", None, "Hugging Face folder, run directory or RUN_DIR/checkpoints/"
@@ -96,6 +99,9 @@ def run(argv: Sequence[str]) -> int:
     raise loading.ConfigError(f"generate takes no positional arguments, got {rest}")
   if not fv.prompts:
     raise loading.ConfigError("generate needs --prompts=file.jsonl")
+  from distflow_jax.persist import destination
+  if fv.out != "-":  # before any model is read or any token generated
+    destination.check_file(fv.out, overwrite=fv.overwrite)
   cfg = fv.config
   n = cfg.rollout.n if fv.n is None else fv.n
   new = cfg.rollout.max_new_tokens if fv.max_new_tokens is None else fv.max_new_tokens
@@ -127,6 +133,8 @@ def run(argv: Sequence[str]) -> int:
   from distflow_jax.run.setup import prepare_run
 
   info = distributed.initialize()
+  if info.process_count > 1 and fv.out != "-":  # each process writes <out>.<process_index>
+    destination.check_file(f"{fv.out}.{info.process_index}", overwrite=fv.overwrite)
   if source == "checkpoint":
     folder, step = model_source.checkpoint_as_hf(fv.model)
     _log(f"--model={fv.model}: the actor of step {step}")
