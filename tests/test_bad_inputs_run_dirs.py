@@ -280,3 +280,104 @@ def test_export_overwrite_replaces_model_files_and_drops_the_warm_start_key(tmp_
                      "model.safetensors.index.json"}, left
   from distflow_jax.models import hf_io
   assert hf_io.load_pretrained(str(old)).cfg.hidden_size == 32
+
+
+# ---- 3. a full disk: one line naming the path, whichever thread hit it ---------------------------
+
+ORBAX_TEXT = ('RESOURCE_EXHAUSTED: Error writing "actor.params.x/0.0.0" in OCDBT database at local '
+              'file "/runs/x/checkpoints/1.orbax-checkpoint-tmp/state/ocdbt.process_0/": Failed '
+              'writing: "/runs/x/checkpoints/1.orbax-checkpoint-tmp/state/ocdbt.process_0/d/ab12": '
+              "Failed to write 99536 bytes to file 7: No space left on device "
+              "[os_error_code='28']")
+
+
+class _FullFile:
+  """A file object whose write fails as a full disk's does (no file name on the error)."""
+
+  def __init__(self, path):
+    self._f = open(path, "w")
+
+  def write(self, text):
+    self._f.write(text)
+    raise OSError(28, "No space left on device")
+
+
+def test_disk_errors_are_found_with_their_path(tmp_path):
+  import errno
+
+  from distflow_jax import io_errors
+  from distflow_jax.observe import hints
+  disk = io_errors.find(ValueError(ORBAX_TEXT))
+  assert disk == io_errors.DiskError(errno.ENOSPC,
+                                     "/runs/x/checkpoints/1.orbax-checkpoint-tmp/state/"
+                                     "ocdbt.process_0/d/ab12")
+  assert not hints.is_oom(ValueError(ORBAX_TEXT))  # RESOURCE_EXHAUSTED, but not memory
+  assert hints.is_oom(ValueError("RESOURCE_EXHAUSTED: Out of memory allocating 4 GiB"))
+  path = tmp_path / "config.json.tmp"
+  try:
+    with open(path, "w") as f:  # what write_resolved does; the error names no file
+      f.write("x")
+      raise OSError(28, "No space left on device")
+  except OSError as e:
+    assert io_errors.find(e).path == str(path)
+  try:
+    holder = _FullFile(tmp_path / "events")  # a writer holding its file (tensorboardX)
+    holder.write("x")
+  except OSError as e:
+    assert io_errors.find(e).path == str(tmp_path / "events")
+  assert io_errors.find(ValueError("bad value")) is None
+
+
+@pytest.mark.timeout(60)
+def test_a_full_disk_in_a_background_thread_is_one_line_naming_the_path(capfd, monkeypatch):
+  import concurrent.futures
+
+  from distflow_jax.commands import report
+
+  def fails_in_a_thread(argv):
+    def save():
+      raise ValueError(ORBAX_TEXT)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      return pool.submit(save).result()
+  monkeypatch.setattr(report, "run", fails_in_a_thread)
+  code = cli.main(["report", "/runs/x"])
+  err = capfd.readouterr().err
+  assert code == 1, err
+  assert_one_line(err, "distflow-jax report: error: no space left on device: "
+                  "/runs/x/checkpoints/1.orbax-checkpoint-tmp/state/ocdbt.process_0/d/ab12")
+  assert "memory" not in err
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 200 kB tmpfs (needs root; skipped where it cannot be mounted)."""
+  where = tmp_path / "disk"
+  where.mkdir()
+  r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(where)],
+                     capture_output=True, timeout=30)
+  if r.returncode != 0:
+    pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()[:80]}")
+  yield where
+  subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+
+
+@pytest.mark.timeout(300)
+def test_train_on_a_full_disk_is_one_line_naming_the_path(tmp_path, small_disk, capfd):
+  from workflow_util import tiny_model_folder
+  data = tmp_path / "d.jsonl"
+  data.write_text("".join(json.dumps({"prompt": f"What is {i}+1?", "answer": str(i + 1)})
+                          + "\n" for i in range(40)))
+  run_dir = small_disk / "run"
+  code = cli.main(["train", f"--config.run_dir={run_dir}",
+                   f"--config.model.path={tiny_model_folder(tmp_path)}",
+                   f"--config.data.train={data}", "--config.data.eval=",
+                   "--config.data.max_prompt_len=40", "--config.rollout.prefill_buckets=(40,)",
+                   "--config.rollout.max_new_tokens=8", "--config.rollout.n=2",
+                   "--config.data.prompts_per_step=8", "--config.actor.micro_batch_size=1",
+                   "--config.trainer.eval_every=0", "--config.trainer.total_steps=2",
+                   "--config.data.chat_template=True", "--config.trainer.save_every=1"])
+  err = capfd.readouterr().err  # file descriptor 2: C++ threads print there too
+  assert code == 1, err
+  assert_one_line(err, "distflow-jax train: error: no space left on device: "
+                  f"{run_dir}{os.sep}")
+  assert "memory" not in err and "Event loop" not in err, err
