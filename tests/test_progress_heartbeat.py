@@ -49,3 +49,71 @@ def test_a_mid_run_recompile_and_a_resumed_first_step_do_not_count(monkeypatch):
   assert "ETA after step 42" in lines[0]
   assert "3.00s/step" in lines[2] and "3.00s/step" in lines[3], lines
   assert "ETA 2:48" in lines[3], lines[3]  # 56 steps x 3 s
+
+
+# ---- the heartbeat ----------------------------------------------------------------------------------
+
+def test_heartbeat_names_the_phase_while_it_runs_and_never_after():
+  import threading
+  import time
+
+  from distflow_jax.observe import heartbeat
+  lines, printing = [], threading.Event()
+
+  def slow_log(line):  # a print that takes a while: stopping must wait for it
+    printing.set()
+    time.sleep(0.05)
+    lines.append(line)
+  with heartbeat.heartbeat(slow_log, "compile and first step", every_s=0.05) as beat:
+    time.sleep(0.4)
+    printing.wait(5)
+  n = len(lines)
+  assert n >= 2 and all(l.startswith("compile and first step: still running, ") and
+                        l.endswith(" s") for l in lines), lines
+  assert not beat._thread.is_alive()
+  time.sleep(0.2)
+  assert len(lines) == n  # nothing after the phase ended
+  with heartbeat.heartbeat(lines.append, "off", every_s=0) as off:
+    time.sleep(0.1)
+  assert off is None and len(lines) == n
+
+
+def test_heartbeat_interval_is_checked_as_a_config_value():
+  from distflow_jax.config import loading, values
+  from distflow_jax.observe import heartbeat
+  cfg = loading.load("grpo:tiny")
+  assert heartbeat.interval(cfg) == 15.0
+  with cfg.unlocked():
+    cfg.logging.heartbeat_s = -1.0
+  with pytest.raises(loading.ConfigError, match="logging.heartbeat_s"):
+    values.check_values(cfg)
+
+
+@pytest.mark.timeout(300)
+def test_train_and_eval_print_heartbeats_during_their_first_compile(tmp_path, capsys):
+  import json
+
+  from distflow_jax import cli
+  from workflow_util import tiny_model_folder
+  model = tiny_model_folder(tmp_path)
+  data = tmp_path / "d.jsonl"
+  data.write_text("".join(json.dumps({"prompt": f"What is {i}+1?", "answer": str(i + 1)})
+                          + "\n" for i in range(16)))
+  code = cli.main(["train", f"--config.run_dir={tmp_path}/run", f"--config.model.path={model}",
+                   f"--config.data.train={data}", "--config.data.eval=",
+                   "--config.data.prompts_per_step=8", "--config.rollout.n=2",
+                   "--config.actor.micro_batch_size=1", "--config.trainer.eval_every=0",
+                   "--config.trainer.total_steps=1", "--config.logging.heartbeat_s=0.2"])
+  out, err = capsys.readouterr()
+  assert code == 0, err
+  beats = [l for l in out.splitlines() if "compile and first step: still running" in l]
+  assert beats, out
+  assert out.index(beats[-1]) < out.index("step 1/1")  # within the phase, never after
+  code = cli.main(["eval", f"--model={model}", f"--data={data}", "--limit=4",
+                   "--config.logging.heartbeat_s=0.2"])
+  out, err = capsys.readouterr()
+  assert code == 0, err
+  beats = [l for l in out.splitlines() if "eval: compiling the rollout, chunk 1/1: still "
+           "running" in l]
+  assert beats, out
+  assert out.index(beats[-1]) < out.index("eval chunk 1/1")

@@ -162,7 +162,11 @@ def run(argv: Sequence[str]) -> int:
   params = backend.update_weights(ctx.roles[Role.ACTOR].params)
   rng = jax.random.fold_in(jax.random.key(cfg.seed), info.process_index)
   start = time.perf_counter()
-  out = backend.generate(params, ids, n=n, rng=rng, pad_id=tok.pad_id) if ids else None
+  from distflow_jax.observe.heartbeat import heartbeat, interval
+  # One call compiles the rollout and decodes every prompt: say it is alive meanwhile.
+  with heartbeat(_log, f"generate: compiling the rollout and decoding {len(ids)} prompt(s)",
+                 interval(cfg)):
+    out = backend.generate(params, ids, n=n, rng=rng, pad_id=tok.pad_id) if ids else None
   elapsed = time.perf_counter() - start
 
   path = fv.out if info.process_count == 1 or fv.out == "-" else f"{fv.out}.{info.process_index}"
