@@ -90,7 +90,7 @@ def test_heartbeat_interval_is_checked_as_a_config_value():
 
 
 @pytest.mark.timeout(300)
-def test_train_and_eval_print_heartbeats_during_their_first_compile(tmp_path, capsys):
+def test_train_eval_and_generate_print_heartbeats_during_their_first_compile(tmp_path, capsys):
   import json
 
   from distflow_jax import cli
@@ -117,3 +117,14 @@ def test_train_and_eval_print_heartbeats_during_their_first_compile(tmp_path, ca
            "running" in l]
   assert beats, out
   assert out.index(beats[-1]) < out.index("eval chunk 1/1")
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text(json.dumps({"prompt": "What is 2+3?"}) + "\n")
+  code = cli.main(["generate", f"--model={model}", f"--prompts={prompts}",
+                   f"--out={tmp_path}/out.jsonl", "--n=1", "--max_new_tokens=4",
+                   "--config.logging.heartbeat_s=0.1"])
+  out, err = capsys.readouterr()
+  assert code == 0, err
+  beats = [l for l in err.splitlines() if l.startswith(
+      "generate: compiling the rollout and decoding 1 prompt(s): still running")]
+  assert beats, err
+  assert err.index(beats[-1]) < err.index("generate: 1 completions")
