@@ -381,3 +381,16 @@ def test_train_on_a_full_disk_is_one_line_naming_the_path(tmp_path, small_disk, 
   assert_one_line(err, "distflow-jax train: error: no space left on device: "
                   f"{run_dir}{os.sep}")
   assert "memory" not in err and "Event loop" not in err, err
+
+
+@pytest.mark.timeout(60)
+def test_generate_under_the_launcher_checks_its_own_process_file_first(tmp_path, capsys,
+                                                                       monkeypatch):
+  from distflow_jax import distributed
+  monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
+  monkeypatch.setenv(distributed.ENV_PROCESS_ID, "1")
+  (tmp_path / "out.jsonl.1").write_text("old\n")  # what process 1 wrote last time
+  code, _, err = run(capsys, "generate", "--prompts=/no/such.jsonl",
+                     f"--out={tmp_path}/out.jsonl")
+  assert code == 2, err
+  assert_one_line(err, f"--out={tmp_path}/out.jsonl.1 exists; pass --overwrite")

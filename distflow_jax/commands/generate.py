@@ -27,6 +27,7 @@ own replica and writes ``<out>.<process_index>``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -75,6 +76,11 @@ def _render(tok, prompt: Prompt, chat_template: bool) -> str:
   return tok.apply_chat_template(messages)
 
 
+def _out_path(out: str, index: int, count: int) -> str:
+  """Where this process writes: ``out`` alone, ``<out>.<process_index>`` under several."""
+  return out if count == 1 or out == "-" else f"{out}.{index}"
+
+
 def _log(message: str) -> None:
   print(message, file=sys.stderr)  # stdout may be the output JSONL
 
@@ -99,9 +105,13 @@ def run(argv: Sequence[str]) -> int:
     raise loading.ConfigError(f"generate takes no positional arguments, got {rest}")
   if not fv.prompts:
     raise loading.ConfigError("generate needs --prompts=file.jsonl")
+  from distflow_jax import distributed
   from distflow_jax.persist import destination
-  if fv.out != "-":  # before any model is read or any token generated
-    destination.check_file(fv.out, overwrite=fv.overwrite)
+  if fv.out != "-":  # before any model is read or any token generated (launcher's env: its file)
+    env = os.environ
+    count = int(env.get(distributed.ENV_NUM_PROCESSES, "1") or 1)
+    destination.check_file(_out_path(fv.out, int(env.get(distributed.ENV_PROCESS_ID, "0") or 0),
+                                     count), overwrite=fv.overwrite)
   cfg = fv.config
   n = cfg.rollout.n if fv.n is None else fv.n
   new = cfg.rollout.max_new_tokens if fv.max_new_tokens is None else fv.max_new_tokens
@@ -128,13 +138,13 @@ def run(argv: Sequence[str]) -> int:
   import jax
   import ml_collections
 
-  from distflow_jax import distributed
   from distflow_jax.dag.spec import Role
   from distflow_jax.run.setup import prepare_run
 
   info = distributed.initialize()
-  if info.process_count > 1 and fv.out != "-":  # each process writes <out>.<process_index>
-    destination.check_file(f"{fv.out}.{info.process_index}", overwrite=fv.overwrite)
+  path = _out_path(fv.out, info.process_index, info.process_count)
+  if path != fv.out:  # a group found without the launcher's env (--distributed=auto)
+    destination.check_file(path, overwrite=fv.overwrite)
   if source == "checkpoint":
     folder, step = model_source.checkpoint_as_hf(fv.model)
     _log(f"--model={fv.model}: the actor of step {step}")
@@ -169,7 +179,6 @@ def run(argv: Sequence[str]) -> int:
     out = backend.generate(params, ids, n=n, rng=rng, pad_id=tok.pad_id) if ids else None
   elapsed = time.perf_counter() - start
 
-  path = fv.out if info.process_count == 1 or fv.out == "-" else f"{fv.out}.{info.process_index}"
   f = sys.stdout if path == "-" else open(path, "w")
   try:
     for r in range(0 if out is None else len(out.lengths_R)):
