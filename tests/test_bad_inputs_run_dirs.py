@@ -394,3 +394,19 @@ def test_generate_under_the_launcher_checks_its_own_process_file_first(tmp_path,
                      f"--out={tmp_path}/out.jsonl")
   assert code == 2, err
   assert_one_line(err, f"--out={tmp_path}/out.jsonl.1 exists; pass --overwrite")
+
+
+@pytest.mark.timeout(60)
+def test_the_lock_works_on_a_filesystem_without_hard_links(tmp_path, monkeypatch):
+  from distflow_jax.persist import run_lock
+
+  def no_link(src, dst):
+    raise PermissionError(1, "Operation not permitted", src)
+  monkeypatch.setattr(run_lock.os, "link", no_link)
+  path = run_lock.take(str(tmp_path), "sft")
+  assert holder_of(str(tmp_path))["pid"] == os.getpid()
+  assert os.listdir(tmp_path) == ["run.lock"]  # no temporary file left
+  with pytest.raises(run_lock.RunLockError, match=f"pid {os.getpid()} on host"):
+    run_lock.take(str(tmp_path), "train")  # the same process, a second job: refused
+  run_lock.release(path)
+  assert holder_of(str(tmp_path)) is None

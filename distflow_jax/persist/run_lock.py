@@ -81,6 +81,12 @@ def _create(path: str, me: Holder) -> None:
     json.dump(dataclasses.asdict(me), f)
   try:
     os.link(tmp, path)
+  except FileExistsError:
+    raise
+  except OSError:  # a filesystem without hard links: exclusive create, then write
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    with os.fdopen(fd, "w") as f:
+      json.dump(dataclasses.asdict(me), f)
   finally:
     os.unlink(tmp)
 
