@@ -28,6 +28,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
+from distflow_jax import io_errors
 from distflow_jax.commands import NAMES
 from distflow_jax.config import loading
 from distflow_jax.dag.spec import DagError
@@ -131,6 +132,7 @@ def _main(argv: Sequence[str] | None) -> int:
   if usage.wants_help(rest):
     return usage.show(cmd, COMMANDS[cmd])
   from distflow_jax.rewards.registry import RewardFunctionError
+  from distflow_jax.persist import run_lock
   try:
     return COMMANDS[cmd](rest)
   except BrokenPipeError:
@@ -140,13 +142,21 @@ def _main(argv: Sequence[str] | None) -> int:
   except RewardFunctionError as e:  # the user's reward code raised or returned a non-number
     return _fail(cmd, f"error: {_one_line(str(e))}", 2, debug)
   except OSError as e:
+    disk = io_errors.find(e)
+    if disk is not None:  # a full disk: the path, however the error came (exit 1)
+      return _fail(cmd, f"error: {disk.line()}", 1, debug)
     code = 2 if e.errno in _USER_ERRNOS else 1
     return _fail(cmd, f"error: {_describe_os_error(e)}", code, debug)
   except Exception as e:  # pylint: disable=broad-except  - a bug or a failed run: one line, exit 1
+    disk = io_errors.find(e)  # orbax / TensorStore report a full disk as a ValueError
+    if disk is not None:
+      return _fail(cmd, f"error: {disk.line()}", 1, debug)
     hint = "" if debug else f" (run with {DEBUG_FLAG} or {DEBUG_ENV}=1 for the traceback)"
     detail = _one_line(str(e))
     return _fail(cmd, f"failed: {type(e).__name__}{': ' + detail if detail else ''}{hint}", 1,
                  debug)
+  finally:
+    run_lock.release_all()  # the run dir is free again, however the command ended
 
 
 def entry() -> None:

@@ -208,7 +208,7 @@ def test_export_writes_a_loadable_hf_dir(tmp_path, data):
     np.testing.assert_array_equal(got, exp)
   assert Tokenizer.from_dir(str(out)).encode("12+3=") == TOK.encode("12+3=")
   with pytest.raises(ck.CheckpointError, match="no checkpoint of step 9; it has \\[3\\]"):
-    export_cmd.export(str(tmp_path / "run" / "checkpoints"), str(out), step=9)
+    export_cmd.export(str(tmp_path / "run" / "checkpoints"), str(out), step=9, overwrite=True)
 
 
 

@@ -144,7 +144,9 @@ def test_run_interrupt_resume_finish_and_config_changes(tmp_path, capsys, monkey
   assert code == 0, err
   steps = _step_lines(out)
   assert steps and all(len(l) <= 80 for l in steps), steps
-  assert any(l.startswith("step 2/2") and "ETA" in l and "s/step" in l for l in steps), steps
+  # The resumed start's only step compiled: no warm step to time, and nothing left to do.
+  assert any(l.startswith("step 2/2") and "ETA" not in l for l in steps), steps
+  assert not (run_dir / "run.lock").exists()  # released after Ctrl-C and after the end
   assert "held-out accuracy:" in out and "at step 0 ->" in out and "at step 2" in out
   assert "done: 1 step(s) in" in out
   assert f"checkpoint: {run_dir / 'checkpoints' / '2'}" in out
@@ -249,7 +251,8 @@ def test_progress_lines_fit_80_columns_with_eta_and_times_in_run_order():
   lines = out.getvalue().splitlines()
   assert all(len(l) <= 80 for l in lines), [l for l in lines if len(l) > 80]
   steps = [l for l in lines if l.startswith("step ")]
-  assert len(steps) == 3 and all("ETA" in l and "s/step" in l for l in steps)
+  assert len(steps) == 3 and all("ETA" in l and "s/step" in l for l in steps[1:])
+  assert "ETA after step 2" in steps[0]  # step 1 compiles: its time predicts nothing
   assert all("SKIPPED(actor)" in l and "!entropy_low,kl_high" in l for l in steps)
   times = [l for l in lines if l.startswith("  times:") or l.startswith("        ")]
   assert times, lines  # every 2nd step

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from distflow_jax.observe import report, tensorboard
+from distflow_jax.observe import metrics_file, report, tensorboard
 from workflow_util import summary_values
 
 
@@ -255,3 +255,26 @@ def test_summary_has_no_empty_panel(tmp_path, monkeypatch, kl, eval_rows, want):
   nrows, ncols = axes[0].get_subplotspec().get_gridspec().get_geometry()
   assert cells == {(r, c) for r in range(nrows) for c in range(ncols)}
   plt.close("all")
+
+
+def test_time_plot_after_a_resume_is_scaled_by_warm_steps(tmp_path):
+  """A resumed run's first step compiles again: it must not set time.png's scale either."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = synthetic_rows(10)
+  rows[1].update({"time/generate": 60.0, "time/step": 61.5, "compile/count": 40.0,
+                  "compile/ahead_s": 1.0})
+  # Resumed at step 6: that start compiles again (cache loads, the compile-ahead mark).
+  rows[6].update({"time/generate": 90.0, "time/step": 91.5, "compile/count": 0.0,
+                  "compile/cache_hits": 30.0, "compile/ahead_s": 2.0})
+  write_rows(tmp_path / "metrics.jsonl", rows)
+  rows = report.read_metrics(str(tmp_path))
+  fig, ax = plt.subplots()
+  assert report.plot_time(ax, rows)
+  assert 3.5 <= ax.get_ylim()[1] < 10.0  # the warm steps' 3.5 s sets the scale
+  notes = [t.get_text() for t in ax.texts]
+  assert any("step 6: 91.5 s (compilation), off scale" in t for t in notes), notes
+  assert any("step 1: 61.5 s (compilation), off scale" in t for t in notes), notes
+  plt.close("all")
+  assert metrics_file.compiling_steps(rows) == {1, 6}

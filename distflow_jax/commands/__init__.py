@@ -38,10 +38,12 @@ def define_run_flags(fv, what: str) -> None:
                        "dir that holds them", flag_values=fv)
 
 
-def start_job(fv, command: str, run_dir: str):
-  """Joins the process group (simulated CPU devices first, before jax is imported), turns
-  on the persistent compilation cache (``trainer.compile_cache_dir``) and returns
-  ``(process info, process-0 logger)``, having logged where the job runs."""
+def start_job(fv, command: str, run_dir: str, job: str | None = None):
+  """Joins the process group (simulated CPU devices first, before jax is imported), takes
+  the run dir's lock on process 0 (``persist/run_lock.py``; ``job`` names the command in
+  it, default ``command``; cli.main releases it), turns on the persistent compilation
+  cache (``trainer.compile_cache_dir``) and returns ``(process info, process-0 logger)``,
+  having logged where the job runs."""
   from distflow_jax import distributed
   cfg = fv.config
   distributed.simulate_cpu_devices(cfg.cluster.devices_per_process)
@@ -50,6 +52,9 @@ def start_job(fv, command: str, run_dir: str):
   from distflow_jax import peers
   peers.start_watchdog()  # a local peer's death stops this process with one line
   log = progress.Logger(info.process_index == 0)
+  if info.process_index == 0:  # before anything is written into the run dir
+    from distflow_jax.persist import run_lock
+    run_lock.take(run_dir, job or command, log)
   log(f"{command} {cfg.name}: {info.process_count} process(es) x {info.local_device_count} "
       f"device(s); run dir {run_dir}")
   from distflow_jax.run import compile_cache

@@ -55,7 +55,10 @@ def run(argv: Sequence[str]) -> int:
   flags.DEFINE_integer("limit", 0, "evaluate only the first N rows (0: all)", flag_values=fv)
   flags.DEFINE_string("reward", "math", "rule verifier (rewards registry name)",
                       flag_values=fv)
-  flags.DEFINE_string("out", None, "also write the results as JSON here", flag_values=fv)
+  flags.DEFINE_string("out", None, "also write the results as JSON here (checked first: an "
+                      "existing file needs --overwrite; never a run's own files)",
+                      flag_values=fv)
+  flags.DEFINE_boolean("overwrite", False, "replace an existing --out file", flag_values=fv)
   argv = with_default_config(argv, DEFAULT_CONFIG)
   rest = loading.parse(fv, argv)
   if rest:
@@ -67,6 +70,9 @@ def run(argv: Sequence[str]) -> int:
   if not model or not fv.data:
     raise ConfigError("eval needs --model (HF_DIR, a run directory or RUN_DIR/checkpoints/"
                       "<step>) and --data=FILE.jsonl")
+  if fv.out:  # before any model is read or any prompt decoded
+    from distflow_jax.persist import destination
+    destination.check_file(fv.out, overwrite=fv.overwrite)
   if fv.k < 1 or fv.batch_size < 1 or fv.limit < 0:
     raise ConfigError(f"--k={fv.k} and --batch_size={fv.batch_size} must be >= 1, "
                       f"--limit={fv.limit} >= 0")

@@ -1,12 +1,15 @@
 """``distflow-jax export``: a run checkpoint's actor as a Hugging Face directory.
 
-  distflow-jax export --checkpoint runs/grpo_tiny [--step N] --out /tmp/actor_hf
+  distflow-jax export --checkpoint runs/grpo_tiny [--step N] --out /tmp/actor_hf [--overwrite]
 
 ``--checkpoint`` is a run directory, its ``checkpoints`` directory or one
 numbered step in it (default: the latest complete step).  Writes
 ``config.json`` + ``model.safetensors`` (+ the tokenizer saved with the run),
 loadable by ``transformers`` and by ``--config.model.path``.  Runs on one
-process on the host, whatever mesh the checkpoint was written from.
+process on the host, whatever mesh the checkpoint was written from.  ``--out`` is
+checked before anything is read: a non-empty folder needs ``--overwrite`` (its old
+model files, a warm-start key among them, are removed first), and a run's own folders
+(the run dir, its checkpoints, its warm start) are refused (persist/destination.py).
 
 ``distflow_jax.persist.export.export(checkpoint, out, step)`` is the same as a library call.
 """
@@ -30,9 +33,11 @@ def run(argv: Sequence[str]) -> int:
                       help="run dir, its checkpoints dir, or one step dir")
   parser.add_argument("--out", required=True, help="Hugging Face directory to write")
   parser.add_argument("--step", type=int, default=None, help="step to export (default: latest)")
+  parser.add_argument("--overwrite", action="store_true",
+                      help="replace the model files of a non-empty --out folder")
   args = parser.parse_args(list(argv))
   if jax.process_count() > 1:
     raise checkpoint.CheckpointError("export runs on one process; start it without the launcher")
-  step = export(args.checkpoint, args.out, args.step)
+  step = export(args.checkpoint, args.out, args.step, overwrite=args.overwrite)
   print(f"exported the actor of step {step} to {args.out}")
   return 0

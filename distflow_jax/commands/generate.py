@@ -27,6 +27,7 @@ own replica and writes ``<out>.<process_index>``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -75,6 +76,11 @@ def _render(tok, prompt: Prompt, chat_template: bool) -> str:
   return tok.apply_chat_template(messages)
 
 
+def _out_path(out: str, index: int, count: int) -> str:
+  """Where this process writes: ``out`` alone, ``<out>.<process_index>`` under several."""
+  return out if count == 1 or out == "-" else f"{out}.{index}"
+
+
 def _log(message: str) -> None:
   print(message, file=sys.stderr)  # stdout may be the output JSONL
 
@@ -83,7 +89,10 @@ def run(argv: Sequence[str]) -> int:
   """Entry point of ``distflow-jax generate``; returns the exit code."""
   fv = flags.FlagValues()
   flags.DEFINE_string("prompts", None, "JSONL file of prompts", flag_values=fv)
-  flags.DEFINE_string("out", "-", "output JSONL file ('-' = stdout)", flag_values=fv)
+  flags.DEFINE_string("out", "-", "output JSONL file ('-' = stdout; checked first: an "
+                      "existing file needs --overwrite; never a run's own files)",
+                      flag_values=fv)
+  flags.DEFINE_boolean("overwrite", False, "replace an existing --out file", flag_values=fv)
   flags.DEFINE_integer("n", None, "samples per prompt (default rollout.n)", flag_values=fv)
   flags.DEFINE_integer("max_new_tokens", None, "default rollout.max_new_tokens", flag_values=fv)
   flags.DEFINE_string("model", None, "Hugging Face folder, run directory or RUN_DIR/checkpoints/"
@@ -96,6 +105,13 @@ def run(argv: Sequence[str]) -> int:
     raise loading.ConfigError(f"generate takes no positional arguments, got {rest}")
   if not fv.prompts:
     raise loading.ConfigError("generate needs --prompts=file.jsonl")
+  from distflow_jax import distributed
+  from distflow_jax.persist import destination
+  if fv.out != "-":  # before any model is read or any token generated (launcher's env: its file)
+    env = os.environ
+    count = int(env.get(distributed.ENV_NUM_PROCESSES, "1") or 1)
+    destination.check_file(_out_path(fv.out, int(env.get(distributed.ENV_PROCESS_ID, "0") or 0),
+                                     count), overwrite=fv.overwrite)
   cfg = fv.config
   n = cfg.rollout.n if fv.n is None else fv.n
   new = cfg.rollout.max_new_tokens if fv.max_new_tokens is None else fv.max_new_tokens
@@ -122,11 +138,13 @@ def run(argv: Sequence[str]) -> int:
   import jax
   import ml_collections
 
-  from distflow_jax import distributed
   from distflow_jax.dag.spec import Role
   from distflow_jax.run.setup import prepare_run
 
   info = distributed.initialize()
+  path = _out_path(fv.out, info.process_index, info.process_count)
+  if path != fv.out:  # a group found without the launcher's env (--distributed=auto)
+    destination.check_file(path, overwrite=fv.overwrite)
   if source == "checkpoint":
     folder, step = model_source.checkpoint_as_hf(fv.model)
     _log(f"--model={fv.model}: the actor of step {step}")
@@ -154,10 +172,13 @@ def run(argv: Sequence[str]) -> int:
   params = backend.update_weights(ctx.roles[Role.ACTOR].params)
   rng = jax.random.fold_in(jax.random.key(cfg.seed), info.process_index)
   start = time.perf_counter()
-  out = backend.generate(params, ids, n=n, rng=rng, pad_id=tok.pad_id) if ids else None
+  from distflow_jax.observe.heartbeat import heartbeat, interval
+  # One call compiles the rollout and decodes every prompt: say it is alive meanwhile.
+  with heartbeat(_log, f"generate: compiling the rollout and decoding {len(ids)} prompt(s)",
+                 interval(cfg)):
+    out = backend.generate(params, ids, n=n, rng=rng, pad_id=tok.pad_id) if ids else None
   elapsed = time.perf_counter() - start
 
-  path = fv.out if info.process_count == 1 or fv.out == "-" else f"{fv.out}.{info.process_index}"
   f = sys.stdout if path == "-" else open(path, "w")
   try:
     for r in range(0 if out is None else len(out.lengths_R)):

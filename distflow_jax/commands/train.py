@@ -41,7 +41,7 @@ def run(argv: Sequence[str]) -> int:
   cfg = fv.config
   from distflow_jax.observe import wandb_log
   wandb_log.check(cfg)  # logging.wandb without the wandb package: one line, before any work
-  info, log = start_job(fv, "config", cfg.run_dir)
+  info, log = start_job(fv, "config", cfg.run_dir, job="train")
   from distflow_jax.persist import checkpoint
   from distflow_jax.observe import progress, run_config
   from distflow_jax.run import trainer

@@ -226,7 +226,10 @@ def base() -> ml_collections.ConfigDict:
   # Biases (observe/wandb_log.py; needs pip install 'distflow-jax[wandb]'): process 0 logs
   # each step's metrics and each evaluation's samples as a table.  name "" = the config's
   # name; mode "" = wandb's own (WANDB_MODE, else online) | online | offline.
-  c.logging = dict(wandb=dict(enabled=False, project="distflow-jax", name="", mode=""))
+  # heartbeat_s: while a long phase prints nothing (compiling the first step, eval's and
+  # generate's first chunk), a line naming it every N seconds (observe/heartbeat.py); 0 = off.
+  c.logging = dict(wandb=dict(enabled=False, project="distflow-jax", name="", mode=""),
+                   heartbeat_s=15.0)
   # `distflow-jax sft` (run/sft_run.py): supervised fine-tuning on data.train's
   # prompt/answer (or chat `messages`) rows.  Its checkpoints and metrics.jsonl go to
   # <run_dir>/sft; the final Hugging Face folder to `out` ("" = <run_dir>/sft/model).

@@ -140,6 +140,8 @@ def check_values(cfg) -> None:
   if "logging" in cfg:
     from distflow_jax.observe import wandb_log
     wandb_log.check(cfg)
+    in_range(cfg.logging.get("heartbeat_s", 0.0), "logging.heartbeat_s", 0,
+             note=" (seconds between the lines of a long phase; 0 = off)")
   if "sft" in cfg:
     _check_sft(cfg.sft)
 

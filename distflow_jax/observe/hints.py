@@ -14,6 +14,7 @@ from typing import Any
 
 import ml_collections
 
+from distflow_jax import io_errors
 from distflow_jax.config.loading import ConfigError
 
 PROMPT_KEYS = ("prompt", "question", "problem", "query", "instruction", "input")
@@ -97,6 +98,8 @@ _OOM_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OOM whe
 def is_oom(error: BaseException) -> bool:
   if isinstance(error, MemoryError):
     return True
+  if io_errors.find(error) is not None:  # a full disk says RESOURCE_EXHAUSTED too
+    return False
   text = str(error)
   return any(m in text for m in _OOM_MARKERS)
 

@@ -65,6 +65,22 @@ def ema(values: Sequence[float], alpha: float = 0.2) -> list[float]:
   return out
 
 
+def compiling_steps(rows: Rows) -> set[int]:
+  """The steps that compiled, whose seconds say nothing about a warm step's: the first step
+  of every process start (the trainer marks it with ``compile/ahead_s``; a resumed run's
+  first step is one), any step with backend compiles or persistent-cache loads, and the
+  first training step of the file (a run from before these counters)."""
+  out = {int(r["step"]) for r in rows
+         if "compile/ahead_s" in r or _positive(r.get("compile/count"))
+         or _positive(r.get("compile/cache_hits"))}
+  first = next((int(r["step"]) for r in rows if int(r["step"]) > 0), None)
+  return out | ({first} if first is not None else set())
+
+
+def _positive(v: Any) -> bool:
+  return isinstance(v, (int, float)) and v > 0
+
+
 def node_times(rows: Rows) -> list[str]:
   """Node ids with a ``time/<id>`` metric, the most expensive first (bottom of the stack).
 

@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from distflow_jax.observe.metrics_file import Rows, ema, node_times, series
+from distflow_jax.observe.metrics_file import Rows, compiling_steps, ema, node_times, series
 
 def _line(ax, rows: Rows, key: str, label: str | None = None, *, smooth: bool = True,
           marker: str | None = None) -> bool:
@@ -107,17 +107,27 @@ def plot_kl(ax, rows: Rows) -> bool:
   return drew
 
 
-def time_axis_top(totals: Sequence[float]) -> tuple[float, bool]:
-  """(top of the seconds axis, whether the first bar is cut off): a first step (which
-  compiles every node) over twice the later steps' longest does not set the scale."""
+def time_axis_top(totals: Sequence[float],
+                  compiled: Sequence[bool] | None = None) -> tuple[float, bool]:
+  """(top of the seconds axis, whether a bar is cut off): the warm steps set the scale; a
+  step that compiled (``compiled``, default: the first one) over twice the warm steps'
+  longest is drawn cut off instead of flattening them."""
   totals = [float(t) for t in totals]
-  if len(totals) >= 2 and totals[0] > 2 * max(totals[1:]):
-    return max(max(totals[1:]), 1e-3), True
-  return max(max(totals, default=0.0), 1e-3), False
+  if compiled is None:
+    compiled = [i == 0 for i in range(len(totals))]
+  warm = [t for t, c in zip(totals, compiled) if not c]
+  if not warm:
+    return max(max(totals, default=0.0), 1e-3), False
+  top = max(max(warm), 1e-3)
+  kept = [t for t, c in zip(totals, compiled) if c and t <= 2 * top]
+  top = max([top] + kept)
+  return top, any(c and t > top for t, c in zip(totals, compiled))
 
 
 def plot_time(ax, rows: Rows) -> bool:
-  """Stacked per-node seconds per step; throughput (tokens/s) on the right axis."""
+  """Stacked per-node seconds per step; throughput (tokens/s) on the right axis.  Steps
+  that compiled (``compiling_steps``: each process start's first, a recompile) are drawn
+  but do not set the scale; one far above the warm steps is cut off and annotated."""
   names = node_times(rows)
   if not names:
     return False
@@ -134,14 +144,17 @@ def plot_time(ax, rows: Rows) -> bool:
   _integer_steps(ax)
   ax.set_ylabel("seconds")
   ax.grid(alpha=0.3, axis="y")
-  top, off_scale = time_axis_top(bottom)
+  compiling = compiling_steps([by_step[s] for s in steps])
+  compiled = [s in compiling for s in steps]
+  top, _ = time_axis_top(bottom, compiled)
   ax.set_ylim(0, top * 1.5)  # headroom for the legend
-  if off_scale:
-    # The first step compiles every node: drawn to scale it would flatten the others.
-    ax.annotate(f"step {steps[0]}: {bottom[0]:.1f} s (compilation), off scale",
-                xy=(steps[0], top * 1.02), xytext=(0, 4), textcoords="offset points",
-                fontsize=7, ha="left", va="bottom",
-                bbox=dict(facecolor="white", alpha=0.8, linewidth=0))
+  for s, total, c in zip(steps, bottom, compiled):
+    if c and total > top:
+      # A step that compiled: drawn to scale it would flatten the others.
+      ax.annotate(f"step {s}: {total:.1f} s (compilation), off scale",
+                  xy=(s, top * 1.02), xytext=(0, 4), textcoords="offset points",
+                  fontsize=7, ha="left", va="bottom",
+                  bbox=dict(facecolor="white", alpha=0.8, linewidth=0))
   ax.legend(fontsize=6, ncol=4, loc="upper left")
   xs, ys = series(rows, "tokens_per_s")
   if xs:

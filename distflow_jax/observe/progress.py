@@ -81,7 +81,8 @@ class Logger:
     self.start = time.perf_counter()
     self.nodes: list[str] = []   # the plan's node ids in run order (for the times line)
     self._live = ""              # the line drawn in place on a terminal (not yet kept)
-    self._marks: list[tuple[int, float]] = []  # (step, time) of the steps seen
+    self._last: tuple[int | None, float] | None = None  # (step, time) of the last step seen
+    self._warm: list[tuple[int, float]] = []  # (steps, seconds) of the steps that compiled nothing
     self._t0 = self.start        # when training (the first step) started
     self._where = ""             # "step 3/20 [##..]" of the last step, for phase lines
     self._step_line = ""         # the step line drawn in place now (a terminal; not kept)
@@ -144,28 +145,37 @@ class Logger:
   # -- steps --
 
   def rate(self) -> float | None:
-    """Seconds per step over the last (up to) 20 steps; the first step (compiling) counts
-    only while it is the only one."""
-    marks = self._marks[-21:]
-    if len(marks) >= 2:
-      (s0, t0), (s1, t1) = marks[0], marks[-1]
-      return (t1 - t0) / max(s1 - s0, 1)
-    if marks:
-      return (marks[0][1] - self._t0) / 1.0
-    return None
+    """Seconds per step over the last (up to) 20 warm steps: a step that compiled (the first
+    of every process start, a mid-run recompile) says nothing about the steps to come, so it
+    never counts; None until a warm step has been seen."""
+    warm = self._warm[-20:]
+    if not warm:
+      return None
+    return sum(t for _, t in warm) / max(sum(n for n, _ in warm), 1)
+
+  def _mark(self, step: int, compiled: bool, now: float) -> None:
+    """Records a finished step; its seconds count toward the rate only when it compiled
+    nothing."""
+    prev_step, prev_t = self._last if self._last is not None else (None, self._t0)
+    if not compiled and prev_step is not None and step > prev_step:
+      self._warm.append((step - prev_step, now - prev_t))
+    self._last = (step, now)
 
   def step(self, m: dict[str, float], total: int) -> None:
     step = int(m["step"])
     now = time.perf_counter()
     if step > 0:
-      if self.first_step is None:
+      first = self.first_step is None
+      if first:
         self.first_step = step
-      self._marks.append((step, now))
+      self._mark(step, first or m.get("compile/count", 0) > 0, now)
     self._where = f"step {step}/{total} {bar(step, total)}"
     parts: list[tuple[str, int]] = [(f"step {step}/{total}", 0), (bar(step, total), 4)]
     rate = self.rate()
     if step > 0 and rate is not None:
       parts += [(f"{rate:.2f}s/step", 2), (f"ETA {clock(rate * (total - step))}", 0)]
+    elif 0 < step < total:  # only compiling steps so far: their time predicts nothing
+      parts.append((f"ETA after step {step + 1}", 0))
     parts += [(fmt.format(m[k]), pr) for k, fmt, pr in _KEYS if k in m]
     # A step whose update was refused (non-finite loss, gradient or new parameters) and
     # the health signals holding now: visible here, not only in metrics.jsonl.

@@ -61,7 +61,7 @@ import orbax.checkpoint as ocp
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.loader import PromptLoader
 from distflow_jax.models.config import ModelConfig
-from distflow_jax.persist import checksums
+from distflow_jax.persist import checksums, orbax_quiet
 from distflow_jax.persist import checkpoint_files as files
 from distflow_jax.state.algo_state import AlgoState
 from distflow_jax.persist.checkpoint_contents import (  # noqa: F401 (re-exported)
@@ -95,6 +95,7 @@ class Checkpointer:
     self.log = log
     self.ctx = ctx  # saves its algo_state; restores set it (None: saved without one)
     self._pending: int | None = None  # a save whose file record is not written yet
+    orbax_quiet.install()  # a failed save is raised once, in wait(), not logged per thread
     # Orbax deletes never-committed saves when the manager opens; say so first.
     for name in self.incomplete():
       log(f"checkpoint: ignoring the incomplete save {os.path.join(self.directory, name)} "

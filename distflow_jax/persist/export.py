@@ -19,7 +19,7 @@ from distflow_jax.models import hf_io
 from distflow_jax.models.sharding import path_str
 from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.models.transformer import Transformer
-from distflow_jax.persist import checkpoint
+from distflow_jax.persist import checkpoint, destination
 
 PREFIX = "actor.params."
 # One fused reduction per array: read once, no host copy (recompiled per shape and dtype).
@@ -98,13 +98,19 @@ def save_actor(out: str, model: Transformer, tokenizer: Tokenizer | None, meta: 
     tokenizer.save(out)
 
 
-def export(checkpoint_path: str, out: str, step: int | None = None) -> int:
-  """Writes the actor of ``checkpoint_path`` to ``out``; returns the exported step."""
+def export(checkpoint_path: str, out: str, step: int | None = None, *,
+           overwrite: bool = False) -> int:
+  """Writes the actor of ``checkpoint_path`` to ``out``; returns the exported step.  ``out``
+  is checked first (``destination.check_folder``): a non-empty folder needs ``overwrite``,
+  whose old model files (``destination.MODEL_FILES``) are removed just before writing."""
+  destination.check_folder(out, overwrite=overwrite)
   root, found = checkpoint.resolve(checkpoint_path)
   step, arrays, meta = checkpoint.read_arrays(root, step if step is not None else found)
   where = f"checkpoint {root}/{step}"
   model = actor_model(arrays, meta, where)
   tok_dir = os.path.join(root, checkpoint.STATIC, "tokenizer")
   tokenizer = Tokenizer.from_dir(tok_dir) if os.path.isdir(tok_dir) else None
+  if overwrite:
+    destination.clear_model_files(out)
   save_actor(out, model, tokenizer, meta, where)
   return step

@@ -22,6 +22,7 @@ from distflow_jax.dag.spec import Role
 from distflow_jax.data.batch import Batch
 from distflow_jax.rewards import registry as reward_registry
 from distflow_jax.observe import samples as samples_lib
+from distflow_jax.observe.heartbeat import heartbeat, interval as heartbeat_interval
 from distflow_jax.state import vision as vision_lib
 from distflow_jax.state.context import RunContext
 from distflow_jax.state.metrics import Metrics
@@ -152,7 +153,10 @@ def evaluate_file(ctx: RunContext, path: str, *, k: int = 1, batch_size: int = 6
   totals: dict[str, float] = {}
   done = 0.0
   for c, part in enumerate(np.array_split(np.arange(len(rows)), chunks)):
-    m = evaluate(ctx, _concat([rows[i] for i in part]), k=k, reward=reward)
+    # The first chunk compiles the rollout (a minute on a big model): say it is alive.
+    with heartbeat(log if c == 0 else None, f"eval: compiling the rollout, chunk 1/{chunks}",
+                   heartbeat_interval(ctx.cfg)):
+      m = evaluate(ctx, _concat([rows[i] for i in part]), k=k, reward=reward)
     n = _global_sum(len(part))
     for key, v in m.items():
       totals[key] = totals.get(key, 0.0) + v * n

@@ -30,6 +30,7 @@ from distflow_jax.state import warm_shapes
 from distflow_jax.run import evaluate as eval_lib
 from distflow_jax.run import executor
 from distflow_jax.observe import health as health_lib, hints
+from distflow_jax.observe.heartbeat import heartbeat, interval as heartbeat_interval
 from distflow_jax.observe.progress import phase
 from distflow_jax.state.context import RunContext
 from distflow_jax.observe import samples as samples_lib, tensorboard, wandb_log
@@ -189,7 +190,8 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
 
   after_step = compile_ahead(cfg, ctx, checkpointer)
   if eval_batch is not None and start_step == 0:
-    first = {"step": 0, **run_eval(0)}
+    with heartbeat(log, "evaluation at step 0 (compiling the rollout)", heartbeat_interval(cfg)):
+      first = {"step": 0, **run_eval(0)}
     first.update(compiles())
     writer.write(first)
     yield first
@@ -198,7 +200,9 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
     prompts = next(loaders.train)
     if step == start_step:
       phase(log, "compile/first step")  # the first step compiles every node: the slow one
-    metrics = executor.run_step(ctx, prompts, more_prompts=lambda: next(loaders.train))
+    with heartbeat(log if step == start_step else None, "compile and first step",
+                   heartbeat_interval(cfg)):
+      metrics = executor.run_step(ctx, prompts, more_prompts=lambda: next(loaders.train))
     metrics["step"] = step + 1
     metrics["data/bad_rows"] = float(sum(v for k, v in loaders.train.counts.items() if k != "ok"))
     if eval_batch is not None and ((step + 1) % cfg.trainer.eval_every == 0
