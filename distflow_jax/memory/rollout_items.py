@@ -66,7 +66,8 @@ def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelC
               adv["kv"])]
   econf = EngineConfig(max_concurrent_decodes=slots,
                        prefill_buckets=tuple(cfg.rollout.prefill_buckets),
-                       max_new_tokens=cfg.rollout.max_new_tokens)
+                       max_new_tokens=cfg.rollout.max_new_tokens,
+                       decode_steps=cfg.rollout.decode_chunk)
   caps = cache_growth.capacities(cache_len, econf.prefill_buckets[-1] + econf.decode_steps,
                                  econf.grow_cache and not cfg.trainer.deterministic)
   if len(caps) > 1:  # the last growth: the new cache whole, one old layer's keys or values

@@ -63,7 +63,7 @@ class EngineConfig:
                prefill_buckets=tuple(int(b) for b in rollout.prefill_buckets),
                max_new_tokens=int(rollout.max_new_tokens if max_new_tokens is None
                                   else max_new_tokens),
-               stop_ids=tuple(stop_ids),
+               stop_ids=tuple(stop_ids), decode_steps=int(rollout.decode_chunk),
                sampling=SamplingParams(temperature=float(rollout.temperature),
                                        top_p=float(rollout.top_p), top_k=int(rollout.top_k)),
                seed=int(seed))
