@@ -85,6 +85,7 @@ PLAN_CASES = {
     "negative_processes": ("", ["--config.cluster.num_processes=-1"], "num_processes"),
     "misspelt_key": ("", ["--config.actor.optimizr.lr=1"], "optimizr"),
     "wrong_type": ("", ["--config.rollout.n=two"], "rollout.n"),
+    "decode_chunk_zero": ("", ["--config.rollout.decode_chunk=0"], "rollout.decode_chunk=0"),
     "config_raises": ("raise RuntimeError('my config is broken')", [], "my config is broken"),
 }
 

@@ -58,9 +58,8 @@ running child first, so an interrupted check leaves no process holding the devic
   in metrics.jsonl still count.
   Sized for a short loan: at `qwen0.5b` it is 4 prompts x 4 samples, <= 64 prompt + 32 new
   tokens (was 8 x 4, 64 + 128: on one H100 that run had not finished step 1 after 160 s
-  cold).  The decode cache grows through one compiled decode loop per window it passes
-  (rollout/cache_growth.py): 64 + 32 tokens need 2 (80, 96), 64 + 128 needed 5; on this
-  CPU at `tiny` step 1 then compiles 42 programs in 10 s instead of 48 in 27 s.  The goal is
+  cold).  The engine compiles one decode program for the run (a full-size cache; before
+  issue 32 one per cache window passed: 64 + 32 tokens needed 2, 64 + 128 needed 5).  The goal is
   step 2 inside a 3-minute cold run on one H100 (`--limit grpo=210` by default); not yet
   verified on a GPU.
 * peak memory: `jax.devices()[0].memory_stats()["peak_bytes_in_use"]` of the GRPO child

@@ -119,6 +119,10 @@ def base() -> ml_collections.ConfigDict:
       top_p=1.0,
       top_k=0,               # 0 = off
       max_concurrent_decodes=16,
+      # Tokens per compiled decode call: the host reads results, frees finished slots,
+      # refills them and decides whether to go on between calls, never inside one
+      # (rollout/decode.py).  Larger: fewer host round trips, more idle slot-steps.
+      decode_chunk=16,
       prefill_buckets=(32, 64),
       tensor_parallel=1,     # devices per rollout replica, inside one host
       # Which generator serves rollouts (rollout/backend.py): engine (JetStream-API engine,

@@ -150,6 +150,7 @@ def _check_rollout(r) -> None:
   positive(r.n, "rollout.n")
   positive(r.max_new_tokens, "rollout.max_new_tokens")
   positive(r.max_concurrent_decodes, "rollout.max_concurrent_decodes")
+  positive(r.decode_chunk, "rollout.decode_chunk")
   positive(r.tensor_parallel, "rollout.tensor_parallel")
   in_range(r.temperature, "rollout.temperature", 0, note=" (0 = greedy)")
   in_range(r.top_p, "rollout.top_p", 0, 1, lo_open=True)

@@ -48,6 +48,16 @@ def hlo_counts(text: str) -> tuple[int, int, int]:
   return ops, text.count("stablehlo.case"), text.count("stablehlo.while")
 
 
+def compiled_counts(text: str) -> tuple[int, int, int]:
+  """``(conditionals, whiles, whiles without a known trip count)`` of a compiled (XLA HLO)
+  module's text.  A ``while`` whose trip count XLA could not prove (its predicate reads
+  data, not only a counter) and a ``conditional`` each copy a predicate to the host and
+  wait for it on a GPU, once per iteration or call."""
+  whiles = [line for line in text.splitlines() if " while(" in line]
+  unknown = sum("known_trip_count" not in line for line in whiles)
+  return text.count(" conditional("), len(whiles), unknown
+
+
 def _calls(choices: list[attention_choice.Choice]) -> tuple[tuple[str, int], ...]:
   counts = collections.Counter(c.impl.value for c in choices)
   return tuple(counts.items())

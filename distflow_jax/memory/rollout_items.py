@@ -66,9 +66,10 @@ def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelC
               adv["kv"])]
   econf = EngineConfig(max_concurrent_decodes=slots,
                        prefill_buckets=tuple(cfg.rollout.prefill_buckets),
-                       max_new_tokens=cfg.rollout.max_new_tokens)
+                       max_new_tokens=cfg.rollout.max_new_tokens,
+                       decode_steps=cfg.rollout.decode_chunk)
   caps = cache_growth.capacities(cache_len, econf.prefill_buckets[-1] + econf.decode_steps,
-                                 not cfg.trainer.deterministic)
+                                 econf.grow_cache and not cfg.trainer.deterministic)
   if len(caps) > 1:  # the last growth: the new cache whole, one old layer's keys or values
     out.append(Item(node_id, "KV cache growth (one old layer while it grows)",
                     kvb * caps[-2] / caps[-1] / (2 * model_cfg.num_layers), devs, node_id,

@@ -2,9 +2,8 @@
 
 A query at position p attends to every real key at position <= p; a key's
 position -1 marks padding or an empty cache slot (see transformer.py).  Decode
-(one token per row) reads only the smallest window of the cache that holds
-every written slot, from `decode_windows`.  Multi-token calls take the kernel
-attention_choice.py picks for the target device, before tracing: the masked einsum,
+(one token per row) reads the whole cache, masked, with no branch (`_attend_one`).
+Multi-token calls take the kernel attention_choice.py picks for the target device, before tracing: the masked einsum,
 `jax.nn.dot_product_attention` through XLA or cuDNN (a `[B, T, S]` mask; cuDNN's lengths
 padded to a multiple of 64) or, for long rows, blockwise.py's flash-style attention,
 whose memory is linear in T and S.
@@ -21,7 +20,7 @@ from distflow_jax.models import segments, target as target_lib
 from distflow_jax.models.attention_choice import Impl, choose, round_up
 from distflow_jax.models.blockwise import blockwise_attention
 from distflow_jax.models.config import ModelConfig
-from distflow_jax.models.kv_cache import CacheWriter, heads_major
+from distflow_jax.models.kv_cache import heads_major
 from distflow_jax.models.layers import RMSNorm, linear
 
 # Finite so that a query with no visible key (a padding row) gives a uniform
@@ -78,44 +77,20 @@ def rotate(x_BxTxHxDh: jax.Array, angles_BxTxF: jax.Array) -> jax.Array:
   return out.astype(x_BxTxHxDh.dtype)
 
 
-def decode_windows(s: int) -> tuple[int, ...]:
-  """The key windows one-token attention over an S-slot cache picks from (the last is S):
-  multiples of max(16, S / 8), so a layer holds at most 8 variants."""
-  step = max(16, -(-s // 8))
-  return tuple(range(step, s, step)) + (s,)
-
-
 def _attend_one(q_BxKxGxDh: jax.Array, k_BxKxSxDh: jax.Array, v_BxKxSxDh: jax.Array,
-                key_pos_BxS: jax.Array, pos_B: jax.Array, end: jax.Array | None = None,
-                window_len: int | None = None) -> jax.Array:
+                key_pos_BxS: jax.Array, pos_B: jax.Array) -> jax.Array:
   """One query per row (decode): the general path's masked softmax attention without its
-  T axis.  With `end` (no key at or past that slot is visible to any row), only the
-  smallest of `decode_windows(window_len)` (default S) that holds `end` slots is read:
-  early decode steps of a long cache touch a fraction of it.  A grown cache
-  (rollout/cache_growth.py) has one of those windows as its S and passes the full
-  length as `window_len`, so it reads exactly the slices the full-size cache would."""
-  s = k_BxKxSxDh.shape[2]
-  windows = (s,)
-  if end is not None:
-    windows = tuple(w for w in decode_windows(window_len or s) if w < s) + (s,)
-
-  def attend(w):
-    def within(q, k, v, key_pos, pos):
-      dh = q.shape[-1]
-      scores_BxKxGxW = jnp.einsum("bkgd,bkwd->bkgw", q * (dh ** -0.5), k[:, :, :w],
-                                  preferred_element_type=jnp.float32)
-      visible_BxW = (key_pos[:, :w] >= 0) & (key_pos[:, :w] <= pos[:, None])
-      scores_BxKxGxW = jnp.where(visible_BxW[:, None, None], scores_BxKxGxW, _MASK_VALUE)
-      probs = jax.nn.softmax(scores_BxKxGxW, axis=-1).astype(v.dtype)
-      return jnp.einsum("bkgw,bkwd->bkgd", probs, v[:, :, :w])
-    return within
-
-  args = (q_BxKxGxDh, k_BxKxSxDh, v_BxKxSxDh, key_pos_BxS, pos_B)
-  if len(windows) == 1:
-    return attend(s)(*args)
-  # The first window holding `end` slots; past the cache's end, switch clamps to the last.
-  pick = jnp.searchsorted(jnp.asarray(windows, jnp.int32), end.astype(jnp.int32))
-  return jax.lax.switch(pick, [attend(w) for w in windows], *args)
+  T axis, over the whole cache.  No branch picks a shorter window: on a GPU a conditional
+  copies its predicate to the host and blocks, once per layer and token, which costs more
+  than reading the masked tail of the cache (rollout/decode.py).  Masked keys weigh exactly
+  0, so a row's numbers do not depend on how far the other rows have got."""
+  dh = q_BxKxGxDh.shape[-1]
+  scores_BxKxGxS = jnp.einsum("bkgd,bksd->bkgs", q_BxKxGxDh * (dh ** -0.5), k_BxKxSxDh,
+                              preferred_element_type=jnp.float32)
+  visible_BxS = (key_pos_BxS >= 0) & (key_pos_BxS <= pos_B[:, None])
+  scores_BxKxGxS = jnp.where(visible_BxS[:, None, None], scores_BxKxGxS, _MASK_VALUE)
+  probs = jax.nn.softmax(scores_BxKxGxS, axis=-1).astype(v_BxKxSxDh.dtype)
+  return jnp.einsum("bkgs,bksd->bkgd", probs, v_BxKxSxDh)
 
 
 class Attention(nnx.Module):
@@ -158,10 +133,8 @@ class Attention(nnx.Module):
     else:
       k_BxKxSxDh, v_BxKxSxDh = writer(k_BxTxKxDh, v_BxTxKxDh)
     if t == 1:  # decode
-      end, full = (writer.end, writer.window_len) if isinstance(writer, CacheWriter) \
-          else (None, None)
       out_BxKxGxDh = _attend_one(q_BxTxHxDh.reshape(b, hkv, g, dh), k_BxKxSxDh, v_BxKxSxDh,
-                                 key_pos_BxS, positions_BxT[:, 0], end, full)
+                                 key_pos_BxS, positions_BxT[:, 0])
       return self.o_proj(out_BxKxGxDh.reshape(b, 1, cfg.num_heads * dh))
     choice = choose(cfg.attention_impl, q_BxTxHxDh.dtype, dh, t, k_BxKxSxDh.shape[2],
                     target_lib.current())

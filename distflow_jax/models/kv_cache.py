@@ -75,22 +75,13 @@ def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
 class CacheWriter:
   """Scatters each layer's new k/v into the stacked cache in place (one row/slot per token)."""
 
-  def __init__(self, cache: KVCache, cache_index_B: jax.Array, t: int,
-               windowed: bool | int = True):
+  def __init__(self, cache: KVCache, cache_index_B: jax.Array, t: int):
     b = cache.batch
     self.k, self.v, self.layer = list(cache.k), list(cache.v), 0
     self.rows_Bx1 = jnp.arange(b)[:, None]
     self.slots_BxT = (jnp.asarray(cache_index_B, jnp.int32).reshape(b, 1)
                       + jnp.arange(t, dtype=jnp.int32))
     self._old_pos = cache.pos
-    # One past the furthest slot written: every key a query of this call can see lies before
-    # it (slots past a row's own writes hold position -1 or nothing of this sequence).
-    # Without windows (`windowed=False`) decode attention always reads the whole cache, so a
-    # row's numbers never depend on how far the other rows have got.
-    self.end = jnp.max(self.slots_BxT[:, -1]) + 1 if windowed else None
-    # An int `windowed` is the full cache length whose decode windows a grown (shorter)
-    # cache reads (rollout/cache_growth.py); True: this cache's own length.
-    self.window_len = None if isinstance(windowed, bool) else int(windowed)
 
   def pos(self, own_pos_BxT: jax.Array) -> jax.Array:
     # Writes past the last slot are dropped rather than clamped onto it.

@@ -40,6 +40,9 @@ class Target:
   platform: Platform
   compute_capability: tuple[int, int] | None = None
   cudnn_version: int | None = None   # jax's encoding: 9.8.0 -> 90800
+  # The device memory's datasheet bandwidth (bytes/s), the decode roofline's bound; None
+  # where one figure does not fit the kind (a CPU is measured on the spot instead).
+  memory_bytes_per_s: float | None = None
 
   @property
   def is_cuda(self) -> bool:
@@ -49,13 +52,13 @@ class Target:
 # What `plan --lower` and `--target` accept.  cuDNN 9.8 is what jax 0.10/0.11's CUDA
 # wheels bring (the H100 of DESIGN.md's GPU facts reported 9.8 through jax 0.11.2).
 TARGETS: dict[str, Target] = {
-    "h100": Target("h100", Platform.CUDA, (9, 0), 90800),
-    "h200": Target("h200", Platform.CUDA, (9, 0), 90800),
-    "a100": Target("a100", Platform.CUDA, (8, 0), 90800),
-    "l4": Target("l4", Platform.CUDA, (8, 9), 90800),
-    "b200": Target("b200", Platform.CUDA, (10, 0), 90800),
+    "h100": Target("h100", Platform.CUDA, (9, 0), 90800, 3.35e12),   # SXM, HBM3
+    "h200": Target("h200", Platform.CUDA, (9, 0), 90800, 4.8e12),
+    "a100": Target("a100", Platform.CUDA, (8, 0), 90800, 2.039e12),  # 80 GB SXM
+    "l4": Target("l4", Platform.CUDA, (8, 9), 90800, 3.0e11),
+    "b200": Target("b200", Platform.CUDA, (10, 0), 90800, 8.0e12),
     "tpu": Target("tpu", Platform.TPU),
-    "rocm": Target("rocm", Platform.ROCM),
+    "rocm": Target("rocm", Platform.ROCM, memory_bytes_per_s=5.3e12),  # MI300X
     "cpu": Target("cpu", Platform.CPU),
 }
 # Aliases a user may type for the same thing.
@@ -70,6 +73,14 @@ def parse(text: str) -> Target:
     raise ValueError(f"unknown target {text!r}; valid: {', '.join(sorted(TARGETS))} "
                      f"(cuda and gpu mean h100)")
   return TARGETS[key]
+
+
+def memory_bandwidth(device_kind: str) -> float | None:
+  """The table's memory bandwidth for a device kind as jax names it ("NVIDIA H100 80GB
+  HBM3" -> the h100 entry's), None when no entry's name is in it."""
+  kind = device_kind.lower()
+  hits = [t for name, t in TARGETS.items() if name in kind and t.memory_bytes_per_s]
+  return hits[0].memory_bytes_per_s if hits else None
 
 
 _ACTIVE: contextvars.ContextVar[Target | None] = contextvars.ContextVar("distflow_target",

@@ -127,7 +127,7 @@ class Transformer(nnx.Module):
                mask_BxT: jax.Array | None = None, cache: KVCache | None = None,
                cache_index_B: jax.Array | None = None, *, return_hidden: bool = False,
                remat: bool | str | None = None, prefix: KVCache | None = None,
-               prefix_repeat: int = 1, return_kv: bool = False, windowed: bool | int = True,
+               prefix_repeat: int = 1, return_kv: bool = False,
                segment_ids_BxT: jax.Array | None = None,
                inputs_embeds_BxTxD: jax.Array | None = None,
                rope_positions_3xBxT: jax.Array | None = None
@@ -169,7 +169,7 @@ class Transformer(nnx.Module):
     if cache is not None:
       if cache_index_B is None:
         raise ValueError("Transformer: a cache needs cache_index_B (the slot of each row's first token)")
-      writer = CacheWriter(cache, cache_index_B, t, windowed)
+      writer = CacheWriter(cache, cache_index_B, t)
     elif prefix is not None:
       writer = PrefixReader(prefix, prefix_repeat, b)
     elif return_kv:
@@ -245,7 +245,7 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxT: jax.Array,
             cache: KVCache | None = None, cache_index_B: jax.Array | None = None, *,
             return_hidden: bool = False, remat: bool | str | None = None,
             prefix: KVCache | None = None,
-            prefix_repeat: int = 1, return_kv: bool = False, windowed: bool | int = True,
+            prefix_repeat: int = 1, return_kv: bool = False,
             segment_ids_BxT: jax.Array | None = None,
             inputs_embeds_BxTxD: jax.Array | None = None,
             rope_positions_3xBxT: jax.Array | None = None
@@ -254,6 +254,6 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, tokens_BxT: jax.Array,
   model = nnx.merge(graphdef, params)
   return model(tokens_BxT, positions_BxT, mask_BxT, cache, cache_index_B,
                return_hidden=return_hidden, remat=remat, prefix=prefix,
-               prefix_repeat=prefix_repeat, return_kv=return_kv, windowed=windowed,
+               prefix_repeat=prefix_repeat, return_kv=return_kv,
                segment_ids_BxT=segment_ids_BxT, inputs_embeds_BxTxD=inputs_embeds_BxTxD,
                rope_positions_3xBxT=rope_positions_3xBxT)

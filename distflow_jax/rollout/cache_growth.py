@@ -1,22 +1,21 @@
-"""The decode cache grows by windows: capacities, the grow step and the host's bound.
+"""The decode cache can grow (opt-in, `EngineConfig.grow_cache`): capacities, the grow
+step and the host's bound.
 
-Why windows and not pages: decode attention already reads only the smallest of
-`models.attention.decode_windows(S)` that holds every written slot (S = the
-longest prompt bucket + max_new_tokens).  A cache whose length is one of those
-windows therefore holds everything a step reads, and the read slices have the
-same shapes and contents as in a full-size cache: the numbers (tokens and
-log-probs) are bitwise those of the full-size cache, with no gather through a
-page table and no new attention kernel.  The capacities are a bounded set (at
-most 8: the windows from the first one that holds the longest prompt bucket
-plus one decode chunk), so decode, insert and grow compile at most that many
-variants, all made ahead by `Engine.precompile`.
+By default the engine keeps one full-size cache for the run (the longest prompt bucket
+plus `max_new_tokens`), so it compiles one decode program.  Where that costs too much
+memory early on, `grow_cache` starts the cache at a smaller capacity and grows it along
+a ladder of at most 8 capacities (`ladder`: multiples of max(16, S / 8)).  Decode
+attention reads a row's whole cache with the keys past its own position masked to
+weight exactly 0 (models/attention.py), so a grown cache gives the numbers (tokens and
+log-probs) of the full-size one bitwise; each capacity has its own decode, insert and
+grow program, all made ahead by `Engine.precompile`, none holding a conditional.
 
 The engine starts each `generate` at the smallest capacity; before each decode
 chunk the driver gives `chunk_end`, an upper bound of the slots the chunk can
 write, computed on the host from what it already read back (no extra sync), and
 the engine pads the cache along the sequence axis to the next capacity that
-holds it (`grow_state`, one window at a time so only len(capacities) - 1 grow
-variants exist).  Memory is then slots x the longest active row's window
+holds it (`grow_state`, one step of the ladder at a time so only len(capacities) - 1
+grow variants exist).  Memory is then slots x the longest active row's capacity
 instead of slots x S.  `fixed_shapes` (trainer.deterministic) keeps one
 full-size capacity.
 
@@ -36,17 +35,24 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from distflow_jax.models.attention import decode_windows
 from distflow_jax.models.transformer import KVCache
 from distflow_jax.rollout.decode import DecodeState
 
 
+def ladder(s: int) -> tuple[int, ...]:
+  """The capacities a growing cache of at most S slots steps through (the last is S):
+  multiples of max(16, S / 8), so at most 8 of them."""
+  step = max(16, -(-s // 8))
+  return tuple(range(step, s, step)) + (s,)
+
+
 def capacities(cache_len: int, first_need: int, grow: bool) -> tuple[int, ...]:
-  """The cache lengths an engine uses: the windows of `cache_len` from the first that
-  holds `first_need` slots (the longest prompt bucket plus one chunk), or (cache_len,)."""
+  """The cache lengths an engine uses: the ladder of `cache_len` from the first capacity
+  that holds `first_need` slots (the longest prompt bucket plus one chunk), or
+  (cache_len,)."""
   if not grow:
     return (cache_len,)
-  return tuple(w for w in decode_windows(cache_len) if w >= min(first_need, cache_len))
+  return tuple(w for w in ladder(cache_len) if w >= min(first_need, cache_len))
 
 
 def capacity_for(caps: tuple[int, ...], end: int) -> int:
@@ -136,8 +142,8 @@ def chunk_end(prompt_len: int, generated: int, active: bool, steps: int, limit: 
 
   Its next write goes to slot prompt_len + generated - 1 and one more per step while it
   is active; a finished (or finishing) row keeps rewriting the slot after its last token,
-  prompt_len + generated, and that counts too: the windowed attention's `end` is taken
-  over every row, so the grown cache must hold it to pick the full cache's window.
+  prompt_len + generated (counted too, so a grown cache drops no write the full-size
+  cache keeps).
   """
   if not active:
     return prompt_len + generated

@@ -1,16 +1,17 @@
-"""The pure, jittable pieces of the engine: prefill, insert, a multi-step decode loop.
+"""The pure, jittable pieces of the engine: prefill, insert, a fixed-length decode chunk.
 
 A decode batch is `B` slots; each slot holds one request at its own length
 in a shared KV cache (`[B, Hkv, S, Dh]` per layer).  Positions equal cache slots
 (prompts are right padded and the pads have key position -1), so a slot's
 next token always sits at cache slot `index_B[b]`.
 
-`decode_chunk` runs up to K decode steps inside one `lax.while_loop`, so
-there is one host round trip per K tokens, not per token.  It returns early
-when a slot finishes and requests are waiting (`stop_on_free`), so the
-caller can refill that slot at once (continuous batching).  Finished and
-empty slots still flow through the batched forward (shapes are fixed) but
-their results are marked invalid and their state does not move.
+`decode_chunk` runs exactly K decode steps in one compiled loop with a static trip
+count, so there is one host round trip per K tokens, not per token, and the compiled
+program holds no data-dependent branch or loop predicate (on a GPU either copies a
+predicate to the host and blocks).  The host decides between calls whether to go on
+and refills freed slots then (continuous batching at chunk granularity).  Finished
+and empty slots still flow through the batched forward (shapes are fixed) but their
+results are marked invalid and their state does not move.
 """
 
 from __future__ import annotations
@@ -51,13 +52,12 @@ class Prefix:
 
 @struct.dataclass
 class StepOutput:
-  """Per-slot results of up to K decode steps; `valid_BxK` marks the real ones."""
+  """Per-slot results of K decode steps; `valid_BxK` marks the real ones."""
   tokens_BxK: jax.Array
   logprobs_BxK: jax.Array
   sampling_logprobs_BxK: jax.Array
   valid_BxK: jax.Array
   active_B: jax.Array     # after the chunk
-  steps: jax.Array        # scalar int32: steps actually run
 
 
 def empty_state(cfg, batch: int, max_len: int) -> DecodeState:
@@ -151,33 +151,22 @@ def prefill_sample(graphdef: nnx.GraphDef, params: nnx.State, tokens_PxT: jax.Ar
   return cache, lengths_P[src_Q], tok_Q, lp_Q, slp_Q
 
 
-def decode_chunk(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState,
-                 stop_on_free: jax.Array, *, sp: SamplingParams, stop_ids: Sequence[int],
-                 num_steps: int, windowed: bool | int = True) -> tuple[DecodeState, StepOutput]:
-  """Up to `num_steps` decode steps for all slots in one `lax.while_loop`.
+def decode_chunk(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, *,
+                 sp: SamplingParams, stop_ids: Sequence[int], num_steps: int
+                 ) -> tuple[DecodeState, StepOutput]:
+  """Exactly `num_steps` decode steps for every slot, in one `lax.scan` (a static trip
+  count: no data-dependent loop predicate, no conditional).
 
-  Stops early when no slot is active, or (when `stop_on_free`) after the
-  first step that leaves a slot free.  A request finishes on a stop token
-  (which is kept, with its logprob) or when it has `limit` tokens.
+  A request finishes on a stop token (which is kept, with its logprob) or when it has
+  `limit` tokens; from then on its slot flows through the batched forward (shapes are
+  fixed) without moving and its results are marked invalid.  Whether to call again (a
+  slot left to refill, rows still active) is the host's decision between calls.
   """
   b = state.tokens_B.shape[0]
-  k = num_steps
-  out = StepOutput(tokens_BxK=jnp.zeros((b, k), jnp.int32),
-                   logprobs_BxK=jnp.zeros((b, k), jnp.float32),
-                   sampling_logprobs_BxK=jnp.zeros((b, k), jnp.float32),
-                   valid_BxK=jnp.zeros((b, k), bool), active_B=state.active_B,
-                   steps=jnp.zeros((), jnp.int32))
 
-  def cond(carry):
-    st, o = carry
-    go = (o.steps < k) & jnp.any(st.active_B)
-    return go & ((o.steps == 0) | ~(stop_on_free & jnp.any(~st.active_B)))
-
-  def body(carry):
-    st, o = carry
+  def step(st: DecodeState, _):
     logits_Bx1xV, cache = forward(graphdef, params, st.tokens_B[:, None], st.index_B[:, None],
-                                  jnp.ones((b, 1), bool), st.cache, st.index_B,
-                                  windowed=windowed)
+                                  jnp.ones((b, 1), bool), st.cache, st.index_B)
     tok_B, lp_B, slp_B = sample(logits_Bx1xV[:, 0], st.keys_Bx2, st.generated_B, sp)
     live = st.active_B
     generated = st.generated_B + live.astype(jnp.int32)
@@ -185,13 +174,11 @@ def decode_chunk(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState,
     st = st.replace(cache=cache, tokens_B=jnp.where(live, tok_B, st.tokens_B),
                     index_B=st.index_B + live.astype(jnp.int32), generated_B=generated,
                     active_B=live & ~done)
-    i = o.steps
-    o = o.replace(tokens_BxK=o.tokens_BxK.at[:, i].set(jnp.where(live, tok_B, 0)),
-                  logprobs_BxK=o.logprobs_BxK.at[:, i].set(jnp.where(live, lp_B, 0.0)),
-                  sampling_logprobs_BxK=o.sampling_logprobs_BxK.at[:, i].set(
-                      jnp.where(live, slp_B, 0.0)),
-                  valid_BxK=o.valid_BxK.at[:, i].set(live), steps=i + 1)
-    return st, o
+    return st, (jnp.where(live, tok_B, 0), jnp.where(live, lp_B, 0.0),
+                jnp.where(live, slp_B, 0.0), live)
 
-  state, out = jax.lax.while_loop(cond, body, (state, out))
-  return state, out.replace(active_B=state.active_B)
+  state, (tok_KxB, lp_KxB, slp_KxB, valid_KxB) = jax.lax.scan(step, state, None,
+                                                              length=num_steps)
+  return state, StepOutput(tokens_BxK=tok_KxB.T, logprobs_BxK=lp_KxB.T,
+                           sampling_logprobs_BxK=slp_KxB.T, valid_BxK=valid_KxB.T,
+                           active_B=state.active_B)

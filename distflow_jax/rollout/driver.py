@@ -3,19 +3,19 @@
     out = generate(engine, params, prompts, n=4, rng=jax.random.key(step))
     out.tokens_RxN, out.mask_RxN, out.logprobs_RxN    # row r = sample r % n of prompt r // n
 
-The host loop keeps every slot busy: it starts as many pending requests as
+The host loop keeps the slots busy: it starts as many pending requests as
 there are free slots (the samples of one prompt share one prefill), runs the
-engine's compiled multi-step decode, which returns as soon as a slot frees
-up while requests wait, and refills at once.  Each chunk's results are read
-back (a sync point every K tokens, which also keeps CPU collectives from
-piling up).
+engine's compiled decode chunk of K tokens (one program, no conditional), and
+between chunks frees the finished slots, refills them, and stops once no
+request is left.  Each chunk's results are read back (a sync point every K
+tokens, which also keeps CPU collectives from piling up).
 
 Every decision is a function of the prompts and of the values read back, so
 all processes that drive one replica take the same decisions and issue the
-same jitted calls in the same order.  The same holds for the decode cache's
-capacity: before each chunk the host bounds the slots it can write from the
-lengths it has read (`cache_growth.chunk_end`) and the engine grows the cache
-to hold them.  With the default per-host replica each
+same jitted calls in the same order.  The same holds for a growing decode
+cache's capacity (`grow_cache`): before each chunk the host bounds the slots it
+can write from the lengths it has read (`cache_growth.chunk_end`) and the
+engine grows the cache to hold them.  With the default per-host replica each
 host generates its own prompts without any cross-host traffic.
 
 The response of a request is its sampled tokens up to and including the stop
@@ -146,7 +146,7 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
       g = len(toks[r]) + (started is not None and r in started[0])
       slot_end[s] = chunk_end(len(prompts[r // n]), g, True, k, n_max)
     state = engine.fit(state, int(slot_end.max()))
-    state, out = engine.generate_steps(params, state, stop_on_free=any(queues))
+    state, out = engine.generate_steps(params, state)
     out = jax.device_get(out)
     if started is not None:
       reqs = started[0]
@@ -155,13 +155,12 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
         toks[r].append(int(tok[q]))
         lps[r].append(float(lp[q]))
         slps[r].append(float(slp[q]))
-    steps = int(out.steps)
     for s in np.flatnonzero(slot_req >= 0):
       r = slot_req[s]
-      valid = out.valid_BxK[s, :steps]
-      toks[r].extend(out.tokens_BxK[s, :steps][valid].tolist())
-      lps[r].extend(out.logprobs_BxK[s, :steps][valid].tolist())
-      slps[r].extend(out.sampling_logprobs_BxK[s, :steps][valid].tolist())
+      valid = out.valid_BxK[s]
+      toks[r].extend(out.tokens_BxK[s][valid].tolist())
+      lps[r].extend(out.logprobs_BxK[s][valid].tolist())
+      slps[r].extend(out.sampling_logprobs_BxK[s][valid].tolist())
       if not out.active_B[s]:
         slot_req[s] = -1
         slot_end[s] = chunk_end(len(prompts[r // n]), len(toks[r]), False, k, n_max)

@@ -8,20 +8,21 @@ slot)`, `generate(params, decode_state) -> (decode_state, result)`,
 `max_prefill_length`, `samples_per_slot`, `mesh`), so `jetstream_adapter`
 can register it with JetStream where that package imports.  Beyond the API:
 
-* `generate_steps` runs up to `decode_steps` tokens per call in one compiled
-  loop (one host round trip per chunk, not per token);
+* `generate_steps` runs `decode_steps` tokens per call in one compiled loop
+  with a static trip count and no conditional (one host round trip per chunk,
+  not per token; the host decides between calls whether to go on);
 * `prefill_insert` prefills several prompts and starts many slots from them
   in one call (the n samples of a prompt share its prefill);
 * results carry per-token logprobs under the untruncated temperature-1
   softmax (see `sampling`), plus the sampling distribution's.
 
-Compiles are bounded: one decode loop per cache capacity, one prefill per
+Compiles are bounded: one decode program per cache capacity, one prefill per
 (prompt-length bucket, power-of-two prompt count; `prefill_rows`) and one insert
 per those and capacity, whatever the traffic (`engine_programs` lists them and
-precompiles them).  The driver's cache starts at the smallest capacity and grows
-by decode windows (`cache_growth`: at most 8 capacities, results bitwise those
-of the full-size cache); `init_decode_state` (JetStream) gives the full-size
-one.  `compile_counts()` exposes the jit cache sizes so tests can assert it.
+precompiles them).  The cache has one capacity for the run, the longest prompt
+bucket plus `max_new_tokens`; with `grow_cache` the driver's cache starts smaller
+and grows (`cache_growth`: at most 8 capacities, results bitwise those of the
+full-size cache); `init_decode_state` (JetStream) gives the full-size one.  `compile_counts()` exposes the jit cache sizes so tests can assert it.
 
 Placement: the engine runs on `mesh`, by default one replica over this
 host's local devices (`replica_mesh`): slots split over `data`, heads and
@@ -89,12 +90,11 @@ class Engine:
                          static_argnums=0, out_shardings=self._state_sh)
     # Layer by layer, each old layer released as its padded copy is made (cache_growth).
     self._grow = cache_growth.Grower(self._state_sh)
-    # Decode windows are those of the full length whatever the capacity (cache_growth).
-    win = dict(windowed=False if c.fixed_shapes else c.cache_len)
+    # One decode program per capacity: `decode_steps` tokens, no conditional (decode.py).
     self._chunk = jax.jit(functools.partial(decode.decode_chunk, g, num_steps=c.decode_steps,
-                                            **kw, **win),
+                                            **kw),
                           donate_argnums=(1,), out_shardings=(self._state_sh, rep))
-    self._step = jax.jit(functools.partial(decode.decode_chunk, g, num_steps=1, **kw, **win),
+    self._step = jax.jit(functools.partial(decode.decode_chunk, g, num_steps=1, **kw),
                          donate_argnums=(1,), out_shardings=(self._state_sh, rep))
     # Prefill and sampling compile per prompt shape; the insert (data movement only) per
     # prompt shape and capacity, so the grown capacities do not multiply prefill compiles.
@@ -238,7 +238,7 @@ class Engine:
   def generate(self, params: nnx.State, decode_state: DecodeState
                ) -> tuple[DecodeState, ResultTokens]:
     """One decode step for every slot (invalid where the slot is free or finished)."""
-    decode_state, out = self._step(params, decode_state, jnp.asarray(False))
+    decode_state, out = self._step(params, decode_state)
     return decode_state, ResultTokens(tokens=out.tokens_BxK, valid=out.valid_BxK,
                                       lengths=decode_state.generated_B,
                                       logprobs=out.logprobs_BxK)
@@ -251,10 +251,10 @@ class Engine:
 
   # ---- batched extensions used by the RL driver ---------------------------------------------
 
-  def generate_steps(self, params: nnx.State, decode_state: DecodeState,
-                     stop_on_free: bool = False) -> tuple[DecodeState, StepOutput]:
-    """Up to `decode_steps` tokens per slot in one call; see `decode.decode_chunk`."""
-    return self._chunk(params, decode_state, jnp.asarray(bool(stop_on_free)))
+  def generate_steps(self, params: nnx.State, decode_state: DecodeState
+                     ) -> tuple[DecodeState, StepOutput]:
+    """`decode_steps` tokens per slot in one call; see `decode.decode_chunk`."""
+    return self._chunk(params, decode_state)
 
   def prefill_insert(self, params: nnx.State, decode_state: DecodeState,
                      prompts: Sequence[Sequence[int]], src: Sequence[int], slots: Sequence[int],

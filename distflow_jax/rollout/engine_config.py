@@ -33,14 +33,15 @@ class EngineConfig:
   sampling: SamplingParams = SamplingParams()
   decode_steps: int = 16      # tokens per compiled decode call (K)
   seed: int = 0
-  # Every prefill has all slots' rows and the largest bucket, and decode attention reads
-  # the whole cache: a request's numbers then never depend on which other requests share
-  # the replica (trainer.deterministic); costs padded prefill and unwindowed attention.
+  # Every prefill has all slots' rows and the largest bucket (decode attention always reads
+  # the whole cache): a request's numbers then never depend on which other requests share
+  # the replica (trainer.deterministic); costs padded prefill.
   fixed_shapes: bool = False
-  # The driver's decode cache starts at the smallest decode window that holds the longest
-  # prompt bucket plus one chunk and grows by windows (rollout/cache_growth.py; bitwise the
-  # same results).  False: one full-size cache per slot (fixed_shapes implies it).
-  grow_cache: bool = True
+  # One full-size decode cache for the run (one decode program).  True: the driver's cache
+  # starts at the smallest capacity that holds the longest prompt bucket plus one chunk and
+  # grows (rollout/cache_growth.py; bitwise the same results, less memory early on, one
+  # decode program per capacity).  fixed_shapes keeps one full-size cache.
+  grow_cache: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "prefill_buckets", tuple(sorted(set(self.prefill_buckets))))
@@ -62,7 +63,7 @@ class EngineConfig:
                prefill_buckets=tuple(int(b) for b in rollout.prefill_buckets),
                max_new_tokens=int(rollout.max_new_tokens if max_new_tokens is None
                                   else max_new_tokens),
-               stop_ids=tuple(stop_ids),
+               stop_ids=tuple(stop_ids), decode_steps=int(rollout.decode_chunk),
                sampling=SamplingParams(temperature=float(rollout.temperature),
                                        top_p=float(rollout.top_p), top_k=int(rollout.top_k)),
                seed=int(seed))

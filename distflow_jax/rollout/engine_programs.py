@@ -46,8 +46,7 @@ def programs(params_sig: Any, *, slots: int, capacities: Sequence[int],
   for i, c in enumerate(capacities):
     unit = ("capacity", c)
     out.append(Program(f"init[cap={c}]", init, (c,), unit))
-    out.append(Program(f"decode[cap={c}]", decode, (params_sig, states[c], np.asarray(False)),
-                       unit))
+    out.append(Program(f"decode[cap={c}]", decode, (params_sig, states[c]), unit))
     if i + 1 < len(capacities):
       out.append(Program(f"grow[{c}->{capacities[i + 1]}]", grow,
                          (states[c], capacities[i + 1]), unit))

@@ -5,7 +5,7 @@
 
 It is the `reference` rollout backend (`backend`) and, mainly, the tests'
 oracle for the engine: nothing of the engine's machinery is reused (no
-prefill buckets, slots, cache, insert or windowed attention), only what
+prefill buckets, slots, cache or insert), only what
 defines the result:
 
 * the next token of a request is drawn from the logits after its last

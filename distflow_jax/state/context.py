@@ -151,7 +151,8 @@ def engine_config(cfg: ml_collections.ConfigDict, rollout: ml_collections.Config
   return EngineConfig(max_concurrent_decodes=rollout.max_concurrent_decodes,
                       prefill_buckets=tuple(rollout.prefill_buckets),
                       max_new_tokens=rollout.max_new_tokens, stop_ids=tuple(stop_ids),
-                      sampling=sp, seed=cfg.seed, fixed_shapes=cfg.trainer.deterministic)
+                      sampling=sp, seed=cfg.seed, fixed_shapes=cfg.trainer.deterministic,
+                      decode_steps=rollout.decode_chunk)
 
 
 def shared_prompt_group(cfg: ml_collections.ConfigDict, num_rows: int, num_shards: int) -> int:

@@ -1,0 +1,239 @@
+"""Decode speed of the rollout engine against the memory-bandwidth roofline, per batch size.
+
+    python tools/bench_decode.py [--shape tiny|qwen2.5-0.5b|HF_DIR] [--batch 16,64,128]
+        [--prompt 128] [--new 128] [--decode-steps 16] [--rounds 3] [--dtype float32]
+        [--json out.json]
+
+For each batch size B (B slots, B prompts of --prompt random tokens, random weights, no
+stop token, so every row decodes --new tokens; the first comes from the prefill):
+
+* tokens/s: decoded tokens / wall time of the decode calls, prefill excluded; the median
+  of --rounds rounds, the batch sizes alternated within a round so that machine load hits
+  them alike (``bc.alternate``), each row printed as soon as it is had;
+* bytes per step: the parameters plus the keys and values a step must read (the prompt
+  and, on average, half the response); the engine itself reads its whole cache, masked
+  (`kv whole`), which the roofline does not credit;
+* roofline share: tokens/s against B x bandwidth / bytes per step, with the bandwidth
+  measured on the spot on a CPU (a jitted sum over a 512 MiB array) or the device table's
+  (`models/target.py`) on a GPU;
+* compile seconds of the decode program, its StableHLO ops, its compiled fusions,
+  conditionals and `while` loops without a known trip count (each a host round trip per
+  call or iteration on a GPU; `lowering.gate.compiled_counts`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench_common as bc  # noqa: E402
+
+SHAPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model_shapes")
+
+
+class BadInput(ValueError):
+  """A setting of this tool that cannot run (exit 2, one line)."""
+
+
+def _args(argv):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--shape", default="tiny",
+                 help="tiny (the benches' 3 M model), a folder name under tools/model_shapes, "
+                      "or a folder holding a Hugging Face config.json")
+  p.add_argument("--batch", default="16,64,128", help="comma-separated batch sizes (slots)")
+  p.add_argument("--prompt", type=int, default=128)
+  p.add_argument("--new", type=int, default=128, help="tokens per row (the first: prefill)")
+  p.add_argument("--decode-steps", type=int, default=16, help="tokens per decode call")
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the shape's)")
+  p.add_argument("--json", default=None, help="write the rows here")
+  a = p.parse_args(argv)
+  try:
+    a.batches = [int(x) for x in a.batch.split(",") if x.strip()]
+  except ValueError:
+    raise BadInput(f"--batch={a.batch!r}: give comma-separated positive ints, e.g. 16,64")
+  for name, v in (("--prompt", a.prompt), ("--new", a.new), ("--decode-steps", a.decode_steps),
+                  ("--rounds", a.rounds)):
+    if v <= 0:
+      raise BadInput(f"{name}={v} must be a positive int")
+  if a.new < 2:
+    raise BadInput(f"--new={a.new}: at least 2 (the first token comes from the prefill)")
+  if not a.batches or min(a.batches) <= 0:
+    raise BadInput(f"--batch={a.batch!r}: give comma-separated positive ints, e.g. 16,64")
+  if a.dtype not in (None, "float32", "bfloat16"):
+    raise BadInput(f"--dtype={a.dtype!r}: valid are float32, bfloat16")
+  return a
+
+
+def model_config(shape: str, dtype: str | None):
+  """The ModelConfig of ``shape`` (see --shape) in ``dtype``."""
+  from distflow_jax.models import ModelConfig
+  if shape == "tiny":
+    return ModelConfig(**bc.BENCH_MODEL, dtype=dtype or "float32")
+  folder = shape if os.path.isdir(shape) else os.path.join(SHAPES, shape)
+  path = os.path.join(folder, "config.json")
+  if not os.path.isfile(path):
+    valid = ", ".join(["tiny"] + sorted(os.listdir(SHAPES)))
+    raise BadInput(f"--shape={shape!r}: no {path}; valid: {valid}, or a folder with a "
+                   "config.json")
+  with open(path) as f:
+    hf = json.load(f)
+  return ModelConfig.from_hf_dict(hf, dtype or hf.get("torch_dtype", "float32"))
+
+
+def measured_bandwidth() -> tuple[float, str]:
+  """Bytes/s: the device table's on a GPU, else a jitted sum over 512 MiB measured now."""
+  import jax
+  import jax.numpy as jnp
+
+  from distflow_jax.models import target
+  dev = jax.devices()[0]
+  if dev.platform != "cpu":
+    table = target.memory_bandwidth(dev.device_kind)
+    if table:
+      return table, f"{dev.device_kind}: table"
+  x = jnp.ones((128 * 2 ** 20,), jnp.float32)
+  total = jax.jit(jnp.sum)
+  total(x).block_until_ready()
+  secs = bc.median_time(lambda: total(x).block_until_ready(), 5)
+  return x.nbytes / secs, f"{dev.platform}: measured (sum over 512 MiB)"
+
+
+def program_counts(engine, params) -> dict:
+  """Compile seconds and op counts of the engine's decode program."""
+  import jax
+
+  from distflow_jax.lowering.gate import compiled_counts, hlo_counts
+  sig = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                     params)
+  decodes = [p for p in engine.programs(sig) if p.name.startswith("decode")]
+  prog = decodes[-1]  # the full-size capacity's
+  t0 = time.perf_counter()
+  lowered = prog.fn.lower(*prog.args)
+  lower_s = time.perf_counter() - t0
+  ops, cases, whiles = hlo_counts(lowered.as_text())
+  t0 = time.perf_counter()
+  text = lowered.compile().as_text()
+  compile_s = time.perf_counter() - t0
+  conditionals, _, unknown = compiled_counts(text)
+  fusions = sum(1 for line in text.splitlines() if " fusion(" in line)
+  return dict(decode_programs=len(decodes), lower_s=lower_s, compile_s=compile_s,
+              stablehlo_ops=ops, cases=cases, whiles=whiles, fusions=fusions,
+              conditionals=conditionals, data_dependent_whiles=unknown)
+
+
+class Contender:
+  """One batch size: its engine, parameters and prompts, and one timed decode round."""
+
+  def __init__(self, cfg, batch: int, a):
+    import jax
+
+    from distflow_jax.rollout import Engine, EngineConfig, SamplingParams, replica_mesh
+    self.batch, self.cfg = batch, cfg
+    self.engine = Engine(cfg, EngineConfig(
+        max_concurrent_decodes=batch, prefill_buckets=(a.prompt,), max_new_tokens=a.new,
+        sampling=SamplingParams(1.0), decode_steps=a.decode_steps),
+        mesh=replica_mesh(1, jax.devices()[:1]))
+    self.params = self.engine.load_params(None, seed=0)
+    self.prompts = np.random.RandomState(batch).randint(
+        1, cfg.vocab_size, (batch, a.prompt)).tolist()
+
+  def round(self) -> bc.Measured:
+    """Prefill every slot (untimed), then decode until no row is active (timed)."""
+    import jax
+    eng, b = self.engine, self.batch
+    state = eng.init_decode_state()
+    keys = np.asarray(eng.new_request_keys(b))
+    state, tok, _, _ = eng.prefill_insert(self.params, state, self.prompts, list(range(b)),
+                                          list(range(b)), keys)
+    jax.block_until_ready((state, tok))
+    tokens, t0 = 0, time.perf_counter()
+    while True:
+      state, out = eng.generate_steps(self.params, state)
+      out = jax.device_get(out)
+      tokens += int(np.asarray(out.valid_BxK).sum())
+      if not np.asarray(out.active_B).any():
+        return bc.Measured(tokens, time.perf_counter() - t0)
+
+
+def step_bytes(cfg, params, batch: int, prompt: int, new: int) -> dict:
+  """Bytes a decode step reads at the least (parameters + the live keys and values, the
+  response half written on average), and the whole cache the engine reads."""
+  import jax
+  param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(
+      cfg.jnp_dtype).itemsize
+  return dict(param_bytes=param_bytes, kv_bytes=per_slot * batch * (prompt + new / 2),
+              kv_whole_bytes=per_slot * batch * (prompt + new))
+
+
+def run(a) -> list[dict]:
+  cfg = model_config(a.shape, a.dtype)
+  bw, bw_note = measured_bandwidth()
+  print(f"# {bc.load_line()}", flush=True)
+  print(f"# shape {a.shape} ({cfg.dtype}), prompt {a.prompt}, new {a.new}, decode_steps "
+        f"{a.decode_steps}, rounds {a.rounds}; bandwidth {bw / 1e9:.1f} GB/s ({bw_note})",
+        flush=True)
+  contenders = {b: Contender(cfg, b, a) for b in a.batches}
+  rows = {}
+  table = bc.Table(bc.Col("batch", 5), bc.Col("compile s", 9), bc.Col("hlo ops", 7),
+                   bc.Col("fusions", 7), bc.Col("cond", 4), bc.Col("dd while", 8),
+                   bc.Col("MB/step", 8), bc.Col("kv whole MB", 11))
+  for b, c in contenders.items():
+    counts = program_counts(c.engine, c.params)
+    sizes = step_bytes(cfg, c.params, b, a.prompt, a.new)
+    rows[b] = dict(batch=b, **counts, **sizes, bandwidth=bw, bandwidth_source=bw_note)
+    table.row(b, f"{counts['compile_s']:.2f}", counts["stablehlo_ops"], counts["fusions"],
+              counts["conditionals"], counts["data_dependent_whiles"],
+              f"{(sizes['param_bytes'] + sizes['kv_bytes']) / 1e6:.1f}",
+              f"{sizes['kv_whole_bytes'] / 1e6:.1f}")
+  for c in contenders.values():
+    c.round()  # compiles prefill and insert, warms the decode program
+  speed = bc.Table(bc.Col("round", 5), bc.Col("batch", 5), bc.Col("tok/s", 10),
+                   bc.Col("roofline tok/s", 14), bc.Col("share", 7))
+  tokens = {b: [] for b in contenders}
+
+  def on_time(i, b, secs, n):
+    r = rows[b]
+    roof = b * bw / (r["param_bytes"] + r["kv_bytes"])
+    tokens[b].append(n / secs)
+    speed.row(i, b, f"{n / secs:,.0f}", f"{roof:,.0f}", f"{n / secs / roof:.1%}")
+  bc.alternate({b: c.round for b, c in contenders.items()}, a.rounds, rotate=True,
+               on_time=on_time)
+  first = a.batches[0]
+  print("# medians", flush=True)
+  summary = bc.Table(bc.Col("batch", 5), bc.Col("tok/s (median)", 14),
+                     bc.Col(f"x batch {first}", 10), bc.Col("roofline share", 14))
+  base = statistics.median(tokens[first])
+  for b, r in rows.items():
+    r["tokens_per_s"] = statistics.median(tokens[b])
+    r["roofline_tokens_per_s"] = b * bw / (r["param_bytes"] + r["kv_bytes"])
+    r["roofline_share"] = r["tokens_per_s"] / r["roofline_tokens_per_s"]
+    summary.row(b, f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base:.2f}",
+                f"{r['roofline_share']:.1%}")
+  print(f"# {bc.load_line()}", flush=True)
+  return list(rows.values())
+
+
+def main(argv=None) -> int:
+  bc.flush_lines()
+  try:
+    a = _args(argv)
+    rows = run(a)
+  except BadInput as e:
+    print(f"bench_decode: {e}", file=sys.stderr)
+    return 2
+  if a.json:
+    bc.write_json(a.json, rows, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
