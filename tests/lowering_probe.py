@@ -3,8 +3,9 @@ compiles (jax's compile log), then ``plan --lower``'s catalogue of the same conf
 
     python tests/lowering_probe.py OUT.json DEVICES -- --config=grpo:tiny --config.x=...
 
-Writes ``{"compiled": [[name, signature], ...], "catalogue": [[name, signature], ...]}``
-where a signature is the program's flat input shapes and dtypes.
+Writes ``{"compiled": [[name, signature], ...], "catalogue": [[name, signature], ...],
+"count": N}`` where a signature is the program's flat input shapes and dtypes and N is
+``plan --programs``' count of the catalogue.
 """
 
 import json
@@ -59,7 +60,7 @@ from absl import flags  # noqa: E402
 
 from distflow_jax.config import checks, loading  # noqa: E402
 from distflow_jax.dag import FUNCTIONS  # noqa: E402
-from distflow_jax.lowering import abstract, catalogue  # noqa: E402
+from distflow_jax.lowering import abstract, catalogue, count  # noqa: E402
 from distflow_jax.memory import report  # noqa: E402
 
 fv = flags.FlagValues()
@@ -68,11 +69,13 @@ cfg = fv.config
 topo = checks.topology(cfg, 1, DEVICES)
 plan = checks.plan_from_config(cfg, topo, FUNCTIONS)
 ctx = abstract.abstract_context(cfg, plan, abstract.model_shape(cfg))
+programs = catalogue.programs(cfg, plan, ctx)
 cat = []
-for p in catalogue.programs(cfg, plan, ctx).programs:
+for p in programs.programs:
   traced = p.trace()
   for t in getattr(traced, "parts", [traced]):  # a program of several (rollout/cache_growth)
     cat.append((t.fun_name, signature(" ".join(str(a) for a in t.jaxpr.in_avals)),
                 p.node, p.name))
 with open(OUT, "w") as f:
-  json.dump({"compiled": compiled, "catalogue": cat}, f)
+  json.dump({"compiled": compiled, "catalogue": cat,
+             "count": count.count(programs).total}, f)

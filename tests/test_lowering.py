@@ -71,7 +71,7 @@ def test_shipped_tiny_configs_lower_for_h100(spec, overrides):
   _assert_all_lower(rows)
   names = {r.name.split("[")[0] for r in rows}
   rollout = ({"next_token", "vision_tower"} if spec.startswith("grpo_vl")
-             else {"decode", "prefill", "insert"})
+             else {"decode", "prefill_insert"})
   assert rollout | {"train_step", "checksum"} <= names, names
 
 
@@ -200,9 +200,10 @@ def _covered(compiled, cat):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("spec", ["grpo:tiny", "ppo:tiny"])
 def test_catalogue_holds_every_program_a_real_run_compiles(tmp_path, spec):
-  """A real 1-step run on 1 process x 2 devices, jax's compile log read back: each program
-  it compiled (eager single operations aside) is one ``plan --lower`` lowers, with the
-  same input shapes and dtypes."""
+  """A real 1-step run on 1 process x 2 devices with every shape compiled ahead, jax's
+  compile log read back: each program it compiled (eager single operations aside) is one
+  ``plan --lower`` lowers, with the same input shapes and dtypes, and the number of
+  programs it logged (``compile/programs``) is ``plan --programs``' count."""
   out = tmp_path / "probe.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, DISTFLOW_JAX_COMPILE_CACHE="")
   env.pop("XLA_FLAGS", None)
@@ -210,7 +211,7 @@ def test_catalogue_holds_every_program_a_real_run_compiles(tmp_path, spec):
           "--config.model.warmstart.steps=2", "--config.trainer.eval_every=0",
           f"--config.run_dir={tmp_path / 'run'}", "--config.cluster.num_processes=1",
           "--config.cluster.devices_per_process=2", "--config.data.prompts_per_step=4",
-          "--config.rollout.max_concurrent_decodes=8"]
+          "--config.rollout.max_concurrent_decodes=8", "--config.trainer.compile_ahead=always"]
   proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "lowering_probe.py"),
                          str(out), "2", "--", *args], cwd=tmp_path, env=env,
                         capture_output=True, text=True, timeout=800)
@@ -220,6 +221,10 @@ def test_catalogue_holds_every_program_a_real_run_compiles(tmp_path, spec):
   assert len(ours) >= 10, data["compiled"]
   missing = _covered(data["compiled"], data["catalogue"])
   assert not missing, missing
+  with open(tmp_path / "run" / "metrics.jsonl") as f:
+    first = json.loads(f.readline())
+  assert first["step"] == 1 and first["compile/programs"] == data["count"], (
+      first.get("compile/programs"), data["count"], len(ours))
 
 
 @pytest.mark.slow

@@ -59,6 +59,7 @@ def start_job(fv, command: str, run_dir: str, job: str | None = None):
       f"device(s); run dir {run_dir}")
   from distflow_jax.run import compile_cache
   compile_cache.enable(cfg, log)  # before anything compiles (trainer.compile_cache_dir)
+  compile_cache.CompileCounter()  # counts the job's programs from here (compile/programs)
   return info, log
 
 

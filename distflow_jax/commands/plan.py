@@ -3,7 +3,7 @@
   distflow-jax plan --config=configs/grpo.py:tiny [--process=N] [--num_processes=P]
       [--devices_per_process=D] [--memory [--device_memory=80GB [--target=h100]]
       [--memory_source=analytic]]
-      [--lower=h100|a100|tpu|...]
+      [--lower=h100|a100|tpu|...] [--programs]
 
 Plans for the config's cluster block, else the flags, else the running jax;
 ``--process`` prints only that process's portion.  ``--memory`` adds each role's and
@@ -18,7 +18,9 @@ NCCL buffers; on a TPU all of it less 0.5 GiB for the runtime; on a CPU all of i
 steps, rollout engine, weight sync, re-partitions, checksums, warm start) on abstract
 shapes of the same simulated topology and lowers each for the target device (h100, a100,
 tpu, ...), a row per program with the attention kernel it got; a
-program that cannot be built for the target is refused in one line.
+program that cannot be built for the target is refused in one line.  ``--programs``
+counts the programs a run compiles before step 2 (the same catalogue), by node; a run
+logs the number it built as ``compile/programs``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def run(argv: Sequence[str]) -> int:
   flags.DEFINE_enum("memory_source", "compiled", ["compiled", "analytic"], "with --memory: "
                     "compile the real steps abstractly, or the analytic model (fast, big "
                     "models)", flag_values=fv)
+  flags.DEFINE_boolean("programs", False, "count the programs a run compiles before step 2, "
+                       "by node (on abstract shapes)", flag_values=fv)
   flags.DEFINE_string("lower", None, "lower every program of a run for this device "
                       "(h100, a100, tpu, ...) on abstract shapes", flag_values=fv)
   rest = loading.parse(fv, argv)
@@ -60,7 +64,7 @@ def run(argv: Sequence[str]) -> int:
                         or fv.target is not None):
     raise loading.ConfigError("--device_memory, --target and --memory_source go with "
                               "--memory; add --memory")
-  if fv.memory or fv.lower is not None:  # before jax is imported
+  if fv.memory or fv.lower is not None or fv.programs:  # before jax is imported
     _simulate_devices(cfg, fv.num_processes, fv.devices_per_process)
   target = None
   if fv.lower is not None:
@@ -79,9 +83,18 @@ def run(argv: Sequence[str]) -> int:
   if fv.memory:
     from distflow_jax.memory import report
     report.run(cfg, plan, fv.device_memory, fv.memory_source, fv.target)
+  if fv.programs:
+    _count(cfg, plan)
   if target is not None:
     _lower(cfg, plan, target)
   return 0
+
+
+def _count(cfg, plan) -> None:
+  """Prints how many programs a run compiles before step 2 (lowering/count.py)."""
+  from distflow_jax.lowering import abstract, catalogue, count
+  ctx = abstract.abstract_context(cfg, plan, abstract.model_shape(cfg))
+  print(count.render(count.count(catalogue.programs(cfg, plan, ctx))), flush=True)
 
 
 def _lower(cfg, plan, target) -> None:
@@ -112,6 +125,7 @@ def _simulate_devices(cfg, num_processes: int | None, devices_per_process: int |
   np_ = num_processes or cfg.cluster.num_processes
   dpp = devices_per_process or cfg.cluster.devices_per_process
   if not np_ or not dpp:
-    raise loading.ConfigError("plan --memory and --lower need the target topology: pass "
-                              "--num_processes and --devices_per_process (or set cluster.*)")
+    raise loading.ConfigError("plan --memory, --lower and --programs need the target topology: "
+                              "pass --num_processes and --devices_per_process (or set "
+                              "cluster.*)")
   distributed.simulate_cpu_devices(int(np_) * int(dpp))

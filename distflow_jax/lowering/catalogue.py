@@ -30,7 +30,7 @@ from distflow_jax.lowering.program import Catalogue, Program
 from distflow_jax.lowering.rollout_programs import rollout_programs, vision_programs
 from distflow_jax.nodes import passes, rollout as rollout_node, training
 from distflow_jax.train import packing, token_budget
-from distflow_jax.persist import checksums
+from distflow_jax.persist import checkpoint_contents, checksums
 from distflow_jax.run import executor
 from distflow_jax.state.context import RunContext, shared_prompt_group
 
@@ -147,23 +147,11 @@ def move_programs(ctx: RunContext, step, src, lay, fields: list[str], rows: int
 
 
 def checksum_programs(ctx: RunContext) -> list[Program]:
-  """A save's checksums: one program per distinct (mesh, spec, shape) of the trained
-  roles' parameters and optimizer state."""
-  out, seen = [], set()
-  for role, state in ctx.roles.items():
-    if not state.trainable:
-      continue
-    for x in jax.tree.leaves((state.params, state.opt_state)):
-      if not isinstance(x.sharding, NamedSharding):
-        continue
-      sh = x.sharding
-      key = (sh.mesh, sh.spec, x.shape, str(x.dtype))
-      if key in seen:
-        continue
-      seen.add(key)
-      out.append(Program("save", f"checksum[{role.value.lower()} {x.dtype}{list(x.shape)}]",
-                         checksums._sharded(sh.mesh, sh.spec, x.shape), (x,)))
-  return out
+  """A save's checksums: one program per mesh over the saved arrays laid out on it."""
+  arrays = {n: x for n, x in checksums.flatten(checkpoint_contents.trained_state(ctx.roles))
+            .items() if isinstance(getattr(x, "sharding", None), NamedSharding)}
+  return [Program("save", f"checksum[arrays={len(names)},mesh={dict(xs[0].sharding.mesh.shape)}]",
+                  fn, xs) for names, fn, xs in checksums.mesh_programs(arrays)]
 
 
 def warmstart_programs(ctx: RunContext) -> list[Program]:

@@ -7,7 +7,8 @@ OCDBT data file decode to other numbers and a run resumed from them silently
 
 An array's checksum is two 32-bit sums, over its elements, of a hash of the
 element's bits and its global position.  Each device adds up its own block
-(one small jit per array, cached by shape and sharding; replicas count zero)
+(one jitted program per mesh over all of its arrays, cached by their shapes and
+shardings; replicas count zero)
 with no communication between devices, and the processes' parts are added on
 the host (``all_figures``).  The sums are modular integer arithmetic (exact in
 any order) and the position is global, so the figure does not depend on the
@@ -97,14 +98,17 @@ def _axes(entry: Any) -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def _sharded(mesh: Any, spec: PartitionSpec, shape: tuple[int, ...]) -> Any:
-  """Every device's figures of its block, without any communication: an array with one
-  row of figures per device (zeros on replicas, so that each block counts once)."""
+def _sharded(mesh: Any, specs: tuple[PartitionSpec, ...], shapes: tuple[tuple[int, ...], ...]
+             ) -> Any:
+  """One program for every array on ``mesh`` (array i of global ``shapes[i]`` laid out as
+  ``specs[i]``): each device's figures of its block of each, without any communication:
+  an array with one row of figures per device and array (zeros on replicas, so that each
+  block counts once)."""
   names = tuple(mesh.axis_names)
-  dims = [_axes(spec[d] if d < len(spec) else None) for d in range(len(shape))]
-  used = {a for axes in dims for a in axes}
 
-  def block(x):
+  def figures(x, spec, shape):
+    dims = [_axes(spec[d] if d < len(spec) else None) for d in range(len(shape))]
+    used = {a for axes in dims for a in axes}
     starts = []
     for d, axes in enumerate(dims):
       i = jnp.uint32(0)
@@ -115,11 +119,38 @@ def _sharded(mesh: Any, spec: PartitionSpec, shape: tuple[int, ...]) -> Any:
     for a in names:
       if a not in used:
         first = first & (lax.axis_index(a) == 0)
-    figures = jnp.where(first, _block_figures(x, starts, shape), jnp.uint32(0))
-    return figures.reshape((1,) * len(names) + (3,))
+    return jnp.where(first, _block_figures(x, starts, shape), jnp.uint32(0))
 
-  return jax.jit(jax.shard_map(block, mesh=mesh, in_specs=spec, out_specs=PartitionSpec(*names),
-                               check_vma=False))
+  def block(*xs):
+    rows = jnp.stack([figures(x, sp, sh) for x, sp, sh in zip(xs, specs, shapes)])
+    return rows.reshape((1,) * len(names) + rows.shape)
+
+  return jax.jit(jax.shard_map(block, mesh=mesh, in_specs=specs,
+                               out_specs=PartitionSpec(*names), check_vma=False))
+
+
+def mesh_programs(arrays: dict[str, Any]) -> list[tuple[list[str], Any, tuple]]:
+  """``[(names, program, arguments)]``: one program per mesh over the NamedSharding
+  ``arrays`` (real or ``ShapeDtypeStruct``) laid out on it (``_sharded``)."""
+  by_mesh: dict[Any, list[str]] = {}
+  for name, x in arrays.items():
+    by_mesh.setdefault(x.sharding.mesh, []).append(name)
+  out = []
+  for mesh, names in by_mesh.items():
+    xs = tuple(arrays[n] for n in names)
+    out.append((names, _sharded(mesh, tuple(x.sharding.spec for x in xs),
+                                tuple(x.shape for x in xs)), xs))
+  return out
+
+
+def _sharded_figures(arrays: dict[str, jax.Array]) -> dict[str, list[Any]]:
+  """``{name: [figure rows of each addressable device]}`` of NamedSharding ``arrays``."""
+  parts: dict[str, list[Any]] = {}
+  for names, fn, xs in mesh_programs(arrays):
+    rows = [np.asarray(s.data).reshape(-1, len(names), 3) for s in fn(*xs).addressable_shards]
+    for i, n in enumerate(names):
+      parts[n] = [r[:, i] for r in rows]
+  return parts
 
 
 _single = jax.jit(_block_figures, static_argnums=2)
@@ -133,17 +164,18 @@ def array_figures(tree: Any) -> dict[str, list[int]]:
   count on process 0.
   """
   parts: dict[str, list[Any]] = {}
+  named: dict[str, jax.Array] = {}
   for name, x in flatten(tree).items():
     if not isinstance(x, jax.Array):
       if jax.process_index() == 0:
         parts[name] = [host_figures(np.asarray(x))]
     elif isinstance(x.sharding, NamedSharding):
       if x.sharding.addressable_devices:
-        sh = x.sharding
-        parts[name] = [s.data for s in _sharded(sh.mesh, sh.spec, x.shape)(x).addressable_shards]
+        named[name] = x
     else:  # another kind of sharding: block by block
       parts[name] = [_single(s.data, np.array([i.start or 0 for i in s.index], np.uint32),
                              x.shape) for s in x.addressable_shards if s.replica_id == 0]
+  parts.update(_sharded_figures(named))
   return {name: _add(row for f in fs for row in np.asarray(f).reshape(-1, 3).tolist())
           for name, fs in parts.items()}
 

@@ -16,13 +16,14 @@ can register it with JetStream where that package imports.  Beyond the API:
 * results carry per-token logprobs under the untruncated temperature-1
   softmax (see `sampling`), plus the sampling distribution's.
 
-Compiles are bounded: one decode program per cache capacity, one prefill per
-(prompt-length bucket, power-of-two prompt count; `prefill_rows`) and one insert
-per those and capacity, whatever the traffic (`engine_programs` lists them and
-precompiles them).  The cache has one capacity for the run, the longest prompt
-bucket plus `max_new_tokens`; with `grow_cache` the driver's cache starts smaller
-and grows (`cache_growth`: at most 8 capacities, results bitwise those of the
-full-size cache); `init_decode_state` (JetStream) gives the full-size one.  `compile_counts()` exposes the jit cache sizes so tests can assert it.
+Compiles are bounded: one decode program per cache capacity (`decode_steps`
+tokens a call, no conditional), one prefill-and-insert per (prompt-length bucket,
+power-of-four prompt count; `prefill_rows`) and capacity, whatever the traffic
+(`engine_programs` lists them and precompiles them).  The cache has one capacity
+for the run, the longest prompt bucket plus `max_new_tokens`; with `grow_cache`
+the driver's cache starts smaller and grows (`cache_growth`: at most 8
+capacities); `init_decode_state` (JetStream) gives the full-size one.
+`compile_counts()` exposes the jit cache sizes so tests can assert it.
 
 Placement: the engine runs on `mesh`, by default one replica over this
 host's local devices (`replica_mesh`): slots split over `data`, heads and
@@ -96,10 +97,10 @@ class Engine:
                           donate_argnums=(1,), out_shardings=(self._state_sh, rep))
     self._step = jax.jit(functools.partial(decode.decode_chunk, g, num_steps=1, **kw),
                          donate_argnums=(1,), out_shardings=(self._state_sh, rep))
-    # Prefill and sampling compile per prompt shape; the insert (data movement only) per
-    # prompt shape and capacity, so the grown capacities do not multiply prefill compiles.
-    self._prefill_insert = jax.jit(functools.partial(decode.prefill_sample, g, sp=c.sampling),
-                                   out_shardings=self._prefill_insert_shardings())
+    # Prefill, sampling and insert: one program per prompt shape and capacity.
+    self._prefill_insert = jax.jit(
+        functools.partial(prefill_rows.prefill_insert, g, sp=c.sampling, stop_ids=c.stop_ids),
+        donate_argnums=(1,), out_shardings=(self._state_sh, rep, rep, rep))
     self._prefill = jax.jit(functools.partial(decode.prefill, g, sp=c.sampling),
                             out_shardings=self.get_prefix_destination_sharding())
     self._insert = jax.jit(functools.partial(decode.insert_rows, stop_ids=c.stop_ids),
@@ -262,7 +263,7 @@ class Engine:
                      ) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array]:
     """Prefills `prompts` once and starts request q on prompt `src[q]` in slot `slots[q]`.
 
-    Prompt count is padded to a power of two and the length to a bucket;
+    Prompt count is padded to a power of four and the length to a bucket;
     requests are padded to `max_concurrent_decodes` rows (`prefill_rows`), so
     compiles stay bounded.  Returns the state and the first tokens / logprobs /
     sampling logprobs of the (padded) request rows.
@@ -273,9 +274,7 @@ class Engine:
       self._params_sig = jax.tree.map(
           lambda x: (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                      if isinstance(x, jax.Array) else x), params)
-    cache, lens_q, tok, lp, slp = self._prefill_insert(params, tokens, lens, src_a, keys)
-    state = self._insert(decode_state, cache, src_a, slots_a, tok, lens_q, keys, lim)
-    return state, tok, lp, slp
+    return self._prefill_insert(params, decode_state, tokens, lens, src_a, slots_a, keys, lim)
 
   def prefill_shapes(self) -> list[tuple[int, int]]:
     """Every (prompt rows, prompt width) ``prefill_insert`` can compile for (prefill_rows)."""
@@ -288,10 +287,8 @@ class Engine:
     them for a target device."""
     return engine_programs.programs(
         params_sig, slots=self.max_concurrent_decodes, capacities=self.capacities,
-        shapes=self.prefill_shapes(), state_shardings=self._state_sh,
-        prefill_shardings=self._prefill_insert_shardings(), init=self._init,
-        decode=self._chunk, grow=self._grow, prefill_insert=self._prefill_insert,
-        insert=self._insert)
+        shapes=self.prefill_shapes(), state_shardings=self._state_sh, init=self._init,
+        decode=self._chunk, grow=self._grow, prefill_insert=self._prefill_insert)
 
   def precompile(self) -> int:
     """Compiles ahead of time, with the parameters' placements of the first call (a no-op
@@ -304,10 +301,6 @@ class Engine:
     done = engine_programs.precompile(self.programs(self._params_sig), self._precompiled)
     self._precompiled |= done
     return len(done)
-
-  def _prefill_insert_shardings(self):
-    rep = self._replicated
-    return (self.get_prefix_destination_sharding().cache, rep, rep, rep, rep)
 
   def compile_counts(self) -> dict[str, int]:
     """How many executables each jitted entry point holds (a recompile shows up here)."""

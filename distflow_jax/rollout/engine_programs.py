@@ -2,8 +2,8 @@
 
 An engine's compiles are bounded (rollout/engine.py): for each cache capacity an empty
 state, a decode loop and a grow step to the next capacity; for each prompt shape
-(rollout/prefill_rows.py: a power-of-two row count up to the slots, a prefill bucket) a
-prefill and an insert at every capacity.  ``programs`` lists them as ``(name, jitted,
+(rollout/prefill_rows.py: a power-of-four row count up to the slots, a prefill bucket) a
+prefill-and-insert at every capacity.  ``programs`` lists them as ``(name, jitted,
 abstract args)`` for parameters laid out as a given signature; ``precompile`` compiles
 them ahead of time, counting a capacity or a prompt shape (a program's ``group``) as one
 unit; ``sync_programs`` lists what a weight update runs.  ``plan --lower`` lowers the same
@@ -12,6 +12,8 @@ lists for a target device.
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -31,13 +33,12 @@ class Program(NamedTuple):
 
 
 def programs(params_sig: Any, *, slots: int, capacities: Sequence[int],
-             shapes: Sequence[tuple[int, int]], state_shardings: Any, prefill_shardings: Any,
-             init: Any, decode: Any, grow: Any, prefill_insert: Any, insert: Any
-             ) -> list[Program]:
+             shapes: Sequence[tuple[int, int]], state_shardings: Any, init: Any, decode: Any,
+             grow: Any, prefill_insert: Any) -> list[Program]:
   """Every program of an engine with ``slots`` slots, for parameters laid out as
   ``params_sig`` (``ShapeDtypeStruct``s with shardings): each cache capacity's empty state
   (``init``), decode loop (``decode``) and grow step (``grow``), and for each prompt shape
-  of ``shapes`` its prefill (``prefill_insert``) and its ``insert`` at every capacity."""
+  of ``shapes`` its prefill-and-insert (``prefill_insert``) at every capacity."""
   sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # noqa: E731
   states = {c: jax.tree.map(sds, jax.eval_shape(init, c), state_shardings)
             for c in capacities}
@@ -51,26 +52,34 @@ def programs(params_sig: Any, *, slots: int, capacities: Sequence[int],
       out.append(Program(f"grow[{c}->{capacities[i + 1]}]", grow,
                          (states[c], capacities[i + 1]), unit))
   for p, t in shapes:
-    args = (params_sig, np.zeros((p, t), np.int32), np.ones((p,), np.int32), ints, keys)
-    prefix = jax.tree.map(sds, jax.eval_shape(prefill_insert, *args), prefill_shardings)
-    out.append(Program(f"prefill[rows={p},len={t}]", prefill_insert, args, (p, t)))
-    cache, lens_q, tok = prefix[:3]
     for c in capacities:
-      out.append(Program(f"insert[rows={p},len={t},cap={c}]", insert,
-                         (states[c], cache, ints, ints, tok, lens_q, keys, ints), (p, t)))
+      args = (params_sig, states[c], np.zeros((p, t), np.int32), np.ones((p,), np.int32),
+              ints, ints, keys, ints)
+      out.append(Program(f"prefill_insert[rows={p},len={t},cap={c}]", prefill_insert, args,
+                         (p, t)))
   return out
 
 
+def compile_all(lowerables: Sequence[tuple[Any, tuple]]) -> None:
+  """``fn.lower(*args).compile()`` of each ``(fn, args)``, in a thread pool: XLA compiles
+  independent programs in parallel (each compile is mostly single-threaded), and a
+  compile fills the jitted function's cache as a call would."""
+  if len(lowerables) < 2:
+    for fn, args in lowerables:
+      fn.lower(*args).compile()
+    return
+  workers = min(len(lowerables), os.cpu_count() or 1)
+  with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
+    for f in [pool.submit(lambda fa: fa[0].lower(*fa[1]).compile(), x) for x in lowerables]:
+      f.result()
+
+
 def precompile(programs: Iterable[Program], done: set[tuple]) -> set[tuple]:
-  """Compiles each of ``programs`` whose ``group`` is not in ``done``; returns the groups
-  it compiled."""
-  compiled = set()
-  for p in programs:
-    if p.group in done:
-      continue
-    p.fn.lower(*p.args).compile()
-    compiled.add(p.group)
-  return compiled
+  """Compiles (in parallel: ``compile_all``) each of ``programs`` whose ``group`` is not
+  in ``done``; returns the groups it compiled."""
+  todo = [p for p in programs if p.group not in done]
+  compile_all([(p.fn, p.args) for p in todo])
+  return {p.group for p in todo}
 
 
 def sync_programs(train_params: Any, param_shardings: Any,

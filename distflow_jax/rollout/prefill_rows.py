@@ -1,33 +1,40 @@
-"""The shapes of the engine's prefill: a call's requests laid out as fixed-shape rows.
+"""The engine's prefill: a call's requests laid out as fixed-shape rows, and its program.
 
 ``Engine.prefill_insert`` prefills several prompts and starts many slots from them in one
-call.  To keep its compiles bounded, the prompts are padded to a prefill bucket's width and
-their count to a power of two (at most the slots), and the requests to one row per slot
-(``request_rows``); ``prefill_shapes`` lists every (prompt rows, width) that can give.
-With ``fixed_shapes`` every call has all the slots' rows and the largest bucket.
+call, one program (``prefill_insert``: the prefill, the first tokens and their insert into
+the decode cache).  To keep its compiles bounded, the prompts are padded to a prefill
+bucket's width and their count to a power of four (at most the slots), and the requests to
+one row per slot (``request_rows``); ``prefill_shapes`` lists every (prompt rows, width)
+that can give.  With ``fixed_shapes`` every call has all the slots' rows and the largest
+bucket.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
+from distflow_jax.rollout import decode
 from distflow_jax.rollout.engine_config import EngineConfig
 
 
-def pow2_at_least(n: int) -> int:
-  return 1 << max(0, int(n) - 1).bit_length()
+def prompt_rows(n: int, slots: int) -> int:
+  """The prefill's row count for ``n`` prompts: a power of four (1, 4, 16, ...), at most
+  ``slots`` -- few sizes, so few prefill programs, for at most 4x padded rows."""
+  return min(1 << 2 * -(-max(0, int(n) - 1).bit_length() // 2), slots)
 
 
 def prefill_shapes(config: EngineConfig) -> list[tuple[int, int]]:
   """Every (prompt rows, prompt width) ``prefill_insert`` can compile for: rows a power of
-  two up to max_concurrent_decodes, widths the prefill buckets (fixed shapes: one)."""
+  four up to max_concurrent_decodes (``prompt_rows``), widths the prefill buckets (fixed
+  shapes: one)."""
   b, buckets = config.max_concurrent_decodes, config.prefill_buckets
   if config.fixed_shapes:
     return [(b, buckets[-1])]
-  rows = sorted({min(pow2_at_least(k), b) for k in range(1, b + 1)})
+  rows = sorted({prompt_rows(k, b) for k in range(1, b + 1)})
   return [(p, t) for t in buckets for p in rows]
 
 
@@ -36,7 +43,7 @@ def request_rows(config: EngineConfig, prompts: Sequence[Sequence[int]], src: Se
                  limits: Sequence[int] | None = None) -> tuple[np.ndarray, ...]:
   """``prefill_insert``'s requests (request q on prompt ``src[q]`` in slot ``slots[q]``) as
   fixed-shape arrays ``(tokens [P, T], lengths [P], src [B], slots [B], keys [B, 2],
-  limits [B])``: P a power of two (fixed shapes: B), T a bucket, B the slots; padding
+  limits [B])``: P a power of four (fixed shapes: B), T a bucket, B the slots; padding
   requests name slot B (none) and the limits are capped at ``max_new_tokens``."""
   b = config.max_concurrent_decodes
   q = len(slots)
@@ -52,7 +59,7 @@ def request_rows(config: EngineConfig, prompts: Sequence[Sequence[int]], src: Se
   if len(set(int(x) for x in slots)) != q or min(slots) < 0 or max(slots) >= b:
     raise ValueError(f"prefill_insert: slots must be distinct, in [0, {b}), got {slots}")
   t = config.bucket_for(max(lengths))
-  p = min(pow2_at_least(len(prompts)), b)
+  p = prompt_rows(len(prompts), b)
   rows = np.arange(len(prompts))
   if config.fixed_shapes:
     # All rows, the largest bucket, and request q's own prompt in row slots[q].
@@ -75,3 +82,18 @@ def request_rows(config: EngineConfig, prompts: Sequence[Sequence[int]], src: Se
   if limits is not None:
     lim[:q] = np.minimum(np.asarray(limits, np.int32), config.max_new_tokens)
   return tokens, lens, src_a, slots_a, keys, lim
+
+
+def prefill_insert(graphdef: Any, params: Any, state: decode.DecodeState, tokens_PxT: jax.Array,
+                   lengths_P: jax.Array, src_B: jax.Array, slots_B: jax.Array,
+                   keys_Bx2: jax.Array, limits_B: jax.Array, *, sp: Any,
+                   stop_ids: Sequence[int]) -> tuple[decode.DecodeState, jax.Array, jax.Array,
+                                                     jax.Array]:
+  """``request_rows``' requests prefilled and started in ``state`` in one program
+  (``decode.prefill_sample`` then ``decode.insert_rows``): the state and the requests'
+  first tokens, logprobs and sampling logprobs."""
+  cache, lens_q, tok, lp, slp = decode.prefill_sample(graphdef, params, tokens_PxT, lengths_P,
+                                                      src_B, keys_Bx2, sp=sp)
+  state = decode.insert_rows(state, cache, src_B, slots_B, tok, lens_q, keys_Bx2, limits_B,
+                             stop_ids=stop_ids)
+  return state, tok, lp, slp

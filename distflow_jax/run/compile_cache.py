@@ -16,16 +16,22 @@ only saves time, so a read-only home (a CI runner, a container) must not stop a 
 
 Compile time: jax reports each backend compile (``BACKEND_COMPILE_EVENT``, which also
 wraps a persistent-cache load) and each cache hit; ``CompileCounter`` tallies, per
-thread, real compiles (count and seconds) apart from cache loads.
+thread, real compiles (count and seconds) apart from cache loads.  It also counts the
+run's programs (``Tally.programs``: executables compiled or loaded, eager operations
+aside), the number ``plan --programs`` predicts: a program is a function defined outside
+jax that was jitted (``is_program``); an eager ``jnp`` or ``lax`` operation compiles a
+function jax defines.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
+from typing import Any
 
 ENV = "DISTFLOW_JAX_COMPILE_CACHE"
 
@@ -83,16 +89,41 @@ def active() -> bool:
   return bool(jax.config.jax_compilation_cache_dir)
 
 
+def _jax_dirs() -> tuple[str, ...]:
+  import jax
+  import jaxlib
+  return tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (jax, jaxlib))
+
+
+def is_program(frame: Any, jax_dirs: tuple[str, ...]) -> bool:
+  """Whether the backend compile running under ``frame`` builds a program of the run
+  rather than an eager operation: the jitted function's source (the ``jaxpr`` a jit
+  call compiles, found up the stack) lies outside jax.  A compile with no such jaxpr
+  up the stack is an explicit ``lower(...).compile()``: a program."""
+  while frame is not None:
+    jaxpr = frame.f_locals.get("jaxpr") if frame.f_code.co_filename.startswith(jax_dirs) \
+        else None
+    info = getattr(getattr(jaxpr, "jaxpr", None), "debug_info", None)
+    src = getattr(info, "func_src_info", None)
+    if isinstance(src, str):
+      path = src.rpartition(" at ")[2]
+      return not os.path.abspath(path).startswith(jax_dirs)
+    frame = frame.f_back
+  return True
+
+
 @dataclasses.dataclass(frozen=True)
 class Tally:
   compiles: int = 0          # backend compiles that were not persistent-cache hits
   compile_s: float = 0.0
   cache_hits: int = 0        # executables loaded from the persistent cache
   cache_load_s: float = 0.0
+  programs: int = 0          # of both, those of the run's programs (not eager operations)
 
   def __sub__(self, other: "Tally") -> "Tally":
     return Tally(self.compiles - other.compiles, self.compile_s - other.compile_s,
-                 self.cache_hits - other.cache_hits, self.cache_load_s - other.cache_load_s)
+                 self.cache_hits - other.cache_hits, self.cache_load_s - other.cache_load_s,
+                 self.programs - other.programs)
 
   def metrics(self) -> dict[str, float]:
     return {"compile/count": float(self.compiles), "time/compile": self.compile_s,
@@ -108,6 +139,7 @@ class CompileCounter:
   _total = Tally()
   _registered = False
   _local = threading.local()
+  _jax_dirs: tuple[str, ...] = ()
 
   def __init__(self):
     cls = type(self)
@@ -116,6 +148,7 @@ class CompileCounter:
         from jax import monitoring
         monitoring.register_event_listener(cls._on_event)
         monitoring.register_event_duration_secs_listener(cls._on_duration)
+        cls._jax_dirs = _jax_dirs()
         cls._registered = True
 
   @classmethod
@@ -129,11 +162,14 @@ class CompileCounter:
       return
     hit = getattr(cls._local, "hit", False)
     cls._local.hit = False
+    program = int(is_program(sys._getframe(1), cls._jax_dirs))
     with cls._lock:
       t = cls._total
-      cls._total = (Tally(t.compiles, t.compile_s, t.cache_hits + 1, t.cache_load_s + duration)
+      cls._total = (Tally(t.compiles, t.compile_s, t.cache_hits + 1, t.cache_load_s + duration,
+                          t.programs + program)
                     if hit else
-                    Tally(t.compiles + 1, t.compile_s + duration, t.cache_hits, t.cache_load_s))
+                    Tally(t.compiles + 1, t.compile_s + duration, t.cache_hits, t.cache_load_s,
+                          t.programs + program))
 
   def snapshot(self) -> Tally:
     with self._lock:

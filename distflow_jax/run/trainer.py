@@ -170,10 +170,14 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
   since = counter.snapshot()
   eval_batch = next(iter(loaders.eval)) if loaders.eval is not None else None
 
-  def compiles() -> dict[str, float]:
-    """The compiles since the previous row (checkpoint saves and the eval included)."""
+  def compiles(first: bool = False) -> dict[str, float]:
+    """The compiles since the previous row (checkpoint saves and the eval included); on
+    the first step's row also ``compile/programs``, the programs (compiled or loaded,
+    eager operations aside) built since the job started (``plan --programs``' count)."""
     nonlocal since
     tally = counter.since(since).metrics()
+    if first:
+      tally["compile/programs"] = float(counter.snapshot().programs)
     names = sorted(tally)
     most = gather_processes(np.array([tally[n] for n in names], np.float64)).max(0)
     since = counter.snapshot()  # after the gather: its own first compile is not counted
@@ -212,7 +216,7 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
     after_step(step == start_step)  # counted in this step, not when a shape first shows
     if step == start_step:  # outside time/step: the first step's whole cost is the sum
       metrics["compile/ahead_s"] = time.perf_counter() - t0
-    metrics.update(compiles())
+    metrics.update(compiles(first=step == start_step))
     alarms = monitor.update(step + 1, metrics)
     writer.write(metrics)
     for alarm in alarms:

@@ -23,8 +23,10 @@ the same order (the same plan and shapes), so collective programs compile in loc
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import enum
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -97,6 +99,7 @@ class _Call:
   warm: Callable[..., Any]    # compiles for these abstract args
   args: Any                   # abstract, at `width`
   width: int
+  compile_only: bool = False  # `warm` only compiles (runs nothing on the devices)
 
 
 @dataclasses.dataclass
@@ -106,10 +109,11 @@ class Recorder:
   _seen: set = dataclasses.field(default_factory=set)
   _pending: list[_Call] = dataclasses.field(default_factory=list)
 
-  def record(self, key: Any, warm: Callable[..., Any], args: Sequence[Any]) -> None:
+  def record(self, key: Any, warm: Callable[..., Any], args: Sequence[Any],
+             compile_only: bool = False) -> None:
     """Notes a call of the function ``key`` names with ``args``; a new signature with a
     prompt width queues ``warm(*abstract_args)`` (compiles what that call would) at each
-    other width."""
+    other width (``compile_only``: ``warm`` runs nothing on the devices)."""
     if len(self.widths) < 2:
       return
     width = prompt_width_of(args)
@@ -122,14 +126,23 @@ class Recorder:
         continue
       self._seen.add(sig)
       if w != width:
-        self._pending.append(_Call(warm, with_width(abstract_args, w), w))
+        self._pending.append(_Call(warm, with_width(abstract_args, w), w, compile_only))
 
   def compile_widths(self) -> int:
-    """Compiles every queued call at its width (in record order, the same on every
-    process); returns how many."""
+    """Compiles every queued call at its width; returns how many.  Compile-only calls
+    (``Recorded``'s: they run nothing, so no order across processes) go to a thread
+    pool; the others (a re-partition's rehearsal runs collectives) run in record order,
+    the same on every process."""
     pending, self._pending = self._pending, []
+    pooled = [c for c in pending if c.compile_only]
+    if pooled:
+      workers = min(len(pooled), os.cpu_count() or 1)
+      with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
+        for f in [pool.submit(call.warm, *call.args) for call in pooled]:
+          f.result()
     for call in pending:
-      call.warm(*call.args)
+      if not call.compile_only:
+        call.warm(*call.args)
     return len(pending)
 
 
@@ -141,7 +154,7 @@ class Recorded:
     self._fn, self._key, self._recorder = fn, key, recorder
 
   def __call__(self, *args):
-    self._recorder.record(self._key, self._compile, args)
+    self._recorder.record(self._key, self._compile, args, compile_only=True)
     return self._fn(*args)
 
   def _compile(self, *abstract_args) -> None:
