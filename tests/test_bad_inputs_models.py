@@ -315,7 +315,7 @@ def _raising(exc):
     (PermissionError(errno.EACCES, "Permission denied", "/ro/run"), 2,
      ["error: Permission denied: /ro/run"]),
     (OSError(errno.ENOSPC, "No space left on device", "/full/disk"), 1,
-     ["error: No space left on device: /full/disk"]),
+     ["error: no space left on device: /full/disk", "free space"]),
     (ConfigError("bad key"), 2, ["error: bad key"]),
     (ModelFileError("/m/config.json: nope"), 2, ["error: /m/config.json: nope"]),
 ])

@@ -251,6 +251,16 @@ def test_a_new_path_beside_the_run_is_a_fine_destination(tmp_path, capsys, argv,
   assert "--out" not in err
 
 
+@pytest.mark.timeout(120)
+def test_export_from_a_missing_checkpoint_creates_nothing(tmp_path, capsys):
+  """orbax's CheckpointManager creates its directory: a reader must refuse before it."""
+  missing = tmp_path / "no" / "such"
+  code, _, err = run(capsys, "export", f"--checkpoint={missing}", f"--out={tmp_path}/hf")
+  assert code == 2, err
+  assert_one_line(err, str(missing), "does not exist")
+  assert not (tmp_path / "no").exists()
+
+
 @pytest.mark.timeout(300)
 def test_export_overwrite_replaces_model_files_and_drops_the_warm_start_key(tmp_path, capsys):
   from test_checkpoint import TOK, cfg, loader, mesh, model_cfg, roles_on

@@ -81,7 +81,7 @@ def plan(overrides, topo=Topology(1, 8), name="grpo:tiny"):
     (["rollout.tensor_parallel=3"], r"tensor_parallel=3 does not divide the 8 actor devices"),
     (["actor.micro_batch_size=3"], r"micro_batch_size=3 does not divide the 16 samples"),
     (["rollout.n=1"], r"'advantage' .* needs prompt groups, but rollout.n=1"),
-    (["rollout.max_new_tokens=250"], r"exceeds model.max_seq_len=64"),
+    (["rollout.max_new_tokens=250"], r"exceeds model.max_seq_len=80"),
     (["rollout.prefill_buckets=(64, 32)"], r"strictly increasing"),
     (["data.max_prompt_len=100"], r"largest bucket is smaller than data.max_prompt_len=100"),
     (["rollout.top_p=0.0"], r"top_p=0.0 must be in \(0, 1\]"),

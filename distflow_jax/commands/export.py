@@ -9,7 +9,7 @@ loadable by ``transformers`` and by ``--config.model.path``.  Runs on one
 process on the host, whatever mesh the checkpoint was written from.  ``--out`` is
 checked before anything is read: a non-empty folder needs ``--overwrite`` (its old
 model files, a warm-start key among them, are removed first), and a run's own folders
-(the run dir, its checkpoints, its warm start) are refused (persist/destination.py).
+(the run dir, its checkpoints, its warm start) are refused.
 
 ``distflow_jax.persist.export.export(checkpoint, out, step)`` is the same as a library call.
 """

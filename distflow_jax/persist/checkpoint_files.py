@@ -209,6 +209,9 @@ def read_arrays(directory: str, step: int | None = None
 def _read_arrays(directory: str, step: int | None
                  ) -> tuple[int, dict[str, np.ndarray], dict[str, Any]]:
   directory = os.path.abspath(directory)
+  if not os.path.isdir(directory):  # orbax's manager would create it: a reader never does
+    raise ck.CheckpointError(f"{directory} does not exist (expected <run_dir>/checkpoints or "
+                             f"one of its numbered step directories)")
   mgr = ocp.CheckpointManager(directory, item_handlers={
       ck.STATE: ocp.PyTreeCheckpointHandler(), ck.META: ocp.JsonCheckpointHandler()})
   try:
