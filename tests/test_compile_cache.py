@@ -42,8 +42,10 @@ def _by_step(rows):
 def test_second_run_loads_every_executable_and_no_step_after_the_first_compiles(tmp_path):
   cache = str(tmp_path / "cache")
   # Three buckets and eval: later steps' prompts and the held-out batch take other shapes.
+  # Saves at steps 2 and 4: the first save checksums the trained state and the reference
+  # model, each its own program, both compiled ahead.
   extra = ("trainer.total_steps=5", "trainer.eval_every=2", "rollout.prefill_buckets=(16,24,40)",
-           "data.chat_template=False")
+           "data.chat_template=False", "trainer.save_every=2")
   first = _by_step(_train(str(tmp_path / "a"), cache, *extra))
   assert any(name.endswith("-cache") for name in os.listdir(cache))  # XLA:CPU entries written
   second = _by_step(_train(str(tmp_path / "b"), cache, *extra))

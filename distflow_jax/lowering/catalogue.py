@@ -147,11 +147,19 @@ def move_programs(ctx: RunContext, step, src, lay, fields: list[str], rows: int
 
 
 def checksum_programs(ctx: RunContext) -> list[Program]:
-  """A save's checksums: one program per mesh over the saved arrays laid out on it."""
-  arrays = {n: x for n, x in checksums.flatten(checkpoint_contents.trained_state(ctx.roles))
-            .items() if isinstance(getattr(x, "sharding", None), NamedSharding)}
-  return [Program("save", f"checksum[arrays={len(names)},mesh={dict(xs[0].sharding.mesh.shape)}]",
-                  fn, xs) for names, fn, xs in checksums.mesh_programs(arrays)]
+  """A save's checksums: one program per mesh over the saved arrays laid out on it, for the
+  trained state and (first save only) the reference model's parameters."""
+  sets = [("", checkpoint_contents.trained_state(ctx.roles))]
+  if Role.REFERENCE in ctx.roles:
+    sets.append(("reference,", ctx.roles[Role.REFERENCE].params))
+  out = []
+  for what, tree in sets:
+    arrays = {n: x for n, x in checksums.flatten(tree).items()
+              if isinstance(getattr(x, "sharding", None), NamedSharding)}
+    out += [Program("save", f"checksum[{what}arrays={len(names)},"
+                            f"mesh={dict(xs[0].sharding.mesh.shape)}]", fn, xs)
+            for names, fn, xs in checksums.mesh_programs(arrays)]
+  return out
 
 
 def warmstart_programs(ctx: RunContext) -> list[Program]:

@@ -154,8 +154,12 @@ class Checkpointer:
 
   def compile_checksums(self, roles: dict[Role, ModelState]) -> None:
     """Runs (and drops) the checksums a save computes, so that their programs compile
-    now rather than in the first save, mid-run (trainer.compile_ahead)."""
+    now rather than in the first save, mid-run (trainer.compile_ahead): the trained state's,
+    and the reference's where the first save will write it (one program per set of arrays)."""
     checksums.checksums(trained_state(roles))
+    if Role.REFERENCE in roles and not os.path.isdir(os.path.join(self.directory, STATIC,
+                                                                  "reference")):
+      checksums.checksums(roles[Role.REFERENCE].params)
 
   def _save_static(self, roles: dict[Role, ModelState], tokenizer: Any) -> None:
     static = os.path.join(self.directory, STATIC)
