@@ -420,3 +420,28 @@ def test_the_lock_works_on_a_filesystem_without_hard_links(tmp_path, monkeypatch
     run_lock.take(str(tmp_path), "train")  # the same process, a second job: refused
   run_lock.release(path)
   assert holder_of(str(tmp_path)) is None
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_holders_pid_reused_by_a_newer_process_is_a_stale_lock(tmp_path):
+  """A lock older than the live process with its pid is not that process's: taken over."""
+  from distflow_jax.persist import run_lock
+  newer = subprocess.Popen(["sleep", "30"])
+  try:
+    with open(tmp_path / "run.lock", "w") as f:  # written an hour before `newer` started
+      json.dump({"host": socket.gethostname(), "pid": newer.pid, "started": time.time() - 3600,
+                 "command": "train"}, f)
+    lines = []
+    path = run_lock.take(str(tmp_path), "train", lines.append)
+    assert holder_of(str(tmp_path))["pid"] == os.getpid()
+    assert len(lines) == 1 and f"stale lock of `train` (pid {newer.pid}" in lines[0], lines
+    run_lock.release(path)
+    # The same pid with a lock written after it started is its own: refused.
+    with open(tmp_path / "run.lock", "w") as f:
+      json.dump({"host": socket.gethostname(), "pid": newer.pid, "started": time.time(),
+                 "command": "train"}, f)
+    with pytest.raises(run_lock.RunLockError, match=f"pid {newer.pid} on host"):
+      run_lock.take(str(tmp_path), "train")
+  finally:
+    newer.kill()
+    newer.wait(timeout=10)

@@ -61,14 +61,29 @@ def read_holder(path: str) -> Holder | None:
     return None
 
 
-def pid_alive(pid: int) -> bool:
+def pid_alive(pid: int, since: float | None = None) -> bool:
+  """Whether ``pid`` runs (and, given ``since``, was started by then: a process that began
+  after the lock was written is another process that reuses a dead holder's pid)."""
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
     return False
   except PermissionError:  # someone else's process: alive
-    return True
-  return True
+    pass
+  started = _process_start(pid)
+  return since is None or started is None or started <= since + 1.0
+
+
+def _process_start(pid: int) -> float | None:
+  """When ``pid`` started (seconds since the epoch), from /proc; None where there is none."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+    with open("/proc/stat") as f:
+      boot = next(int(l.split()[1]) for l in f if l.startswith("btime "))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+  except (OSError, ValueError, IndexError, StopIteration):
+    return None
 
 
 _HELD: dict[str, Holder] = {}  # lock path -> this process's holder record
@@ -108,7 +123,7 @@ def take(run_dir: str, command: str, log: Callable[[str], None] | None = None) -
         raise RunLockError(
             f"run dir {run_dir} has a lock file that does not read as one ({path}); if no "
             f"job runs in this run dir, remove it") from None
-      if holder.host != me.host or pid_alive(holder.pid):
+      if holder.host != me.host or pid_alive(holder.pid, holder.started):
         where = ("" if holder.host == me.host else
                  f"; another host's process cannot be checked from here: if it is gone, "
                  f"remove {path}")
