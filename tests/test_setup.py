@@ -21,8 +21,8 @@ def test_preset_table_is_the_one_every_user_reads():
 
 def test_unknown_preset_lists_the_table(tmp_path):
   cfg = loading.load("grpo:tiny", smoke_overrides(tmp_path, "model.preset=huge"))
-  with pytest.raises(loading.ConfigError, match=r"model.preset='huge' is unknown; built-in: "
-                                                r"\['micro', 'tiny'\]"):
+  with pytest.raises(loading.ConfigError, match=r"model.preset='huge' is not valid; choose one "
+                                                r"of \['tiny', 'micro'\]"):
     prepare_run(cfg, roles="actor", log=lambda m: None)
 
 
