@@ -38,11 +38,10 @@ targets built from the live state), so a checkpoint written on one mesh or
 process count restores on another: orbax reshards.  Supported: any mesh and
 any process count for the model and optimizer states.  The data position is
 exact when the process count is unchanged; with a different count the
-loaders cannot continue mid-epoch (each process's shard of an epoch depends
-on the count), so they start the epoch after the furthest saved one.  Refused with an error
-that names what differs: another model shape, another set of trained roles,
-another seed, a missing item.  On a real cluster the run directory must be
-one shared filesystem (every process writes its shards into the same step).
+loaders cannot continue mid-epoch (each process's shard of an epoch depends on the count),
+so they start the epoch after the furthest saved one.  Refused with an error that names
+what differs: another model shape, another set of trained roles, another seed, a missing
+item.  On a cluster the run directory must be one shared filesystem.
 """
 
 from __future__ import annotations
@@ -153,20 +152,21 @@ class Checkpointer:
       self._pending = step
 
   def compile_checksums(self, roles: dict[Role, ModelState]) -> None:
-    """Runs (and drops) the checksums a save computes, so that their programs compile
-    now rather than in the first save, mid-run (trainer.compile_ahead): the trained state's,
-    and the reference's where the first save will write it (one program per set of arrays)."""
+    """Runs (and drops) a save's checksums (the trained state's, the reference's where the
+    next save writes it) so they compile now, not mid-run (trainer.compile_ahead)."""
     checksums.checksums(trained_state(roles))
-    if Role.REFERENCE in roles and not os.path.isdir(os.path.join(self.directory, STATIC,
-                                                                  "reference")):
+    if self._reference_to_save(roles):
       checksums.checksums(roles[Role.REFERENCE].params)
 
+  def _reference_to_save(self, roles: dict[Role, ModelState]) -> str | None:
+    ref = os.path.join(self.directory, STATIC, "reference")  # written once per run dir
+    return ref if Role.REFERENCE in roles and not os.path.isdir(ref) else None
+
   def _save_static(self, roles: dict[Role, ModelState], tokenizer: Any) -> None:
-    static = os.path.join(self.directory, STATIC)
-    ref = os.path.join(static, "reference")
-    if Role.REFERENCE in roles and not os.path.isdir(ref):
+    ref = self._reference_to_save(roles)
+    if ref is not None:
       files.save_reference(ref, roles[Role.REFERENCE].params)
-    tok = os.path.join(static, "tokenizer")
+    tok = os.path.join(self.directory, STATIC, "tokenizer")
     if tokenizer is not None and jax.process_index() == 0 and not os.path.isdir(tok):
       tokenizer.save(tok + ".tmp")
       os.replace(tok + ".tmp", tok)
