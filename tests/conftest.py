@@ -15,6 +15,35 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # tmp_path.  tests/test_compile_cache.py sets its own folder per run.
 os.environ.setdefault("DISTFLOW_JAX_COMPILE_CACHE", "")
 
+# One persistent XLA compilation cache for the whole pytest session, shared by the xdist
+# workers and every process a test starts (they inherit these variables): many tests build
+# the same tiny models and compile the same programs, and a program compiled once is then
+# loaded.  It is jax's own setting (read from the environment when jax is imported), not
+# the run's ``trainer.compile_cache_dir``, so compile_cache.active() stays False and
+# ``compile_ahead=auto`` behaves as with no cache; tests of the run's cache give their
+# runs their own folder and drop these variables.  DISTFLOW_TEST_XLA_CACHE="" turns it
+# off (a run of the suite as before); a folder that is set is used as it is.
+_SHARED_CACHE = os.environ.get("DISTFLOW_TEST_XLA_CACHE")
+if _SHARED_CACHE is None and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import tempfile
+  _SHARED_CACHE = os.environ["DISTFLOW_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="distflow-xla-")
+  _OWNS_CACHE = True  # the process that made it (the xdist controller) removes it
+else:
+  _OWNS_CACHE = False
+if _SHARED_CACHE:
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _SHARED_CACHE)
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
+SHARED_CACHE_VARS = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+
+
+def pytest_unconfigure(config):
+  if _OWNS_CACHE and not hasattr(config, "workerinput"):
+    import shutil
+    shutil.rmtree(_SHARED_CACHE, ignore_errors=True)
+
 
 def pytest_collection_modifyitems(config, items):
   """Modules holding a test marked ``slow`` run first, each module's tests kept together and

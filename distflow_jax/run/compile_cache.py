@@ -80,13 +80,18 @@ def enable(cfg, log: Callable[[str], None] | None = None) -> str:
   # most of a small model's on CPU (and many small ones add up).
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  _enabled.append(directory)
   return directory
 
 
+_enabled: list[str] = []  # the folders enable() set in this process
+
+
 def active() -> bool:
-  """Whether this process has a persistent compilation cache folder set."""
-  import jax
-  return bool(jax.config.jax_compilation_cache_dir)
+  """Whether this process turned the run's cache on (``enable`` set a folder).  A cache
+  set through jax's own settings alone (``JAX_COMPILATION_CACHE_DIR``) is used for every
+  compile but does not count here: ``compile_ahead=auto`` follows the run's setting."""
+  return bool(_enabled)
 
 
 def _jax_dirs() -> tuple[str, ...]:
