@@ -29,7 +29,7 @@ import jax
 from distflow_jax.persist import checkpoint
 from distflow_jax.persist.export import (PREFIX, actor_model, export, save_actor,  # noqa: F401
                                          vision_base)
-from distflow_jax.persist.lora_export import LoraExport
+from distflow_jax.persist.lora_export import LoraExport, parse_flag
 
 
 def run(argv: Sequence[str]) -> int:
@@ -41,13 +41,14 @@ def run(argv: Sequence[str]) -> int:
   parser.add_argument("--step", type=int, default=None, help="step to export (default: latest)")
   parser.add_argument("--overwrite", action="store_true",
                       help="replace the model files of a non-empty --out folder")
-  parser.add_argument("--lora", choices=[m.value for m in LoraExport], default=None,
-                      help="a LoRA run: adapters merged into the weights (default) or a PEFT "
-                           "adapter folder")
+  parser.add_argument("--lora", default=None,
+                      help=f"{' | '.join(m.value for m in LoraExport)}: a LoRA run's adapters "
+                           f"merged into the weights (default) or a PEFT adapter folder")
   args = parser.parse_args(list(argv))
+  lora = parse_flag(args.lora)
   if jax.process_count() > 1:
     raise checkpoint.CheckpointError("export runs on one process; start it without the launcher")
   step = export(args.checkpoint, args.out, args.step, overwrite=args.overwrite,
-                lora=LoraExport(args.lora) if args.lora else None)
+                lora=lora)
   print(f"exported the actor of step {step} to {args.out}")
   return 0

@@ -19,7 +19,7 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +116,7 @@ def adapter_config(*, rank: int, alpha: float, dropout: float, target_modules: S
   """The ``adapter_config.json`` object of a plain LoRA adapter, every key peft reads for
   one stated at its plain-LoRA value."""
   return {
-      "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(rank), "lora_alpha": alpha,
+      "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(rank), "lora_alpha": float(alpha),
       "lora_dropout": float(dropout), "target_modules": sorted(target_modules),
       "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
       "lora_bias": False, "init_lora_weights": True, "inference_mode": True,
@@ -159,8 +159,8 @@ def write_adapter(folder: str | os.PathLike, arrays: Mapping[str, tuple[np.ndarr
   os.replace(folder / f".{CONFIG}.tmp", folder / CONFIG)
 
 
-def _number(cfg_file: Path, d: dict, key: str, ok: Any, want: str, integer: bool = False
-            ) -> Any:
+def _number(cfg_file: Path, d: dict, key: str, ok: Callable[[float], bool], want: str,
+            integer: bool = False) -> Any:
   value = d.get(key)
   if (isinstance(value, bool) or not isinstance(value, int if integer else (int, float))
       or not np.isfinite(value) or not ok(value)):

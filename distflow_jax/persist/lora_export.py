@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from distflow_jax.config.loading import ConfigError
 from distflow_jax.models import peft_files
 from distflow_jax.persist.checkpoint_contents import CheckpointError
 
@@ -25,6 +26,17 @@ class LoraExport(enum.Enum):
   """``export --lora``: the adapters as a PEFT folder, or merged into the base weights."""
   ADAPTER = "adapter"
   MERGED = "merged"
+
+
+def parse_flag(text: str | None) -> LoraExport | None:
+  """``--lora``'s value (None when not given); `ConfigError` naming the flag otherwise."""
+  if text is None:
+    return None
+  try:
+    return LoraExport(text)
+  except ValueError:
+    raise ConfigError(f"--lora={text!r}: use one of "
+                      f"{', '.join(m.value for m in LoraExport)}") from None
 
 
 def run_lora(run_config: Mapping[str, Any]) -> Mapping[str, Any] | None:
