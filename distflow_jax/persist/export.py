@@ -20,6 +20,7 @@ from distflow_jax.models.sharding import path_str
 from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.models.transformer import Transformer
 from distflow_jax.persist import checkpoint, destination
+from distflow_jax.persist.lora_export import LoraExport, export_mode
 
 PREFIX = "actor.params."
 # One fused reduction per array: read once, no host copy (recompiled per shape and dtype).
@@ -99,14 +100,20 @@ def save_actor(out: str, model: Transformer, tokenizer: Tokenizer | None, meta: 
 
 
 def export(checkpoint_path: str, out: str, step: int | None = None, *,
-           overwrite: bool = False) -> int:
+           overwrite: bool = False, lora: LoraExport | None = None) -> int:
   """Writes the actor of ``checkpoint_path`` to ``out``; returns the exported step.  ``out``
   is checked first (``destination.check_folder``): a non-empty folder needs ``overwrite``,
-  whose old model files (``destination.MODEL_FILES``) are removed just before writing."""
+  whose old model files (``destination.MODEL_FILES``) are removed just before writing.
+  ``lora`` (``export --lora``) is checked against the run (`lora_export.export_mode`)."""
   destination.check_folder(out, overwrite=overwrite)
   root, found = checkpoint.resolve(checkpoint_path)
   step, arrays, meta = checkpoint.read_arrays(root, step if step is not None else found)
   where = f"checkpoint {root}/{step}"
+  if export_mode(lora, meta.get("config") or {}, where) is not None:
+    # Issue 34: a LoRA run's actor is rebuilt with models/lora.py's adapters, then written
+    # by lora_export.save_adapter (ADAPTER) or merged with peft_files.merge_into (MERGED).
+    raise checkpoint.CheckpointError(f"{where}: a LoRA run cannot be exported yet (the "
+                                     f"model side of issue 34 is not connected)")
   model = actor_model(arrays, meta, where)
   tok_dir = os.path.join(root, checkpoint.STATIC, "tokenizer")
   tokenizer = Tokenizer.from_dir(tok_dir) if os.path.isdir(tok_dir) else None

@@ -1,0 +1,482 @@
+"""PEFT LoRA adapter folders (models/peft_files.py): write / read round trips, merging, every
+refusal of a bad folder (one line naming the file and the culprit), `export --lora`'s
+decision, and (marked `hf`) parity with real `peft` + `transformers` both ways.
+"""
+
+import json
+import warnings
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from distflow_jax.models import peft_files
+from distflow_jax.models.errors import ModelFileError, ModelFileNotFoundError
+from distflow_jax.models.peft_files import (CONFIG, PREFIX, UNSUPPORTED, WEIGHTS, merge_into,
+                                            peft_targets, read_adapter, write_adapter)
+from distflow_jax.persist import lora_export
+from distflow_jax.persist.checkpoint_contents import CheckpointError
+from distflow_jax.persist.lora_export import LoraExport
+
+pytestmark = pytest.mark.timeout(120)
+RANK = 4
+# {module: (d_in, d_out)} of a made-up two-layer model: GQA (v_proj 32 -> 16), an MLP.
+SHAPES = {f"model.layers.{i}.{m}": s for i in range(2)
+          for m, s in (("self_attn.q_proj", (32, 32)), ("self_attn.v_proj", (32, 16)),
+                       ("mlp.down_proj", (64, 32)))}
+
+
+def random_arrays(shapes=SHAPES, rank=RANK, seed=0):
+  rng = np.random.default_rng(seed)
+  return {m: (rng.normal(size=(d_in, rank)).astype(np.float32),
+              rng.normal(size=(rank, d_out)).astype(np.float32))
+          for m, (d_in, d_out) in shapes.items()}
+
+
+def write(folder, arrays=None, **kw):
+  args = dict(rank=RANK, alpha=8.0, dropout=0.05, target_modules=["q_proj", "v_proj",
+                                                                   "down_proj"],
+              base_model_name_or_path="/models/base", dtype="float32")
+  args.update(kw)
+  arrays = random_arrays() if arrays is None else arrays
+  write_adapter(folder, arrays, **args)
+  return arrays
+
+
+def assert_refused(folder, *needles, expected=SHAPES, error=ModelFileError):
+  with pytest.raises(error) as e:
+    read_adapter(folder, expected)
+  msg = str(e.value)
+  assert "\n" not in msg, msg
+  for needle in needles:
+    assert needle in msg, msg
+  return msg
+
+
+def edit_config(folder, **changes):
+  cfg = json.loads((folder / CONFIG).read_text())
+  cfg.update(changes)
+  (folder / CONFIG).write_text(json.dumps(cfg))
+
+
+def edit_tensors(folder, fn):
+  tensors = load_file(str(folder / WEIGHTS))
+  save_file(fn(dict(tensors)), str(folder / WEIGHTS), metadata={"format": "pt"})
+
+
+# ---- round trips ---------------------------------------------------------------------------------
+
+def test_write_then_read_gives_the_same_arrays_and_peft_layout(tmp_path):
+  arrays = write(tmp_path)
+  tensors = load_file(str(tmp_path / WEIGHTS))
+  key = f"{PREFIX}model.layers.1.self_attn.v_proj"
+  assert tensors[f"{key}.lora_A.weight"].shape == (RANK, 32)
+  assert tensors[f"{key}.lora_B.weight"].shape == (16, RANK)
+  np.testing.assert_array_equal(tensors[f"{key}.lora_A.weight"],
+                                arrays["model.layers.1.self_attn.v_proj"][0].T)
+  assert len(tensors) == 2 * len(SHAPES)
+  cfg = json.loads((tmp_path / CONFIG).read_text())
+  assert (cfg["peft_type"], cfg["task_type"], cfg["r"], cfg["lora_alpha"], cfg["bias"]) == (
+      "LORA", "CAUSAL_LM", RANK, 8.0, "none")
+  assert cfg["target_modules"] == ["down_proj", "q_proj", "v_proj"]
+  assert cfg["use_rslora"] is cfg["fan_in_fan_out"] is cfg["use_dora"] is False
+  got, meta = read_adapter(tmp_path, SHAPES)
+  assert set(got) == set(arrays)
+  for m, (a, b) in arrays.items():
+    np.testing.assert_array_equal(got[m][0], a)
+    np.testing.assert_array_equal(got[m][1], b)
+    assert got[m][0].dtype == np.float32
+  assert (meta.rank, meta.alpha, meta.dropout, meta.scale) == (RANK, 8.0, 0.05, 2.0)
+  assert meta.base_model_name_or_path == "/models/base"
+  assert read_adapter(tmp_path)[0].keys() == arrays.keys()  # without a model to check against
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_files_read_back_as_float32(tmp_path, dtype):
+  arrays = write(tmp_path, dtype=dtype)
+  stored = load_file(str(tmp_path / WEIGHTS))
+  assert {str(t.dtype) for t in stored.values()} == {dtype}
+  got, _ = read_adapter(tmp_path, SHAPES)
+  for m, (a, _b) in arrays.items():
+    np.testing.assert_allclose(got[m][0], a, rtol=1e-2, atol=1e-2)
+    assert got[m][0].dtype == np.float32
+
+
+@pytest.mark.parametrize("variant", ["default_name", "no_prefix", "both"])
+def test_key_variants_peft_writes_are_read(tmp_path, variant):
+  arrays = write(tmp_path)
+
+  def rename(tensors):
+    out = {}
+    for k, v in tensors.items():
+      if variant in ("default_name", "both"):
+        k = k.replace(".weight", ".default.weight")
+      if variant in ("no_prefix", "both"):
+        k = k.removeprefix(PREFIX)
+      out[k] = v
+    return out
+  edit_tensors(tmp_path, rename)
+  got, _ = read_adapter(tmp_path, SHAPES)
+  np.testing.assert_array_equal(got["model.layers.0.mlp.down_proj"][1],
+                                arrays["model.layers.0.mlp.down_proj"][1])
+
+
+def test_an_adapter_on_some_modules_only_reads_those(tmp_path):
+  some = {m: s for m, s in SHAPES.items() if m.endswith("q_proj")}
+  write(tmp_path, random_arrays(some), target_modules=["q_proj"])
+  got, _ = read_adapter(tmp_path, SHAPES)
+  assert set(got) == set(some)
+
+
+def test_peft_targets_uses_short_names_only_where_every_module_is_adapted():
+  modules = list(SHAPES) + [f"model.layers.{i}.self_attn.o_proj" for i in range(2)]
+  adapted = list(SHAPES) + ["model.layers.0.self_attn.o_proj"]
+  assert peft_targets(adapted, modules) == ["down_proj", "model.layers.0.self_attn.o_proj",
+                                            "q_proj", "v_proj"]
+  assert all(peft_files.targets_module(peft_targets(adapted, modules), m) for m in adapted)
+  assert not peft_files.targets_module(peft_targets(adapted, modules),
+                                       "model.layers.1.self_attn.o_proj")
+
+
+# ---- merging -------------------------------------------------------------------------------------
+
+def test_merge_into_adds_the_scaled_product_transposed_and_keeps_dtypes():
+  a = np.array([[1.0], [2.0]], np.float32)        # d_in 2, r 1
+  b = np.array([[1.0, 0.0, -1.0]], np.float32)    # d_out 3
+  w = np.arange(6, dtype=np.float32).reshape(3, 2)  # HF (out, in)
+  hf = {"m.weight": w, "m.bias": np.ones(3, np.float32),
+        "n.weight": w.astype(ml_dtypes.bfloat16)}
+  out = merge_into(hf, {"m": (a, b), "n": (a, b)}, 0.5)
+  # delta[o, i] = a[i] * b[o] * 0.5
+  np.testing.assert_array_equal(out["m.weight"], w + np.array([[0.5, 1], [0, 0], [-0.5, -1]]))
+  assert out["n.weight"].dtype == ml_dtypes.bfloat16
+  np.testing.assert_array_equal(out["n.weight"].astype(np.float32), out["m.weight"])
+  assert out["m.bias"] is hf["m.bias"] and hf["m.weight"] is w and w[0, 0] == 0  # a copy
+  with pytest.raises(KeyError, match="'x.weight'"):
+    merge_into(hf, {"x": (a, b)}, 1.0)
+  with pytest.raises(ValueError, match="'m.weight'"):
+    merge_into(hf, {"m": (b.T, a.T)}, 1.0)
+
+
+# ---- bad folders: one line naming the file and the culprit ---------------------------------------
+
+def test_missing_folder_and_files(tmp_path):
+  assert_refused(tmp_path / "nope", str(tmp_path / "nope"), "does not exist",
+                 error=ModelFileNotFoundError)
+  write(tmp_path)
+  (tmp_path / WEIGHTS).unlink()
+  assert_refused(tmp_path, str(tmp_path / WEIGHTS), error=ModelFileNotFoundError)
+  (tmp_path / "adapter_model.bin").write_bytes(b"pickle")
+  assert_refused(tmp_path, "adapter_model.bin", "pickle")
+  (tmp_path / CONFIG).unlink()
+  assert_refused(tmp_path, str(tmp_path / CONFIG), error=ModelFileNotFoundError)
+
+
+@pytest.mark.parametrize("text,needle", [("{not json", "not valid JSON"),
+                                         ("[1, 2]", "JSON object")])
+def test_unreadable_config(tmp_path, text, needle):
+  write(tmp_path)
+  (tmp_path / CONFIG).write_text(text)
+  assert_refused(tmp_path, str(tmp_path / CONFIG), needle)
+
+
+def test_weights_that_are_not_safetensors(tmp_path):
+  write(tmp_path)
+  (tmp_path / WEIGHTS).write_bytes(b"\x00garbage")
+  assert_refused(tmp_path, str(tmp_path / WEIGHTS), "safetensors")
+
+
+@pytest.mark.parametrize("change,needles", [
+    ({"peft_type": "IA3"}, ["peft_type='IA3'", "only LORA"]),
+    ({"r": 0}, ["r=0", "positive integer"]),
+    ({"r": "4"}, ["r='4'"]),
+    ({"lora_alpha": None}, ["lora_alpha=None"]),
+    ({"lora_dropout": 1.5}, ["lora_dropout=1.5"]),
+    ({"target_modules": [1]}, ["target_modules=[1]"]),
+])
+def test_bad_config_values(tmp_path, change, needles):
+  write(tmp_path)
+  edit_config(tmp_path, **change)
+  assert_refused(tmp_path, str(tmp_path / CONFIG), *needles)
+
+
+# The brief's list first, then every entry of the table (a new entry is tested too).
+VARIANTS = {"use_rslora": True, "use_dora": True, "bias": "all", "fan_in_fan_out": True,
+            "layers_to_transform": [0], "rank_pattern": {"q_proj": 8},
+            "alpha_pattern": {"q_proj": 32}, "modules_to_save": ["lm_head"]}
+VARIANTS.update({u.key: ["x"] for u in UNSUPPORTED if u.key not in VARIANTS})
+
+
+@pytest.mark.parametrize("key", sorted(VARIANTS))
+def test_unsupported_lora_variants_say_so(tmp_path, key):
+  write(tmp_path)
+  edit_config(tmp_path, **{key: VARIANTS[key]})
+  assert_refused(tmp_path, str(tmp_path / CONFIG), f"{key}={VARIANTS[key]!r}", "not supported")
+  edit_config(tmp_path, **{key: dict(bias="none").get(key)})  # its plain value reads again
+  read_adapter(tmp_path, SHAPES)
+
+
+def test_a_module_the_model_does_not_have(tmp_path):
+  arrays = random_arrays()
+  arrays["model.layers.7.self_attn.q_proj"] = arrays["model.layers.0.self_attn.q_proj"]
+  write(tmp_path, arrays)
+  msg = assert_refused(tmp_path, str(tmp_path / WEIGHTS), "'model.layers.7.self_attn.q_proj'",
+                       "down_proj, q_proj, v_proj")
+  assert "lora_A.weight" in msg
+  assert_refused(tmp_path, "no LoRA targets", expected={})
+
+
+def test_a_shape_that_does_not_match_names_key_and_shapes(tmp_path):
+  write(tmp_path)
+  shapes = dict(SHAPES, **{"model.layers.1.self_attn.v_proj": (32, 8)})  # a smaller kv width
+  assert_refused(tmp_path, "model.layers.1.self_attn.v_proj.lora_B.weight", "(16, 4)", "(8, 4)",
+                 expected=shapes)
+
+
+def test_a_rank_other_than_the_configs(tmp_path):
+  write(tmp_path)
+  edit_config(tmp_path, r=8)
+  assert_refused(tmp_path, "lora_A.weight", f"({RANK}, ", "(8, ", "r=8")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_values(tmp_path, bad):
+  write(tmp_path)
+  key = f"{PREFIX}model.layers.0.mlp.down_proj.lora_B.weight"
+
+  def spoil(t):
+    t[key] = t[key].copy()
+    t[key][3, 1] = bad
+    return t
+  edit_tensors(tmp_path, spoil)
+  assert_refused(tmp_path, str(tmp_path / WEIGHTS), repr(key), "non-finite")
+
+
+@pytest.mark.parametrize("how,needle", [
+    ("drop_b", "no lora_B partner"),
+    ("embedding", "lora_embedding_A"),
+    ("two_names", "several adapters"),
+    ("duplicate", "same weight"),
+    ("integer", "dtype int32"),
+    ("empty", "no LoRA weights"),
+])
+def test_bad_tensors(tmp_path, how, needle):
+  write(tmp_path)
+  q = f"{PREFIX}model.layers.0.self_attn.q_proj"
+
+  def spoil(t):
+    if how == "drop_b":
+      del t[f"{q}.lora_B.weight"]
+    elif how == "embedding":
+      t[f"{PREFIX}model.embed_tokens.lora_embedding_A"] = np.zeros((4, 8), np.float32)
+    elif how == "two_names":
+      t[f"{q}.lora_A.other.weight"] = t.pop(f"{q}.lora_A.weight")
+      t[f"{q}.lora_B.other.weight"] = t.pop(f"{q}.lora_B.weight")
+      t = {k if k.startswith(q) else k.replace(".weight", ".default.weight"): v
+           for k, v in t.items()}
+    elif how == "duplicate":
+      t[f"{q}.lora_A.default.weight"] = t[f"{q}.lora_A.weight"]
+    elif how == "integer":
+      t[f"{q}.lora_A.weight"] = t[f"{q}.lora_A.weight"].astype(np.int32)
+    elif how == "empty":
+      t = {}
+    return t
+  edit_tensors(tmp_path, spoil)
+  assert_refused(tmp_path, str(tmp_path / WEIGHTS), needle)
+
+
+def test_writer_refuses_what_peft_would_not_load(tmp_path):
+  arrays = random_arrays()
+  with pytest.raises(ValueError, match="match no target_modules"):
+    write(tmp_path, arrays, target_modules=["q_proj"])
+  with pytest.raises(ValueError, match="must be"):
+    write(tmp_path, arrays, rank=RANK + 1)
+  with pytest.raises(ValueError, match="dtype 'int8'"):
+    write(tmp_path, arrays, dtype="int8")
+  bad = dict(arrays)
+  bad["model.layers.0.mlp.down_proj"] = (np.full((64, RANK), np.nan, np.float32),
+                                         arrays["model.layers.0.mlp.down_proj"][1])
+  with pytest.raises(ValueError, match="NaN"):
+    write(tmp_path, bad)
+  assert not (tmp_path / CONFIG).exists()
+
+
+# ---- export --lora: what a run exports -----------------------------------------------------------
+
+LORA_RUN = {"model": {"path": "/models/base", "lora": {"rank": RANK, "alpha": 8.0,
+                                                       "dropout": 0.0}}}
+FULL_RUN = {"model": {"path": "/models/base"}}
+
+
+def test_export_mode_follows_the_run():
+  assert lora_export.export_mode(None, LORA_RUN, "ck") is LoraExport.MERGED
+  assert lora_export.export_mode(LoraExport.ADAPTER, LORA_RUN, "ck") is LoraExport.ADAPTER
+  assert lora_export.export_mode(None, FULL_RUN, "ck") is None
+  assert lora_export.export_mode(LoraExport.MERGED, FULL_RUN, "ck") is None
+  off = {"model": {"lora": {"rank": 0, "alpha": 8.0, "dropout": 0.0}}}
+  with pytest.raises(CheckpointError, match="checkpoint /r/3: --lora=adapter needs a run"):
+    lora_export.export_mode(LoraExport.ADAPTER, off, "checkpoint /r/3")
+
+
+def test_a_bad_lora_flag_is_one_line_before_anything_is_read(tmp_path, capsys):
+  from test_bad_inputs_corpus import assert_one_line
+  from distflow_jax import cli
+  code = cli.main(["export", f"--checkpoint={tmp_path}/no_such", f"--out={tmp_path}/hf",
+                   "--lora=both"])
+  _, err = capsys.readouterr()
+  assert code == 2, err
+  assert_one_line(err, "--lora='both'", "adapter, merged")
+  assert lora_export.parse_flag("adapter") is LoraExport.ADAPTER
+  assert lora_export.parse_flag(None) is None
+
+
+def test_save_adapter_writes_the_runs_settings(tmp_path):
+  arrays = random_arrays({m: s for m, s in SHAPES.items() if "layers.0." in m or "q_proj" in m})
+  lora_export.save_adapter(tmp_path, arrays, LORA_RUN, SHAPES)
+  cfg = json.loads((tmp_path / CONFIG).read_text())
+  assert cfg["target_modules"] == ["model.layers.0.mlp.down_proj",
+                                   "model.layers.0.self_attn.v_proj", "q_proj"]
+  assert cfg["base_model_name_or_path"] == "/models/base"
+  assert read_adapter(tmp_path, SHAPES)[1].scale == 2.0
+
+
+@pytest.mark.timeout(300)
+def test_export_lora_adapter_on_a_run_without_lora_is_one_line(tmp_path, capsys):
+  from test_checkpoint import TOK, cfg, loader, mesh, model_cfg, roles_on
+  from test_bad_inputs_corpus import assert_one_line
+  from distflow_jax import cli
+  from distflow_jax.persist import checkpoint as ck
+  data = tmp_path / "train.jsonl"
+  data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                          for i in range(12)))
+  c = ck.Checkpointer(str(tmp_path / "run" / "checkpoints"), save_every=1, keep=1,
+                      log=lambda m: None)
+  mcfg = model_cfg()
+  c.save(1, roles_on(mesh(1), mcfg), loader(str(data)), cfg(), mcfg, TOK)
+  c.close()
+  code = cli.main(["export", f"--checkpoint={tmp_path}/run", f"--out={tmp_path}/hf",
+                   "--lora=adapter"])
+  _, err = capsys.readouterr()
+  assert code == 2, err
+  assert_one_line(err, f"{tmp_path}/run/checkpoints/1", "--lora=adapter needs a run")
+  assert not (tmp_path / "hf").exists() or not list((tmp_path / "hf").iterdir())
+  code = cli.main(["export", f"--checkpoint={tmp_path}/run", f"--out={tmp_path}/hf",
+                   "--lora=merged"])
+  out, err = capsys.readouterr()
+  assert code == 0 and "exported the actor of step 1" in out, err
+
+
+# ---- parity with peft + transformers (the hf extra) ----------------------------------------------
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def hf_base(tmp_path_factory):
+  """A tiny random Qwen2 folder (float32, tied embeddings, QKV bias)."""
+  torch = pytest.importorskip("torch", reason="needs the hf extra")
+  transformers = pytest.importorskip("transformers", reason="needs the hf extra")
+  pytest.importorskip("peft", reason="needs the hf extra")
+  config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, rope_theta=1000.0,
+                                    max_position_embeddings=64, tie_word_embeddings=True)
+  config._attn_implementation = "eager"  # pylint: disable=protected-access
+  torch.manual_seed(0)
+  model = transformers.Qwen2ForCausalLM(config).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+  path = tmp_path_factory.mktemp("qwen2")
+  model.save_pretrained(str(path), safe_serialization=True)
+  return path
+
+
+def load_base(path):
+  import torch
+  import transformers
+  return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+
+
+def linear_shapes(model):
+  import torch
+  return {n: (m.in_features, m.out_features) for n, m in model.named_modules()
+          if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+
+
+def logits(model, tokens):
+  import torch
+  with torch.no_grad():
+    return model(input_ids=torch.tensor(tokens)).logits.numpy()
+
+
+def state_numpy(model):
+  return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.hf
+@pytest.mark.timeout(300)
+def test_peft_loads_our_adapter_and_gives_the_merged_logits(hf_base, tmp_path):
+  import peft
+  import torch
+  base = load_base(hf_base)
+  shapes = linear_shapes(base)
+  # q, v and down in every layer; o_proj in layer 1 only (full names in target_modules).
+  adapted = {m: s for m, s in shapes.items()
+             if m.rsplit(".", 1)[-1] in ("q_proj", "v_proj", "down_proj")
+             or m == "model.layers.1.self_attn.o_proj"}
+  arrays = {m: (0.3 * a, 0.3 * b) for m, (a, b) in random_arrays(adapted, rank=RANK).items()}
+  targets = peft_targets(arrays, shapes)
+  assert "model.layers.1.self_attn.o_proj" in targets and "q_proj" in targets
+  write_adapter(tmp_path / "adapter", arrays, rank=RANK, alpha=8.0, dropout=0.1,
+                target_modules=targets, base_model_name_or_path=str(hf_base))
+  tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 10))
+  plain = logits(base, tokens)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+  assert not [w for w in caught if "peft" in w.filename], [str(w.message) for w in caught]
+  lora_layers = [n for n, _ in loaded.named_modules() if n.endswith("lora_A")]
+  assert len(lora_layers) == len(arrays)  # no adapter peft made up beyond the file's
+  through_peft = logits(loaded, tokens)
+  merged_model = load_base(hf_base)
+  merged = merge_into(state_numpy(merged_model), arrays, 8.0 / RANK)
+  merged_model.load_state_dict({k: torch.from_numpy(v) for k, v in merged.items()})
+  np.testing.assert_allclose(through_peft, logits(merged_model, tokens), atol=1e-5, rtol=1e-5)
+  assert np.abs(through_peft - plain).max() > 1e-2  # the adapter changes the logits
+
+
+@pytest.mark.hf
+@pytest.mark.timeout(300)
+def test_we_read_peft_adapter_and_merge_like_merge_and_unload(hf_base, tmp_path):
+  import peft
+  import torch
+  base = load_base(hf_base)
+  shapes = linear_shapes(base)
+  config = peft.LoraConfig(r=RANK, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
+                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                           "gate_proj", "up_proj", "down_proj"])
+  model = peft.get_peft_model(base, config)
+  torch.manual_seed(3)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "lora_" in name:
+        p.copy_(0.3 * torch.randn_like(p))  # lora_B non-zero: the adapter does something
+  model.save_pretrained(str(tmp_path / "adapter"))
+  arrays, meta = read_adapter(tmp_path / "adapter", shapes)
+  assert set(arrays) == set(shapes) and (meta.rank, meta.scale) == (RANK, 16 / RANK)
+  params = dict(model.named_parameters())
+  for m, (a, b) in arrays.items():
+    np.testing.assert_array_equal(
+        a, params[f"base_model.model.{m}.lora_A.default.weight"].detach().numpy().T)
+    np.testing.assert_array_equal(
+        b, params[f"base_model.model.{m}.lora_B.default.weight"].detach().numpy().T)
+  ours = merge_into(state_numpy(load_base(hf_base)), arrays, meta.scale)
+  theirs = state_numpy(model.merge_and_unload())
+  assert set(ours) == set(theirs)
+  for k, v in theirs.items():
+    np.testing.assert_allclose(ours[k], v, atol=1e-6, rtol=1e-6, err_msg=k)
+  assert max(np.abs(ours[f"{m}.weight"] - w).max() for m in arrays
+             for w in [state_numpy(load_base(hf_base))[f"{m}.weight"]]) > 1e-2
