@@ -199,3 +199,39 @@ def test_checkpoint_holds_adapters_and_refuses_another_base(tmp_path):
   with pytest.raises(ck.CheckpointError, match="trained on another base model") as e:
     c.restore(1, _roles(seed_base=1), _loader(tmp_path), defaults.base())
   assert "\n" not in str(e.value)
+
+
+# ---- the rollout engine holds merged weights ---------------------------------------------------
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_engine_sync_merges_the_adapters_without_recompiling(scan):
+  import time
+
+  from distflow_jax.rollout.engine import Engine
+  from distflow_jax.rollout.engine_config import EngineConfig, replica_mesh
+  spec = LoraSpec(4, 8.0, ALL)
+  mesh = sharding.make_mesh({"fsdp": 1}, jax.devices()[:1])
+  base = sharding.create_sharded(lambda: Transformer(cfg(scan=scan), rngs=nnx.Rngs(0)), mesh,
+                                 sharding.fsdp_tp_rules())
+  model = randomize_b(lora.attach(base, spec, 0, mesh))
+  params = nnx.split(model)[1]
+  engine = Engine(cfg(scan=scan, lora=spec), EngineConfig(max_concurrent_decodes=2,
+                                                          prefill_buckets=(8,)),
+                  replica_mesh(1, jax.devices()[:1]))
+  assert not lora.has_adapters(engine._abstract_params)  # pylint: disable=protected-access
+  times = []
+  for k in range(3):
+    t0 = time.perf_counter()
+    got = jax.block_until_ready(engine.update_params(params))
+    times.append(time.perf_counter() - t0)
+  want = lora.merged_state(params, spec.scale)
+  if scan:
+    from distflow_jax.models import stacking
+    want = stacking.to_loop(want)
+  assert not lora.has_adapters(got)
+  for (kg, g), (kw, w) in zip(nnx.to_flat_state(got), nnx.to_flat_state(want)):
+    assert kg == kw
+    np.testing.assert_allclose(np.asarray(g.get_value()), np.asarray(w.get_value()), atol=1e-6)
+  assert engine._unstack._cache_size() == 1  # pylint: disable=protected-access
+  print(f"lora sync (scan={scan}): first {times[0] * 1e3:.1f} ms, then "
+        f"{min(times[1:]) * 1e3:.1f} ms")
