@@ -2,7 +2,8 @@
 
   distflow-jax plan  --config=configs/grpo.py:tiny
   distflow-jax train --config=configs/grpo.py:tiny --config.actor.optimizer.lr=1e-5
-Variants: ``tiny`` (CPU, built-in task and model), ``qwen0.5b`` (a local
+Variants: ``tiny`` (CPU, built-in task and model), ``tiny_lora`` (the same training LoRA
+adapters), ``qwen0.5b`` (a local
 Qwen2.5-0.5B-Instruct and GSM8K JSONL; set --config.model.path and
 --config.data.train), ``llama1b`` (the same with a local Llama-3.2-1B-Instruct).
 """
@@ -79,6 +80,18 @@ def get_config(arg: str = "tiny"):
     _real_model_gsm8k(c)
     c.rollout.max_concurrent_decodes = 64
     c.actor.micro_batch_size = 2
+  elif arg == "tiny_lora":
+    # The default run training rank-8 LoRA adapters on every projection instead of the
+    # whole model (models/lora.py); the reference is the base, adapters off.  The adapters
+    # start at zero effect, so they take a larger learning rate than a full fine-tune.
+    c = get_config("tiny")
+    c.name = "grpo-tiny_lora"
+    c.run_dir = "runs/grpo_tiny_lora"
+    c.model.lora.enabled = True
+    c.model.lora.rank = 8
+    c.model.lora.alpha = 16.0
+    c.actor.optimizer.lr = 1e-3
   else:
-    raise ValueError(f"unknown variant {arg!r} of grpo.py; valid: tiny, qwen0.5b, llama1b")
+    raise ValueError(f"unknown variant {arg!r} of grpo.py; valid: tiny, tiny_lora, qwen0.5b, "
+                     f"llama1b")
   return c

@@ -80,6 +80,10 @@ def run(argv: Sequence[str]) -> int:
                               f"{topo.num_processes} process(es)")
   print(f"config: {cfg.name}")
   print(render(plan, fv.process))
+  lo = cfg.model.lora
+  if lo.enabled:
+    print(f"lora: rank {lo.rank} adapters on {list(lo.targets)} train (the base is frozen); "
+          f"reference parameters: none (its pass runs the actor's base, adapters off)")
   if fv.memory:
     from distflow_jax.memory import report
     report.run(cfg, plan, fv.device_memory, fv.memory_source, fv.target)

@@ -87,6 +87,17 @@ def base() -> ml_collections.ConfigDict:
       # prompt is laid once per row, its responses after it (train/packing_shared.py).
       pack_sequences=False,
       pack_len=0,
+      # LoRA (models/lora_layer.py, lora.py): the actor trains rank-`rank` adapters on the
+      # projections whose HF module name (model.layers.3.self_attn.q_proj) or short name
+      # (q_proj) matches a `targets` fnmatch pattern, every layer alike; the base stays
+      # frozen in model.dtype, the update is scaled by alpha / rank.  init: gaussian (A ~
+      # N(0, (1/rank)^2)) | kaiming (PEFT's default); B starts at zero, so step 0 is the
+      # base model.  The reference pass runs the actor's base (adapters off: no second
+      # copy); a critic is fully trained from the base.  dropout: must be 0 (not built
+      # yet).  path: a PEFT adapter folder to start from ("" = fresh adapters).
+      lora=dict(enabled=False, rank=8, alpha=16.0, dropout=0.0, init="gaussian", path="",
+                targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                         "down_proj")),
   )
   c.data = dict(
       train="builtin:arithmetic",  # JSONL/Parquet path or builtin:<task>

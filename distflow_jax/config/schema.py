@@ -46,6 +46,7 @@ class PathKey:
 PATHS: tuple[PathKey, ...] = (
     PathKey("run_dir", None, "runs/my_run"),
     PathKey("model.path", "the built-in model.preset"),
+    PathKey("model.lora.path", "fresh adapters"),
     PathKey("data.train", "none yet (train and sft refuse it)"),
     PathKey("data.eval", "no held-out evaluation"),
     PathKey("reward.model_path", "no reward model"),

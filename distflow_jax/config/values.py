@@ -20,7 +20,7 @@ import math
 from collections.abc import Iterable
 
 from distflow_jax.config.loading import ConfigError
-from distflow_jax.config import vision_checks
+from distflow_jax.config import lora_checks, vision_checks
 
 # Largest learning rate accepted: a step above 1 makes any of the optimizers in
 # train.optim.OPTIMIZERS diverge on a transformer (adam's update is ~lr per weight).
@@ -111,6 +111,7 @@ def check_values(cfg) -> None:
   _check_data(cfg.data)
   vision_checks.check_images(cfg)  # which combinations take images (issue 20)
   _check_model(cfg.model)
+  lora_checks.check(cfg)
   r, d = cfg.rollout, cfg.data
   buckets = list(r.prefill_buckets)
   if buckets[-1] < d.max_prompt_len:

@@ -131,12 +131,12 @@ def abstract_roles(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelC
   opt = cp.abstract_opt_state(tx, params, meshes[Role.ACTOR]) if tx else None
   out[Role.ACTOR] = roles_lib.ModelState(Role.ACTOR, meshes[Role.ACTOR], graphdef, params,
                                          tx, opt)
-  if Role.REFERENCE in meshes:
+  if Role.REFERENCE in meshes and model_cfg.lora is None:  # LoRA: the actor's base (roles)
     _, ref = cp.abstract_model(model_cfg, meshes[Role.REFERENCE])
     out[Role.REFERENCE] = roles_lib.ModelState(Role.REFERENCE, meshes[Role.REFERENCE],
                                                graphdef, ref)
   if Role.CRITIC in meshes:
-    cgraph, cparams = _critic(model_cfg, meshes[Role.CRITIC])
+    cgraph, cparams = _critic(model_cfg.replace(lora=None), meshes[Role.CRITIC])
     ctx_tx = (roles_lib.optimizer(cfg, cfg.critic.optimizer,
                                   cfg.trainer.total_steps * cfg.critic.ppo_epochs)
               if Role.CRITIC in trained else None)

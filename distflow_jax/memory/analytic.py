@@ -65,18 +65,35 @@ def dtype_bytes(dtype: str) -> int:
   return 4 if dtype == "float32" else 2
 
 
+def adapter_params(m: ModelConfig) -> int:
+  """LoRA adapter parameters (float32, replicated; models/lora.py), 0 without LoRA."""
+  if m.lora is None:
+    return 0
+  d, f, q, kv = m.hidden_size, m.intermediate_size, m.num_heads * m.head_dim, \
+      m.num_kv_heads * m.head_dim
+  dims = {"q_proj": d + q, "k_proj": d + kv, "v_proj": d + kv, "o_proj": q + d,
+          "gate_proj": d + f, "up_proj": d + f, "down_proj": f + d}
+  return m.num_layers * m.lora.rank * sum(dims[t] for t in m.lora.targets_in_layer(0))
+
+
 def param_bytes(m: ModelConfig, shards: int = 1) -> float:
-  return m.num_params * dtype_bytes(m.dtype) / shards
+  """The base model's bytes split over ``shards``, plus any LoRA adapters (whole)."""
+  return m.num_params * dtype_bytes(m.dtype) / shards + 4 * adapter_params(m)
 
 
 def opt_bytes(m: ModelConfig, shards: int, optimizer: str, master: bool = False) -> float:
+  if m.lora is not None:  # the adapters' moments only (float32, no master copy)
+    return 0.0 if optimizer == "sgd" else 8.0 * adapter_params(m)
   if master and m.dtype != "float32":
     return m.num_params * (4 + (0 if optimizer == "sgd" else 8)) / shards
   return 0.0 if optimizer == "sgd" else 2 * param_bytes(m, shards)
 
 
 def grad_bytes(m: ModelConfig, shards: int) -> float:
-  """The float32 accumulator plus one micro-batch's gradients (parameters' dtype)."""
+  """The float32 accumulator plus one micro-batch's gradients (parameters' dtype); with
+  LoRA of the adapters only."""
+  if m.lora is not None:
+    return 8.0 * adapter_params(m)
   return m.num_params * (4 + dtype_bytes(m.dtype)) / shards
 
 

@@ -24,7 +24,7 @@ import ml_collections
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from distflow_jax.models import sharding
+from distflow_jax.models import lora, sharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import Transformer
 
@@ -77,7 +77,8 @@ def abstract_opt_state(tx: Any, params: Any, mesh: Mesh) -> Any:
     sh = next((s for p, s in by_path.items() if path.endswith("/" + p)), rep)
     return _sds(x, sh if sh.shard_shape(x.shape) is not None and len(sh.spec) <= x.ndim
                 else rep)
-  return jax.tree_util.tree_map_with_path(place, jax.eval_shape(tx.init, params))
+  trainable = lora.split_trainable(params)[0]  # LoRA: the adapters' state only
+  return jax.tree_util.tree_map_with_path(place, jax.eval_shape(tx.init, trainable))
 
 
 def abstract_batch(rows: int, prompt_len: int, new_tokens: int, layout: NamedSharding,
@@ -95,6 +96,7 @@ def grad_bytes(params: Any) -> int:
   """One device's gradient buffers in the train step: the float32 accumulator (16-bit
   parameters accumulate in float32, train/steps.py) plus one micro-batch's gradients."""
   from distflow_jax.train import steps as steps_lib
+  params = lora.split_trainable(params)[0]  # LoRA: the adapters' gradients only
   acc = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       x.shape, steps_lib.accumulator_dtype(x.dtype), sharding=x.sharding), params)
   return device_bytes(acc) + device_bytes(params)

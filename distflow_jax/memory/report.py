@@ -122,7 +122,12 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
   plen, nlen = _prompt_len(cfg), cfg.rollout.max_new_tokens
   params_by_role, passes = {}, {}
 
+  lora_on = model_cfg.lora is not None
+  critic_cfg = model_cfg.replace(lora=None)  # a LoRA actor's critic is fully trained
+
   def role_params(role):
+    if role is Role.REFERENCE and lora_on:  # the actor's base, adapters off: no copy
+      role = Role.ACTOR
     if role not in params_by_role:
       params_by_role[role] = cp.abstract_model(model_cfg, roles_lib.jax_mesh(meshes[role]))
     return params_by_role[role]
@@ -132,6 +137,10 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
       continue
     rm = meshes[role]
     n_sh = rm.shape.get("fsdp", 1) * rm.shape.get("tensor", 1)
+    if role is Role.REFERENCE and lora_on:
+      items.append(Item("reference", "parameters (LoRA: actor base)", 0.0,
+                        rm.devices, RESIDENT, src, adv["ref"]))
+      continue
     pb = cp.device_bytes(role_params(role)[1]) if comp else an.param_bytes(model_cfg, n_sh)
     items.append(Item(role.value.lower(), "parameters", pb, rm.devices, RESIDENT, src,
                       adv["params" if role is Role.ACTOR else "ref"]))
@@ -146,8 +155,8 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
     cm = meshes[Role.CRITIC]
     n_sh = cm.shape.get("fsdp", 1) * cm.shape.get("tensor", 1)
     items.append(Item("critic", "parameters + optimizer state",
-                      an.param_bytes(model_cfg, n_sh) + an.opt_bytes(model_cfg, n_sh, "adam",
-                                                                     master),
+                      an.param_bytes(critic_cfg, n_sh) + an.opt_bytes(critic_cfg, n_sh, "adam",
+                                                                      master),
                       cm.devices, RESIDENT, "analytic", "place the critic on other devices "
                       "(placement.critic) or shard it over more"))
 
@@ -165,7 +174,7 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
       act = an.activation_bytes(model_cfg, rows, plen, nlen, 1, tp, train=train, remat=remat,
                                 attention_impl=impl)
       cm = meshes.get(Role.CRITIC, actor)
-      gb = an.grad_bytes(model_cfg, cm.shape.get("fsdp", 1) * cm.shape.get("tensor", 1)
+      gb = an.grad_bytes(critic_cfg, cm.shape.get("fsdp", 1) * cm.shape.get("tensor", 1)
                          ) if train else 0.0
       items.append(Item(node.id, "gradients + activations" if train else "activations "
                         "(forward pass)", gb + act, devs, node.id, "analytic",

@@ -97,10 +97,10 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     d, dh = cfg.hidden_size, cfg.head_dim
-    self.q_proj = linear(cfg, d, cfg.num_heads * dh, cfg.qkv_bias, rngs)
-    self.k_proj = linear(cfg, d, cfg.num_kv_heads * dh, cfg.qkv_bias, rngs)
-    self.v_proj = linear(cfg, d, cfg.num_kv_heads * dh, cfg.qkv_bias, rngs)
-    self.o_proj = linear(cfg, cfg.num_heads * dh, d, False, rngs)
+    self.q_proj = linear(cfg, d, cfg.num_heads * dh, cfg.qkv_bias, rngs, "q_proj")
+    self.k_proj = linear(cfg, d, cfg.num_kv_heads * dh, cfg.qkv_bias, rngs, "k_proj")
+    self.v_proj = linear(cfg, d, cfg.num_kv_heads * dh, cfg.qkv_bias, rngs, "v_proj")
+    self.o_proj = linear(cfg, cfg.num_heads * dh, d, False, rngs, "o_proj")
     if cfg.qk_norm:
       self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, cfg.jnp_dtype)
       self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, cfg.jnp_dtype)

@@ -15,6 +15,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from distflow_jax.models.lora_layer import LoraSpec
+
 ARCHS = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
 REMATS = ("none", "full", "dots_saveable")
@@ -75,8 +77,13 @@ class ModelConfig:
   remat: str = "none"
   attention_impl: str = "auto"
   attention_block: int = 512
+  # LoRA adapters (lora_layer.py, lora.py; the config's model.lora); None = none.  Not part
+  # of a `config.json`.
+  lora: LoraSpec | None = None
 
   def __post_init__(self):
+    if isinstance(self.lora, dict):  # a checkpoint's meta (dataclasses.asdict) read back
+      object.__setattr__(self, "lora", LoraSpec(**self.lora))
     if self.arch not in ARCHS:
       raise ValueError(f"ModelConfig.arch={self.arch!r} is unknown; valid: {ARCHS}")
     if self.dtype not in DTYPES:

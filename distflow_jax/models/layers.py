@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from distflow_jax.models.config import ModelConfig
+from distflow_jax.models.lora_layer import LoRALinear
 
 INIT = nnx.initializers.normal(0.02)
 
@@ -28,18 +29,23 @@ class RMSNorm(nnx.Module):
     return self.scale[...] * y.astype(x.dtype)
 
 
-def linear(cfg: ModelConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
-  """A projection in the model's dtype, initialised like every other weight here."""
-  return nnx.Linear(d_in, d_out, use_bias=bias, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_dtype,
-                    kernel_init=INIT, rngs=rngs)
+def linear(cfg: ModelConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs,
+           name: str = "") -> nnx.Linear:
+  """A projection in the model's dtype, initialised like every other weight here; with
+  LoRA adapters (lora_layer.py) where ``cfg.lora`` targets ``name`` (``q_proj``, ...)."""
+  kw = dict(use_bias=bias, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_dtype, kernel_init=INIT,
+            rngs=rngs)
+  if name and cfg.lora is not None and name in cfg.lora.targets_in_layer(0):
+    return LoRALinear(d_in, d_out, spec=cfg.lora, **kw)
+  return nnx.Linear(d_in, d_out, **kw)
 
 
 class MLP(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, f = cfg.hidden_size, cfg.intermediate_size
-    self.gate_proj = linear(cfg, d, f, False, rngs)
-    self.up_proj = linear(cfg, d, f, False, rngs)
-    self.down_proj = linear(cfg, f, d, False, rngs)
+    self.gate_proj = linear(cfg, d, f, False, rngs, "gate_proj")
+    self.up_proj = linear(cfg, d, f, False, rngs, "up_proj")
+    self.down_proj = linear(cfg, f, d, False, rngs, "down_proj")
 
   def __call__(self, x):
     return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

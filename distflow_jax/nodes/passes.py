@@ -18,10 +18,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from distflow_jax.dag.spec import Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch
+from distflow_jax.models import lora
 from distflow_jax.nodes.common import NodeTable, seq
 from distflow_jax.train import (deterministic, hidden, packing, placement, steps as steps_lib,
                                  token_budget)
 from distflow_jax.state.context import RunContext, shared_prompt_group
+from distflow_jax.state.roles import ModelState
 
 
 def on_policy(ctx: RunContext) -> bool:
@@ -108,12 +110,27 @@ def pass_fn(ctx: RunContext, lay: dlayout.Layout, fn: Callable, unit_rows: int,
                  out_shardings=lay.sharding)
 
 
+def adapters_off(ctx: RunContext, role: Role) -> bool:
+  """Whether ``role``'s pass runs the actor's base, adapters off: the REFERENCE of a LoRA
+  run, which has no weights of its own (state/roles.build_roles)."""
+  return role is Role.REFERENCE and Role.REFERENCE not in ctx.roles
+
+
+def pass_state(ctx: RunContext, role: Role) -> ModelState:
+  """The model state ``role``'s pass reads (a LoRA run's REFERENCE: the actor's)."""
+  return ctx.roles[Role.ACTOR if adapters_off(ctx, role) else role]
+
+
 def logprob_pass(ctx: RunContext, role: Role, lay: dlayout.Layout, gs: int) -> Callable:
   """The jitted log-prob pass of ``role``'s model (``logprob`` / ``ref_logprob``)."""
+  off = adapters_off(ctx, role)
+
   def response_logprobs(g, p, b):
-    return steps_lib.response_logprobs(g, p, b, group_size=gs)[0]
+    return steps_lib.response_logprobs(g, lora.base_only(p) if off else p, b,
+                                       group_size=gs)[0]
   return ctx.jitted(("logprobs", role, lay, gs), lambda: pass_fn(
-      ctx, lay, response_logprobs, ctx.cfg.actor.micro_batch_size, ctx.roles[role].params))
+      ctx, lay, response_logprobs, ctx.cfg.actor.micro_batch_size,
+      pass_state(ctx, role).params))
 
 
 def values_pass(ctx: RunContext, lay: dlayout.Layout) -> Callable:
@@ -128,7 +145,7 @@ def _model_pass(field: str, role: Role, ctx: RunContext, node: Node, lay: dlayou
   if field == "old_logprobs" and on_policy(ctx):
     ctx.metrics.add("old_logprob_from_rollout", 1.0)
     return batch.replace(old_logprobs=batch.data["rollout_logprobs"])
-  state = ctx.roles[role]
+  state = pass_state(ctx, role)
   data = seq(batch)
   if role is Role.CRITIC:
     fn = values_pass(ctx, lay)

@@ -65,7 +65,8 @@ from distflow_jax.persist import checkpoint_files as files
 from distflow_jax.state.algo_state import AlgoState
 from distflow_jax.persist.checkpoint_contents import (  # noqa: F401 (re-exported)
     FORMAT, ITEMS, LOADER, META, STATE, STATIC, CheckpointDamaged, CheckpointError, abstract,
-    compare_shapes, flat_shapes, restore_algo_state, restore_loader, trained_state)
+    base_fingerprint, check_base, compare_shapes, flat_shapes, put_restored, restore_algo_state,
+    restore_loader, trained_state)
 from distflow_jax.persist.checkpoint_files import read_arrays, resolve  # noqa: F401 (export's)
 from distflow_jax.persist.checksums import agree, gather_json
 from distflow_jax.state.roles import ModelState
@@ -142,7 +143,7 @@ class Checkpointer:
             "roles": sorted(state),
             "model_config": dataclasses.asdict(model_cfg),
             "config": json.loads(cfg.to_json_best_effort()),
-            "checksums": checksums.checksums(state)}
+            "checksums": checksums.checksums(state), "lora_base": base_fingerprint(roles)}
     if self.ctx is not None:
       meta["algo_state"] = self.ctx.algo_state.to_dict()
     if self._manager.save(step, args=ocp.args.Composite(**{
@@ -224,6 +225,7 @@ class Checkpointer:
     if self.ctx is None and algo != AlgoState():
       raise ValueError("Checkpointer.restore: this run keeps algorithm state across steps; "
                        "give the checkpointer the run's context (open_run(..., ctx=ctx))")
+    check_base(meta.get("lora_base"), roles, where)
     live = trained_state(roles)
     if sorted(live) != meta["roles"]:
       raise CheckpointError(f"{where} holds roles {meta['roles']} but this run trains "
@@ -237,11 +239,7 @@ class Checkpointer:
                                                 self.log)
     if problem:
       raise CheckpointDamaged(f"{where} is damaged: {problem}")
-    for name, tree in out[STATE].items():
-      s = roles[Role(name.upper())]
-      s.params = tree["params"]
-      if s.trainable:
-        s.opt_state = tree["opt_state"]
+    put_restored(roles, out[STATE])
     restore_loader(loader, out[LOADER]["processes"], self.log)
     if self.ctx is not None:
       self.ctx.algo_state = algo

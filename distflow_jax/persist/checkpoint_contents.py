@@ -9,6 +9,8 @@ what is here); this module needs nothing from it.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,6 +21,7 @@ import numpy as np
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.loader import PromptLoader
+from distflow_jax.models import lora
 from distflow_jax.state import algo_state
 from distflow_jax.persist import checksums
 from distflow_jax.state.roles import ModelState
@@ -38,15 +41,51 @@ class CheckpointDamaged(CheckpointError):
   """A checkpoint whose files changed after the save (names the file or array)."""
 
 def trained_state(roles: dict[Role, ModelState]) -> dict[str, dict[str, Any]]:
-  """The pytree saved every time: the actor's and critic's parameters (+ optimizer)."""
+  """The pytree saved every time: the actor's and critic's parameters (+ optimizer); of a
+  LoRA actor only its adapters (the base comes from the model source: ``base_fingerprint``)."""
   out = {}
   for role in (Role.ACTOR, Role.CRITIC):
     if role in roles:
       s = roles[role]
-      out[role.value.lower()] = ({"params": s.params, "opt_state": s.opt_state}
-                                 if s.trainable else {"params": s.params})
+      params = lora.split_trainable(s.params)[0]
+      out[role.value.lower()] = ({"params": params, "opt_state": s.opt_state}
+                                 if s.trainable else {"params": params})
   return out
 
+
+def put_restored(roles: dict[Role, ModelState], state: dict[str, dict[str, Any]]) -> None:
+  """``trained_state``'s tree read back into ``roles`` (a LoRA actor keeps its live base)."""
+  for name, tree in state.items():
+    s = roles[Role(name.upper())]
+    s.params = lora.merge_trainable(tree["params"], lora.split_trainable(s.params)[1])
+    if s.trainable:
+      s.opt_state = tree["opt_state"]
+
+
+def base_fingerprint(roles: dict[Role, ModelState]) -> str | None:
+  """A digest of a LoRA actor's frozen base (None without adapters): stored with each save
+  and compared on resume, as the checkpoint holds the adapters only (a collective)."""
+  if Role.ACTOR not in roles or not lora.has_adapters(roles[Role.ACTOR].params):
+    return None
+  sums = checksums.checksums(lora.split_trainable(roles[Role.ACTOR].params)[1])
+  return hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_base(saved: str | None, roles: dict[Role, ModelState], where: str) -> None:
+  """Refuses to put adapters on another base than the one they were trained on."""
+  live = base_fingerprint(roles)
+  if saved == live:
+    return
+  if saved and live:
+    why = (f"was trained on another base model (base fingerprint {saved}, this run's "
+           f"{live}): resume with the model.path / model.preset it was trained on")
+  elif saved:
+    why = ("holds LoRA adapters but this run has model.lora.enabled=False: resume with the "
+           "model.lora settings it was trained with")
+  else:
+    why = ("holds a fully trained actor but this run trains LoRA adapters "
+           "(model.lora.enabled=True): resume without LoRA, or start a new run_dir")
+  raise CheckpointError(f"{where} {why}")
 
 def abstract(tree: Any) -> Any:
   """Shape, dtype and *current* sharding of every leaf: the restore target (reshards)."""

@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from distflow_jax.models import sharding as msharding, stacking
+from distflow_jax.models import lora, sharding as msharding, stacking
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import Transformer
 from distflow_jax.rollout import cache_growth, decode, engine_programs, prefill_rows, weight_sync
@@ -67,7 +67,10 @@ class Engine:
     # stacked (scan_layers) weights per decode step could cost a copy of every weight.
     # Stacked parameters handed in are unstacked once, by `_unstacked`.
     self.model_cfg = model_cfg
-    self._loop_cfg = model_cfg.replace(scan_layers=False)
+    # LoRA: the engine holds merged weights (W + a @ b * alpha / r, computed in the jitted
+    # sync, `_unstacked`), so it runs the plain model at the base's speed.
+    self._loop_cfg = model_cfg.replace(scan_layers=False, lora=None)
+    self._lora_scale = None if model_cfg.lora is None else model_cfg.lora.scale
     self.config = config
     self._mesh = mesh if mesh is not None else replica_mesh()
     self.rules = rules if rules is not None else msharding.fsdp_tp_rules()
@@ -167,14 +170,18 @@ class Engine:
                                          process_of)
 
   def _unstacker(self) -> Any:
-    """The jitted split of stacked layers into one array per layer, built on first use."""
+    """The jitted split of stacked layers into one array per layer (after merging any LoRA
+    adapters into their kernels), built on first use."""
     if self._unstack is None:
-      self._unstack = jax.jit(stacking.to_loop)
+      scale = self._lora_scale
+      self._unstack = jax.jit(lambda p: stacking.to_loop(
+          p if scale is None else lora.merged_state(p, scale)))
     return self._unstack
 
   def _unstacked(self, params: nnx.State) -> nnx.State:
-    """`params` in the engine's one-array-per-layer layout (a jitted split of stacked ones)."""
-    if not stacking.is_stacked(params):
+    """`params` in the engine's one-array-per-layer layout (a jitted split of stacked ones),
+    adapters merged."""
+    if not stacking.is_stacked(params) and not lora.has_adapters(params):
       return params
     return self._unstacker()(params)
 

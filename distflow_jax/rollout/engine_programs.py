@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from distflow_jax.models import stacking
+from distflow_jax.models import lora, stacking
 from distflow_jax.rollout import weight_sync
 
 class Program(NamedTuple):
@@ -90,7 +90,8 @@ def sync_programs(train_params: Any, param_shardings: Any,
   stacked layers as they are), then the weight sync's steps into ``param_shardings``
   (``process_of``: a simulated topology's device -> process, as ``WeightSync`` takes it)."""
   out = []
-  if unstack is not None and stacking.is_stacked(train_params):
+  if unstack is not None and (stacking.is_stacked(train_params)
+                              or lora.has_adapters(train_params)):
     split = unstack()
     out.append(Program("unstack", split, (train_params,)))
     # The split's output layout is what sharding propagation picks: ask the compiler.

@@ -21,10 +21,11 @@ from jax.sharding import Mesh
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.planner import Plan, RoleMesh, Topology
 from distflow_jax.dag.spec import NodeType, Role
-from distflow_jax.models import hf_io, sharding
+from distflow_jax.models import hf_io, lora, sharding
 from distflow_jax.models import config as model_configs
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.heads import Critic
+from distflow_jax.models.lora_layer import LoraSpec
 from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.models.transformer import Transformer
 from distflow_jax.models.vl import read_vl_config
@@ -99,7 +100,10 @@ def levers(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig) -> ModelConfi
   out = model_cfg.replace(scan_layers=bool(m.get("scan_layers", False)),
                           remat=m.get("remat", "none"),
                           attention_impl=m.get("attention_impl", "auto"),
-                          attention_block=m.get("attention_block", 512))
+                          attention_block=m.get("attention_block", 512),
+                          lora=LoraSpec.from_config(m.get("lora")))
+  if out.lora is not None:
+    lora.check(out.lora, out)  # the targets and rank against this model's layers
   if out.attention_impl == "cudnn":  # refused here, not at the first step's compile
     from distflow_jax.models import attention_choice, target
     why = attention_choice.cudnn_refusal(out.jnp_dtype, out.head_dim, target.current())
@@ -110,13 +114,31 @@ def levers(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig) -> ModelConfi
 
 
 def build_actor(model_cfg: ModelConfig, mesh: Mesh, path: str, seed: int) -> nnx.Module:
+  """The actor from ``path`` (else fresh from ``seed``); with ``model_cfg.lora`` the same
+  base plus fresh adapters (models/lora.py)."""
   rules = sharding.fsdp_tp_rules()
+  base_cfg = model_cfg.replace(lora=None)
   if path and vision.is_vl_checkpoint(path):
+    if model_cfg.lora is not None:
+      raise ConfigError("model.lora: LoRA on a vision-language model is not built yet; set "
+                        "model.lora.enabled=False")
     return vision.load_language(path, model_cfg, mesh, rules)
   if path:
-    return hf_io.load_pretrained(path, mesh=mesh, rules=rules, cfg=model_cfg)
-  return sharding.create_sharded(lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed)), mesh,
-                                 rules)
+    base = hf_io.load_pretrained(path, mesh=mesh, rules=rules, cfg=base_cfg)
+  else:
+    base = sharding.create_sharded(lambda: Transformer(base_cfg, rngs=nnx.Rngs(seed)), mesh,
+                                   rules)
+  if model_cfg.lora is None:
+    return base
+  return lora.attach(base, model_cfg.lora, seed, mesh, rules)
+
+
+def start_adapters(cfg: ml_collections.ConfigDict, actor: nnx.Module) -> None:
+  """``model.lora.path``: the adapters a run starts from (a PEFT folder), set in place."""
+  path = cfg.model.lora.get("path", "")
+  if cfg.model.lora.enabled and path:
+    raise ConfigError(f"model.lora.path={path!r}: starting from a PEFT adapter folder is not "
+                      f"built yet; clear model.lora.path to start from fresh adapters")
 
 
 def load_reward_model(path: str, mesh: Mesh, dtype: str, tokenizer: Tokenizer) -> nnx.Module:
@@ -151,7 +173,8 @@ def optimizer(cfg: ml_collections.ConfigDict, section: ml_collections.ConfigDict
   if cfg.trainer.deterministic:
     section = dict(section, grad_clip=0.0)
   tx = optim.from_config(section, total_steps)
-  if cfg.model.get("master_weights", False) and cfg.model.dtype != "float32":
+  adapters = cfg.model.lora.enabled  # float32 already: no master copy
+  if cfg.model.get("master_weights", False) and cfg.model.dtype != "float32" and not adapters:
     tx = optim.with_master_weights(tx)  # float32 master params + moments for 16-bit params
   return tx
 
@@ -172,11 +195,13 @@ def build_roles(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConf
   steps = cfg.trainer.total_steps * max(cfg.actor.ppo_epochs * cfg.actor.mini_batches, 1)
   out: dict[Role, ModelState] = {}
   actor = build_actor(model_cfg, meshes[Role.ACTOR], model_path, cfg.seed)
+  start_adapters(cfg, actor)
   graphdef, params = nnx.split(actor)
   tx = optimizer(cfg, cfg.actor.optimizer, steps) if Role.ACTOR in trained else None
   out[Role.ACTOR] = ModelState(Role.ACTOR, meshes[Role.ACTOR], graphdef, params, tx,
                                placement.init_opt_state(tx, params) if tx else None)
-  if Role.REFERENCE in meshes:
+  # LoRA: the reference is the actor's base, its adapters off (nodes/passes.py): no copy.
+  if Role.REFERENCE in meshes and model_cfg.lora is None:
     ref_mesh = meshes[Role.REFERENCE]
     ref = jax.device_put(params, sharding.state_shardings(params, ref_mesh, rules))
     # Own buffers: the actor's train step donates its own.  device_put reuses a buffer
@@ -186,11 +211,13 @@ def build_roles(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConf
     out[Role.REFERENCE] = ModelState(Role.REFERENCE, ref_mesh, graphdef, ref)
   if Role.CRITIC in meshes:
     cmesh = meshes[Role.CRITIC]
+    # A LoRA actor's critic has no adapters: fully trained from the actor's base.
     critic = sharding.create_sharded(
-        lambda: Critic(model_cfg, rngs=nnx.Rngs(cfg.seed + 1)), cmesh, rules)
+        lambda: Critic(model_cfg.replace(lora=None), rngs=nnx.Rngs(cfg.seed + 1)), cmesh, rules)
     cgraph, cparams = nnx.split(critic)
-    # The critic's backbone starts from the actor's weights, its value head fresh.
-    backbone = jax.device_put(params, sharding.state_shardings(params, cmesh, rules))
+    # The critic's backbone starts from the actor's (base) weights, its value head fresh.
+    base = lora.split_trainable(params)[1] if model_cfg.lora is not None else params
+    backbone = jax.device_put(base, sharding.state_shardings(base, cmesh, rules))
     cparams["backbone"] = jax.tree.map(lambda x: x.copy(), backbone)
     steps_c = cfg.trainer.total_steps * cfg.critic.ppo_epochs
     ctx = optimizer(cfg, cfg.critic.optimizer, steps_c) if Role.CRITIC in trained else None

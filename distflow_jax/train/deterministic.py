@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from distflow_jax.algos import losses
-from distflow_jax.models import sharding
+from distflow_jax.models import lora, sharding
 from distflow_jax.train import placement, steps as steps_lib
 
 Batch = Mapping[str, jax.Array]
@@ -128,15 +128,16 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
   d = math.prod(mesh.shape[a] for a in axes)
 
   def step(params, opt_state, batch):
+    params, frozen = lora.split_trainable(params)  # LoRA: the adapters only (steps.py)
     b = jax.tree.leaves(batch)[0].shape[0]
     k = units_per_device(b, d, unit_rows)
     denom = losses.loss_denominator(batch["response_mask"], agg_mode)
 
     @_unconstrained
-    def local(params, batch, denom):
+    def local(params, frozen, batch, denom):
       def unit(mb):
         def objective(p):
-          out = loss_fn(graphdef, p, mb)
+          out = loss_fn(graphdef, lora.merge_trainable(p, frozen), mb)
           return out.total / jnp.maximum(denom, 1.0), out
         (_, out), grads = jax.value_and_grad(objective, has_aux=True)(params)
         return jax.lax.optimization_barrier((grads, out))
@@ -149,10 +150,11 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
       return grads, out, norm
 
     grads, out, grad_norm = jax.shard_map(
-        local, mesh=mesh, in_specs=(P(), P(axes), P()), out_specs=P(),
-        check_vma=False)(params, dict(batch), denom)
-    return steps_lib.apply_update(tx, params, opt_state, batch, grads, out, grad_norm,
-                                  group_size)
+        local, mesh=mesh, in_specs=(P(), P(), P(axes), P()), out_specs=P(),
+        check_vma=False)(params, frozen, dict(batch), denom)
+    params, opt_state, stats = steps_lib.apply_update(tx, params, opt_state, batch, grads, out,
+                                                      grad_norm, group_size)
+    return lora.merge_trainable(params, frozen), opt_state, stats
 
   return placement.PinnedStep(step)
 

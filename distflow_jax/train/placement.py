@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from distflow_jax.models import sharding
+from distflow_jax.models import lora, sharding
 
 
 def params_mesh(params: Any):
@@ -31,10 +31,11 @@ def _on_mesh(x: jax.Array, mesh) -> NamedSharding:
 
 
 def init_opt_state(tx: optax.GradientTransformation, params: nnx.State) -> Any:
-  """``tx.init(params)`` with every leaf on the parameters' mesh (scalars replicated),
-  so the state's layout never changes between steps."""
+  """``tx.init`` of the trainable parameters (LoRA: the adapters only, models/lora.py) with
+  every leaf on the parameters' mesh (scalars replicated), so the state's layout never
+  changes between steps."""
   mesh = params_mesh(params)
-  state = tx.init(params)
+  state = tx.init(lora.split_trainable(params)[0])
   if mesh is None:
     return state
   return jax.tree.map(lambda x: jax.device_put(x, _on_mesh(x, mesh)), state)

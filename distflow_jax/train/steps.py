@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 
 from distflow_jax.algos import losses
-from distflow_jax.models import heads
+from distflow_jax.models import heads, lora
 from distflow_jax.train import hidden as hidden_lib, micro_batches, optim, packing, placement
 
 Batch = Mapping[str, jax.Array]
@@ -136,6 +136,8 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
   """
 
   def step(params, opt_state, batch):
+    # LoRA: only the adapters are differentiated and updated; the base rides along frozen.
+    params, frozen = lora.split_trainable(params)
     pack = batch.get("pack")
     batch = {k: v for k, v in batch.items() if k != "pack"}
     mbs = micro_batches.for_step(batch, pack, num_micro_batches, group_size)
@@ -145,7 +147,7 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
       grads_acc, out_acc = carry
 
       def objective(p):
-        out = loss_fn(graphdef, p, mb)
+        out = loss_fn(graphdef, lora.merge_trainable(p, frozen), mb)
         return out.total / jnp.maximum(denom, 1.0), out
 
       (_, out), grads = jax.value_and_grad(objective, has_aux=True)(params)
@@ -159,11 +161,13 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, accumulator_dtype(p.dtype)), params)
     first = jax.tree.map(lambda x: x[0], mbs)
     # Trace one micro-batch to get the loss output's structure for the carry.
-    out0 = jax.eval_shape(lambda p, b: loss_fn(graphdef, p, b), params, first)
+    out0 = jax.eval_shape(lambda p, b: loss_fn(graphdef, lora.merge_trainable(p, frozen), b),
+                          params, first)
     out_init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out0)
     (grads, out), _ = jax.lax.scan(one, (zeros, out_init), mbs)
-    return apply_update(tx, params, opt_state, batch, grads, out, optax.global_norm(grads),
-                        group_size)
+    params, opt_state, stats = apply_update(tx, params, opt_state, batch, grads, out,
+                                            optax.global_norm(grads), group_size)
+    return lora.merge_trainable(params, frozen), opt_state, stats
 
   return placement.PinnedStep(step)
 
@@ -178,7 +182,7 @@ def accumulator_dtype(dtype) -> jnp.dtype:
 
 def apply_update(tx: optax.GradientTransformation, params, opt_state, batch: Batch, grads,
                  out: losses.LossOutput, grad_norm: jax.Array, group_size: int):
-  """The optimizer step on summed gradients (float32 from `make_train_step`: cast to the
+  """The optimizer step on summed gradients of the trainable ``params`` (float32 from `make_train_step`: cast to the
   parameters' dtype unless the optimizer keeps float32 master weights), kept only if
   `step_ok` and the rows are grouped; returns ``(params, opt_state, stats)``."""
   grouped = hidden_lib.prompts_grouped(batch, group_size) if group_size > 1 else jnp.bool_(True)

@@ -202,7 +202,7 @@ def ensure_model(cfg: ml_collections.ConfigDict, plan: Plan, tokenizer: Tokenize
     return wdir
   from distflow_jax.observe import progress
   progress.phase(log, "warm start")
-  model_cfg = roles_lib.model_config(cfg, tokenizer, "")
+  model_cfg = roles_lib.model_config(cfg, tokenizer, "").replace(lora=None)  # full SFT
   actor_mesh = roles_lib.jax_mesh(next(m for m in plan.meshes if m.role is Role.ACTOR))
   model = roles_lib.build_actor(model_cfg, actor_mesh, "", cfg.seed)
   from flax import nnx
