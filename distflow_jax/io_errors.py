@@ -53,9 +53,14 @@ def _chain(error: BaseException):
 
 
 def _file_name(value) -> str | None:
+  """The path of an open file object; None for anything else, and for a stream whose
+  name is no path (``<stderr>``, pytest's capture file ``<_io.FileIO name=51 ...>``)."""
+  if not isinstance(value, io.IOBase):
+    return None
   name = getattr(value, "name", None)
-  return os.path.abspath(name) if isinstance(value, io.IOBase) and isinstance(name, str) \
-      else None
+  if not isinstance(name, str) or not name or name.startswith("<"):
+    return None
+  return os.path.abspath(name)
 
 
 def _open_file_path(error: BaseException) -> str | None:

@@ -4,12 +4,14 @@ Each ends in ONE line naming the culprit (exit 2 for a user mistake, 1 for a fai
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -336,6 +338,35 @@ def test_disk_errors_are_found_with_their_path(tmp_path):
   except OSError as e:
     assert io_errors.find(e).path == str(tmp_path / "events")
   assert io_errors.find(ValueError("bad value")) is None
+
+
+class _CaptureFile(io.TextIOWrapper):
+  """A stream named like pytest's capture file (``EncodedFile.name`` is ``repr(buffer)``)."""
+
+  @property
+  def name(self):
+    return repr(self.buffer)
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_named_like_no_path_is_never_the_full_disks_path(tmp_path):
+  """Found in CI: the innermost frame of a failed write held the captured stderr, and the
+  line named ``<cwd>/<_io.FileIO name=51 mode='rb+' closefd=True>``; the file being
+  written, one frame out, is the path."""
+  from distflow_jax import io_errors
+  stream = _CaptureFile(tempfile.TemporaryFile(buffering=0), encoding="utf-8")
+
+  def inner(log_stream):
+    raise OSError(28, "No space left on device")
+
+  path = tmp_path / "metrics.jsonl"
+  try:
+    with open(path, "w") as f:
+      f.write("x")
+      inner(stream)
+  except OSError as e:
+    assert io_errors.find(e).path == str(path)
+  stream.close()
 
 
 @pytest.mark.timeout(60)
