@@ -157,3 +157,38 @@ def test_a_peft_adapter_as_model_lora_path_gives_peft_logits(qwen, tmp_path):
   ours = our_logits(nnx.merge(state.graphdef, state.params), TOKENS)
   np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
   assert np.abs(theirs - hf_logits(hf_model(qwen), TOKENS)).max() > 1e-2
+
+
+# ---- a GRPO LoRA run on the built-in model: its base is the run's warm start ------------------
+
+def test_grpo_lora_run_exports_on_its_warm_start_and_eval_generate_read_it(tmp_path, capsys):
+  from workflow_util import SMOKE
+  run_dir = tmp_path / "run"
+  code = cli.main(["train", "--config=grpo:tiny_lora", f"--config.run_dir={run_dir}",
+                   *[f"--config.{o}" for o in SMOKE if not o.startswith("trainer.total_steps")],
+                   "--config.trainer.total_steps=1"])
+  assert code == 0, capsys.readouterr().err
+  assert cli.main(["export", f"--checkpoint={run_dir}", f"--out={tmp_path}/adapter",
+                   "--lora=adapter"]) == 0, capsys.readouterr().err
+  cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+  assert cfg["base_model_name_or_path"] == str(run_dir / "warmstart")
+  assert (cfg["r"], cfg["lora_alpha"]) == (8, 16.0)
+  assert sorted(cfg["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj",
+                                                  "gate_proj", "up_proj", "down_proj"])
+  assert cli.main(["export", f"--checkpoint={run_dir}", f"--out={tmp_path}/merged"]) == 0
+  assert "exported the actor of step 1" in capsys.readouterr().out
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text(json.dumps({"prompt": "What is 2+3?"}) + "\n"
+                     + json.dumps({"prompt": "What is 4+4?"}) + "\n")
+  outs = []
+  for i, model in enumerate((tmp_path / "merged", run_dir)):
+    out = tmp_path / f"gen{i}.jsonl"
+    assert cli.main(["generate", f"--model={model}", f"--prompts={prompts}", f"--out={out}",
+                     "--n=1", "--max_new_tokens=6", "--config.rollout.temperature=0",
+                     "--config.data.chat_template=True"]) == 0, capsys.readouterr().err
+    outs.append([json.loads(l)["tokens"] for l in open(out)])
+  assert outs[0] == outs[1] and len(outs[0]) == 2
+  data = run_dir / "data"
+  eval_file = next(str(data / f) for f in os.listdir(data) if f.endswith("_eval.jsonl"))
+  assert cli.main(["eval", f"--model={run_dir}", f"--data={eval_file}", "--limit=4"]) == 0, \
+      capsys.readouterr().err
