@@ -139,6 +139,11 @@ def test_a_lora_run_whose_base_changed_or_went_is_one_line(tmp_path, capsys):
                   "--config.sft.warmup_steps=1")
   assert code == 0, err
   run_ck = f"{tmp_path}/run/sft"
+  # sft's output is a plain model (the adapters merged in), which the loader accepts whole.
+  from safetensors.numpy import load_file
+  from distflow_jax.models.hf_io import load_pretrained
+  assert not [k for k in load_file(f"{run_ck}/model/model.safetensors") if "lora" in k]
+  assert load_pretrained(f"{run_ck}/model").cfg.lora is None
   # Another model of the same shape at the same path: the fingerprint tells them apart.
   save_pretrained(base, Transformer(read_config(base), rngs=nnx.Rngs(7)))
   for argv in (["export", f"--checkpoint={run_ck}", f"--out={tmp_path}/out", "--lora=adapter"],

@@ -127,6 +127,9 @@ def test_exported_adapter_through_peft_and_merged_folder_match_our_logits(lora_r
       os.listdir(tmp_path / "merged"))
   np.testing.assert_allclose(hf_logits(hf_model(tmp_path / "merged"), TOKENS), ours,
                              atol=1e-4, rtol=1e-4)
+  # sft's own output folder (sft.out) is the merged model too.
+  np.testing.assert_allclose(hf_logits(hf_model(os.path.join(lora_run, "model")), TOKENS), ours,
+                             atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.hf
