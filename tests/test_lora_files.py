@@ -195,3 +195,25 @@ def test_grpo_lora_run_exports_on_its_warm_start_and_eval_generate_read_it(tmp_p
   eval_file = next(str(data / f) for f in os.listdir(data) if f.endswith("_eval.jsonl"))
   assert cli.main(["eval", f"--model={run_dir}", f"--data={eval_file}", "--limit=4"]) == 0, \
       capsys.readouterr().err
+
+
+def test_train_starts_from_model_lora_path_and_exports_it_back(tmp_path, capsys):
+  from safetensors.numpy import load_file
+  from test_bad_inputs_lora import adapter
+  from workflow_util import tiny_model_folder
+  start = adapter(tmp_path / "start")  # every lora_a / lora_b entry 0.01; fresh b would be 0
+  run_dir = tmp_path / "run"
+  code = cli.main(["train", f"--config.run_dir={run_dir}",
+                   f"--config.model.path={tiny_model_folder(tmp_path)}",
+                   "--config.model.lora.enabled=True", f"--config.model.lora.path={start}",
+                   "--config.trainer.total_steps=1", "--config.data.eval=",
+                   "--config.data.prompts_per_step=8", "--config.rollout.n=2",
+                   "--config.actor.micro_batch_size=1", "--config.trainer.eval_every=0"])
+  assert code == 0, capsys.readouterr().err
+  assert cli.main(["export", f"--checkpoint={run_dir}", f"--out={tmp_path}/out",
+                   "--lora=adapter"]) == 0, capsys.readouterr().err
+  before = load_file(str(start / "adapter_model.safetensors"))
+  after = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
+  assert sorted(before) == sorted(after) and len(after) == 14
+  for k, v in after.items():  # one optimizer step from the start, not from a fresh adapter
+    np.testing.assert_allclose(v, before[k], atol=5e-3, err_msg=k)
