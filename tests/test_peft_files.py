@@ -304,9 +304,12 @@ def test_writer_refuses_what_peft_would_not_load(tmp_path):
 
 # ---- export --lora: what a run exports -----------------------------------------------------------
 
-LORA_RUN = {"model": {"path": "/models/base", "lora": {"rank": RANK, "alpha": 8.0,
-                                                       "dropout": 0.0}}}
+LORA_RUN = {"model": {"path": "/models/base", "lora": {"enabled": True, "rank": RANK,
+                                                       "alpha": 8.0, "dropout": 0.0}}}
 FULL_RUN = {"model": {"path": "/models/base"}}
+# The default config's section: a rank is set whether LoRA is on or not.
+OFF_RUN = {"model": {"path": "/models/base", "lora": {"enabled": False, "rank": 8,
+                                                      "alpha": 16.0, "dropout": 0.0}}}
 
 
 def test_export_mode_follows_the_run():
@@ -314,9 +317,11 @@ def test_export_mode_follows_the_run():
   assert lora_export.export_mode(LoraExport.ADAPTER, LORA_RUN, "ck") is LoraExport.ADAPTER
   assert lora_export.export_mode(None, FULL_RUN, "ck") is None
   assert lora_export.export_mode(LoraExport.MERGED, FULL_RUN, "ck") is None
-  off = {"model": {"lora": {"rank": 0, "alpha": 8.0, "dropout": 0.0}}}
-  with pytest.raises(CheckpointError, match="checkpoint /r/3: --lora=adapter needs a run"):
-    lora_export.export_mode(LoraExport.ADAPTER, off, "checkpoint /r/3")
+  assert lora_export.export_mode(None, OFF_RUN, "ck") is None  # model.lora.enabled decides
+  assert lora_export.export_mode(LoraExport.MERGED, OFF_RUN, "ck") is None
+  for off in (OFF_RUN, {"model": {"lora": {"rank": 0, "alpha": 8.0, "dropout": 0.0}}}):
+    with pytest.raises(CheckpointError, match="checkpoint /r/3: --lora=adapter needs a run"):
+      lora_export.export_mode(LoraExport.ADAPTER, off, "checkpoint /r/3")
 
 
 def test_a_bad_lora_flag_is_one_line_before_anything_is_read(tmp_path, capsys):

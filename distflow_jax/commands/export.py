@@ -14,7 +14,9 @@ model files, a warm-start key among them, are removed first), and a run's own fo
 (``model.lora``), ``--lora=merged`` (the default) writes the adapters merged into the base
 weights and ``--lora=adapter`` a PEFT adapter folder (``adapter_config.json`` +
 ``adapter_model.safetensors``) that ``peft`` loads onto the base model; ``--lora=adapter``
-on a run without LoRA is refused.
+on a run without LoRA is refused.  A LoRA checkpoint holds the adapters only: the base is
+the run's ``model.path`` (else its warm start, or the preset from its seed), checked
+against the fingerprint saved with the adapters (persist/lora_actor.py).
 
 ``distflow_jax.persist.export.export(checkpoint, out, step)`` is the same as a library call.
 """

@@ -101,6 +101,16 @@ def merged_state(params: nnx.State, scale: float) -> nnx.State:
   return nnx.from_flat_state(out)
 
 
+def merged_model(model: Transformer) -> Transformer:
+  """A model with adapters as a plain one (no adapters): ``merged_state`` on a graph of
+  the same config without LoRA (``export --lora=merged``, eval / generate from a run)."""
+  if model.cfg.lora is None:
+    return model
+  base_cfg = model.cfg.replace(lora=None)
+  graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(base_cfg, rngs=nnx.Rngs(0))))[0]
+  return nnx.merge(graphdef, merged_state(nnx.split(model)[1], model.cfg.lora.scale))
+
+
 def attach(model: Transformer, spec: LoraSpec, seed: int, mesh: Mesh | None = None,
            rules: Rules | None = None) -> Transformer:
   """``model`` (a Transformer without adapters) with fresh adapters per ``spec``: its base
@@ -153,6 +163,11 @@ def _layout(state: nnx.State) -> dict[str, tuple[str, int | None, tuple, tuple]]
     for i, name in enumerate(names):
       out[name] = (owner, i if stacked else None, tuple(a.shape[-2:]), tuple(b.shape[-2:]))
   return out
+
+
+def adapter_shapes(model: Any) -> dict[str, tuple[int, int]]:
+  """``{"model.layers.3.self_attn.q_proj": (d_in, d_out)}`` of every adapted module."""
+  return {name: (a[0], b[1]) for name, (_, _, a, b) in _layout(_state(model)).items()}
 
 
 def adapter_arrays(model: Any) -> dict[str, tuple[np.ndarray, np.ndarray]]:

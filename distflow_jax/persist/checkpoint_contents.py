@@ -65,9 +65,17 @@ def put_restored(roles: dict[Role, ModelState], state: dict[str, dict[str, Any]]
 def base_fingerprint(roles: dict[Role, ModelState]) -> str | None:
   """A digest of a LoRA actor's frozen base (None without adapters): stored with each save
   and compared on resume, as the checkpoint holds the adapters only (a collective)."""
-  if Role.ACTOR not in roles or not lora.has_adapters(roles[Role.ACTOR].params):
+  if Role.ACTOR not in roles:
     return None
-  sums = checksums.checksums(lora.split_trainable(roles[Role.ACTOR].params)[1])
+  return adapters_base_fingerprint(roles[Role.ACTOR].params)
+
+
+def adapters_base_fingerprint(params: Any) -> str | None:
+  """``base_fingerprint`` of one actor state (None without adapters); export and eval
+  compare it with a checkpoint's to find the base its adapters were trained on."""
+  if not lora.has_adapters(params):
+    return None
+  sums = checksums.checksums(lora.split_trainable(params)[1])
   return hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -33,7 +33,8 @@ RUN_FILES = ("metrics.jsonl", "config.json", "config_history.jsonl", "run.lock",
 MODEL_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json",
                "tokenizer.json", "tokenizer_config.json", "generation_config.json",
                "chat_template.jinja", "special_tokens_map.json", "preprocessor_config.json",
-               "distflow_warmstart.json", "distflow_warmstart.json.tmp")
+               "distflow_warmstart.json", "distflow_warmstart.json.tmp",
+               "adapter_config.json")
 
 
 class DestinationError(ConfigError):

@@ -12,52 +12,32 @@ from __future__ import annotations
 import os
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from distflow_jax.models import hf_io
-from distflow_jax.models.sharding import path_str
+from distflow_jax.models.lora import adapter_arrays
 from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.models.transformer import Transformer
-from distflow_jax.persist import checkpoint, destination
-from distflow_jax.persist.lora_export import LoraExport, export_mode
+from distflow_jax.persist import actor_arrays, checkpoint, destination, lora_actor
+from distflow_jax.persist.actor_arrays import PREFIX  # noqa: F401 (re-exported)
+from distflow_jax.persist.lora_export import LoraExport, export_mode, save_adapter
 
-PREFIX = "actor.params."
-# One fused reduction per array: read once, no host copy (recompiled per shape and dtype).
-_all_finite = jax.jit(lambda x: jnp.all(jnp.isfinite(x)))
 
 
 def actor_model(arrays: dict, meta: dict, where: str) -> Transformer:
   """The actor rebuilt from a checkpoint's arrays; errors name what does not fit, and an
   array holding NaN or inf (a diverged run's weights)."""
   model_cfg = checkpoint.model_config_from_meta(meta)
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
-  flat = nnx.to_flat_state(state)
-  wanted = {f"{PREFIX}{path_str(k)}.value".replace("/", "."): k for k, _ in flat}
-  saved = {k for k in arrays if k.startswith(PREFIX)}
-  missing, extra = sorted(set(wanted) - saved), sorted(saved - set(wanted))
-  if missing or extra:
-    raise checkpoint.CheckpointError(
-        f"{where}: the actor's arrays do not match its model config "
-        f"({model_cfg.arch}, {model_cfg.num_layers} layers): missing {missing[:5]}, "
-        f"unexpected {extra[:5]}")
-  values = {}
-  abstract = {k: v.get_value() for k, v in flat}
-  for name, key in wanted.items():
-    spec = abstract[key]
-    x = arrays[name]
-    if tuple(x.shape) != tuple(spec.shape):
-      raise checkpoint.CheckpointError(f"{where}: {name} has shape {x.shape}, the model "
-                                       f"config expects {tuple(spec.shape)}")
-    values[key] = jnp.asarray(x, spec.dtype)
-    if not bool(_all_finite(values[key])):
-      raise checkpoint.CheckpointError(
-          f"{where}: the actor's {name} holds non-finite values (NaN or inf); the run "
-          f"diverged before this step was saved: use an earlier step (export --step N, or "
-          f"--model=RUN_DIR/checkpoints/<step>)")
-  for key, var in flat:
-    var.set_value(values[key])
-  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+  return actor_arrays.fill(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))),
+                           arrays, where, f"{model_cfg.arch}, {model_cfg.num_layers} layers")
+
+
+def whole_actor(arrays: dict, meta: dict, where: str, root: str) -> Transformer:
+  """The actor as one plain model: a LoRA run's adapters merged into the base they were
+  trained on (lora_actor.py), else the checkpoint's weights (eval / generate from a run)."""
+  if lora_actor.is_lora(meta):
+    return lora_actor.load(arrays, meta, where, root).merged
+  return actor_model(arrays, meta, where)
 
 
 def vision_base(meta: dict, where: str) -> str:
@@ -109,14 +89,20 @@ def export(checkpoint_path: str, out: str, step: int | None = None, *,
   root, found = checkpoint.resolve(checkpoint_path)
   step, arrays, meta = checkpoint.read_arrays(root, step if step is not None else found)
   where = f"checkpoint {root}/{step}"
-  if export_mode(lora, meta.get("config") or {}, where) is not None:
-    # Issue 34: a LoRA run's actor is rebuilt with models/lora.py's adapters, then written
-    # by lora_export.save_adapter (ADAPTER) or merged with peft_files.merge_into (MERGED).
-    raise checkpoint.CheckpointError(f"{where}: a LoRA run cannot be exported yet (the "
-                                     f"model side of issue 34 is not connected)")
-  model = actor_model(arrays, meta, where)
+  mode = export_mode(lora, meta.get("config") or {}, where)
   tok_dir = os.path.join(root, checkpoint.STATIC, "tokenizer")
   tokenizer = Tokenizer.from_dir(tok_dir) if os.path.isdir(tok_dir) else None
+  if mode is None:
+    model = actor_model(arrays, meta, where)
+  else:
+    actor = lora_actor.load(arrays, meta, where, root)
+    if mode is LoraExport.ADAPTER:
+      if overwrite:
+        destination.clear_model_files(out)
+      save_adapter(out, adapter_arrays(actor.model), meta.get("config") or {},
+                   actor.linear_modules(), base=actor.base_path or None)
+      return step
+    model = actor.merged
   if overwrite:
     destination.clear_model_files(out)
   save_actor(out, model, tokenizer, meta, where)

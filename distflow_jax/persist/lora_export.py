@@ -40,12 +40,12 @@ def parse_flag(text: str | None) -> LoraExport | None:
 
 
 def run_lora(run_config: Mapping[str, Any]) -> Mapping[str, Any] | None:
-  """The run's ``model.lora`` section when LoRA is on (a rank above 0), else None."""
+  """The run's ``model.lora`` section when LoRA was on (``model.lora.enabled``), else None
+  (a rank is always set: the default config carries one whether LoRA is on or not)."""
   lora = ((run_config or {}).get("model") or {}).get("lora")
   if not isinstance(lora, Mapping):
     return None
-  rank = lora.get("rank")
-  return lora if isinstance(rank, int) and not isinstance(rank, bool) and rank > 0 else None
+  return lora if lora.get("enabled") is True else None
 
 
 def export_mode(requested: LoraExport | None, run_config: Mapping[str, Any],
@@ -56,7 +56,7 @@ def export_mode(requested: LoraExport | None, run_config: Mapping[str, Any],
   if run_lora(run_config) is None:
     if requested is LoraExport.ADAPTER:
       raise CheckpointError(f"{where}: --lora=adapter needs a run trained with LoRA "
-                            f"(model.lora.rank > 0), this one trained the whole model: "
+                            f"(model.lora.enabled=True), this one trained the whole model: "
                             f"drop --lora to export it")
     return None
   return requested or LoraExport.MERGED
@@ -64,14 +64,15 @@ def export_mode(requested: LoraExport | None, run_config: Mapping[str, Any],
 
 def save_adapter(out: str | os.PathLike, arrays: Mapping[str, tuple[np.ndarray, np.ndarray]],
                  run_config: Mapping[str, Any], linear_modules: Iterable[str],
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", base: str | None = None) -> None:
   """Writes a LoRA run's adapters as a PEFT folder: the run's ``model.lora`` rank, alpha
-  and dropout, its starting ``model.path`` as the base, and target_modules covering
-  exactly the adapted modules among the model's ``linear_modules`` (HF module names)."""
+  and dropout, ``base`` (default: its starting ``model.path``) as the base model, and
+  target_modules covering exactly the adapted modules among the model's
+  ``linear_modules`` (HF module names)."""
   lora = run_lora(run_config)
   if lora is None:
-    raise ValueError("save_adapter: the run has no LoRA (model.lora.rank > 0)")
-  base = ((run_config.get("model") or {}).get("path")) or None
+    raise ValueError("save_adapter: the run has no LoRA (model.lora.enabled)")
+  base = base or ((run_config.get("model") or {}).get("path")) or None
   peft_files.write_adapter(out, arrays, rank=lora["rank"], alpha=lora["alpha"],
                            dropout=lora["dropout"],
                            target_modules=peft_files.peft_targets(arrays, linear_modules),

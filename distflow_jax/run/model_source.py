@@ -9,7 +9,10 @@ directory, or one numbered step in it (``runs/x/checkpoints/40``) is read as
 ``distflow-jax export`` reads it: the actor's weights are written with the
 run's tokenizer to a temporary Hugging Face folder (removed at exit), which
 then serves as ``model.path``, so every check and loader downstream is the one
-a Hugging Face folder gets.
+a Hugging Face folder gets.  A LoRA run's actor is its base (the run's model.path
+or warm start, checked against the base fingerprint saved with the adapters) with
+the adapters merged in (persist/lora_actor.py).  One process only: under several,
+``export`` the run once and pass the folder.
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ def checkpoint_as_hf(path: str, flag: str = "--model") -> tuple[str, int]:
   finally:
     absl_logging.set_verbosity(verbosity)
   where = f"checkpoint {root}/{step}"
-  model = export.actor_model(arrays, meta, where)
+  model = export.whole_actor(arrays, meta, where, root)
   tokenizer = _run_tokenizer(root, meta, where)
   folder = tempfile.mkdtemp(prefix=f"distflow-step{step}-")
   atexit.register(shutil.rmtree, folder, ignore_errors=True)

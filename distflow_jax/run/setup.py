@@ -80,7 +80,9 @@ def _actor_only(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg, model_pat
                 ) -> dict[Role, roles_lib.ModelState]:
   from flax import nnx
   mesh = roles_lib.jax_mesh(next(m for m in plan.meshes if m.role is Role.ACTOR))
-  graphdef, params = nnx.split(roles_lib.build_actor(model_cfg, mesh, model_path, cfg.seed))
+  actor = roles_lib.build_actor(model_cfg, mesh, model_path, cfg.seed)
+  roles_lib.start_adapters(cfg, actor)
+  graphdef, params = nnx.split(actor)
   return {Role.ACTOR: roles_lib.ModelState(Role.ACTOR, mesh, graphdef, params)}
 
 

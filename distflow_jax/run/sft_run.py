@@ -15,6 +15,10 @@
    resumed run continues bitwise as the uninterrupted one;
 6. writes the Hugging Face folder (weights, tokenizer, chat template) to ``sft.out``
    (default ``<run_dir>/sft/model``), which ``train --config.model.path=`` loads.
+
+With ``model.lora.enabled`` it trains the adapters only (from ``model.lora.path`` when
+set), checkpoints them (with the base's fingerprint) and writes the merged model to
+``sft.out``; ``export --checkpoint <run_dir>/sft --lora=adapter`` gives the PEFT folder.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import numpy as np
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.batch import Batch
-from distflow_jax.models import hf_io
+from distflow_jax.models import hf_io, lora
 from distflow_jax.rewards.math_answer import extract_answer
 from distflow_jax.tasks import registry as tasks
 from distflow_jax.train import placement
@@ -183,7 +187,10 @@ def run(cfg: ml_collections.ConfigDict, *, eval_data: str = "", resume: bool | N
   ck.close()
   from flax import nnx
   out = out_dir(cfg)
-  hf_io.save_pretrained(out, nnx.merge(state.graphdef, state.params), ctx.tokenizer)
+  # LoRA: the adapters merged into the base (a plain folder `train` loads); the adapters
+  # alone: `export --checkpoint <run_dir>/sft --lora=adapter`.
+  hf_io.save_pretrained(out, lora.merged_model(nnx.merge(state.graphdef, state.params)),
+                        ctx.tokenizer)
   summary: dict[str, float] = {"wall_s": time.perf_counter() - t0}
   if evals:
     summary.update({f"first/{k}": v for k, v in evals[0].items()}, **evals[-1])

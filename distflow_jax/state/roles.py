@@ -134,11 +134,32 @@ def build_actor(model_cfg: ModelConfig, mesh: Mesh, path: str, seed: int) -> nnx
 
 
 def start_adapters(cfg: ml_collections.ConfigDict, actor: nnx.Module) -> None:
-  """``model.lora.path``: the adapters a run starts from (a PEFT folder), set in place."""
+  """``model.lora.path``: the adapters a run starts from (a PEFT LoRA folder), set in place.
+  Its r / lora_alpha must be model.lora.rank / alpha and it must adapt exactly the modules
+  model.lora.targets names, at this model's shapes; otherwise one line naming the file."""
   path = cfg.model.lora.get("path", "")
-  if cfg.model.lora.enabled and path:
-    raise ConfigError(f"model.lora.path={path!r}: starting from a PEFT adapter folder is not "
-                      f"built yet; clear model.lora.path to start from fresh adapters")
+  if not (cfg.model.lora.enabled and path):
+    return
+  from distflow_jax.models import peft_files  # pylint: disable=import-outside-toplevel
+  where = f"model.lora.path={path!r}"
+  meta = peft_files.read_meta(path)
+  spec = actor.cfg.lora
+  if (meta.rank, float(meta.alpha)) != (spec.rank, float(spec.alpha)):
+    raise ConfigError(f"{where}: {os.path.join(path, peft_files.CONFIG)} has r={meta.rank}, "
+                      f"lora_alpha={meta.alpha:g} but model.lora.rank={spec.rank}, "
+                      f"model.lora.alpha={spec.alpha:g}; set --config.model.lora.rank="
+                      f"{meta.rank} --config.model.lora.alpha={meta.alpha:g} to continue it")
+  expected = lora.adapter_shapes(actor)
+  arrays, _ = peft_files.read_adapter(path, expected)
+  missing = sorted(set(expected) - set(arrays))
+  if missing:
+    shorts = sorted({m.rsplit(".", 1)[-1] for m in missing})
+    raise ConfigError(f"{where}: {os.path.join(path, peft_files.WEIGHTS)} has no adapter for "
+                      f"{len(missing)} module(s) model.lora.targets="
+                      f"{list(spec.targets)} adapts (e.g. {missing[0]!r}; {', '.join(shorts)}); "
+                      f"set model.lora.targets to the adapter's target_modules "
+                      f"{meta.target_modules!r}")
+  lora.set_adapter_arrays(actor, arrays)
 
 
 def load_reward_model(path: str, mesh: Mesh, dtype: str, tokenizer: Tokenizer) -> nnx.Module:
