@@ -1,7 +1,7 @@
 """LoRA adapters sharded like their base weights, on the simulated 8-device mesh.
 
 ``lora_a`` [d_in, r] takes its kernel's input-axis sharding, ``lora_b`` [r, d_out] its
-output-axis sharding, the rank unsplit (models/sharding.py `_rule`).  Under FSDP (8) and
+output-axis sharding, the rank unsplit (models/sharding.py `rule_for`).  Under FSDP (8) and
 FSDP x tensor (2 x 4), loop and scan layers: the shardings are those, the optimizer state
 follows them, a train step keeps them (one compile over two steps), moves the adapters and
 leaves the base bitwise; the rollout's merge of sharded adapters is one compiled program."""

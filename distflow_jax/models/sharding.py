@@ -5,7 +5,7 @@ A parameter's path is its NNX state path joined by "/", e.g.
 by `scan_layers`: its rule applies to the dims after the layer axis, which stays
 whole).  The first rule whose regex fully matches the path gives its
 `PartitionSpec` (a LoRA adapter, `.../lora_a` / `.../lora_b`, follows its
-kernel's: see `_rule`); mesh axes named in a spec but absent from the mesh are
+kernel's: see `rule_for`); mesh axes named in a spec but absent from the mesh are
 dropped, so one rule set serves any mesh made of `data` / `fsdp` / `tensor`
 axes.  A dimension that its axes do not divide raises ValueError naming the
 parameter.
@@ -79,7 +79,7 @@ def path_str(path: Sequence) -> str:
 _ADAPTER = re.compile(r"^(?P<owner>(?:.*/)?)lora_(?P<which>[ab])$")
 
 
-def _rule(path: str, rules: Rules) -> tuple[str, P]:
+def rule_for(path: str, rules: Rules) -> tuple[str, P]:
   """(pattern, spec) of the first rule whose regex fully matches ``path``.
 
   A LoRA adapter follows its kernel's rule ([d_in, d_out] -> spec (i, o)): ``lora_a``
@@ -87,7 +87,7 @@ def _rule(path: str, rules: Rules) -> tuple[str, P]:
   ``a @ b`` comes out laid out like the kernel and the adapters shard like their base."""
   m = _ADAPTER.match(path)
   if m:
-    pattern, spec = _rule(m["owner"] + "kernel", rules)
+    pattern, spec = rule_for(m["owner"] + "kernel", rules)
     i, o = (tuple(spec) + (None, None))[:2]
     return pattern, (P(i, None) if m["which"] == "a" else P(None, o))
   for pattern, spec in rules:
@@ -98,7 +98,7 @@ def _rule(path: str, rules: Rules) -> tuple[str, P]:
 
 def spec_for(path: str, shape: Sequence[int], rules: Rules, mesh: Mesh) -> P:
   """The PartitionSpec of one parameter, restricted to the mesh's axes and checked."""
-  pattern, spec = _rule(path, rules)
+  pattern, spec = rule_for(path, rules)
   if stacked_path(path):  # scan_layers: the leading layer axis is never split
     spec = P(None, *spec)
   if len(spec) > len(shape):
