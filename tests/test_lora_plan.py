@@ -45,3 +45,34 @@ def test_lora_ppo_plan_keeps_a_full_critic(capsys):
   _, lo = _memory(capsys, "ppo:tiny", "--config.model.lora.enabled=True")
   key = ("critic", "parameters + optimizer state")
   assert lo[key] == full[key]
+
+
+@pytest.mark.timeout(120)
+def test_lora_rollout_holds_the_merged_base_only(capsys):
+  """The engine's weights and the sync's per-layer copy are the merged base: no adapters."""
+  out_full, full = _memory(capsys, "grpo:tiny")
+  out_lo, lo = _memory(capsys, "grpo:tiny", "--config.model.lora.enabled=True")
+  synced = lambda out: re.search(r"weight sync: the actor's (\S+ [MG]B)", out)[1]  # noqa: E731
+  assert synced(out_lo) == synced(out_full)
+  for key in (("generate", "rollout weights (synced copy)"),
+              ("generate", "weight sync input: per-layer copy (scan_layers)")):
+    assert lo[key] == full[key], key
+
+
+@pytest.mark.timeout(300)
+def test_compiled_lora_state_is_sharded_like_the_base(capsys):
+  """Compiled on 8 devices (fsdp=8), the adapters' optimizer state is split like their
+  kernels (one of a, b per target), below the analytic figure, which counts them whole."""
+  _, an = _memory(capsys, "grpo:tiny", "--config.model.lora.enabled=True")
+  assert cli.main(["plan", "--config=grpo:tiny", "--memory", *TOPO,
+                   "--config.model.lora.enabled=True"]) == 0
+  comp = {}
+  for line in capsys.readouterr().out.splitlines():
+    m = re.match(r"^  (\S+)\s+(.+?)\s+([\d.]+) (MB|GB)\s+on ", line)
+    if m:
+      comp[(m[1], m[2])] = float(m[3]) * (1e3 if m[4] == "GB" else 1.0)
+  # per device: a of q/k/v/gate/up and b of o/down split 8 ways, the other side whole
+  per_dev = 3 * 8 * (192 / 8 + 192 + 2 * (192 / 8 + 96) + 192 + 192 / 8
+                     + 2 * (192 / 8 + 512) + 512 + 192 / 8)
+  assert comp[("actor", "optimizer state")] == pytest.approx(8 * per_dev / 1e6, abs=0.05)
+  assert comp[("actor", "optimizer state")] < an[("actor", "optimizer state")]

@@ -66,7 +66,9 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def adapter_params(m: ModelConfig) -> int:
-  """LoRA adapter parameters (float32, replicated; models/lora.py), 0 without LoRA."""
+  """LoRA adapter parameters (float32; models/lora.py), 0 without LoRA.  They are sharded
+  like their base kernels (models/sharding.py: one of a, b split on an fsdp-only mesh);
+  counted whole on every device here, an upper bound off by at most their size."""
   if m.lora is None:
     return 0
   d, f, q, kv = m.hidden_size, m.intermediate_size, m.num_heads * m.head_dim, \

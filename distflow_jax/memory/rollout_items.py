@@ -28,13 +28,16 @@ def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelC
   ``model.scan_layers`` the per-layer copy the engine makes first, and on the fallback
   route the whole parameters gathered.  Decode (``<node>``): the synced weights, the KV
   cache, and while it grows one old layer beside the new cache.  The previous step's
-  rollout weights are released before the sync (rollout/weight_sync.py): counted once."""
+  rollout weights are released before the sync (rollout/weight_sync.py): counted once.
+  With LoRA every figure is the merged base's (adapters merged before the sync)."""
   from distflow_jax.memory import compiled as cp
   from distflow_jax.models import sharding
   from distflow_jax.rollout import cache_growth
   from distflow_jax.rollout.engine_config import EngineConfig
   from distflow_jax.state import roles as roles_lib
   topo = plan.topology
+  # LoRA: the engine holds (and the sync moves) the merged base, no adapters (rollout/engine)
+  model_cfg = model_cfg.replace(lora=None)
   src = "compiled" if comp else "analytic"
   sync = f"{node_id}/weight_sync"  # one word: the peak line reads "while <phase> runs"
   tp = cfg.rollout.tensor_parallel

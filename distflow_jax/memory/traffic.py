@@ -20,7 +20,7 @@ def per_step(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
   """Lines on the weight sync's and each re-partition's bytes per step (``direct``: the
   sync goes straight into the rollout layout, else its fallback's all-gather)."""
   topo = plan.topology
-  full = an.param_bytes(model_cfg)
+  full = an.param_bytes(model_cfg.replace(lora=None))  # LoRA: the merged base is synced
   out = []
   gen = next((s for s in plan.steps if s.node.fn == "generate"), None)
   if gen is not None and direct:

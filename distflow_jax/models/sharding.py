@@ -4,9 +4,11 @@ A parameter's path is its NNX state path joined by "/", e.g.
 `layers/0/attn/q_proj/kernel` (`layers/attn/q_proj/kernel` with layers stacked
 by `scan_layers`: its rule applies to the dims after the layer axis, which stays
 whole).  The first rule whose regex fully matches the path gives its
-`PartitionSpec`; mesh axes named in a spec but absent from the mesh are dropped, so one rule set serves any mesh made of `data` / `fsdp` /
-`tensor` axes.  A dimension that its axes do not divide raises ValueError
-naming the parameter.
+`PartitionSpec` (a LoRA adapter, `.../lora_a` / `.../lora_b`, follows its
+kernel's: see `rule_for`); mesh axes named in a spec but absent from the mesh are
+dropped, so one rule set serves any mesh made of `data` / `fsdp` / `tensor`
+axes.  A dimension that its axes do not divide raises ValueError naming the
+parameter.
 
     rules = fsdp_tp_rules()
     mesh = make_mesh({"fsdp": 2, "tensor": 4})
@@ -73,13 +75,30 @@ def path_str(path: Sequence) -> str:
   return "/".join(str(getattr(k, "key", k)) for k in path)
 
 
-def spec_for(path: str, shape: Sequence[int], rules: Rules, mesh: Mesh) -> P:
-  """The PartitionSpec of one parameter, restricted to the mesh's axes and checked."""
+# A LoRA adapter leaf (models/lora_layer.py) beside its projection's `kernel`.
+_ADAPTER = re.compile(r"^(?P<owner>(?:.*/)?)lora_(?P<which>[ab])$")
+
+
+def rule_for(path: str, rules: Rules) -> tuple[str, P]:
+  """(pattern, spec) of the first rule whose regex fully matches ``path``.
+
+  A LoRA adapter follows its kernel's rule ([d_in, d_out] -> spec (i, o)): ``lora_a``
+  [d_in, r] gets (i, None), ``lora_b`` [r, d_out] gets (None, o), the rank unsplit, so
+  ``a @ b`` comes out laid out like the kernel and the adapters shard like their base."""
+  m = _ADAPTER.match(path)
+  if m:
+    pattern, spec = rule_for(m["owner"] + "kernel", rules)
+    i, o = (tuple(spec) + (None, None))[:2]
+    return pattern, (P(i, None) if m["which"] == "a" else P(None, o))
   for pattern, spec in rules:
     if re.fullmatch(pattern, path):
-      break
-  else:
-    raise ValueError(f"no sharding rule matches parameter {path!r}; add a catch-all ('.*', P())")
+      return pattern, spec
+  raise ValueError(f"no sharding rule matches parameter {path!r}; add a catch-all ('.*', P())")
+
+
+def spec_for(path: str, shape: Sequence[int], rules: Rules, mesh: Mesh) -> P:
+  """The PartitionSpec of one parameter, restricted to the mesh's axes and checked."""
+  pattern, spec = rule_for(path, rules)
   if stacked_path(path):  # scan_layers: the leading layer axis is never split
     spec = P(None, *spec)
   if len(spec) > len(shape):
