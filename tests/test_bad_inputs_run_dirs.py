@@ -265,16 +265,8 @@ def test_export_from_a_missing_checkpoint_creates_nothing(tmp_path, capsys):
 
 @pytest.mark.timeout(300)
 def test_export_overwrite_replaces_model_files_and_drops_the_warm_start_key(tmp_path, capsys):
-  from test_checkpoint import TOK, cfg, loader, mesh, model_cfg, roles_on
-  from distflow_jax.persist import checkpoint as ck
-  data = tmp_path / "train.jsonl"
-  data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
-                          for i in range(12)))
-  c = ck.Checkpointer(str(tmp_path / "run" / "checkpoints"), save_every=1, keep=1,
-                      log=lambda m: None)
-  mcfg = model_cfg()
-  c.save(1, roles_on(mesh(1), mcfg), loader(str(data)), cfg(), mcfg, TOK)
-  c.close()
+  from test_checkpoint import one_saved_run
+  one_saved_run(tmp_path)
   # A copied warm-start folder: the key would make the warm-start cache serve RL weights.
   old = tmp_path / "old_warmstart"
   os.makedirs(old)

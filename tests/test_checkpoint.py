@@ -78,6 +78,20 @@ def mesh(n, **axes):
   return sharding.make_mesh(axes, jax.devices()[:n])
 
 
+def one_saved_run(tmp_path) -> str:
+  """A run folder ``tmp_path/run`` with one checkpoint (step 1) of a plain (no LoRA) tiny
+  actor, for the commands that read runs (export, eval); returns the folder."""
+  data = tmp_path / "train.jsonl"
+  data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                          for i in range(12)))
+  c = ck.Checkpointer(str(tmp_path / "run" / "checkpoints"), save_every=1, keep=1,
+                      log=lambda m: None)
+  mcfg = model_cfg()
+  c.save(1, roles_on(mesh(1), mcfg), loader(str(data)), cfg(), mcfg, TOK)
+  c.close()
+  return str(tmp_path / "run")
+
+
 def test_round_trip_reshards_and_restores_loader(tmp_path, data):
   mcfg = model_cfg()
   roles = roles_on(mesh(8, fsdp=8), mcfg)

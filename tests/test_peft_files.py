@@ -348,18 +348,10 @@ def test_save_adapter_writes_the_runs_settings(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_export_lora_adapter_on_a_run_without_lora_is_one_line(tmp_path, capsys):
-  from test_checkpoint import TOK, cfg, loader, mesh, model_cfg, roles_on
+  from test_checkpoint import one_saved_run
   from test_bad_inputs_corpus import assert_one_line
   from distflow_jax import cli
-  from distflow_jax.persist import checkpoint as ck
-  data = tmp_path / "train.jsonl"
-  data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
-                          for i in range(12)))
-  c = ck.Checkpointer(str(tmp_path / "run" / "checkpoints"), save_every=1, keep=1,
-                      log=lambda m: None)
-  mcfg = model_cfg()
-  c.save(1, roles_on(mesh(1), mcfg), loader(str(data)), cfg(), mcfg, TOK)
-  c.close()
+  one_saved_run(tmp_path)
   code = cli.main(["export", f"--checkpoint={tmp_path}/run", f"--out={tmp_path}/hf",
                    "--lora=adapter"])
   _, err = capsys.readouterr()
