@@ -84,21 +84,26 @@ def shared_compiles(tmp_path_factory):
   compilation_cache.reset_cache()
 
 
+def one_step_config(variant: str, tmp_path, *extra: str):
+  """One step of ``algorithms:<variant>`` at smoke size, plus ``extra`` overrides.  Every
+  role on the first of the 8 simulated devices (tests/conftest.py): one device compiles
+  and runs fastest on a small CPU.  8 samples: two mini-batches of 4."""
+  size = ["data.prompts_per_step=8"] if variant == "ppo" else ["data.prompts_per_step=4",
+                                                               "rollout.n=2"]
+  return loading.load(f"algorithms:{variant}", smoke_overrides(
+      tmp_path, "trainer.total_steps=1", "actor.micro_batch_size=4",
+      "critic.micro_batch_size=4", "critic.warmup_steps=0", *size, *extra,
+      *[f"placement.{role}.devices=0:1" for role in ("actor", "reference", "critic",
+                                                      "reward")]))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.usefixtures("shared_compiles")
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_one_step_of_each_variant(variant, tmp_path):
   from distflow_jax.run import trainer
-  # Every role on the first of the 8 simulated devices (tests/conftest.py): one device
-  # compiles and runs fastest on a small CPU.  8 samples: two mini-batches of 4.
-  size = ["data.prompts_per_step=8"] if variant == "ppo" else ["data.prompts_per_step=4",
-                                                               "rollout.n=2"]
-  cfg = loading.load(f"algorithms:{variant}", smoke_overrides(
-      tmp_path, "trainer.total_steps=1", "actor.micro_batch_size=4",
-      "critic.micro_batch_size=4", "critic.warmup_steps=0", *size,
-      *[f"placement.{role}.devices=0:1" for role in ("actor", "reference", "critic",
-                                                      "reward")]))
+  cfg = one_step_config(variant, tmp_path)
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
   (m,) = list(trainer.train(cfg, ctx, loaders))
   assert m["step"] == 1 and m["actor/skipped"] == 0.0

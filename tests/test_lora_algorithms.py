@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from distflow_jax.config import loading
 from distflow_jax.dag.spec import Role
 from distflow_jax.models import lora
-from test_algorithm_configs import VARIANTS, shared_compiles  # noqa: F401 (a fixture)
-from workflow_util import smoke_overrides
+from test_algorithm_configs import (  # noqa: F401 (shared_compiles: a fixture)
+    VARIANTS, one_step_config, shared_compiles)
 
 # An untrained micro model earns no reward, so advantages may all be zero (and a fresh
 # value head gives PPO zero values): the entropy bonus gives every variant a gradient.
@@ -51,13 +50,7 @@ def test_every_variant_has_a_feature_set():
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_one_lora_step_of_each_variant(variant, tmp_path):
   from distflow_jax.run import trainer
-  size = ["data.prompts_per_step=8"] if variant == "ppo" else ["data.prompts_per_step=4",
-                                                               "rollout.n=2"]
-  cfg = loading.load(f"algorithms:{variant}", smoke_overrides(
-      tmp_path, "trainer.total_steps=1", "actor.micro_batch_size=4",
-      "critic.micro_batch_size=4", "critic.warmup_steps=0", *size, *LORA, *WITH[variant],
-      *[f"placement.{role}.devices=0:1" for role in ("actor", "reference", "critic",
-                                                      "reward")]))
+  cfg = one_step_config(variant, tmp_path, *LORA, *WITH[variant])
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
   adapters, base = lora.split_trainable(ctx.roles[Role.ACTOR].params)
   before_base, before_adapters = _host(base), _host(adapters)
