@@ -20,6 +20,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding
 
+from distflow_jax.algos.off_policy import OffPolicyCorrection
 from distflow_jax.dag.planner import LayoutKind, Move, Plan
 from distflow_jax.dag.registry import FUNCTIONS
 from distflow_jax.dag.spec import Role
@@ -102,6 +103,8 @@ def train_programs(ctx: RunContext, node, lay, rows: int) -> list[Program]:
     lc = loss_fn.keywords["cfg"]
     extra = ("advantages", "old_logprobs") + (("ref_logprobs",) if lc.kl_in_loss and
                                                lc.kl_coef else ())
+    if lc.correction is not OffPolicyCorrection.NONE:  # the loss reads mu too
+      extra += ("rollout_logprobs",)
   mb_rows = rows // shape.minis
   out = []
   for w in _widths(cfg):
