@@ -107,6 +107,13 @@ def train_programs(ctx: RunContext, node, lay, rows: int) -> list[Program]:
       extra += ("rollout_logprobs",)
   mb_rows = rows // shape.minis
   out = []
+  if role is Role.ACTOR and not passes.on_policy(ctx) and {
+      "old_logprobs", "rollout_logprobs"} <= _made_before(ctx.plan, node):
+    # The step's log-prob gap and importance weights (nodes/training.off_policy_metrics).
+    fields = ab.batch_fields(("old_logprobs", "rollout_logprobs", "response_mask"),
+                             _dims(ctx, rows, _widths(cfg)[0]), lay.sharding)
+    out.append(Program(node.id, "off_policy_stats",
+                       training.off_policy_stats(ctx, lay, lc.tis_cap), tuple(fields.values())))
   for w in _widths(cfg):
     n = cfg.rollout.max_new_tokens
     dims = _dims(ctx, rows, w)
@@ -128,6 +135,16 @@ def train_programs(ctx: RunContext, node, lay, rows: int) -> list[Program]:
                                                                      state.opt_state),
                        (state.params, state.opt_state, mb)))
   return out
+
+
+def _made_before(plan: Plan, node) -> set[str]:
+  """The batch fields the chain's nodes before ``node`` produce."""
+  made: set[str] = set()
+  for step in plan.steps:
+    if step.node.id == node.id:
+      break
+    made |= FUNCTIONS.spec(step.node.fn).produces
+  return made
 
 
 def move_programs(ctx: RunContext, step, src, lay, fields: list[str], rows: int

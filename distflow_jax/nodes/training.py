@@ -143,10 +143,7 @@ def off_policy_metrics(ctx: RunContext, lay: dlayout.Layout, batch: Batch,
   d = batch.data
   if "old_logprobs" not in d or "rollout_logprobs" not in d or on_policy(ctx):
     return  # the old log-probs are the rollout's own: nothing to compare
-  cap = loss_cfg.tis_cap
-  fn = ctx.jitted(("off_policy_stats", lay, cap), lambda: jax.jit(
-      functools.partial(off_policy.weight_stats, cap=cap),
-      out_shardings=NamedSharding(lay.mesh, PartitionSpec())))
+  fn = off_policy_stats(ctx, lay, loss_cfg.tis_cap)
   s = jax.device_get(fn(d["old_logprobs"], d["rollout_logprobs"], d["response_mask"]))
   tokens = float(s["tokens"])
   if tokens <= 0:
@@ -157,6 +154,13 @@ def off_policy_metrics(ctx: RunContext, lay: dlayout.Layout, batch: Batch,
   ctx.metrics.add("off_policy/is_weight_mean", float(s["ratio_sum"]), tokens)
   ctx.metrics.set_max("off_policy/is_weight_max", float(s["ratio_max"]))
   ctx.metrics.add("off_policy/clipped_frac", float(s["above_cap"]), tokens)
+
+
+def off_policy_stats(ctx: RunContext, lay: dlayout.Layout, cap: float):
+  """The jitted ``off_policy.weight_stats`` over a step's batch on ``lay`` (replicated out)."""
+  return ctx.jitted(("off_policy_stats", lay, cap), lambda: jax.jit(
+      functools.partial(off_policy.weight_stats, cap=cap),
+      out_shardings=NamedSharding(lay.mesh, PartitionSpec())))
 
 
 def _actor_loss(g, p, mb, cfg):
