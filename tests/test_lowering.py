@@ -198,7 +198,9 @@ def _covered(compiled, cat):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("spec", ["grpo:tiny", "ppo:tiny"])
+@pytest.mark.parametrize("spec", ["grpo:tiny", "ppo:tiny",
+                                  # recomputed old log-probs and the off-policy weights' stats
+                                  "grpo:tiny --config.actor.off_policy.correction=tis"])
 def test_catalogue_holds_every_program_a_real_run_compiles(tmp_path, spec):
   """A real 1-step run on 1 process x 2 devices with every shape compiled ahead, jax's
   compile log read back: each program it compiled (eager single operations aside) is one
@@ -207,7 +209,8 @@ def test_catalogue_holds_every_program_a_real_run_compiles(tmp_path, spec):
   out = tmp_path / "probe.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, DISTFLOW_JAX_COMPILE_CACHE="")
   env.pop("XLA_FLAGS", None)
-  args = [f"--config={spec}", "--config.trainer.total_steps=1",
+  spec, *more = spec.split()
+  args = [f"--config={spec}", *more, "--config.trainer.total_steps=1",
           "--config.model.warmstart.steps=2", "--config.trainer.eval_every=0",
           f"--config.run_dir={tmp_path / 'run'}", "--config.cluster.num_processes=1",
           "--config.cluster.devices_per_process=2", "--config.data.prompts_per_step=4",

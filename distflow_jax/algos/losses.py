@@ -130,7 +130,8 @@ def policy_loss(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,
                 clip_ratio_c: float | None = None,
                 ratio_level: "str | RatioLevel" = RatioLevel.TOKEN,
                 agg_mode: "str | LossAggMode" = LossAggMode.TOKEN_MEAN,
-                norm_length: float | None = None) -> LossOutput:
+                norm_length: float | None = None,
+                token_weights_BxT: jax.Array | None = None) -> LossOutput:
   """PPO clipped surrogate with clip-higher, dual-clip and GSPO ratios.
 
   Per token, with rho the importance ratio and A the advantage:
@@ -145,6 +146,7 @@ def policy_loss(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,
     rho_{i,t} = sg(s_i) * pi(y_t) / sg(pi(y_t))
   so every token of a sequence shares the value s_i while the gradient flows
   per token; with a sequence advantage broadcast over tokens this is GSPO.
+  ``token_weights_BxT`` (off-policy correction, algos/off_policy.py): l_t * w_t.
 
   Metrics (token sums): ``pg_clipfrac`` (the clipped branch was taken),
   ``pg_clipfrac_lower`` (the dual clip was taken), ``ppo_kl``
@@ -186,6 +188,8 @@ def policy_loss(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,
     loss = jnp.where(adv < 0, jnp.minimum(loss, bound), loss)
   else:
     dual_taken = jnp.zeros_like(loss)
+  if token_weights_BxT is not None:
+    loss = loss * _real(token_weights_BxT, m)
 
   total, count = aggregate(loss, m, agg_mode, norm_length)
   metrics = {

@@ -163,8 +163,13 @@ def base() -> ml_collections.ConfigDict:
       entropy_coef=0.0,
       kl=dict(coef=0.0, estimator="k3", in_reward=False, target=0.0, horizon=10000),
       # With one epoch over one mini-batch the rollout's log-probs serve as the old
-      # log-probs and the logprob node skips its forward pass; True forces the pass.
+      # log-probs and the logprob node skips its forward pass; True forces the pass (so
+      # does an off_policy.correction other than none).
       recompute_old_logprobs=False,
+      # Off-policy correction of the rollout engine's log-probs (mu) against the trainer's
+      # recomputed old ones (algos/off_policy.py): none | tis (loss x min(pi_old/mu, C)) |
+      # decoupled (AReaL: loss x pi_old/mu, tokens above C dropped); C = tis_cap > 0.
+      off_policy=dict(correction="none", tis_cap=2.0),
   )
   c.critic = dict(
       optimizer=optimizer(1e-5),

@@ -33,6 +33,7 @@ def option_types() -> dict[str, type[enum.Enum] | tuple[str, ...]]:
   uses them, so a new member there is valid here with no edit."""
   from distflow_jax.algos.kl import KLEstimator
   from distflow_jax.algos.losses import LossAggMode, RatioLevel
+  from distflow_jax.algos.off_policy import OffPolicyCorrection
   from distflow_jax.data.loader import OnBadRow
   from distflow_jax.data.redistribute import Mode
   from distflow_jax.models.config import ATTENTION_IMPLS, DTYPES, PRESETS, REMATS
@@ -42,6 +43,7 @@ def option_types() -> dict[str, type[enum.Enum] | tuple[str, ...]]:
   from distflow_jax.state.warm_shapes import CompileAhead
   return {
       "loss_agg": LossAggMode, "ratio_level": RatioLevel, "kl_estimator": KLEstimator,
+      "off_policy": OffPolicyCorrection,
       "on_bad_row": OnBadRow, "redistribute": Mode, "dtype": tuple(DTYPES),
       "optimizer": Optimizer, "schedule": Schedule, "match": MATCH_MODES,
       "remat": REMATS, "attention_impl": ATTENTION_IMPLS, "compile_ahead": CompileAhead,
@@ -248,6 +250,8 @@ def _check_actor(a) -> None:
   option(a.loss_agg, "actor.loss_agg", "loss_agg")
   option(a.ratio_level, "actor.ratio_level", "ratio_level")
   option(a.kl.estimator, "actor.kl.estimator", "kl_estimator")
+  option(a.off_policy.correction, "actor.off_policy.correction", "off_policy")
+  in_range(a.off_policy.tis_cap, "actor.off_policy.tis_cap", 0, lo_open=True)
   in_range(a.clip_ratio_low, "actor.clip_ratio_low", 0)
   in_range(a.clip_ratio_high, "actor.clip_ratio_high", 0)
   in_range(a.entropy_coef, "actor.entropy_coef")

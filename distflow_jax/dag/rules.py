@@ -10,6 +10,8 @@ or only after set-up and a first rollout.  Every error is one line naming the no
   rollouts, rewards and critic updates forever while the policy never changes.
 * ``check_kl_reference`` (needs the config, called by ``plan_from_config``): a KL
   coefficient > 0 needs reference log-probs made before the node that reads them.
+* ``check_off_policy_logprobs`` (likewise): an off-policy correction needs both the
+  rollout's log-probs and the trainer's recomputed old ones made before ``train.actor``.
 """
 
 from __future__ import annotations
@@ -135,3 +137,32 @@ def _flag(value: Any, key: str, node: Node) -> bool:
   if not isinstance(value, bool):
     raise DagError(f"DAG node {node.id!r}: {key}={value!r} must be True or False")
   return value
+
+
+# What an off-policy correction (actor.off_policy.correction, algos/off_policy.py) reads,
+# and which kind of node makes it.
+OFF_POLICY_FIELDS = (("rollout_logprobs", "a rollout that records its log-probs (generate)"),
+                     ("old_logprobs", "a logprob node (the trainer's recomputed log-probs)"))
+
+
+def check_off_policy_logprobs(steps: Iterable[Any], registry: Registry, correction: Any) -> None:
+  """Refuses an off-policy correction on a ``train.actor`` node before which the chain
+  makes no 'rollout_logprobs' or no 'old_logprobs'.  ``correction``: the global
+  ``actor.off_policy.correction``; a node's ``config=dict(off_policy=...)`` overrides it."""
+  from distflow_jax.algos.off_policy import OffPolicyCorrection  # here: rules stay jax-free
+  made: set[str] = set()
+  for step in steps:
+    node = step.node
+    if node.fn in KL_LOSS_FNS:
+      over = node.overrides.get("off_policy")
+      where, value = "actor.", correction
+      if isinstance(over, Mapping) and "correction" in over:
+        where, value = "its config override ", over["correction"]
+      if OffPolicyCorrection.parse(value) is not OffPolicyCorrection.NONE:
+        for field, maker in OFF_POLICY_FIELDS:
+          if field not in made:
+            raise DagError(
+                f"DAG node {node.id!r} (fn {node.fn!r}): {where}off_policy.correction="
+                f"{value!r} needs {field!r}, but no node before it makes it; add "
+                f"{maker} to its deps, or set actor.off_policy.correction=none")
+    made |= registry.spec(node.fn).produces

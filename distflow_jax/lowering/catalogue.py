@@ -20,6 +20,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding
 
+from distflow_jax.algos.off_policy import OffPolicyCorrection
 from distflow_jax.dag.planner import LayoutKind, Move, Plan
 from distflow_jax.dag.registry import FUNCTIONS
 from distflow_jax.dag.spec import Role
@@ -102,8 +103,17 @@ def train_programs(ctx: RunContext, node, lay, rows: int) -> list[Program]:
     lc = loss_fn.keywords["cfg"]
     extra = ("advantages", "old_logprobs") + (("ref_logprobs",) if lc.kl_in_loss and
                                                lc.kl_coef else ())
+    if lc.correction is not OffPolicyCorrection.NONE:  # the loss reads mu too
+      extra += ("rollout_logprobs",)
   mb_rows = rows // shape.minis
   out = []
+  if role is Role.ACTOR and not passes.on_policy(ctx) and {
+      "old_logprobs", "rollout_logprobs"} <= _made_before(ctx.plan, node):
+    # The step's log-prob gap and importance weights (nodes/training.off_policy_metrics).
+    fields = ab.batch_fields(("old_logprobs", "rollout_logprobs", "response_mask"),
+                             _dims(ctx, rows, _widths(cfg)[0]), lay.sharding)
+    out.append(Program(node.id, "off_policy_stats",
+                       training.off_policy_stats(ctx, lay, lc.tis_cap), tuple(fields.values())))
   for w in _widths(cfg):
     n = cfg.rollout.max_new_tokens
     dims = _dims(ctx, rows, w)
@@ -125,6 +135,16 @@ def train_programs(ctx: RunContext, node, lay, rows: int) -> list[Program]:
                                                                      state.opt_state),
                        (state.params, state.opt_state, mb)))
   return out
+
+
+def _made_before(plan: Plan, node) -> set[str]:
+  """The batch fields the chain's nodes before ``node`` produce."""
+  made: set[str] = set()
+  for step in plan.steps:
+    if step.node.id == node.id:
+      break
+    made |= FUNCTIONS.spec(step.node.fn).produces
+  return made
 
 
 def move_programs(ctx: RunContext, step, src, lay, fields: list[str], rows: int

@@ -23,6 +23,7 @@ import time
 
 import ml_collections
 
+from distflow_jax.algos.off_policy import OffPolicyCorrection
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.planner import Plan
 from distflow_jax.dag.spec import Role
@@ -213,7 +214,9 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
         g, params = role_params(Role.ACTOR)
         opt_abs = cp.abstract_opt_state(tx, params, roles_lib.jax_mesh(actor))
         kl = cfg.actor.kl.coef > 0 and not cfg.actor.kl.in_reward
-        extra = ("old_logprobs", "advantages") + (("ref_logprobs",) if kl else ())
+        extra = ("old_logprobs", "advantages") + (("ref_logprobs",) if kl else ()) + (
+            ("rollout_logprobs",) if OffPolicyCorrection.parse(cfg.actor.off_policy.correction)
+            is not OffPolicyCorrection.NONE else ())
         batch = cp.abstract_batch(samples // minis, plen, nlen, layout, extra)
         t0 = time.time()
         m = cp.train_step_memory(cfg, g, params, opt_abs, tx, batch, micro, gs)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from distflow_jax.algos.off_policy import OffPolicyCorrection
 from distflow_jax.dag.spec import Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch
@@ -28,9 +29,17 @@ from distflow_jax.state.roles import ModelState
 
 def on_policy(ctx: RunContext) -> bool:
   """One epoch over one mini-batch: the policy is still the one that sampled, so the
-  rollout's own log-probs (untruncated, temperature 1) are the old log-probs."""
+  rollout's own log-probs (untruncated, temperature 1) are the old log-probs -- unless an
+  off-policy correction weighs the trainer's log-probs against them."""
   actor = ctx.cfg.actor
-  return actor.ppo_epochs == 1 and actor.mini_batches == 1 and not actor.recompute_old_logprobs
+  return (actor.ppo_epochs == 1 and actor.mini_batches == 1 and not actor.recompute_old_logprobs
+          and not corrects_off_policy(ctx))
+
+
+def corrects_off_policy(ctx: RunContext) -> bool:
+  """Whether any ``train.actor`` node's actor.off_policy.correction is other than none."""
+  return any(ctx.section(s.node, "actor").off_policy.correction != OffPolicyCorrection.NONE.value
+             for s in ctx.plan.steps if s.node.fn == "train.actor")
 
 
 def prompt_group(ctx: RunContext, node: Node, data: dict, num_parts: int) -> int:

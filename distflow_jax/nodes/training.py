@@ -1,7 +1,9 @@
 """Train nodes: ``train.actor`` (policy gradient) and ``train.critic`` (value regression).
 
 Each runs ``ppo_epochs`` epochs over ``mini_batches`` mini-batches of the step's batch,
-updating the role's parameters and optimizer state in place on ``ctx.roles``.
+updating the role's parameters and optimizer state in place on ``ctx.roles``.  The actor's
+also records the rollout-training log-prob gap and, with an off-policy correction, its
+importance weights (``off_policy_metrics``).
 """
 
 from __future__ import annotations
@@ -10,13 +12,15 @@ import dataclasses
 import functools
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
 
+from distflow_jax.algos import off_policy
 from distflow_jax.algos.losses import LossAggMode
 from distflow_jax.dag.spec import DagError, Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch
 from distflow_jax.nodes.common import NodeTable, seq
-from distflow_jax.nodes.passes import budget_plan, pack_plan, prompt_group
+from distflow_jax.nodes.passes import budget_plan, on_policy, pack_plan, prompt_group
 from distflow_jax.train import deterministic, micro_batches, steps as steps_lib
 from distflow_jax.state.context import RunContext
 
@@ -92,6 +96,9 @@ def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: 
     data["advantages"] = batch.data["advantages"]
     data["old_logprobs"] = batch.data.get("old_logprobs", batch.data["rollout_logprobs"])
     loss_cfg = loss_fn.keywords["cfg"]
+    if loss_cfg.correction is not off_policy.OffPolicyCorrection.NONE:
+      data["rollout_logprobs"] = batch.data["rollout_logprobs"]  # mu, the behaviour policy
+    off_policy_metrics(ctx, lay, batch, loss_cfg)
     if loss_cfg.kl_in_loss and loss_cfg.kl_coef:
       if "ref_logprobs" not in batch.data:
         raise DagError(f"DAG node {node.id!r}: actor.kl.coef > 0 needs 'ref_logprobs'; add a "
@@ -123,6 +130,37 @@ def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: 
       for k, v in result.items():
         ctx.metrics.add(f"{prefix}/{k}", v)
   return batch
+
+
+def off_policy_metrics(ctx: RunContext, lay: dlayout.Layout, batch: Batch,
+                       loss_cfg: steps_lib.ActorLoss) -> None:
+  """Where the trainer recomputed the old log-probs: ``off_policy/logprob_gap`` (mean
+  |logp_old - logp_mu| over response tokens, the rollout-training mismatch); with a
+  correction also ``off_policy/is_weight_mean`` / ``_max`` (of r = pi_old / mu) and
+  ``off_policy/clipped_frac`` (tokens with r > actor.off_policy.tis_cap), see
+  algos/off_policy.py.  One small reduction per step: the weights do not change with the
+  parameters, so every epoch and mini-batch shares them."""
+  d = batch.data
+  if "old_logprobs" not in d or "rollout_logprobs" not in d or on_policy(ctx):
+    return  # the old log-probs are the rollout's own: nothing to compare
+  fn = off_policy_stats(ctx, lay, loss_cfg.tis_cap)
+  s = jax.device_get(fn(d["old_logprobs"], d["rollout_logprobs"], d["response_mask"]))
+  tokens = float(s["tokens"])
+  if tokens <= 0:
+    return
+  ctx.metrics.add("off_policy/logprob_gap", float(s["gap_sum"]), tokens)
+  if loss_cfg.correction is off_policy.OffPolicyCorrection.NONE:
+    return
+  ctx.metrics.add("off_policy/is_weight_mean", float(s["ratio_sum"]), tokens)
+  ctx.metrics.set_max("off_policy/is_weight_max", float(s["ratio_max"]))
+  ctx.metrics.add("off_policy/clipped_frac", float(s["above_cap"]), tokens)
+
+
+def off_policy_stats(ctx: RunContext, lay: dlayout.Layout, cap: float):
+  """The jitted ``off_policy.weight_stats`` over a step's batch on ``lay`` (replicated out)."""
+  return ctx.jitted(("off_policy_stats", lay, cap), lambda: jax.jit(
+      functools.partial(off_policy.weight_stats, cap=cap),
+      out_shardings=NamedSharding(lay.mesh, PartitionSpec())))
 
 
 def _actor_loss(g, p, mb, cfg):

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from distflow_jax.algos import losses
+from distflow_jax.algos import losses, off_policy
 from distflow_jax.models import heads, lora
 from distflow_jax.train import hidden as hidden_lib, micro_batches, optim, packing, placement
 
@@ -84,6 +84,8 @@ class ActorLoss:
   kl_in_loss: bool = True
   norm_length: float | None = None  # for seq-mean-token-sum-norm (Dr.GRPO)
   group_size: int = 1                # rows per shared prompt (train/hidden.py)
+  off_policy: str = "none"           # correction (algos/off_policy.py); else reads
+  tis_cap: float = 2.0               # the batch's 'rollout_logprobs'
 
   @classmethod
   def from_config(cls, actor, max_new_tokens: int | None = None,
@@ -94,7 +96,12 @@ class ActorLoss:
                kl_coef=actor.kl.coef, kl_estimator=actor.kl.estimator,
                kl_in_loss=not actor.kl.in_reward,
                norm_length=float(max_new_tokens) if max_new_tokens else None,
-               group_size=group_size)
+               group_size=group_size, off_policy=actor.off_policy.correction,
+               tis_cap=float(actor.off_policy.tis_cap))
+
+  @property
+  def correction(self) -> off_policy.OffPolicyCorrection:
+    return off_policy.OffPolicyCorrection.parse(self.off_policy)
 
 
 def actor_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, cfg: ActorLoss,
@@ -102,6 +109,10 @@ def actor_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, cfg: ActorL
   logp, ent = response_logprobs(graphdef, params, mb, chunk_size=chunk_size,
                                 group_size=cfg.group_size)
   use_kl = cfg.kl_in_loss and cfg.kl_coef > 0
+  weights = None  # none: the loss is built exactly as without a correction
+  if cfg.correction is not off_policy.OffPolicyCorrection.NONE:
+    weights = off_policy.token_weights(mb["old_logprobs"], mb["rollout_logprobs"],
+                                       mb["response_mask"], cfg.correction, cfg.tis_cap)
   return losses.actor_loss(
       logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"],
       entropy_BxT=ent, entropy_coef=cfg.entropy_coef,  # entropy is always reported
@@ -109,7 +120,7 @@ def actor_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, cfg: ActorL
       kl_coef=cfg.kl_coef if use_kl else 0.0, kl_estimator=cfg.kl_estimator,
       agg_mode=cfg.loss_agg, clip_ratio_low=cfg.clip_ratio_low,
       clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.dual_clip or None,
-      ratio_level=cfg.ratio_level, norm_length=cfg.norm_length)
+      ratio_level=cfg.ratio_level, norm_length=cfg.norm_length, token_weights_BxT=weights)
 
 
 def critic_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, value_clip: float,

@@ -1,0 +1,19 @@
+"""A user plugin (loaded through config.plugins): a rollout that records its tokens but not
+their log-probs (as an external sampler might), ``generate.tokens_only``."""
+
+import dataclasses
+
+from distflow_jax.dag.registry import FUNCTIONS
+from distflow_jax.nodes.rollout import generate_node
+
+
+def tokens_only(ctx, node, lay, prompts):
+  batch = generate_node(ctx, node, lay, prompts)
+  return type(batch)({k: v for k, v in batch.data.items() if k != "rollout_logprobs"},
+                     batch.host)
+
+
+FUNCTIONS.register(dataclasses.replace(FUNCTIONS.spec("generate"), name="generate.tokens_only",
+                                       produces=frozenset({"tokens"}),
+                                       doc="test plugin: a rollout without log-probs"),
+                   tokens_only)
