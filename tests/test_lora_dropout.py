@@ -8,7 +8,6 @@ bitwise equal across layouts."""
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -198,3 +197,17 @@ def test_plan_accepts_dropout_and_refuses_out_of_range(capsys):
   code, err = run(capsys, "plan", "--config=grpo:tiny", "--config.model.lora.enabled=True",
                   "--config.model.lora.dropout=1.0")
   assert code == 2 and "model.lora.dropout=1.0 must be in [0, 1)" in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_one_grpo_step_with_dropout_trains_only_the_adapters(tmp_path):
+  """Through the trainer: the node hands the step its key (placed on the actor's mesh)."""
+  from test_lora_steps import _one_step
+  ctx, m = _one_step("grpo:tiny", tmp_path, "model.lora.dropout=0.1", "actor.mini_batches=2")
+  actor = ctx.roles[Role.ACTOR]
+  model = nnx.merge(actor.graphdef, actor.params)
+  rates = {x.lora_dropout for _, x in nnx.iter_graph(model)
+           if isinstance(x, lora_layer.LoRALinear)}
+  assert rates == {0.1}
+  assert m["actor/kl"] == pytest.approx(0.0, abs=1e-6)  # B starts at zero: no change yet
