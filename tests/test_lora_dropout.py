@@ -163,6 +163,11 @@ def test_node_keys_follow_seed_step_and_call():
   assert k.tobytes() != np.asarray(key(4, 0)).tobytes()      # the next step: another
   assert k.tobytes() != np.asarray(key(3, 1)).tobytes()      # the next mini-batch: another
   assert key(3, 0, p=0.0) is None and key(3, 0, role=Role.CRITIC) is None
+  # plan --lower lowers the step with this key's abstract twin
+  spec = training.dropout_rng_spec(_ctx(3, P_DROP), Role.ACTOR, lay)
+  real = key(3, 0)
+  assert (spec.shape, spec.dtype, spec.sharding) == (real.shape, real.dtype, real.sharding)
+  assert training.dropout_rng_spec(_ctx(3, 0.0), Role.ACTOR, lay) is None
 
 
 @pytest.mark.slow

@@ -141,6 +141,17 @@ def dropout_rng(ctx: RunContext, node: Node, role: Role, lay: dlayout.Layout, ca
   return jax.make_array_from_process_local_data(NamedSharding(lay.mesh, P()), key, key.shape)
 
 
+def dropout_rng_spec(ctx: RunContext, role: Role, lay: dlayout.Layout
+                     ) -> jax.ShapeDtypeStruct | None:
+  """``dropout_rng``'s shape, dtype and sharding (None without dropout): the abstract
+  argument ``plan --lower`` lowers the step with."""
+  lo = ctx.cfg.model.lora
+  if role is not Role.ACTOR or not lo.enabled or not lo.dropout > 0:
+    return None
+  data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+  return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=NamedSharding(lay.mesh, P()))
+
+
 def _actor_loss(g, p, mb, cfg):
   return steps_lib.actor_loss(g, p, mb, cfg, 512)
 
