@@ -20,7 +20,6 @@ CASES = {
     "alpha_nan": ([ON, "--config.model.lora.alpha=nan"], "model.lora.alpha=nan"),
     "dropout_one": ([ON, "--config.model.lora.dropout=1.0"], "model.lora.dropout=1.0"),
     "dropout_negative": ([ON, "--config.model.lora.dropout=-0.1"], "model.lora.dropout=-0.1"),
-    "dropout_not_built": ([ON, "--config.model.lora.dropout=0.05"], "not built yet"),
     "init_unknown": ([ON, "--config.model.lora.init=xavier"], "model.lora.init='xavier'"),
     "targets_empty": ([ON, "--config.model.lora.targets=()"], "model.lora.targets"),
     "path_without_lora": (["--config.model.lora.path=/some/adapter"], "model.lora.enabled=False"),

@@ -93,8 +93,9 @@ def base() -> ml_collections.ConfigDict:
       # frozen in model.dtype, the update is scaled by alpha / rank.  init: gaussian (A ~
       # N(0, (1/rank)^2)) | kaiming (PEFT's default); B starts at zero, so step 0 is the
       # base model.  The reference pass runs the actor's base (adapters off: no second
-      # copy); a critic is fully trained from the base.  dropout: must be 0 (not built
-      # yet).  path: a PEFT adapter folder to start from ("" = fresh adapters).
+      # copy); a critic is fully trained from the base.  dropout: p in [0, 1), PEFT's
+      # lora_dropout on the adapters' input, in the actor's train step only (masks from
+      # seed, step, micro-batch).  path: a PEFT adapter folder to start from ("" = fresh).
       lora=dict(enabled=False, rank=8, alpha=16.0, dropout=0.0, init="gaussian", path="",
                 targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                          "down_proj")),

@@ -32,9 +32,6 @@ def check(cfg) -> None:
   if (isinstance(lo.dropout, bool) or not isinstance(lo.dropout, (int, float))
       or not 0.0 <= lo.dropout < 1.0):
     raise ConfigError(f"model.lora.dropout={lo.dropout!r} must be in [0, 1)")
-  if lo.dropout > 0:
-    raise ConfigError(f"model.lora.dropout={lo.dropout!r}: adapter dropout is not built yet; "
-                      f"set model.lora.dropout=0")
   if lo.init not in INITS:
     raise ConfigError(f"model.lora.init={lo.init!r} is not valid; choose one of {list(INITS)}")
   targets = lo.targets

@@ -133,7 +133,8 @@ def train_programs(ctx: RunContext, node, lay, rows: int) -> list[Program]:
       mb["pack"] = ab.replicated(plan, lay.mesh)
     out.append(Program(node.id, f"train_step[w={w}]", step.jitted_for(state.params,
                                                                      state.opt_state),
-                       (state.params, state.opt_state, mb)))
+                       (state.params, state.opt_state, mb,
+                        training.dropout_rng_spec(ctx, role, lay))))
   return out
 
 

@@ -36,7 +36,7 @@ def linear(cfg: ModelConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs,
   kw = dict(use_bias=bias, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_dtype, kernel_init=INIT,
             rngs=rngs)
   if name and cfg.lora is not None and name in cfg.lora.targets_in_layer(0):
-    return LoRALinear(d_in, d_out, spec=cfg.lora, **kw)
+    return LoRALinear(d_in, d_out, spec=cfg.lora, name=name, **kw)
   return nnx.Linear(d_in, d_out, **kw)
 
 

@@ -239,9 +239,6 @@ def check(spec: LoraSpec, cfg: ModelConfig) -> None:
                     f"alpha / rank; PEFT's usual choice is alpha = 2 x rank)")
   if not 0.0 <= spec.dropout < 1.0:
     raise LoraError(f"model.lora.dropout={spec.dropout} must be in [0, 1)")
-  if spec.dropout > 0:
-    raise LoraError(f"model.lora.dropout={spec.dropout}: adapter dropout is not built yet; "
-                    f"set model.lora.dropout=0")
   if spec.init not in INITS:
     raise LoraError(f"model.lora.init={spec.init!r} is unknown; valid: {list(INITS)}")
   if not spec.targets:

@@ -15,13 +15,24 @@ switched off: `lora.base_only`, B zeroed) gives the base output bitwise.  Target
 `fnmatch` patterns over a projection's HF module name (`model.layers.3.self_attn.q_proj`)
 or its short name (`q_proj`); every layer carries the same adapters (the layers share one
 structure under `scan_layers`), checked by `lora.check`.
+
+Adapter dropout (``model.lora.dropout = p > 0``, PEFT's ``lora_dropout``) drops the adapter's
+input only, ``x -> mask * x / (1 - p)`` before ``lora_a``, and only where a train step traces
+the loss inside ``adapter_dropout(key)`` (its micro-batch's key): rollout, the reference and
+log-prob passes, eval and export never enter one, so they compute the same with any p.  Each
+adapted projection draws its own mask from that key, its layer index (``dropout_layer``, set
+by the transformer's layer loop or scan) and its short name.  The key travels as trace-time
+context (like ``sharding.rows_sharded``) so the model's call signatures stay as they are.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import fnmatch
 import math
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -84,18 +95,65 @@ def a_init(kind: str, rank: int):
   raise ValueError(f"model.lora.init={kind!r} is unknown; valid: {list(INITS)}")
 
 
-class LoRALinear(nnx.Linear):
-  """An `nnx.Linear` plus a low-rank update (see the module docstring)."""
+# The dropout key of the micro-batch being traced (a typed PRNG key), None outside a train
+# step's loss (then no adapter drops anything).
+_KEY: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("lora_dropout_key",
+                                                                       default=None)
 
-  def __init__(self, d_in: int, d_out: int, *, spec: LoraSpec, rngs: nnx.Rngs, **kwargs):
+
+@contextlib.contextmanager
+def adapter_dropout(key: jax.Array | None):
+  """Adapters traced inside draw their dropout masks from ``key`` (None: no dropout)."""
+  token = _KEY.set(key)
+  try:
+    yield
+  finally:
+    _KEY.reset(token)
+
+
+def dropout_on() -> bool:
+  """Whether the code being traced runs inside ``adapter_dropout`` with a key."""
+  return _KEY.get() is not None
+
+
+@contextlib.contextmanager
+def dropout_layer(index):
+  """Inside: the dropout key folded with the layer ``index`` (an int or a traced scalar: the
+  layers' scan index), so every layer draws its own masks; nothing outside a dropout."""
+  key = _KEY.get()
+  if key is None:
+    yield
+    return
+  with adapter_dropout(jax.random.fold_in(key, index)):
+    yield
+
+
+def _dropout(x: jax.Array, rate: float, name: str) -> jax.Array:
+  key = _KEY.get()
+  if key is None or rate <= 0:
+    return x
+  keep = jax.random.bernoulli(jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF),
+                              1.0 - rate, x.shape)
+  return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros_like(x))
+
+
+class LoRALinear(nnx.Linear):
+  """An `nnx.Linear` plus a low-rank update (see the module docstring); ``name``: its short
+  name (``q_proj``, ...), which keeps its dropout mask apart from its neighbours'."""
+
+  def __init__(self, d_in: int, d_out: int, *, spec: LoraSpec, rngs: nnx.Rngs, name: str = "",
+               **kwargs):
     super().__init__(d_in, d_out, rngs=rngs, **kwargs)
     self.lora_a = nnx.LoRAParam(a_init(spec.init, spec.rank)(rngs.params(), (d_in, spec.rank),
                                                               jnp.float32))
     self.lora_b = nnx.LoRAParam(jnp.zeros((spec.rank, d_out), jnp.float32))
     self.lora_scale = spec.scale
+    self.lora_dropout = spec.dropout
+    self.lora_name = name
 
   def __call__(self, x: jax.Array) -> jax.Array:
     y = super().__call__(x)
     a, b = self.lora_a[...], self.lora_b[...]
-    delta = (x.astype(a.dtype) @ a) @ b * jnp.asarray(self.lora_scale, a.dtype)
+    xa = _dropout(x.astype(a.dtype), self.lora_dropout, self.lora_name)
+    delta = (xa @ a) @ b * jnp.asarray(self.lora_scale, a.dtype)
     return y + delta.astype(y.dtype)

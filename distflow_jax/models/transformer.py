@@ -73,7 +73,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from distflow_jax.models import sharding, stacking
+from distflow_jax.models import lora_layer, sharding, stacking
 from distflow_jax.models.attention import Attention
 from distflow_jax.models.config import ModelConfig
 # KVCache, init_cache, cache_insert and positions_from_mask are imported from here by
@@ -206,12 +206,13 @@ class Transformer(nnx.Module):
     prefix = writer.prefix if isinstance(writer, PrefixReader) else None
     b = x.shape[0]
 
-    def one(graphdef, layer_state, x, pk, pv):
+    def one(graphdef, layer_state, x, pk, pv, index):
       layer = nnx.merge(graphdef, layer_state)
       w = (KVRecorder() if record else None if prefix is None else
            PrefixReader(KVCache(k=(pk,), v=(pv,), pos=prefix.pos), writer.repeat, b))
-      y = sharding.constrain_rows(layer(x, positions_BxT, key_pos_BxS, w, segment_ids_BxT,
-                                        rope_positions_3xBxT))
+      with lora_layer.dropout_layer(index):  # a train step's adapter dropout: own masks
+        y = sharding.constrain_rows(layer(x, positions_BxT, key_pos_BxS, w, segment_ids_BxT,
+                                          rope_positions_3xBxT))
       return y, ((w.ks[0], w.vs[0]) if record else None)
 
     def wrap(graphdef, scanned):
@@ -226,14 +227,16 @@ class Transformer(nnx.Module):
       if prefix is not None:  # a recorded prefix: stacked by a scanned pass, a tuple by a loop
         pk, pv = (p if isinstance(p, jax.Array) else jnp.stack(p) for p in (prefix.k, prefix.v))
       body = wrap(graphdef, True)
-      x, kv = jax.lax.scan(lambda x, xs: body(xs[0], x, xs[1], xs[2]), x,
-                           (state, pk, pv))
+      # The layer index only where adapter dropout needs it (else the program is as before).
+      index = jnp.arange(self.cfg.num_layers) if lora_layer.dropout_on() else None
+      x, kv = jax.lax.scan(lambda x, xs: body(xs[0], x, xs[1], xs[2], xs[3]), x,
+                           (state, pk, pv, index))
       return x, kv
     ks, vs = [], []
     for i, layer in enumerate(self.layers):
       graphdef, state = nnx.split(layer)
       pk, pv = (None, None) if prefix is None else (prefix.k[i], prefix.v[i])
-      x, kv = wrap(graphdef, False)(state, x, pk, pv)
+      x, kv = wrap(graphdef, False)(state, x, pk, pv, i if lora_layer.dropout_on() else None)
       if record:
         ks.append(kv[0])
         vs.append(kv[1])

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from distflow_jax.algos import off_policy
@@ -120,12 +121,13 @@ def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: 
   elif ctx.cfg.model.get("pack_sequences", False):
     plans = [pack_plan(ctx, node, lay, masks if minis == 1 else take(masks, i), micro, gs, gs)
              for i in range(minis)]
-  for _ in range(section.ppo_epochs):
+  for epoch in range(section.ppo_epochs):
     for i in range(minis):
       mb = data if minis == 1 else take(data, i)
       if plans[i] is not None:
         mb = {**mb, "pack": plans[i]}
-      state.params, state.opt_state, stats = step(state.params, state.opt_state, mb)
+      rng = dropout_rng(ctx, node, role, lay, epoch * minis + i)
+      state.params, state.opt_state, stats = step(state.params, state.opt_state, mb, rng)
       result = steps_lib.finalize_stats(jax.device_get(stats), node.id)
       for k, v in result.items():
         ctx.metrics.add(f"{prefix}/{k}", v)
@@ -161,6 +163,30 @@ def off_policy_stats(ctx: RunContext, lay: dlayout.Layout, cap: float):
   return ctx.jitted(("off_policy_stats", lay, cap), lambda: jax.jit(
       functools.partial(off_policy.weight_stats, cap=cap),
       out_shardings=NamedSharding(lay.mesh, PartitionSpec())))
+
+
+def dropout_rng(ctx: RunContext, node: Node, role: Role, lay: dlayout.Layout, call: int
+                ) -> jax.Array | None:
+  """The raw key data of a train step call's LoRA adapter dropout (``model.lora.dropout``
+  > 0, the actor only: a critic has no adapters), replicated on the layout's mesh; None
+  without dropout.  From (seed, step, node) and the call's index among the node's epochs x
+  mini-batches, so a resumed run draws the same masks, and the same on every process."""
+  lo = ctx.cfg.model.lora
+  if role is not Role.ACTOR or not lo.enabled or not lo.dropout > 0:
+    return None
+  key = np.asarray(jax.random.key_data(jax.random.fold_in(ctx.step_rng(node), call)))
+  return jax.make_array_from_process_local_data(NamedSharding(lay.mesh, PartitionSpec()), key, key.shape)
+
+
+def dropout_rng_spec(ctx: RunContext, role: Role, lay: dlayout.Layout
+                     ) -> jax.ShapeDtypeStruct | None:
+  """``dropout_rng``'s shape, dtype and sharding (None without dropout): the abstract
+  argument ``plan --lower`` lowers the step with."""
+  lo = ctx.cfg.model.lora
+  if role is not Role.ACTOR or not lo.enabled or not lo.dropout > 0:
+    return None
+  data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+  return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=NamedSharding(lay.mesh, PartitionSpec()))
 
 
 def _actor_loss(g, p, mb, cfg):

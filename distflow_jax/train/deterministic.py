@@ -16,6 +16,8 @@ one step.  Here every reduction over samples has one fixed global shape:
 * The global gradient norm and clipping are computed on the summed, replicated
   gradient inside the same ``shard_map``; the optimizer's own update is elementwise.
 * Sequence passes (log-probs, values, reward scores) run unit by unit too.
+* LoRA adapter dropout draws unit ``u``'s masks from the step's key folded with ``u``'s
+  global index, so the masks too are the same on every layout.
 
 Cost: parameters are gathered whole on every device for the step (no FSDP memory
 saving inside it), per-unit passes run smaller matmuls, and the tree reduction moves
@@ -34,7 +36,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from distflow_jax.algos import losses
-from distflow_jax.models import lora, sharding
+from distflow_jax.models import lora, lora_layer, sharding
 from distflow_jax.train import placement, steps as steps_lib
 
 Batch = Mapping[str, jax.Array]
@@ -127,22 +129,29 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
   gradient); ``mesh`` is the batch's layout mesh, ``axes`` its samples' axes."""
   d = math.prod(mesh.shape[a] for a in axes)
 
-  def step(params, opt_state, batch):
+  def step(params, opt_state, batch, rng=None):
     params, frozen = lora.split_trainable(params)  # LoRA: the adapters only (steps.py)
     b = jax.tree.leaves(batch)[0].shape[0]
     k = units_per_device(b, d, unit_rows)
     denom = losses.loss_denominator(batch["response_mask"], agg_mode)
 
     @_unconstrained
-    def local(params, frozen, batch, denom):
-      def unit(mb):
+    def local(params, frozen, batch, denom, rng):
+      def unit(xs):
+        mb, u = xs
+
         def objective(p):
           out = loss_fn(graphdef, lora.merge_trainable(p, frozen), mb)
           return out.total / jnp.maximum(denom, 1.0), out
-        (_, out), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        with lora_layer.adapter_dropout(steps_lib.micro_key(rng, u)):
+          (_, out), grads = jax.value_and_grad(objective, has_aux=True)(params)
         return jax.lax.optimization_barrier((grads, out))
 
-      grads, out = _tree_allreduce(_tree_sum(unit, _units(batch, k, unit_rows), k), d, axes)
+      # Adapter dropout: unit u's key from its global index, the same unit on every layout.
+      first = jax.lax.axis_index(axes) * k if d > 1 else 0
+      index = None if rng is None else first + jnp.arange(k)
+      units = (_units(batch, k, unit_rows), index)
+      grads, out = _tree_allreduce(_tree_sum(unit, units, k), d, axes)
       norm = optax.global_norm(grads)
       if grad_clip and grad_clip > 0:
         scale = jnp.where(norm > grad_clip, grad_clip / norm, 1.0)
@@ -150,8 +159,8 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
       return grads, out, norm
 
     grads, out, grad_norm = jax.shard_map(
-        local, mesh=mesh, in_specs=(P(), P(), P(axes), P()), out_specs=P(),
-        check_vma=False)(params, frozen, dict(batch), denom)
+        local, mesh=mesh, in_specs=(P(), P(), P(axes), P(), P()), out_specs=P(),
+        check_vma=False)(params, frozen, dict(batch), denom, rng)
     params, opt_state, stats = steps_lib.apply_update(tx, params, opt_state, batch, grads, out,
                                                       grad_norm, group_size)
     return lora.merge_trainable(params, frozen), opt_state, stats

@@ -79,13 +79,14 @@ class PinnedStep:
       self._jitted = self.jitted_for(params, opt_state)
     return self._jitted
 
-  def __call__(self, params, opt_state, batch):
-    return self._get(params, opt_state)(params, opt_state, batch)
+  def __call__(self, params, opt_state, batch, *rest):
+    """``rest``: the step's further inputs, if it takes any (a train step's dropout key)."""
+    return self._get(params, opt_state)(params, opt_state, batch, *rest)
 
-  def lower(self, params, opt_state, batch):
+  def lower(self, params, opt_state, batch, *rest):
     """The step lowered for these (possibly abstract) arguments, by the same jitted
     function the calls use: compiling it fills their cache (state/warm_shapes.py)."""
-    return self._get(params, opt_state).lower(params, opt_state, batch)
+    return self._get(params, opt_state).lower(params, opt_state, batch, *rest)
 
   def _cache_size(self) -> int:
     return 0 if self._jitted is None else self._jitted._cache_size()

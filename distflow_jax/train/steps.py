@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 
 from distflow_jax.algos import losses, off_policy
-from distflow_jax.models import heads, lora
+from distflow_jax.models import heads, lora, lora_layer
 from distflow_jax.train import hidden as hidden_lib, micro_batches, optim, packing, placement
 
 Batch = Mapping[str, jax.Array]
@@ -134,7 +134,8 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
                     graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                     num_micro_batches: int | None, agg_mode: str, group_size: int = 1
                     ) -> Callable:
-  """``step(params, opt_state, batch) -> (params, opt_state, stats)``, jitted, state donated.
+  """``step(params, opt_state, batch, rng=None) -> (params, opt_state, stats)``, jitted,
+  state donated.
 
   ``stats`` holds sums (``total``, ``count``, ``token_count``, metric sums) plus
   ``grad_norm`` and ``skipped``; ``losses.finalize`` turns the sums into means.
@@ -143,10 +144,12 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
   their prompts.  A batch holding ``pack`` (``[M, ...]``: one plan per micro-batch) runs
   packed (see "Packed rows" in train/hidden.py).  ``num_micro_batches=None``: every batch
   brings a token-budget plan, whose M is used (see "Token-budget micro-batches" in
-  train/micro_batches.py; a new M compiles the step once more).
+  train/micro_batches.py; a new M compiles the step once more).  ``rng``: the raw key data
+  (``jax.random.key_data``) of this call's adapter dropout, micro-batch ``m`` drawing from
+  ``fold_in(key, m)`` (models/lora_layer.py); None: no dropout, and no random op in the step.
   """
 
-  def step(params, opt_state, batch):
+  def step(params, opt_state, batch, rng=None):
     # LoRA: only the adapters are differentiated and updated; the base rides along frozen.
     params, frozen = lora.split_trainable(params)
     pack = batch.get("pack")
@@ -154,14 +157,16 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
     mbs = micro_batches.for_step(batch, pack, num_micro_batches, group_size)
     denom = losses.loss_denominator(batch["response_mask"], agg_mode)
 
-    def one(carry, mb):
+    def one(carry, xs):
       grads_acc, out_acc = carry
+      mb, m = xs
 
       def objective(p):
         out = loss_fn(graphdef, lora.merge_trainable(p, frozen), mb)
         return out.total / jnp.maximum(denom, 1.0), out
 
-      (_, out), grads = jax.value_and_grad(objective, has_aux=True)(params)
+      with lora_layer.adapter_dropout(micro_key(rng, m)):
+        (_, out), grads = jax.value_and_grad(objective, has_aux=True)(params)
       grads_acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grads_acc, grads)
       out_acc = out if out_acc is None else jax.tree.map(jnp.add, out_acc, out)
       return (grads_acc, out_acc), None
@@ -175,12 +180,21 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
     out0 = jax.eval_shape(lambda p, b: loss_fn(graphdef, lora.merge_trainable(p, frozen), b),
                           params, first)
     out_init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out0)
-    (grads, out), _ = jax.lax.scan(one, (zeros, out_init), mbs)
+    index = None if rng is None else jnp.arange(jax.tree.leaves(mbs)[0].shape[0])
+    (grads, out), _ = jax.lax.scan(one, (zeros, out_init), (mbs, index))
     params, opt_state, stats = apply_update(tx, params, opt_state, batch, grads, out,
                                             optax.global_norm(grads), group_size)
     return lora.merge_trainable(params, frozen), opt_state, stats
 
   return placement.PinnedStep(step)
+
+
+def micro_key(rng: jax.Array | None, index) -> jax.Array | None:
+  """The adapter-dropout key of micro-batch (or unit) ``index`` of a step given ``rng`` (raw
+  key data; None: no dropout)."""
+  if rng is None:
+    return None
+  return jax.random.fold_in(jax.random.wrap_key_data(rng), index)
 
 
 def accumulator_dtype(dtype) -> jnp.dtype:
