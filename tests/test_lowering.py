@@ -45,7 +45,7 @@ def _assert_all_lower(rows):
 
 
 TINY = [("grpo:tiny", ()), ("ppo:tiny", ()), ("reinforce_pp_two_rewards:tiny", ()),
-        ("grpo_vl:tiny", ())] + [
+        ("grpo_vl:tiny", ()), ("grpo:tiny_lora", ("model.lora.dropout=0.05",))] + [
     (f"algorithms:{v}", ()) for v in ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp_baseline",
                                       "dapo", "gspo")]
 # The tiny model in bfloat16 (head dim 48: cuDNN serves it) under each lever that changes

@@ -65,7 +65,7 @@ def pass_programs(ctx: RunContext, node, lay, rows: int) -> list[Program]:
   if node.fn == "logprob" and passes.on_policy(ctx):
     return []
   role = {"logprob": Role.ACTOR, "ref_logprob": Role.REFERENCE, "values": Role.CRITIC}[node.fn]
-  state = ctx.roles[role]
+  state = passes.pass_state(ctx, role)  # a LoRA run's reference: the actor's, adapters off
   out = []
   for w in _widths(cfg):
     data = _seq(_dims(ctx, rows, w), lay)
