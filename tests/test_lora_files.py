@@ -217,3 +217,25 @@ def test_train_starts_from_model_lora_path_and_exports_it_back(tmp_path, capsys)
   assert sorted(before) == sorted(after) and len(after) == 14
   for k, v in after.items():  # one optimizer step from the start, not from a fresh adapter
     np.testing.assert_allclose(v, before[k], atol=5e-3, err_msg=k)
+
+
+def _weights(folder: str) -> dict[str, np.ndarray]:
+  from safetensors.numpy import load_file
+  return load_file(os.path.join(folder, "model", "model.safetensors"))
+
+
+@pytest.mark.hf
+@pytest.mark.timeout(600)
+def test_sft_draws_adapter_dropout_reproducibly(lora_run, qwen, tmp_path):
+  """`sft` with model.lora.dropout > 0 drops adapter inputs (its merged weights differ from
+  the dropout-free run's) and draws the same masks for the same seed (two runs agree
+  bitwise): before, sft ignored the key and trained as with dropout 0."""
+  for name in ("a", "b"):
+    (tmp_path / name).mkdir()
+  runs = [_weights(sft_lora(tmp_path / name, qwen, "--config.model.lora.dropout=0.3"))
+          for name in ("a", "b")]
+  plain = _weights(lora_run)
+  assert runs[0].keys() == plain.keys()
+  for name in plain:
+    np.testing.assert_array_equal(runs[0][name], runs[1][name])
+  assert any(not np.array_equal(runs[0][n], plain[n]) for n in plain)

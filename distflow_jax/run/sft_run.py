@@ -182,8 +182,9 @@ def run(cfg: ml_collections.ConfigDict, *, eval_data: str = "", resume: bool | N
     if ck.due(done, s.steps):
       ck.save(done, roles, position, rcfg, ctx.model_cfg, ctx.tokenizer)
 
+  lo = cfg.model.lora
   sft.train(state, train.data, steps=s.steps, batch_size=s.batch_size, seed=cfg.seed,
-            start=start, on_step=on_step)
+            start=start, on_step=on_step, adapter_dropout=lo.enabled and lo.dropout > 0)
   ck.close()
   from flax import nnx
   out = out_dir(cfg)

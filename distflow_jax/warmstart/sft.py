@@ -74,12 +74,15 @@ def make_step(graphdef, tx):
 
 
 def train(state: ModelState, data: Data, *, steps: int, batch_size: int, seed: int,
-          start: int = 0, on_step: Callable[[int, dict], None] | None = None) -> None:
+          start: int = 0, on_step: Callable[[int, dict], None] | None = None,
+          adapter_dropout: bool = False) -> None:
   """Trains ``state`` (its ``tx`` and ``opt_state`` set) in place from step ``start`` to
   ``steps`` on ``data`` (global rows, the same on every process).
 
   ``on_step(done, stats)`` runs after each step with the step's device stats (sums, see
   ``steps.make_train_step``); the state then holds the weights after ``done`` steps.
+  ``adapter_dropout``: the model's LoRA adapters drop their inputs (``model.lora.dropout``
+  > 0), step ``i`` drawing from ``dropout_key(seed, i)``, so a resumed run draws the same.
   """
   if state.tx is None or state.opt_state is None:
     raise ValueError("sft.train: the state needs an optimizer (tx) and its opt_state")
@@ -92,9 +95,17 @@ def train(state: ModelState, data: Data, *, steps: int, batch_size: int, seed: i
   for i in range(start, steps):
     idx = next(order)
     mb = {k: jax.device_put(v[idx], sharding) for k, v in data.items()}
-    state.params, state.opt_state, stats = step_fn(state.params, state.opt_state, mb)
+    rng = (jax.device_put(dropout_key(seed, i), NamedSharding(state.mesh, P()))
+           if adapter_dropout else None)
+    state.params, state.opt_state, stats = step_fn(state.params, state.opt_state, mb, rng)
     if on_step is not None:
       on_step(i + 1, stats)
+
+
+def dropout_key(seed: int, step: int) -> np.ndarray:
+  """The raw key data of SFT step ``step``'s adapter dropout (apart from RL's keys)."""
+  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 0x5F7), step)
+  return np.asarray(jax.random.key_data(key))
 
 
 def mean_loss(stats: Mapping[str, jax.Array]) -> float:
