@@ -31,6 +31,8 @@ CASES = {
                          "model.lora.rank=100 is larger than k_proj's"),
     "some_layers_only": ([ON, "--config.model.lora.targets=('model.layers.0.*',)", *SHAPE],
                          "every layer must carry the same adapters"),
+    "critic_unknown": ([ON, "--config.model.lora.critic=half"], "model.lora.critic='half'"),
+    "critic_undeclared": (["--config=ppo:tiny", ON], "model.lora.critic=full"),
 }
 
 
@@ -38,7 +40,8 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bad_lora_settings_are_one_line(capsys, case):
   argv, needle = CASES[case]
-  code, err = run(capsys, "plan", "--config=grpo:tiny", *argv)
+  config = [] if any(a.startswith("--config=") for a in argv) else ["--config=grpo:tiny"]
+  code, err = run(capsys, "plan", *config, *argv)
   assert code == 2, err
   assert_one_line(err, "distflow-jax plan: error:", needle)
 

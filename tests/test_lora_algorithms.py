@@ -26,7 +26,7 @@ PACKED = ["model.pack_sequences=True"]
 BUDGET = [*PACKED, "actor.micro_batch_tokens=64", "critic.micro_batch_tokens=64"]
 # variant -> what else it runs with (shared prompts are on by default for group variants)
 WITH = {
-    "ppo": BUDGET,
+    "ppo": [*BUDGET, "model.lora.critic=full"],
     "grpo": PACKED,                                     # shared prompts, packed
     "drgrpo": [],                                       # shared prompts, padded rows
     "rloo": [*BUDGET, "model.share_prompt_prefix=False"],

@@ -42,7 +42,8 @@ def test_lora_plan_has_no_reference_parameters(capsys):
 @pytest.mark.timeout(120)
 def test_lora_ppo_plan_keeps_a_full_critic(capsys):
   _, full = _memory(capsys, "ppo:tiny")
-  _, lo = _memory(capsys, "ppo:tiny", "--config.model.lora.enabled=True")
+  _, lo = _memory(capsys, "ppo:tiny", "--config.model.lora.enabled=True",
+                  "--config.model.lora.critic=full")
   key = ("critic", "parameters + optimizer state")
   assert lo[key] == full[key]
 

@@ -65,7 +65,7 @@ def test_one_grpo_step_trains_only_the_adapters(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_one_ppo_step_trains_the_adapters_and_the_whole_critic(tmp_path):
-  ctx, m = _one_step("ppo:tiny", tmp_path)
+  ctx, m = _one_step("ppo:tiny", tmp_path, "model.lora.critic=full")
   assert math.isfinite(m["critic/loss"])
   critic = ctx.roles[Role.CRITIC]
   assert not lora.has_adapters(critic.params)  # fully trained, from the actor's base

@@ -83,6 +83,8 @@ def plan_from_config(cfg: ml_collections.ConfigDict, topo: planner_lib.Topology,
     raise ConfigError(f"critic.warmup_steps={cfg.critic.warmup_steps} but no train.critic node "
                       f"trains a critic; set it to 0 or add the critic to the DAG")
   _check_node_values(dag, cfg, registry)
+  from distflow_jax.config import lora_checks
+  lora_checks.check_critic(cfg, any(n.fn == "train.critic" for n in dag.nodes))
   from distflow_jax.dag.rules import check_off_policy_logprobs  # after the values' checks
   check_off_policy_logprobs(plan.steps, registry, cfg.actor.off_policy.correction)
   _check_batches(cfg, plan, dag, registry)

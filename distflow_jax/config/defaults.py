@@ -93,10 +93,13 @@ def base() -> ml_collections.ConfigDict:
       # frozen in model.dtype, the update is scaled by alpha / rank.  init: gaussian (A ~
       # N(0, (1/rank)^2)) | kaiming (PEFT's default); B starts at zero, so step 0 is the
       # base model.  The reference pass runs the actor's base (adapters off: no second
-      # copy); a critic is fully trained from the base.  dropout: p in [0, 1), PEFT's
+      # copy).  critic: a critic (PPO) has no adapters; "" refuses LoRA with a critic,
+      # "full" trains the critic's whole weights from the base (they count in plan
+      # --memory as a full fine-tune's do).  dropout: p in [0, 1), PEFT's
       # lora_dropout on the adapters' input, in the actor's train step only (masks from
       # seed, step, micro-batch).  path: a PEFT adapter folder to start from ("" = fresh).
       lora=dict(enabled=False, rank=8, alpha=16.0, dropout=0.0, init="gaussian", path="",
+                critic="",
                 targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                          "down_proj")),
   )

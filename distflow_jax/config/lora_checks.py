@@ -12,6 +12,9 @@ import math
 from distflow_jax.config.loading import ConfigError
 
 
+CRITIC = ("", "full")  # model.lora.critic
+
+
 def check(cfg) -> None:
   lo = cfg.model.lora
   if not isinstance(lo.enabled, bool):
@@ -32,6 +35,9 @@ def check(cfg) -> None:
   if (isinstance(lo.dropout, bool) or not isinstance(lo.dropout, (int, float))
       or not 0.0 <= lo.dropout < 1.0):
     raise ConfigError(f"model.lora.dropout={lo.dropout!r} must be in [0, 1)")
+  if lo.critic not in CRITIC:
+    raise ConfigError(f"model.lora.critic={lo.critic!r} is not valid; choose one of "
+                      f"{list(CRITIC)} ('' refuses a critic, 'full' trains it whole)")
   if lo.init not in INITS:
     raise ConfigError(f"model.lora.init={lo.init!r} is not valid; choose one of {list(INITS)}")
   targets = lo.targets
@@ -44,3 +50,14 @@ def check(cfg) -> None:
     raise ConfigError("model.lora: the reference pass runs on the actor's own weights with "
                       "the adapters off, so placement.reference must equal placement.actor "
                       f"({cfg.placement.actor.to_dict()})")
+
+
+def check_critic(cfg, trains_critic: bool) -> None:
+  """A LoRA run whose DAG trains a critic: the critic gets no adapters, so it is trained
+  whole only where ``model.lora.critic=full`` says so (else one line)."""
+  lo = cfg.model.lora
+  if lo.enabled and trains_critic and lo.critic != "full":
+    raise ConfigError("model.lora.enabled=True trains adapters for the actor only, and this "
+                      "DAG trains a critic (train.critic), which has none; set "
+                      "model.lora.critic=full to train the critic's whole weights (they count "
+                      "in plan --memory) or use a critic-free algorithm (grpo, rloo, ...)")
