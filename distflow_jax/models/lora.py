@@ -32,7 +32,7 @@ from distflow_jax.config.loading import ConfigError
 from distflow_jax.models import stacking
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.hf_names import hf_name
-from distflow_jax.models.lora_layer import INITS, TARGETABLE, LoraSpec, a_init
+from distflow_jax.models.lora_layer import TARGETABLE, LoraSpec, a_init
 from distflow_jax.models.sharding import Rules, no_sharding, path_str, spec_for
 from distflow_jax.models.transformer import Transformer
 
@@ -231,16 +231,9 @@ def _dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def check(spec: LoraSpec, cfg: ModelConfig) -> None:
-  """Raises ``LoraError`` (one line naming the key) where ``spec`` does not fit ``cfg``."""
-  if spec.rank <= 0:
-    raise LoraError(f"model.lora.rank={spec.rank} must be > 0 (or set model.lora.enabled=False)")
-  if not spec.alpha > 0:
-    raise LoraError(f"model.lora.alpha={spec.alpha} must be > 0 (the update is scaled by "
-                    f"alpha / rank; PEFT's usual choice is alpha = 2 x rank)")
-  if not 0.0 <= spec.dropout < 1.0:
-    raise LoraError(f"model.lora.dropout={spec.dropout} must be in [0, 1)")
-  if spec.init not in INITS:
-    raise LoraError(f"model.lora.init={spec.init!r} is unknown; valid: {list(INITS)}")
+  """Raises ``LoraError`` (one line naming the key) where ``spec`` does not fit ``cfg``: its
+  targets and rank against the model's layers.  The values alone (rank > 0, alpha, dropout,
+  init) are the config's checks (config/lora_checks.py), run before any model is built."""
   if not spec.targets:
     raise LoraError(f"model.lora.targets is empty; name modules among {list(TARGETABLE)}")
   names = [f"model.layers.{i}.{m}" for i in range(cfg.num_layers) for m in TARGETABLE.values()]
