@@ -16,7 +16,7 @@ weights and ``--lora=adapter`` a PEFT adapter folder (``adapter_config.json`` +
 ``adapter_model.safetensors``) that ``peft`` loads onto the base model; ``--lora=adapter``
 on a run without LoRA is refused.  A LoRA checkpoint holds the adapters only: the base is
 the run's ``model.path`` (else its warm start, or the preset from its seed), checked
-against the fingerprint saved with the adapters (persist/lora_actor.py).
+against the fingerprint saved with the adapters.
 
 ``distflow_jax.persist.export.export(checkpoint, out, step)`` is the same as a library call.
 """
