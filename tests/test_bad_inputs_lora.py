@@ -31,6 +31,7 @@ CASES = {
                          "model.lora.rank=100 is larger than k_proj's"),
     "some_layers_only": ([ON, "--config.model.lora.targets=('model.layers.0.*',)", *SHAPE],
                          "every layer must carry the same adapters"),
+    "vision_language": (["--config=grpo_vl:tiny", ON], "LoRA on a vision-language model"),
     "critic_unknown": ([ON, "--config.model.lora.critic=half"], "model.lora.critic='half'"),
     "critic_undeclared": (["--config=ppo:tiny", ON], "model.lora.critic=full"),
 }

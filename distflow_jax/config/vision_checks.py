@@ -46,6 +46,9 @@ def check_images(cfg) -> None:
   if not key:
     return
   where = f"data.image_key={key!r}" if d.get("image_key", "") else f"data.train={d.train!r}"
+  if m.get("lora") is not None and m.lora.get("enabled", False):
+    raise ConfigError(f"model.lora.enabled=True with images ({where}): LoRA on a "
+                      f"vision-language model is not built yet; set model.lora.enabled=False")
   if not m.path:
     raise ConfigError(f"{where}: images need a Qwen2.5-VL checkpoint in model.path (the "
                       f"built-in models are text-only)")
