@@ -13,6 +13,7 @@ from distflow_jax.algos import losses, off_policy
 from distflow_jax.algos.off_policy import OffPolicyCorrection as OPC
 from distflow_jax.train import steps
 from test_train_steps import make_batch, model_and_params, with_old_logprobs
+from test_algorithm_configs import shared_compiles  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -154,20 +155,6 @@ def test_train_step_micro_batches_give_the_full_batch_update(correction):
   assert int(out[0][1]["skipped"]) == 0 and math.isfinite(float(out[0][1]["total"]))
 
 
-@pytest.fixture(scope="module")
-def shared_compiles(tmp_path_factory):
-  """One persistent compilation cache for this module's runs (they share most programs)."""
-  keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-          "jax_persistent_cache_min_entry_size_bytes")
-  old = {k: getattr(jax.config, k) for k in keys}
-  jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla_cache")))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  yield
-  for k, v in old.items():
-    jax.config.update(k, v)
-  from jax._src import compilation_cache
-  compilation_cache.reset_cache()
 
 
 @pytest.mark.slow
