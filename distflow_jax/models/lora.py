@@ -230,13 +230,18 @@ def _dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
           "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
 
 
+def linear_modules(cfg: ModelConfig) -> list[str]:
+  """Every projection an adapter could target, by HF module name, layer by layer."""
+  return [f"model.layers.{i}.{m}" for i in range(cfg.num_layers) for m in TARGETABLE.values()]
+
+
 def check(spec: LoraSpec, cfg: ModelConfig) -> None:
   """Raises ``LoraError`` (one line naming the key) where ``spec`` does not fit ``cfg``: its
   targets and rank against the model's layers.  The values alone (rank > 0, alpha, dropout,
   init) are the config's checks (config/lora_checks.py), run before any model is built."""
   if not spec.targets:
     raise LoraError(f"model.lora.targets is empty; name modules among {list(TARGETABLE)}")
-  names = [f"model.layers.{i}.{m}" for i in range(cfg.num_layers) for m in TARGETABLE.values()]
+  names = linear_modules(cfg)
   for pattern in spec.targets:
     if not any(LoraSpec(1, 1.0, (pattern,)).matches(n) for n in names):
       raise LoraError(f"model.lora.targets: pattern {pattern!r} matches no module of the "

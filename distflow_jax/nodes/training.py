@@ -12,7 +12,6 @@ import dataclasses
 import functools
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from distflow_jax.algos import off_policy
@@ -165,28 +164,33 @@ def off_policy_stats(ctx: RunContext, lay: dlayout.Layout, cap: float):
       out_shardings=NamedSharding(lay.mesh, PartitionSpec())))
 
 
+def _drops(ctx: RunContext, role: Role) -> bool:
+  """Whether ``role``'s train steps take an adapter-dropout key (``model.lora.dropout`` > 0,
+  the actor only: a critic has no adapters)."""
+  lo = ctx.cfg.model.lora
+  return role is Role.ACTOR and lo.enabled and lo.dropout > 0
+
+
 def dropout_rng(ctx: RunContext, node: Node, role: Role, lay: dlayout.Layout, call: int
                 ) -> jax.Array | None:
-  """The raw key data of a train step call's LoRA adapter dropout (``model.lora.dropout``
-  > 0, the actor only: a critic has no adapters), replicated on the layout's mesh; None
-  without dropout.  From (seed, step, node) and the call's index among the node's epochs x
-  mini-batches, so a resumed run draws the same masks, and the same on every process."""
-  lo = ctx.cfg.model.lora
-  if role is not Role.ACTOR or not lo.enabled or not lo.dropout > 0:
+  """The raw key data of a train step call's LoRA adapter dropout, replicated on the
+  layout's mesh; None without dropout.  From (seed, step, node) and the call's index among
+  the node's epochs x mini-batches, so a resumed run draws the same masks, and the same on
+  every process."""
+  if not _drops(ctx, role):
     return None
-  key = np.asarray(jax.random.key_data(jax.random.fold_in(ctx.step_rng(node), call)))
-  return jax.make_array_from_process_local_data(NamedSharding(lay.mesh, PartitionSpec()), key, key.shape)
+  return steps_lib.replicated_key(jax.random.fold_in(ctx.step_rng(node), call), lay.mesh)
 
 
 def dropout_rng_spec(ctx: RunContext, role: Role, lay: dlayout.Layout
                      ) -> jax.ShapeDtypeStruct | None:
   """``dropout_rng``'s shape, dtype and sharding (None without dropout): the abstract
   argument ``plan --lower`` lowers the step with."""
-  lo = ctx.cfg.model.lora
-  if role is not Role.ACTOR or not lo.enabled or not lo.dropout > 0:
+  if not _drops(ctx, role):
     return None
   data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
-  return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=NamedSharding(lay.mesh, PartitionSpec()))
+  return jax.ShapeDtypeStruct(data.shape, data.dtype,
+                              sharding=NamedSharding(lay.mesh, PartitionSpec()))
 
 
 def _actor_loss(g, p, mb, cfg):

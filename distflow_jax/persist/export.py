@@ -92,17 +92,14 @@ def export(checkpoint_path: str, out: str, step: int | None = None, *,
   mode = export_mode(lora, meta.get("config") or {}, where)
   tok_dir = os.path.join(root, checkpoint.STATIC, "tokenizer")
   tokenizer = Tokenizer.from_dir(tok_dir) if os.path.isdir(tok_dir) else None
-  if mode is None:
-    model = actor_model(arrays, meta, where)
-  else:
+  if mode is LoraExport.ADAPTER:
     actor = lora_actor.load(arrays, meta, where, root)
-    if mode is LoraExport.ADAPTER:
-      if overwrite:
-        destination.clear_model_files(out)
-      save_adapter(out, adapter_arrays(actor.model), meta.get("config") or {},
-                   actor.linear_modules(), base=actor.base_path or None)
-      return step
-    model = actor.merged
+    if overwrite:
+      destination.clear_model_files(out)
+    save_adapter(out, adapter_arrays(actor.model), meta.get("config") or {},
+                 actor.linear_modules(), base=actor.base_path or None)
+    return step
+  model = whole_actor(arrays, meta, where, root)  # a LoRA run's: merged
   if overwrite:
     destination.clear_model_files(out)
   save_actor(out, model, tokenizer, meta, where)

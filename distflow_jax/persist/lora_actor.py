@@ -22,7 +22,6 @@ from flax import nnx
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.models import hf_io, lora, sharding
 from distflow_jax.models.config import ModelConfig
-from distflow_jax.models.lora_layer import TARGETABLE
 from distflow_jax.models.transformer import Transformer
 from distflow_jax.persist import actor_arrays
 from distflow_jax.persist.checkpoint_contents import CheckpointError, adapters_base_fingerprint
@@ -44,8 +43,7 @@ class LoraActor:
 
   def linear_modules(self) -> list[str]:
     """Every projection of the model an adapter could target, by HF module name."""
-    return [f"model.layers.{i}.{m}" for i in range(self.model.cfg.num_layers)
-            for m in TARGETABLE.values()]
+    return lora.linear_modules(self.model.cfg)
 
 
 def is_lora(meta: dict[str, Any]) -> bool:

@@ -25,8 +25,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from distflow_jax.algos import losses, off_policy
 from distflow_jax.models import heads, lora, lora_layer
@@ -189,6 +191,14 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
   return placement.PinnedStep(step)
 
 
+def replicated_key(key: jax.Array, mesh) -> jax.Array:
+  """A typed PRNG key's raw data, replicated on ``mesh`` (the same on every process): a
+  train step's ``rng`` input."""
+  data = np.asarray(jax.random.key_data(key))
+  return jax.make_array_from_process_local_data(NamedSharding(mesh, PartitionSpec()), data,
+                                                data.shape)
+
+
 def micro_key(rng: jax.Array | None, index) -> jax.Array | None:
   """The adapter-dropout key of micro-batch (or unit) ``index`` of a step given ``rng`` (raw
   key data; None: no dropout)."""
@@ -207,9 +217,10 @@ def accumulator_dtype(dtype) -> jnp.dtype:
 
 def apply_update(tx: optax.GradientTransformation, params, opt_state, batch: Batch, grads,
                  out: losses.LossOutput, grad_norm: jax.Array, group_size: int):
-  """The optimizer step on summed gradients of the trainable ``params`` (float32 from `make_train_step`: cast to the
-  parameters' dtype unless the optimizer keeps float32 master weights), kept only if
-  `step_ok` and the rows are grouped; returns ``(params, opt_state, stats)``."""
+  """The optimizer step on summed gradients of the trainable ``params`` (float32 from
+  `make_train_step`: cast to the parameters' dtype unless the optimizer keeps float32
+  master weights), kept only if `step_ok` and the rows are grouped; returns
+  ``(params, opt_state, stats)``."""
   grouped = hidden_lib.prompts_grouped(batch, group_size) if group_size > 1 else jnp.bool_(True)
   if not isinstance(opt_state, optim.MasterState):
     # A float32 master copy takes the float32 sum as it is; otherwise the optimizer's

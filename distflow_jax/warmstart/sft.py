@@ -95,17 +95,15 @@ def train(state: ModelState, data: Data, *, steps: int, batch_size: int, seed: i
   for i in range(start, steps):
     idx = next(order)
     mb = {k: jax.device_put(v[idx], sharding) for k, v in data.items()}
-    rng = (jax.device_put(dropout_key(seed, i), NamedSharding(state.mesh, P()))
-           if adapter_dropout else None)
+    rng = steps_lib.replicated_key(dropout_key(seed, i), state.mesh) if adapter_dropout else None
     state.params, state.opt_state, stats = step_fn(state.params, state.opt_state, mb, rng)
     if on_step is not None:
       on_step(i + 1, stats)
 
 
-def dropout_key(seed: int, step: int) -> np.ndarray:
-  """The raw key data of SFT step ``step``'s adapter dropout (apart from RL's keys)."""
-  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 0x5F7), step)
-  return np.asarray(jax.random.key_data(key))
+def dropout_key(seed: int, step: int) -> jax.Array:
+  """The PRNG key of SFT step ``step``'s adapter dropout (apart from RL's keys)."""
+  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 0x5F7), step)
 
 
 def mean_loss(stats: Mapping[str, jax.Array]) -> float:
