@@ -20,11 +20,12 @@ import jax
 from flax import nnx
 
 from distflow_jax.config.loading import ConfigError
-from distflow_jax.models import hf_io, lora, sharding
+from distflow_jax.models import lora, sharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import Transformer
 from distflow_jax.persist import actor_arrays
 from distflow_jax.persist.checkpoint_contents import CheckpointError, adapters_base_fingerprint
+from distflow_jax.state import roles
 
 WARMSTART = "warmstart"
 
@@ -71,16 +72,11 @@ def _candidates(meta: dict[str, Any], root: str) -> list[str]:
 
 
 def _with_adapters(base_path: str, model_cfg: ModelConfig, seed: int) -> Transformer:
-  """The base at ``base_path`` (or the preset fresh from ``seed``) as the run built it,
-  plus adapters (their values are set from the checkpoint next)."""
-  base_cfg = model_cfg.replace(lora=None)
-  if base_path:
-    base = hf_io.load_pretrained(base_path, cfg=base_cfg)
-  else:
-    mesh = sharding.make_mesh({"data": 1}, jax.local_devices()[:1])
-    base = sharding.create_sharded(lambda: Transformer(base_cfg, rngs=nnx.Rngs(seed)), mesh,
-                                   sharding.no_sharding())
-  return lora.attach(base, model_cfg.lora, seed)
+  """The base at ``base_path`` (or the preset fresh from ``seed``) plus adapters, built as
+  the run built its actor (``roles.build_actor``) on the first local device; the adapters'
+  values are set from the checkpoint next."""
+  mesh = sharding.make_mesh({"data": 1}, jax.local_devices()[:1])
+  return roles.build_actor(model_cfg, mesh, base_path, seed)
 
 
 def _describe(path: str, meta: dict[str, Any]) -> str:
