@@ -87,7 +87,7 @@ def test_wheel_installs_and_trains_outside_the_tree(tmp_path):
   venv = tmp_path / "venv"
   _run([sys.executable, "-m", "venv", venv], timeout=120, cwd=tmp_path)
   py, cli = venv / "bin" / "python", venv / "bin" / "distflow-jax"
-  _run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+  _run([py, "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check",
         "-c", _constraints(tmp_path / "constraints.txt"), wheel], timeout=600, cwd=tmp_path)
 
   work = tmp_path / "cwd"
