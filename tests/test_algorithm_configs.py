@@ -69,8 +69,15 @@ def test_settings_suit_each_estimator():
 @pytest.fixture(scope="module")
 def shared_compiles(tmp_path_factory):
   """A persistent compilation cache for this module's runs: the variants share most of
-  their programs (generation, log-probs), so each compiles only what it changes."""
+  their programs (generation, log-probs), so each compiles only what it changes.  Under
+  the suite's own cache (tests/conftest.py, inherited through JAX_COMPILATION_CACHE_DIR)
+  that one serves, shared with every other test."""
+  import os
+
   import jax
+  if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    yield
+    return
   keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
           "jax_persistent_cache_min_entry_size_bytes")
   old = {k: getattr(jax.config, k) for k in keys}
