@@ -34,6 +34,8 @@ CASES = {
     "vision_language": (["--config=grpo_vl:tiny", ON], "LoRA on a vision-language model"),
     "critic_unknown": ([ON, "--config.model.lora.critic=half"], "model.lora.critic='half'"),
     "critic_undeclared": (["--config=ppo:tiny", ON], "model.lora.critic=full"),
+    "base_check_not_bool": ([ON, "--config.model.lora.base_check=maybe"],
+                            "model.lora.base_check"),
 }
 
 
@@ -55,8 +57,9 @@ TINY = {"self_attn.q_proj": (32, 32), "self_attn.k_proj": (32, 16),
         "mlp.up_proj": (32, 48), "mlp.down_proj": (48, 32)}
 
 
-def adapter(folder, rank=8, alpha=16.0, shapes=None, layers=(0,)):
-  """A PEFT folder for the tiny model (every projection unless ``shapes`` says otherwise)."""
+def adapter(folder, rank=8, alpha=16.0, shapes=None, layers=(0,), base="/models/model"):
+  """A PEFT folder for the tiny model (every projection unless ``shapes`` says otherwise),
+  trained on ``base`` (by default a model of tiny_model_folder's name, "model")."""
   import numpy as np
   from distflow_jax.models.peft_files import write_adapter
   shapes = TINY if shapes is None else shapes
@@ -65,7 +68,7 @@ def adapter(folder, rank=8, alpha=16.0, shapes=None, layers=(0,)):
             for i in layers for m, (d_in, d_out) in shapes.items()}
   write_adapter(folder, arrays, rank=rank, alpha=alpha, dropout=0.0,
                 target_modules=sorted({m.rsplit(".", 1)[-1] for m in shapes}),
-                base_model_name_or_path="/models/other")
+                base_model_name_or_path=base)
   return folder
 
 
@@ -101,6 +104,11 @@ ADAPTER_CASES = {
                       ["adapter_model.safetensors has no adapter for 6 module(s)",
                        "model.lora.targets", "target_modules ('q_proj',)"]),
     "missing_folder": (lambda f: f, ["adapter folder", "does not exist"]),
+    # The right shapes, another base (an instruct model's adapter on its base model, say).
+    "other_base": (lambda f: adapter(f, base="Qwen/Other-Instruct"),
+                   ["adapter_config.json was trained on base_model_name_or_path="
+                    "'Qwen/Other-Instruct'", "'other-instruct' vs 'model'",
+                    "--config.model.lora.base_check=False"]),
 }
 
 
@@ -166,3 +174,16 @@ def test_a_lora_run_whose_base_changed_or_went_is_one_line(tmp_path, capsys):
   code, err = run(capsys, "export", f"--checkpoint={run_ck}", f"--out={tmp_path}/out")
   assert code == 2, err
   assert_one_line(err, f"model.path={base!r}, which holds no config.json now", "put that folder")
+
+
+@pytest.mark.timeout(60)
+def test_base_check_false_accepts_an_adapter_of_another_name():
+  from distflow_jax.config import loading
+  from distflow_jax.config.loading import ConfigError
+  from distflow_jax.state import roles
+  cfg = loading.load("grpo:tiny", ["model.path=/data/my-copy", "model.lora.enabled=True"])
+  with pytest.raises(ConfigError, match="'qwen2.5-0.5b' vs 'my-copy'"):
+    roles._check_base(cfg, "/a", "Qwen/Qwen2.5-0.5B")
+  roles._check_base(cfg, "/a", "/elsewhere/My-Copy/")  # the same name: accepted
+  cfg.model.lora.base_check = False
+  roles._check_base(cfg, "/a", "Qwen/Qwen2.5-0.5B")

@@ -296,3 +296,13 @@ def test_writer_refuses_what_peft_would_not_load(tmp_path):
   with pytest.raises(ValueError, match="NaN"):
     write(tmp_path, bad)
   assert not (tmp_path / CONFIG).exists()
+
+
+@pytest.mark.timeout(30)
+def test_model_name_reads_paths_hub_ids_and_cache_snapshots():
+  from distflow_jax.models.peft_files import model_name
+  assert model_name("Qwen/Qwen2.5-0.5B-Instruct") == "qwen2.5-0.5b-instruct"
+  assert model_name("/data/models/Qwen2.5-0.5B-Instruct/") == "qwen2.5-0.5b-instruct"
+  assert model_name("/root/.cache/huggingface/hub/models--Qwen--Qwen2.5-0.5B-Instruct/"
+                    "snapshots/7ae557604adf67be50417f59c2c2f167def9a775") == "qwen2.5-0.5b-instruct"
+  assert model_name("Qwen/Qwen2.5-0.5B") != model_name("Qwen/Qwen2.5-0.5B-Instruct")

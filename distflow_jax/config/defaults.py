@@ -97,9 +97,11 @@ def base() -> ml_collections.ConfigDict:
       # "full" trains the critic's whole weights from the base (they count in plan
       # --memory as a full fine-tune's do).  dropout: p in [0, 1), PEFT's
       # lora_dropout on the adapters' input, in the actor's train step only (masks from
-      # seed, step, micro-batch).  path: a PEFT adapter folder to start from ("" = fresh).
+      # seed, step, micro-batch).  path: a PEFT adapter folder to start from ("" = fresh);
+      # base_check: refuse one whose base_model_name_or_path names another model than
+      # model.path (the last path part, or the hub repository's name).
       lora=dict(enabled=False, rank=8, alpha=16.0, dropout=0.0, init="gaussian", path="",
-                critic="",
+                base_check=True, critic="",
                 targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                          "down_proj")),
   )

@@ -24,6 +24,8 @@ def check(cfg) -> None:
       raise ConfigError(f"model.lora.path={lo.path!r} is set but model.lora.enabled=False; "
                         f"add --config.model.lora.enabled=True or clear the path")
     return
+  if not isinstance(lo.base_check, bool):
+    raise ConfigError(f"model.lora.base_check={lo.base_check!r} must be true or false")
   from distflow_jax.models.lora_layer import INITS  # noqa: PLC0415 (jax-free module)
   if isinstance(lo.rank, bool) or not isinstance(lo.rank, int) or lo.rank <= 0:
     raise ConfigError(f"model.lora.rank={lo.rank!r} must be a whole number > 0 (or set "

@@ -84,6 +84,20 @@ class AdapterMeta:
     return self.alpha / self.rank
 
 
+_HF_CACHE = re.compile(r"models--[^/\\]+?--(?P<name>[^/\\]+)[/\\]snapshots")
+
+
+def model_name(path_or_id: str) -> str:
+  """The model's name in a base model's path or hub id, lower-cased, for comparing an
+  adapter's ``base_model_name_or_path`` with the run's ``model.path``: the last path part
+  ("Qwen/Qwen2.5-0.5B" and "/data/Qwen2.5-0.5B/" name "qwen2.5-0.5b"), or the repository's
+  name in a Hugging Face cache snapshot (".../models--Qwen--Qwen2.5-0.5B/snapshots/<hash>")."""
+  hit = _HF_CACHE.search(path_or_id)
+  if hit:
+    return hit.group("name").lower()
+  return os.path.basename(path_or_id.rstrip("/\\")).lower()
+
+
 def targets_module(targets: Iterable[str], module: str) -> bool:
   """peft's rule for a list of target names: the module's full name or a suffix after a dot."""
   return any(module == t or module.endswith("." + t) for t in targets)

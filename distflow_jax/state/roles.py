@@ -159,7 +159,24 @@ def start_adapters(cfg: ml_collections.ConfigDict, actor: nnx.Module) -> None:
                       f"{list(spec.targets)} adapts (e.g. {missing[0]!r}; {', '.join(shorts)}); "
                       f"set model.lora.targets to the adapter's target_modules "
                       f"{meta.target_modules!r}")
+  _check_base(cfg, path, meta.base_model_name_or_path)
   lora.set_adapter_arrays(actor, arrays)
+
+
+def _check_base(cfg: ml_collections.ConfigDict, path: str, base: str | None) -> None:
+  """An adapter trained on another base of the same shapes (an instruct model's adapter on
+  its base model, say) is refused where both name a model and the names differ."""
+  from distflow_jax.models import peft_files  # pylint: disable=import-outside-toplevel
+  model = cfg.model.get("path", "")
+  if not (base and model and cfg.model.lora.get("base_check", True)):
+    return
+  if peft_files.model_name(base) != peft_files.model_name(model):
+    raise ConfigError(f"model.lora.path={path!r}: {os.path.join(path, peft_files.CONFIG)} was "
+                      f"trained on base_model_name_or_path={base!r}, but model.path={model!r} "
+                      f"names another model ({peft_files.model_name(base)!r} vs "
+                      f"{peft_files.model_name(model)!r}); start from that base, or add "
+                      f"--config.model.lora.base_check=False if the folder is that model "
+                      f"under another name")
 
 
 def load_reward_model(path: str, mesh: Mesh, dtype: str, tokenizer: Tokenizer) -> nnx.Module:
