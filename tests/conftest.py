@@ -52,3 +52,25 @@ def pytest_collection_modifyitems(config, items):
   finish together instead of one running a two-minute test alone at the end."""
   slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
   items.sort(key=lambda item: item.module.__name__ not in slow)
+
+
+# DISTFLOW_TEST_CPU_LOG=FILE: each test's CPU seconds, wall seconds and XLA compiles, one JSON
+# line each (tests/cpu_profile.py; tools/test_cpu_report.py sums them).
+import pytest  # noqa: E402
+
+import cpu_profile  # noqa: E402
+
+
+def pytest_configure(config):
+  if cpu_profile.enabled():
+    cpu_profile.listen()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  if not cpu_profile.enabled():
+    yield
+    return
+  started = cpu_profile.start()
+  yield
+  cpu_profile.record(item.nodeid, started)
