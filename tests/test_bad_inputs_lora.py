@@ -34,6 +34,9 @@ CASES = {
     "vision_language": (["--config=grpo_vl:tiny", ON], "LoRA on a vision-language model"),
     "critic_unknown": ([ON, "--config.model.lora.critic=half"], "model.lora.critic='half'"),
     "critic_undeclared": (["--config=ppo:tiny", ON], "model.lora.critic=full"),
+    "lora_sync_unknown": ([ON, "--config.rollout.lora_sync=both"],
+                          "rollout.lora_sync='both' is not valid; choose one of ['merged', "
+                          "'adapters']"),
 }
 
 
