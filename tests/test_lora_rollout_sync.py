@@ -162,3 +162,23 @@ def test_a_changed_base_is_refused_in_one_line():
   assert "\n" not in msg and "layers/1/mlp/up_proj/kernel" in msg, msg
   assert "rollout.lora_sync=merged" in msg, msg
   eng.update_params(params)  # the base it copied is still accepted
+
+
+def test_merged_kernels_the_caller_dropped_are_not_kept_between_syncs():
+  """The engine holds no merged kernel between syncs once its caller dropped the weights
+  (they do not stay alive through the train step); the next merge writes new buffers."""
+  import gc
+  import weakref
+  _, (_, params) = _actor(8, False)
+  eng = _engine(LoraSync.ADAPTERS, 2, False)
+  first = eng.update_params(_randomized(params, 1))
+  refs = [weakref.ref(x) for x in jax.tree.leaves(first)]
+  kernel = _leaves(first)["layers/0/attn/q_proj/kernel"]
+  want = np.asarray(kernel)
+  del first, kernel
+  gc.collect()
+  counts = eng.compile_counts()
+  second = _leaves(eng.update_params(_randomized(params, 1)))
+  assert sum(r() is None for r in refs) >= len(lora.adapter_arrays(params))  # freed
+  np.testing.assert_array_equal(np.asarray(second["layers/0/attn/q_proj/kernel"]), want)
+  assert eng.compile_counts() == counts

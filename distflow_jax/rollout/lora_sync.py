@@ -8,10 +8,13 @@ rollout layout and merges them there in one jitted program:
 
     W = base + a @ b * alpha / r      per target (lora.merged_kernel, as the merged route)
 
-The merge donates the previous sync's merged kernels: each new kernel is written into the
-old one's buffer, so old and new merged weights never coexist.  The other leaves of the
-rollout weights are the base copy's own arrays.  Cost: one extra base on the rollout
-devices where the layouts differ (the base copy beside the merged kernels).
+The merge donates the previous sync's merged kernels where the caller still holds them
+(each new kernel is written into the old one's buffer), else writes into new buffers: old
+and new merged weights never coexist, and between syncs the engine keeps no merged kernel
+alive that the caller dropped.  The other leaves of the rollout weights are the base copy's
+own arrays.  Cost: one extra base on the rollout devices where the layouts differ (the
+base copy, kept for the run, beside the merged weights the merged route holds as well), in
+each engine (the ``generate`` node's, and ``eval``'s greedy one).
 
 Where a base parameter's rollout layout is its training layout (one device, loop layers),
 the base is not copied at all: the rollout uses the training array's buffer itself, taken
@@ -30,6 +33,7 @@ and the merge.  ``programs`` lists them for ``plan --lower``.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -110,7 +114,7 @@ class AdapterSync:
     self._base: dict[str, jax.Array] | None = None   # the engine's own base arrays
     self._aliased: set[str] = set()                  # taken from the training base
     self._fingerprint: np.ndarray | None = None
-    self._merged: list[jax.Array] | None = None
+    self._merged: list[weakref.ref] = []             # the last merge's kernels
     self.bytes_moved = 0
 
   # ---- the sync ------------------------------------------------------------------------
@@ -124,16 +128,24 @@ class AdapterSync:
     train = _flat(base) if self._aliased else {}
     rollout_base = {p: jax.device_put(train[p], self._dst[p]) if p in self._aliased
                     else self._base[p] for p in self._dst}  # (an equivalent layout: no copy)
-    previous = self._merged if self._merged is not None else self._empty()
-    self._merged = None
     merged = self._merge([rollout_base[t + "/kernel"] for t in self._targets],
                          [synced[t + "/lora_a"] for t in self._targets],
-                         [synced[t + "/lora_b"] for t in self._targets], previous)
-    del previous
-    self._merged = merged
+                         [synced[t + "/lora_b"] for t in self._targets], self._previous())
+    self._merged = [weakref.ref(x) for x in merged]
     values = {**rollout_base, **{t + "/kernel": m for t, m in zip(self._targets, merged)}}
     return nnx.from_flat_state([(k, v.replace(values[path_str(k)]))
                                 for k, v in nnx.to_flat_state(self._dst_state)])
+
+  def _previous(self) -> list[jax.Array]:
+    """The buffers the merge writes into: the previous sync's merged kernels where the
+    caller still holds them all (donated), else new ones (the old, if any, deleted)."""
+    alive = [r() for r in self._merged]
+    if alive and all(x is not None and not x.is_deleted() for x in alive):
+      return alive
+    for x in alive:
+      if x is not None and not x.is_deleted():
+        x.delete()
+    return self._empty()
 
   def _loop(self, state: nnx.State) -> nnx.State:
     return self._unstack(state) if stacking.is_stacked(state) else state
