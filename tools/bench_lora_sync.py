@@ -114,8 +114,9 @@ def main(argv=None) -> int:
   times: dict[str, list[float]] = {n: [] for n in engines}
   for i in range(a.rounds):
     adapters = step(adapters, jax.random.key(i))  # a "train step": new adapters, same base
-    got = bc.alternate({n: (lambda n=n: sync(n)) for n in engines}, 1, on_time=lambda _, n, s,
-                       v, i=i: on_time(i, n, s, v))
+    order = list(engines)[i % 2:] + list(engines)[:i % 2]  # who goes first alternates
+    got = bc.alternate({n: (lambda n=n: sync(n)) for n in order}, 1,
+                       on_time=lambda _, n, s, v, i=i: on_time(i, n, s, v))
     for n, t in got.items():
       times[n] += t
   want = [np.asarray(x) for x in jax.tree.leaves(engines["merged"].update_params(params))]
