@@ -182,3 +182,24 @@ def test_merged_kernels_the_caller_dropped_are_not_kept_between_syncs():
   assert sum(r() is None for r in refs) >= len(lora.adapter_arrays(params))  # freed
   np.testing.assert_array_equal(np.asarray(second["layers/0/attn/q_proj/kernel"]), want)
   assert eng.compile_counts() == counts
+
+
+@pytest.mark.timeout(600)
+def test_a_run_logs_the_bytes_each_sync_moved(tmp_path, capsys):
+  """A 2-step grpo:tiny_lora run (8 devices, rollout.lora_sync=adapters): step 1 moves the
+  base and the adapters, step 2 the adapters alone, as ``sync/bytes_moved`` in its
+  metrics; the adapters' bytes from the micro preset's shapes."""
+  import json
+
+  from distflow_jax import cli
+  from distflow_jax.models.config import PRESETS
+  from workflow_util import SMOKE
+  run_dir = tmp_path / "run"
+  code = cli.main(["train", "--config=grpo:tiny_lora", f"--config.run_dir={run_dir}",
+                   *[f"--config.{o}" for o in SMOKE if not o.startswith("trainer.total_steps")],
+                   "--config.trainer.total_steps=2", "--config.rollout.lora_sync=adapters"])
+  assert code == 0, capsys.readouterr().err
+  rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  moved = [r["sync/bytes_moved"] for r in rows if "sync/bytes_moved" in r]
+  want = adapter_bytes(PRESETS["micro"](64), rank=8)
+  assert len(moved) == 2 and moved[1] == want and moved[0] > 5 * want, (moved, want)
