@@ -78,7 +78,7 @@ def test_adapters_route_matches_the_merged_route_over_train_steps(where, scan):
   counts, tokens = None, []
   base_bytes = sum(x.size * x.dtype.itemsize
                    for x in jax.tree.leaves(lora.split_trainable(params)[1]))
-  for k in range(4):
+  for k in range(3):
     states = {r: e.update_params(params) for r, e in engines.items()}
     got = {r: _leaves(s) for r, s in states.items()}
     merged, adapters = got[LoraSync.MERGED], got[LoraSync.ADAPTERS]

@@ -76,10 +76,6 @@ def _sub(state: nnx.State, paths: set[str]) -> nnx.State:
                               if path_str(k) in paths])
 
 
-def _nbytes(x: Any) -> int:
-  return int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
-
-
 class AdapterSync:
   """The ``adapters`` route (module doc) into an engine's ``param_shardings`` (its loop
   layout, no adapters) on ``mesh``; ``model_cfg`` carries the LoRA spec.  ``bytes_moved``:
