@@ -36,6 +36,9 @@ CASES = {
     "critic_undeclared": (["--config=ppo:tiny", ON], "model.lora.critic=full"),
     "base_check_not_bool": ([ON, "--config.model.lora.base_check=maybe"],
                             "model.lora.base_check"),
+    "lora_sync_unknown": ([ON, "--config.rollout.lora_sync=both"],
+                          "rollout.lora_sync='both' is not valid; choose one of ['merged', "
+                          "'adapters']"),
 }
 
 

@@ -77,3 +77,21 @@ def test_compiled_lora_state_is_sharded_like_the_base(capsys):
                      + 2 * (192 / 8 + 512) + 512 + 192 / 8)
   assert comp[("actor", "optimizer state")] == pytest.approx(8 * per_dev / 1e6, abs=0.05)
   assert comp[("actor", "optimizer state")] < an[("actor", "optimizer state")]
+
+
+@pytest.mark.timeout(120)
+def test_lora_sync_adapters_plan_keeps_a_base_copy_and_moves_the_adapters(capsys):
+  """rollout.lora_sync=adapters: a resident base copy the size of the rollout weights on the
+  rollout devices, and the traffic lines name the adapters' bytes a step (from the shapes:
+  rank 8 on the 7 projections of 3 layers of d=192) and the base's once."""
+  out_m, merged = _memory(capsys, "grpo:tiny", "--config.model.lora.enabled=True")
+  out_a, adapters = _memory(capsys, "grpo:tiny", "--config.model.lora.enabled=True",
+                            "--config.rollout.lora_sync=adapters")
+  key = ("generate", "rollout base copy (rollout.lora_sync=adapters)")
+  assert key not in merged
+  assert adapters[key] == adapters[("generate", "rollout weights (synced copy)")] > 1.0
+  moved = 4 * 3 * 8 * (2 * (192 + 192) + 2 * (192 + 96) + 3 * (192 + 512)) / 1e6
+  full = re.search(r"the merged model's ([\d.]+) MB a step", out_m)[1]
+  assert f"the adapters' {moved:.1f} MB a step" in out_m
+  assert (f"the adapters' {moved:.1f} MB a step, merged on the rollout devices; the base's "
+          f"{full} MB once") in out_a

@@ -45,7 +45,8 @@ def _assert_all_lower(rows):
 
 
 TINY = [("grpo:tiny", ()), ("ppo:tiny", ()), ("reinforce_pp_two_rewards:tiny", ()),
-        ("grpo_vl:tiny", ()), ("grpo:tiny_lora", ("model.lora.dropout=0.05",))] + [
+        ("grpo_vl:tiny", ()), ("grpo:tiny_lora", ("model.lora.dropout=0.05",)),
+        ("grpo:tiny_lora", ("rollout.lora_sync=adapters",))] + [
     (f"algorithms:{v}", ()) for v in ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp_baseline",
                                       "dapo", "gspo")]
 # The tiny model in bfloat16 (head dim 48: cuDNN serves it) under each lever that changes
@@ -65,7 +66,8 @@ LEVERS = {
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("spec,overrides", TINY, ids=[t[0] for t in TINY])
+@pytest.mark.parametrize("spec,overrides", TINY,
+                         ids=[t[0] + "".join(f"+{o}" for o in t[1]) for t in TINY])
 def test_shipped_tiny_configs_lower_for_h100(spec, overrides):
   cat, rows = lower(spec, overrides)
   _assert_all_lower(rows)
@@ -228,6 +230,29 @@ def test_catalogue_holds_every_program_a_real_run_compiles(tmp_path, spec):
     first = json.loads(f.readline())
   assert first["step"] == 1 and first["compile/programs"] == data["count"], (
       first.get("compile/programs"), data["count"], len(ours))
+
+
+@pytest.mark.timeout(300)
+def test_lora_catalogue_holds_the_base_warm_start_and_the_base_fingerprint():
+  """A LoRA run warm-starts its whole base (no adapters) and checksums its frozen base at
+  each save (its fingerprint): both programs are in the catalogue, on the base's arrays.
+  (A real 1-step grpo:tiny_lora run, probed as above, compiles nothing else the catalogue
+  lacks, with rollout.lora_sync=adapters too; its count of programs still differs: LoRA's
+  attach compiles one program per adapter leaf.)"""
+  import jax
+  for extra in ((), ("rollout.lora_sync=adapters",)):
+    cfg, plan = _plan("grpo:tiny_lora", extra)
+    cat = catalogue.programs(cfg, plan, abstract.abstract_context(cfg, plan,
+                                                                  abstract.model_shape(cfg)))
+    progs = {p.name: p for p in cat.programs}
+    warm = progs["sft_step"]
+    names = {str(getattr(k, "key", k)) for path, _ in
+             jax.tree_util.tree_flatten_with_path(warm.args[0])[0] for k in path}
+    assert "kernel" in names and not names & {"lora_a", "lora_b"}, names
+    assert any(n.startswith("checksum[lora base,") for n in progs), sorted(progs)
+    sync = [n for n in progs if "sync" in n]
+    want = "lora_sync/merge" if extra else "sync/reshard[layers/0]"
+    assert want in sync, sync
 
 
 @pytest.mark.slow

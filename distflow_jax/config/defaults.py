@@ -147,6 +147,11 @@ def base() -> ml_collections.ConfigDict:
       # slow, the tests' oracle) | jetstream (JetStream's orchestrator over the same
       # engine; needs google-jetstream).  An unknown name is refused, listing the valid ones.
       backend="engine",
+      # A LoRA actor's weights into the engine (rollout/lora_sync.py): merged (merge
+      # W + a @ b * alpha / r on the training mesh, sync every weight) | adapters (sync the
+      # frozen base once into the engine's own copy, then only the adapters; merge on the
+      # rollout devices).  Without LoRA both are the plain sync.
+      lora_sync="merged",
   )
   c.actor = dict(
       optimizer=optimizer(1e-5),

@@ -14,6 +14,7 @@ vision-language model's warm start.  ``Catalogue.notes`` says so for the config.
 
 from __future__ import annotations
 
+import dataclasses
 
 import jax
 import ml_collections
@@ -169,10 +170,14 @@ def move_programs(ctx: RunContext, step, src, lay, fields: list[str], rows: int
 
 def checksum_programs(ctx: RunContext) -> list[Program]:
   """A save's checksums: one program per mesh over the saved arrays laid out on it, for the
-  trained state and (first save only) the reference model's parameters."""
+  trained state, (first save only) the reference model's parameters and a LoRA actor's
+  frozen base (its fingerprint: checkpoint_contents.base_fingerprint)."""
+  from distflow_jax.models import lora
   sets = [("", checkpoint_contents.trained_state(ctx.roles))]
   if Role.REFERENCE in ctx.roles:
     sets.append(("reference,", ctx.roles[Role.REFERENCE].params))
+  if lora.has_adapters(ctx.roles[Role.ACTOR].params):
+    sets.append(("lora base,", lora.split_trainable(ctx.roles[Role.ACTOR].params)[1]))
   out = []
   for what, tree in sets:
     arrays = {n: x for n, x in checksums.flatten(tree).items()
@@ -185,13 +190,23 @@ def checksum_programs(ctx: RunContext) -> list[Program]:
 
 def warmstart_programs(ctx: RunContext) -> list[Program]:
   """The built-in model's supervised warm start (warmstart/text.run), when the config
-  has one: its train step on the actor's mesh."""
+  has one: its train step on the actor's mesh, on the whole base (a LoRA run warm-starts
+  its base before the adapters go on: warmstart/text.ensure_model)."""
   cfg = ctx.cfg
   ws = cfg.model.warmstart
   if cfg.model.path or ws.steps <= 0:
     return []
   from distflow_jax.warmstart import sft, text
+  from flax import nnx
+
+  from distflow_jax.models import lora
+  from distflow_jax.models.transformer import Transformer
   state = ctx.roles[Role.ACTOR]
+  if lora.has_adapters(state.params):
+    base_cfg = ctx.model_cfg.replace(lora=None)
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(base_cfg, rngs=nnx.Rngs(0))))[0]
+    state = dataclasses.replace(state, graphdef=graphdef,
+                                params=lora.split_trainable(state.params)[1])
   tx = text.optimizer(ws.lr, ws.steps)
   opt = cp.abstract_opt_state(tx, state.params, state.mesh)
   sharding, _ = sft.data_parallel(state.mesh)

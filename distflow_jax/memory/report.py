@@ -78,6 +78,8 @@ def _advice(cfg: ml_collections.ConfigDict, fsdp: int, per_host: int) -> dict[st
                   "it shrinks only with the model")),
       "fallback": "keep the rollout on the actor's devices of each host (the fallback "
                   "gathers whole parameters on every training device)",
+      "lora_base": "set rollout.lora_sync=merged (the base is then synced merged each "
+                   "step, not kept)",
       "unstack": "set model.scan_layers=False (the rollout's per-layer copy is then the "
                  "training parameters themselves; compiles take longer)",
       "pass": f"lower data.prompts_per_step (now {cfg.data.prompts_per_step}; the pass runs "

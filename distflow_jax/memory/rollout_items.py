@@ -17,7 +17,7 @@ import ml_collections
 from distflow_jax.dag.planner import Plan
 from distflow_jax.dag.spec import Role
 from distflow_jax.memory import analytic as an
-from distflow_jax.memory.consumers import Item
+from distflow_jax.memory.consumers import RESIDENT, Item
 from distflow_jax.models.config import ModelConfig
 
 def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
@@ -29,14 +29,19 @@ def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelC
   route the whole parameters gathered.  Decode (``<node>``): the synced weights, the KV
   cache, and while it grows one old layer beside the new cache.  The previous step's
   rollout weights are released before the sync (rollout/weight_sync.py): counted once.
-  With LoRA every figure is the merged base's (adapters merged before the sync)."""
+  With LoRA every figure is the merged base's; under ``rollout.lora_sync=adapters`` the
+  engine also keeps its own base copy for the run (rollout/lora_sync.py), unless the
+  rollout layout is the training one (one device, loop layers: aliased)."""
   from distflow_jax.memory import compiled as cp
   from distflow_jax.models import sharding
   from distflow_jax.rollout import cache_growth
-  from distflow_jax.rollout.engine_config import EngineConfig
+  from distflow_jax.rollout.engine_config import EngineConfig, LoraSync
   from distflow_jax.state import roles as roles_lib
   topo = plan.topology
-  # LoRA: the engine holds (and the sync moves) the merged base, no adapters (rollout/engine)
+  # LoRA: the engine holds the merged base, no adapters (rollout/engine)
+  adapters = (model_cfg.lora is not None and LoraSync(cfg.rollout.get("lora_sync", "merged"))
+              is LoraSync.ADAPTERS)
+  aliased = shards == 1 and cfg.rollout.tensor_parallel == 1 and not model_cfg.scan_layers
   model_cfg = model_cfg.replace(lora=None)
   src = "compiled" if comp else "analytic"
   sync = f"{node_id}/weight_sync"  # one word: the peak line reads "while <phase> runs"
@@ -77,6 +82,9 @@ def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelC
     out.append(Item(node_id, "KV cache growth (one old layer while it grows)",
                     kvb * caps[-2] / caps[-1] / (2 * model_cfg.num_layers), devs, node_id,
                     src, adv["kv"]))
+  if adapters and not aliased:
+    out.append(Item(node_id, "rollout base copy (rollout.lora_sync=adapters)", wb, devs,
+                    RESIDENT, src, adv["lora_base"]))
   what = f"weight sync buffers (largest of {steps} steps)" if steps else \
       "weight sync buffers (largest step)"
   out.append(Item(node_id, what, temp, devs, sync, src, adv["sync"]))

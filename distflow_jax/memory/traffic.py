@@ -3,7 +3,9 @@
 Re-partitions are sized with the data plane's own plan (``data.plan``) on the simulated
 devices, every row at full length (the most a step can move); the weight sync moves the
 actor's parameters straight into the rollout layout (``rollout.weight_sync``: each device
-receives its rollout shard), or on its fallback route gathers them whole.
+receives its rollout shard), or on its fallback route gathers them whole.  A LoRA actor
+syncs its merged weights (``rollout.lora_sync=merged``) or, after a first sync of its base,
+its adapters alone (``adapters``; rollout/lora_sync.py).
 """
 
 from __future__ import annotations
@@ -23,11 +25,16 @@ def per_step(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
   full = an.param_bytes(model_cfg.replace(lora=None))  # LoRA: the merged base is synced
   out = []
   gen = next((s for s in plan.steps if s.node.fn == "generate"), None)
+  who = "weight sync: the actor's"
+  if gen is not None and model_cfg.lora is not None:
+    line, once = _lora_line(cfg, model_cfg, full)
+    out.append(line)
+    who = "the base's first sync: its" if once else who
   if gen is not None and direct:
     tp = cfg.rollout.tensor_parallel
     data = max(len(gen.layout.devices) // topo.num_processes // tp, 1)
     far = data * full * (1 - 1 / topo.num_processes)
-    out.append(f"weight sync: the actor's {an.fmt(full)} straight into the rollout layout "
+    out.append(f"{who} {an.fmt(full)} straight into the rollout layout "
                f"(rollout.tensor_parallel={tp}): each device receives at most its "
                f"{an.fmt(full / tp)} shard; across hosts each process receives about "
                f"{an.fmt(far)}")
@@ -54,6 +61,21 @@ def per_step(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
     out.append(where + ", ".join(f"process {p} sends {an.fmt(s)} / receives {an.fmt(r)}"
                                  for p, (s, r) in moved.items()))
   return out
+
+
+def _lora_line(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig, full: float
+               ) -> tuple[str, bool]:
+  """What a LoRA actor's sync moves a step under its ``rollout.lora_sync`` (whole arrays),
+  and whether the base moves once only (``adapters``)."""
+  from distflow_jax.rollout.engine_config import LoraSync
+  adapters = 4 * an.adapter_params(model_cfg)
+  if LoraSync(cfg.rollout.get("lora_sync", "merged")) is LoraSync.ADAPTERS:
+    return (f"weight sync (rollout.lora_sync=adapters): the adapters' {an.fmt(adapters)} a "
+            f"step, merged on the rollout devices; the base's {an.fmt(full)} once, on the "
+            f"first sync (none where the rollout layout is the training one)"), True
+  return (f"weight sync (rollout.lora_sync=merged): the merged model's {an.fmt(full)} a step "
+          f"(rollout.lora_sync=adapters would move the adapters' {an.fmt(adapters)} a step "
+          f"after a first sync of the base)"), False
 
 
 def _repartition_bytes(plan: Plan, src, dst, rows: int, length: int, row_bytes: int,

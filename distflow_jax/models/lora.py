@@ -82,6 +82,13 @@ def _targets(params: nnx.State) -> dict[str, dict[str, Any]]:
   return groups
 
 
+def merged_kernel(w: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+  """One target's ``W + a @ b * scale``, in float32, cast to W's dtype (every merge: the
+  rollout's two sync routes, the export)."""
+  delta = jnp.matmul(a, b) * jnp.float32(scale)
+  return (w.astype(jnp.float32) + delta).astype(w.dtype)
+
+
 def merged_state(params: nnx.State, scale: float) -> nnx.State:
   """The base state with each target's kernel ``W + a @ b * scale`` (computed in float32,
   cast to W's dtype) and no adapter leaves; jit-friendly (shapes fixed, no Python values
@@ -91,9 +98,8 @@ def merged_state(params: nnx.State, scale: float) -> nnx.State:
   merged_keys = set()
   for owner, leaves in groups.items():
     (kk, kernel), (_, a), (_, b) = leaves["kernel"], leaves["lora_a"], leaves["lora_b"]
-    w = kernel.get_value()
-    delta = jnp.matmul(a.get_value(), b.get_value()) * jnp.float32(scale)
-    out.append((kk, kernel.replace((w.astype(jnp.float32) + delta).astype(w.dtype))))
+    out.append((kk, kernel.replace(merged_kernel(kernel.get_value(), a.get_value(),
+                                                 b.get_value(), scale))))
     merged_keys.add(kk)
   for k, v in nnx.to_flat_state(params):
     if k not in merged_keys and not isinstance(v, nnx.LoRAParam):

@@ -20,6 +20,9 @@ def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Bat
   rollout = ctx.section(node, "rollout")
   backend = ctx.backend(rollout)
   params = backend.update_weights(ctx.roles[Role.ACTOR].params)
+  # Bytes the sync resharded (LoRA with rollout.lora_sync=adapters: the adapters alone from
+  # the second step on).
+  ctx.metrics.set_max("sync/bytes_moved", backend.sync_bytes)
   ids, lens = np.asarray(prompts.data["prompt_ids"]), np.asarray(prompts.data["prompt_len"])
   plist = [ids[i, :lens[i]] for i in range(len(lens))]
   n = rollout.n

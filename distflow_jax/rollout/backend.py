@@ -51,6 +51,7 @@ class RolloutBackend(Protocol):
 
   name: str
   config: EngineConfig  # sampling, stop ids, max_new_tokens, prompt-length limit, seed
+  sync_bytes: int       # what the last update_weights resharded (whole arrays' bytes)
 
   def load_params(self, params: nnx.State | nnx.Module | None = None) -> Any:
     """A model (or its state) placed for this backend; random init when None."""

@@ -47,11 +47,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from distflow_jax.models import lora, sharding as msharding, stacking
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import Transformer
-from distflow_jax.rollout import cache_growth, decode, engine_programs, prefill_rows, weight_sync
+from distflow_jax.rollout import (cache_growth, decode, engine_programs, lora_sync, prefill_rows,
+                                  weight_sync)
 from distflow_jax.rollout.decode import DecodeState, Prefix, StepOutput
 # The settings, placement and result types live in their own modules; re-exported here.
-from distflow_jax.rollout.engine_config import (EngineConfig, decode_state_shardings, place_params,
-                                               prefix_shardings, replica_mesh)
+from distflow_jax.rollout.engine_config import (EngineConfig, LoraSync, decode_state_shardings,
+                                               place_params, prefix_shardings, replica_mesh)
 from distflow_jax.rollout.results import ResultTokens, SlotData
 from distflow_jax.rollout.sampling import request_keys
 
@@ -67,8 +68,10 @@ class Engine:
     # stacked (scan_layers) weights per decode step could cost a copy of every weight.
     # Stacked parameters handed in are unstacked once, by `_unstacked`.
     self.model_cfg = model_cfg
-    # LoRA: the engine holds merged weights (W + a @ b * alpha / r, computed in the jitted
-    # sync, `_unstacked`), so it runs the plain model at the base's speed.
+    # LoRA: the engine holds merged weights (W + a @ b * alpha / r), so it runs the plain
+    # model at the base's speed; merged on the training mesh before the sync (`_unstacked`,
+    # lora_sync=merged) or on the rollout devices after syncing the adapters alone
+    # (lora_sync=adapters: rollout/lora_sync.py).
     self._loop_cfg = model_cfg.replace(scan_layers=False, lora=None)
     self._lora_scale = None if model_cfg.lora is None else model_cfg.lora.scale
     self.config = config
@@ -111,6 +114,8 @@ class Engine:
     self._base_key = jax.random.key(c.seed)
     self._next_request = 0
     self._sync: weight_sync.WeightSync | None = None
+    self._adapter_sync: lora_sync.AdapterSync | None = None
+    self.sync_bytes = 0         # what the last update_params resharded (whole arrays)
     self._unstack = None
     self._params_sig = None     # prefill_insert's parameter signature (precompile)
     self._precompiled: set[tuple[int, int]] = set()
@@ -158,14 +163,30 @@ class Engine:
 
   def update_params(self, train_params: nnx.State) -> nnx.State:
     """The actor's parameters, in any training layout, resharded into this engine's layout."""
-    if self._sync is None:
-      self._sync = weight_sync.WeightSync(self.param_shardings)
-    return self._sync(self._unstacked(train_params))
+    if self._syncs_adapters(train_params):
+      self._adapter_sync = self._adapter_sync or self._new_adapter_sync()
+      sync, out = self._adapter_sync, self._adapter_sync(train_params)
+    else:
+      self._sync = self._sync or weight_sync.WeightSync(self.param_shardings)
+      sync, out = self._sync, self._sync(self._unstacked(train_params))
+    self.sync_bytes = sync.bytes_moved
+    return out
+
+  def _syncs_adapters(self, train_params: Any) -> bool:
+    return (self.config.lora_sync is LoraSync.ADAPTERS and self._lora_scale is not None
+            and lora.has_adapters(train_params))
+
+  def _new_adapter_sync(self, process_of=None) -> lora_sync.AdapterSync:
+    return lora_sync.AdapterSync(self.model_cfg, self.param_shardings, self._mesh,
+                                 self.rules, process_of)
 
   def sync_programs(self, train_params: Any, process_of=None) -> list[engine_programs.Program]:
     """The programs ``update_params`` runs for (abstract, sharded) ``train_params``: the
     split of stacked layers, then the weight sync's steps (``process_of``: a simulated
     topology's device -> process, as ``WeightSync`` takes it)."""
+    if self._syncs_adapters(train_params):
+      return [engine_programs.Program(n, fn, args)
+              for n, fn, args in self._new_adapter_sync(process_of).programs(train_params)]
     return engine_programs.sync_programs(train_params, self.param_shardings, self._unstacker,
                                          process_of)
 
@@ -317,4 +338,6 @@ class Engine:
         ("prefill_insert", self._prefill_insert), ("prefill", self._prefill),
         ("insert", self._insert))}
     counts["weight_sync"] = self._sync.compile_count() if self._sync is not None else 0
+    counts["lora_sync"] = (self._adapter_sync.compile_count()
+                           if self._adapter_sync is not None else 0)
     return counts

@@ -37,6 +37,10 @@ class EngineBackend:
   def config(self) -> EngineConfig:
     return self.engine.config
 
+  @property
+  def sync_bytes(self) -> int:
+    return self.engine.sync_bytes
+
   def load_params(self, params: nnx.State | nnx.Module | None = None) -> nnx.State:
     return self.engine.load_params(params)
 

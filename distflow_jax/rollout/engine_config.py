@@ -10,6 +10,7 @@ memory planner read the same settings and layouts without pulling in the engine.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any, Sequence
 
 import jax
@@ -21,6 +22,15 @@ from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import KVCache, Transformer
 from distflow_jax.rollout.decode import DecodeState, Prefix
 from distflow_jax.rollout.sampling import SamplingParams
+
+
+class LoraSync(enum.Enum):
+  """How a LoRA actor's weights reach the engine (``rollout.lora_sync``; rollout/lora_sync.py):
+  ``merged`` merges ``W + a @ b * alpha / r`` on the training mesh and syncs every weight;
+  ``adapters`` syncs the frozen base once into the engine's own copy, then only the adapters,
+  and merges on the rollout devices."""
+  MERGED = "merged"
+  ADAPTERS = "adapters"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +52,10 @@ class EngineConfig:
   # grows (rollout/cache_growth.py; bitwise the same results, less memory early on, one
   # decode program per capacity).  fixed_shapes keeps one full-size cache.
   grow_cache: bool = False
+  lora_sync: LoraSync = LoraSync.MERGED
 
   def __post_init__(self):
+    object.__setattr__(self, "lora_sync", LoraSync(self.lora_sync))
     object.__setattr__(self, "prefill_buckets", tuple(sorted(set(self.prefill_buckets))))
     object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
     for name in ("max_concurrent_decodes", "max_new_tokens", "decode_steps"):
@@ -66,7 +78,7 @@ class EngineConfig:
                stop_ids=tuple(stop_ids), decode_steps=int(rollout.decode_chunk),
                sampling=SamplingParams(temperature=float(rollout.temperature),
                                        top_p=float(rollout.top_p), top_k=int(rollout.top_k)),
-               seed=int(seed))
+               seed=int(seed), lora_sync=LoraSync(rollout.get("lora_sync", "merged")))
 
   @property
   def cache_len(self) -> int:

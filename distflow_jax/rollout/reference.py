@@ -89,6 +89,10 @@ class ReferenceSampler:
                          out_shardings=(rep, rep, rep))
     self._sync: weight_sync.WeightSync | None = None
 
+  @property
+  def sync_bytes(self) -> int:
+    return self._sync.bytes_moved if self._sync is not None else 0
+
   def load_params(self, params: nnx.State | nnx.Module | None = None) -> nnx.State:
     """Places `params` (a model or its state) on this replica; random init when None."""
     return place_params(self.model_cfg, params, self.mesh, self.rules, self.param_shardings,

@@ -32,6 +32,10 @@ unsharded inputs): the old route, one all-gather replicating that parameter over
 own devices, each host picking its copy, then a local reshard; that costs the whole
 parameter on every training device while it runs.
 
+``bytes_moved`` is the size of the arrays the last call resharded (whole arrays, not per
+device): what a sync of this tree costs in traffic, before any device already held its
+shard.
+
 The jitted functions are built once per (training layout, rollout layout) and reused,
 so from the second sync on nothing compiles (``compile_count``).  ``lower`` compiles the
 same program on abstract shapes for ``plan --memory``, with the processes of a simulated
@@ -117,6 +121,7 @@ class WeightSync:
     self._routes: dict[Any, _Route] = {}
     self._fns: dict[Any, Any] = {}   # one jitted step per distinct chunk signature
     self._previous: list[weakref.ref] = []
+    self.bytes_moved = 0
     meshes = {s.mesh for s in self._dst_leaves if isinstance(s, NamedSharding)}
     one = len(meshes) == 1 and all(isinstance(s, NamedSharding) for s in self._dst_leaves)
     self._replica: Mesh | None = next(iter(meshes)) if one else None
@@ -230,6 +235,7 @@ class WeightSync:
       for i, x in zip(sorted(rest), placed):
         result[i] = x
     self._previous = [weakref.ref(x) for x in result]
+    self.bytes_moved = sum(x.size * x.dtype.itemsize for x in leaves)
     return jax.tree.unflatten(treedef, result)
 
   def _from_block(self, x: jax.Array, shards: dict, dst: NamedSharding,

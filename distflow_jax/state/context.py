@@ -26,6 +26,7 @@ from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.rollout.backend import RolloutBackend, backend_factory
 from distflow_jax.rollout.engine import EngineConfig, replica_mesh
+from distflow_jax.rollout.engine_config import LoraSync
 from distflow_jax.rollout.sampling import SamplingParams
 from distflow_jax.state import roles as roles_lib, vision as vision_lib, warm_shapes
 from distflow_jax.state.algo_state import AlgoState
@@ -152,7 +153,8 @@ def engine_config(cfg: ml_collections.ConfigDict, rollout: ml_collections.Config
                       prefill_buckets=tuple(rollout.prefill_buckets),
                       max_new_tokens=rollout.max_new_tokens, stop_ids=tuple(stop_ids),
                       sampling=sp, seed=cfg.seed, fixed_shapes=cfg.trainer.deterministic,
-                      decode_steps=rollout.decode_chunk)
+                      decode_steps=rollout.decode_chunk,
+                      lora_sync=LoraSync(rollout.get("lora_sync", "merged")))
 
 
 def shared_prompt_group(cfg: ml_collections.ConfigDict, num_rows: int, num_shards: int) -> int:
