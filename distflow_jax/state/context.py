@@ -132,8 +132,9 @@ class RunContext:
   def rollout_devices(self) -> list[jax.Device]:
     """The rollout replicas' devices: the plan's rollout layout's (placement.rollout),
     else the actor's."""
-    lay = next((s.layout for s in self.plan.steps if s.layout.kind is LayoutKind.ROLLOUT),
-               None)
+    plan = getattr(self, "plan", None)  # hand-made contexts (tests) may have none
+    lay = next((s.layout for s in (plan.steps if plan is not None else ())
+                if s.layout.kind is LayoutKind.ROLLOUT), None)
     if lay is None:
       return list(self.roles[Role.ACTOR].mesh.devices.flat)
     devs = roles_lib.ordered_devices()
