@@ -66,6 +66,8 @@ class InFlightLoader:
     self.restored: list[in_flight.Saved] = []
 
   def __getattr__(self, name: str) -> Any:
+    if name == "loader":  # not set yet (copy, unpickling): no recursion
+      raise AttributeError(name)
     return getattr(self.loader, name)
 
   def __iter__(self) -> "InFlightLoader":
