@@ -81,3 +81,24 @@ def test_redistribute_batch_can_keep_grpo_groups_together():
   for s in moved.data["group_id"].addressable_shards:
     ids = np.asarray(s.data)
     assert ids.size == 2 and ids[0] == ids[1], ids
+
+
+def test_redistribute_batch_onto_other_devices():
+  """A rollout on devices 0:4 hands its batch to training on 4:8 (trainer.max_staleness):
+  every sample once, bit-identical, on the destination's devices, groups kept whole."""
+  auto = jax.sharding.AxisType.Auto
+  devs = np.array(jax.devices()[:8])
+  src = Layout(Mesh(devs[:4], ("data",), axis_types=(auto,)), ("data",))
+  dst = Layout(Mesh(devs[4:].reshape(1, 4), ("data", "fsdp"), axis_types=(auto,) * 2),
+               ("data", "fsdp"))
+  b = to_global(expand_groups(_prompts(8), 2), src)  # 16 samples, 8 groups of 2
+  lengths = (np.arange(16) * 7) % 11 + 1
+  moved, perm = redistribute_batch(b, lengths, src, dst, group_size=2)
+  np.testing.assert_array_equal(np.sort(perm), np.arange(16))
+  for k, v in b.data.items():
+    np.testing.assert_array_equal(np.asarray(moved.data[k]), np.asarray(v)[perm])
+    assert placed_as(moved.data[k], dst)
+    assert {s.device for s in moved.data[k].addressable_shards} == set(devs[4:])
+  for s in moved.data["group_id"].addressable_shards:
+    ids = np.asarray(s.data)
+    assert ids.size == 4 and ids[0] == ids[1] and ids[2] == ids[3], ids

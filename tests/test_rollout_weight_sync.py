@@ -155,3 +155,27 @@ def test_refinement_of_two_meshes():
   assert len(r.axes[(0, "fsdp")]) == 2 and len(r.axes[(1, "b")]) == 2
   assert Refinement.of(np.asarray(jax.devices()[:6], dtype=object),
                        [(("a", "b"), (2, 3)), (("c", "d"), (3, 2))]) is None
+
+
+@pytest.mark.timeout(120)
+def test_sync_onto_rollout_devices_apart_from_training():
+  """placement.rollout apart from training (trainer.max_staleness): FSDP over devices 4:8,
+  the replica on 0:4.  Straight into the rollout layout on the training block (no whole
+  parameter gathered on a training device), then one move onto the rollout's devices:
+  values exact, each rollout device holds its shard and nothing lands elsewhere."""
+  model = peaky_model(5)
+  want = jax.tree.map(np.asarray, nnx.state(model))
+  devs = jax.devices()
+  train = sharding.shard_state(nnx.state(model), sharding.make_mesh({"fsdp": 4}, devs[4:]),
+                               sharding.fsdp_tp_rules())
+  dst = sharding.state_shardings(nnx.state(model), replica_mesh(2, devs[:4]),
+                                 sharding.fsdp_tp_rules())
+  sync = WeightSync(dst)
+  got = sync(train)
+  for (path, g), (_, w), (_, sh) in zip(nnx.to_flat_state(got), nnx.to_flat_state(want),
+                                        nnx.to_flat_state(dst)):
+    np.testing.assert_array_equal(np.asarray(g[...]), w[...], err_msg=str(path))
+    assert g[...].sharding == sh.get_value(), path
+    assert {s.device for s in g[...].addressable_shards} == set(devs[:4]), path
+  assert all(sync._route(*_flat(train)).direct)
+  assert sync.memory(_abstract(train)).direct

@@ -325,6 +325,9 @@ def _check_trainer(t) -> None:
                       f"path (\"\" = no compile cache)")
   if "compile_ahead" in t:
     option(t.compile_ahead, "trainer.compile_ahead", "compile_ahead")
+  if "max_staleness" in t:
+    positive(t.max_staleness, "trainer.max_staleness", allow_zero=True,
+             note=" (0 = the synchronous loop)")
 
 
 def _check_sft(s) -> None:

@@ -238,23 +238,39 @@ def role_mesh(role: Role, placement: Mapping[str, Any] | None, topo: Topology) -
   return RoleMesh(role=role, devices=devs, axes=tuple((a, sizes[a]) for a in MESH_AXES))
 
 
-def rollout_layout(actor: RoleMesh, tp: int, topo: Topology) -> NodeLayout:
+def rollout_devices(spec: Any, actor: RoleMesh, topo: Topology) -> tuple[int, ...]:
+  """``placement.rollout``: {devices: "actor" (the default: the actor's devices) | a device
+  spec as a role's}; the rollout replicas then run on devices of their own."""
+  spec = _as_dict(spec, "placement.rollout", "a dict with key devices")
+  unknown = sorted(set(spec) - {"devices"}, key=repr)
+  if unknown:
+    raise DagError(f"placement.rollout: unknown key(s) {unknown}; valid: devices")
+  devices = spec.get("devices", "actor")
+  if devices == "actor":
+    return actor.devices
+  return parse_devices(devices, topo, "placement.rollout")
+
+
+def rollout_layout(actor: RoleMesh, tp: int, topo: Topology, spec: Any = None) -> NodeLayout:
   if not _is_int(tp) or tp < 1:
     raise DagError(f"rollout.tensor_parallel must be an int >= 1, got {tp!r}")
+  devices = rollout_devices(spec, actor, topo)
+  on = "actor" if devices == actor.devices else "placement.rollout"
   for p in range(topo.num_processes):
-    local = [d for d in actor.devices if topo.process_of(d) == p]
+    local = [d for d in devices if topo.process_of(d) == p]
     if len(local) % tp:
-      raise DagError(f"rollout.tensor_parallel={tp} does not divide the {len(local)} actor "
+      raise DagError(f"rollout.tensor_parallel={tp} does not divide the {len(local)} {on} "
                      f"devices of process {p}: a rollout replica must stay inside one host")
-  return NodeLayout(name=f"rollout(actor, tp={tp})", kind=LayoutKind.ROLLOUT,
-                devices=actor.devices, dp_size=len(actor.devices) // tp)
+  name = f"rollout({'actor' if on == 'actor' else 'own'}, tp={tp})"
+  return NodeLayout(name=name, kind=LayoutKind.ROLLOUT, devices=devices,
+                    dp_size=len(devices) // tp)
 
 
 def make_plan(dag: Dag, registry: Registry, topo: Topology,
               placement: Mapping[str, Any] | None = None,
               rollout_tensor_parallel: int = 1) -> Plan:
   placement = _as_dict(placement, "placement", "a dict of role -> {devices, mesh}")
-  valid_roles = {r.value.lower() for r in Role}
+  valid_roles = {r.value.lower() for r in Role} | {"rollout"}
   for key in placement:
     if key not in valid_roles:
       name = f"placement.{key}" if isinstance(key, str) and key.isidentifier() else (
@@ -264,8 +280,8 @@ def make_plan(dag: Dag, registry: Registry, topo: Topology,
   if any(registry.spec(n.fn).placement is Placement.ROLLOUT for n in dag.nodes):
     used = sorted(set(used) | {Role.ACTOR}, key=lambda r: r.value)
   meshes = {r: role_mesh(r, placement.get(r.value.lower()), topo) for r in used}
-  rollout = (rollout_layout(meshes[Role.ACTOR], rollout_tensor_parallel, topo)
-             if Role.ACTOR in meshes else None)
+  rollout = (rollout_layout(meshes[Role.ACTOR], rollout_tensor_parallel, topo,
+                            placement.get("rollout")) if Role.ACTOR in meshes else None)
 
   def layout_of(node: Node, current: NodeLayout | None, intact: bool) -> NodeLayout:
     spec = registry.spec(node.fn)

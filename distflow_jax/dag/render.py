@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 def render(plan: Plan, process: int | None = None) -> str:
   """Deterministic text form of the plan, for all processes or one."""
+  from distflow_jax.dag.planner import LayoutKind
+  from distflow_jax.dag.spec import Role
   t = plan.topology
   lines = [f"topology: {t.num_processes} process(es) x {t.devices_per_process} device(s) "
            f"= {t.num_devices} devices"]
@@ -22,7 +24,11 @@ def render(plan: Plan, process: int | None = None) -> str:
     shape = " x ".join(f"{a}={s}" for a, s in m.axes)
     lines.append(f"mesh {m.role.value.lower():<9} devices {_span(m.devices)}  {shape}  "
                  f"(dp={m.dp_size})")
-  lines.append(f"rollout: one replica per {plan.rollout_tensor_parallel} local actor "
+  roll = next((s.layout for s in plan.steps if s.layout.kind is LayoutKind.ROLLOUT), None)
+  actor = next((m.devices for m in plan.meshes if m.role is Role.ACTOR), None)
+  where = ("actor" if roll is None or roll.devices == actor
+           else f"placement.rollout (devices {_span(roll.devices)})")
+  lines.append(f"rollout: one replica per {plan.rollout_tensor_parallel} local {where} "
                f"device(s), inside each host")
   lines.append("chain:")
   w_node = max(len(s.node.describe()) for s in plan.steps)

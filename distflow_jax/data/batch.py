@@ -116,6 +116,14 @@ def redistribute_batch(batch: Batch, lengths_B: np.ndarray, src: Layout,
   ``group_size=n`` keeps each GRPO group (``n`` adjacent samples, see
   :func:`expand_groups`) on one destination shard.
   """
-  data, perm = rd.redistribute(dict(batch.data), lengths_B, src, dst, mode=mode,
+  data = dict(batch.data)
+  if src.devices != dst.devices:
+    # Other devices (a rollout apart from training): each array first moves as it is
+    # split, rows in order, onto dst's devices (one transfer), then the re-partition runs
+    # among those.
+    data = {k: jax.device_put(v, dst.sharding) if isinstance(v, jax.Array) else v
+            for k, v in data.items()}
+    src = dst
+  data, perm = rd.redistribute(data, lengths_B, src, dst, mode=mode,
                                group_size=group_size, on_plan=on_plan)
   return Batch(data, batch.host), perm

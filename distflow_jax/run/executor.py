@@ -72,7 +72,7 @@ def _recorder(ctx: RunContext, dst, mode: str):
   return on_plan
 
 
-def _run_steps(ctx: RunContext, steps, batch: Batch, current):
+def run_steps(ctx: RunContext, steps, batch: Batch, current):
   """Runs ``steps`` of the chain; returns the batch and its layout."""
   for step in steps:
     node = step.node
@@ -114,10 +114,17 @@ def run_step(ctx: RunContext, prompts: Batch,
   """
   ctx.metrics = type(ctx.metrics)()
   start = time.perf_counter()
-  steps = ctx.plan.steps
   batch, current, done = dynamic_sampling.sample_prefix(
-      ctx, prompts, more_prompts, lambda part, b, lay: _run_steps(ctx, part, b, lay))
-  batch, _ = _run_steps(ctx, steps[done:], batch, current)
+      ctx, prompts, more_prompts, lambda part, b, lay: run_steps(ctx, part, b, lay))
+  return run_rest(ctx, batch, current, done, start)
+
+
+def run_rest(ctx: RunContext, batch: Batch, current, done: int, start: float
+             ) -> dict[str, float]:
+  """The chain's steps from ``done`` on (``batch`` laid out as ``current``), then the
+  step's metrics (``ctx.metrics``, reduced over hosts; ``time/step`` since ``start``)."""
+  steps = ctx.plan.steps
+  batch, _ = run_steps(ctx, steps[done:], batch, current)
   tokens = float(_token_lengths(ctx, batch).sum())
   ctx.metrics.set_max("time/step", time.perf_counter() - start)
   out = ctx.metrics.reduce()

@@ -25,7 +25,7 @@ from distflow_jax.data.loader import PromptLoader
 from distflow_jax.tasks import registry as tasks
 from distflow_jax.nodes import rollout as rollout_nodes
 from distflow_jax.persist import checkpoint
-from distflow_jax.run import compile_cache
+from distflow_jax.run import async_rollout, compile_cache
 from distflow_jax.state import warm_shapes
 from distflow_jax.run import evaluate as eval_lib
 from distflow_jax.run import executor
@@ -106,6 +106,7 @@ def setup(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print
                 image_root=cfg.data.get("image_root", ""))
   train = PromptLoader(train_path, batch_size=cfg.data.prompts_per_step // nproc,
                        seed=cfg.data.shuffle_seed, **common)
+  train = async_rollout.wrap_loader(cfg, train)  # its state holds the batches in flight
   ev = None
   if cfg.trainer.eval_every and eval_path is not None:
     ev = PromptLoader(eval_path, batch_size=max(cfg.data.eval_size // nproc, 1), shuffle=False,
@@ -199,20 +200,38 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
     first.update(compiles())
     writer.write(first)
     yield first
+  pipeline = async_rollout.start(cfg, ctx, loaders.train, start_step)  # None: synchronous
+  try:
+    yield from _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer,
+                     pipeline, run_eval, after_step, compiles, eval_batch)
+  finally:
+    if pipeline is not None:
+      pipeline.close()
+  if checkpointer is not None:
+    checkpointer.wait()
+
+
+def _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, pipeline,
+          run_eval, after_step, compiles, eval_batch) -> Iterator[dict[str, float]]:
   for step in range(start_step, cfg.trainer.total_steps):
     ctx.step = step
-    prompts = next(loaders.train)
     if step == start_step:
       phase(log, "compile/first step")  # the first step compiles every node: the slow one
     with heartbeat(log if step == start_step else None, "compile and first step",
                    heartbeat_interval(cfg)):
-      metrics = executor.run_step(ctx, prompts, more_prompts=lambda: next(loaders.train))
+      if pipeline is None:
+        metrics = executor.run_step(ctx, next(loaders.train),
+                                    more_prompts=lambda: next(loaders.train))
+      else:
+        metrics = pipeline.step(step)
     metrics["step"] = step + 1
     metrics["data/bad_rows"] = float(sum(v for k, v in loaders.train.counts.items() if k != "ok"))
     if eval_batch is not None and ((step + 1) % cfg.trainer.eval_every == 0
                                    or step + 1 == cfg.trainer.total_steps):
       metrics.update(run_eval(step + 1))
     t0 = time.perf_counter()
+    if pipeline is not None and step == start_step:
+      pipeline.wait_all()  # the first after_step compiles the rollout's shapes
     after_step(step == start_step)  # counted in this step, not when a shape first shows
     if step == start_step:  # outside time/step: the first step's whole cost is the sum
       metrics["compile/ahead_s"] = time.perf_counter() - t0
@@ -229,8 +248,6 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
       phase(log, "checkpoint save")
       checkpointer.save(step + 1, ctx.roles, loaders.train, cfg, ctx.model_cfg, ctx.tokenizer)
     yield metrics
-  if checkpointer is not None:
-    checkpointer.wait()
 
 
 def compile_ahead(cfg: ml_collections.ConfigDict, ctx: RunContext,

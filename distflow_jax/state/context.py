@@ -119,9 +119,9 @@ class RunContext:
     make = backend_factory(name)  # refuses an unknown name, listing the valid ones
     key = (name, conf, rollout.tensor_parallel)
     if key not in self._backends:
-      actor_devices = set(self.roles[Role.ACTOR].mesh.devices.flat)
+      mine = set(self.rollout_devices())
       # `devices`: another host's (plan --lower builds process 0's replica anywhere).
-      local = [d for d in (devices or jax.local_devices()) if d in actor_devices]
+      local = [d for d in (devices or jax.local_devices()) if d in mine]
       if self.cfg.trainer.deterministic:
         # One tensor-parallel group per host (no data-parallel split of the slots), so
         # the replica has the same shape whatever the host's device count.
@@ -129,6 +129,17 @@ class RunContext:
       self._backends[key] = make(self.model_cfg, conf,
                                 replica_mesh(rollout.tensor_parallel, local))
     return self._backends[key]
+
+  def rollout_devices(self) -> list[jax.Device]:
+    """The rollout replicas' devices: the plan's rollout layout's (placement.rollout),
+    else the actor's."""
+    plan = getattr(self, "plan", None)  # hand-made contexts (tests) may have none
+    lay = next((s.layout for s in (plan.steps if plan is not None else ())
+                if s.layout.kind is LayoutKind.ROLLOUT), None)
+    if lay is None:
+      return list(self.roles[Role.ACTOR].mesh.devices.flat)
+    devs = roles_lib.ordered_devices()
+    return [devs[i] for i in lay.devices]
 
   def precompile_rollouts(self) -> None:
     """Every rollout replica built so far compiles the shapes a later step may meet."""
