@@ -231,3 +231,21 @@ def test_engine_sync_merges_the_adapters_without_recompiling(scan):
   assert engine._unstack._cache_size() == 1  # pylint: disable=protected-access
   print(f"lora sync (scan={scan}): first {times[0] * 1e3:.1f} ms, then "
         f"{min(times[1:]) * 1e3:.1f} ms")
+
+
+@pytest.mark.timeout(120)
+def test_fresh_adapters_are_one_program_whatever_the_targets():
+  """attach makes every adapter in one jitted program (lora.adapter_init), not one per
+  leaf: a cold start compiles one program for them however many targets and layers."""
+  from distflow_jax.run.compile_cache import CompileCounter
+  model_cfg = ModelConfig(arch="llama", vocab_size=40, hidden_size=24, intermediate_size=40,
+                          num_layers=3, num_heads=3, num_kv_heads=1, head_dim=8)  # its own
+  spec = LoraSpec(rank=3, alpha=6.0, targets=("q_proj", "k_proj", "v_proj", "o_proj",
+                                               "gate_proj", "up_proj", "down_proj"))
+  base = Transformer(model_cfg, rngs=nnx.Rngs(0))
+  counter = CompileCounter()
+  before = counter.snapshot()
+  model = lora.attach(base, spec, seed=11)
+  made = counter.since(before)
+  assert len(lora.adapter_shapes(model)) == 3 * 7  # 21 adapters, 42 leaves
+  assert made.programs == 1, made

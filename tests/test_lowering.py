@@ -236,9 +236,10 @@ def test_catalogue_holds_every_program_a_real_run_compiles(tmp_path, spec):
 def test_lora_catalogue_holds_the_base_warm_start_and_the_base_fingerprint():
   """A LoRA run warm-starts its whole base (no adapters) and checksums its frozen base at
   each save (its fingerprint): both programs are in the catalogue, on the base's arrays.
-  (A real 1-step grpo:tiny_lora run, probed as above, compiles nothing else the catalogue
-  lacks, with rollout.lora_sync=adapters too; its count of programs still differs: LoRA's
-  attach compiles one program per adapter leaf.)"""
+  The fresh adapters are one program (lora.adapter_init), in the catalogue too.  (A real
+  1-step grpo:tiny_lora run, probed as above, compiles nothing else the catalogue lacks,
+  with rollout.lora_sync=adapters too; its count of programs still differs by two: 34
+  logged against plan --programs' 32, 2026-11-27.)"""
   import jax
   for extra in ((), ("rollout.lora_sync=adapters",)):
     cfg, plan = _plan("grpo:tiny_lora", extra)
@@ -250,6 +251,7 @@ def test_lora_catalogue_holds_the_base_warm_start_and_the_base_fingerprint():
              jax.tree_util.tree_flatten_with_path(warm.args[0])[0] for k in path}
     assert "kernel" in names and not names & {"lora_a", "lora_b"}, names
     assert any(n.startswith("checksum[lora base,") for n in progs), sorted(progs)
+    assert "init_adapters[actor]" in progs, sorted(progs)
     sync = [n for n in progs if "sync" in n]
     want = "lora_sync/merge" if extra else "sync/reshard[layers/0]"
     assert want in sync, sync

@@ -249,6 +249,11 @@ def init_programs(ctx: RunContext) -> list[Program]:
     _, init = msharding.init_program(lambda: Transformer(ctx.model_cfg, rngs=nnx.Rngs(0)),
                                      mesh, rules)
     out.append(Program("setup", "init_params[actor]", init, ()))
+  if ctx.model_cfg.lora is not None:  # the fresh adapters, one program (models/lora.attach)
+    from distflow_jax.models import lora
+    _, init = lora.adapter_init(ctx.model_cfg, ctx.roles[Role.ACTOR].mesh, rules)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+    out.append(Program("setup", "init_adapters[actor]", init, (key,)))
   if Role.CRITIC in ctx.roles:
     mesh = ctx.roles[Role.CRITIC].mesh
     _, init = msharding.init_program(lambda: Critic(ctx.model_cfg, rngs=nnx.Rngs(0)), mesh,

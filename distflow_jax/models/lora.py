@@ -117,29 +117,39 @@ def merged_model(model: Transformer) -> Transformer:
   return nnx.merge(graphdef, merged_state(nnx.split(model)[1], model.cfg.lora.scale))
 
 
+def adapter_init(cfg, mesh: Mesh | None = None, rules: Rules | None = None):
+  """``(keys, init_adapters)``: the adapter leaves' flat-state keys of a model of ``cfg``
+  (its ``lora`` set) and one jitted program making all of them from a seed's key, each
+  ``lora_a`` drawn from the key folded with its path, each ``lora_b`` zero, placed per
+  ``rules`` on ``mesh`` (None: the first local device): one compile whatever the targets."""
+  spec = cfg.lora
+  abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))[1]
+  init = a_init(spec.init, spec.rank)
+  rules = rules or no_sharding()
+  adapters = [(key, path_str(key), var.get_value().shape)
+              for key, var in nnx.to_flat_state(abstract) if isinstance(var, nnx.LoRAParam)]
+
+  def init_adapters(key):
+    return tuple(init(jax.random.fold_in(key, zlib.crc32(p.encode())), shape, jnp.float32)
+                 if p.endswith("lora_a") else jnp.zeros(shape, jnp.float32)
+                 for _, p, shape in adapters)
+  where = tuple(SingleDeviceSharding(jax.local_devices()[0]) if mesh is None else
+                NamedSharding(mesh, spec_for(p, shape, rules, mesh)) for _, p, shape in adapters)
+  return [k for k, _, _ in adapters], jax.jit(init_adapters, out_shardings=where)
+
+
 def attach(model: Transformer, spec: LoraSpec, seed: int, mesh: Mesh | None = None,
            rules: Rules | None = None) -> Transformer:
-  """``model`` (a Transformer without adapters) with fresh adapters per ``spec``: its base
-  leaves as they are (no copy), each ``lora_a`` drawn from ``seed`` and its path, each
-  ``lora_b`` zero, placed per ``rules`` on ``mesh`` (None: the first local device)."""
+  """``model`` (a Transformer without adapters) with fresh adapters per ``spec``
+  (``adapter_init``): its base leaves as they are (no copy)."""
   check(spec, model.cfg)
   cfg = model.cfg.replace(lora=spec)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
   base = dict(nnx.to_flat_state(nnx.split(model)[1]))
-  init = a_init(spec.init, spec.rank)
-  rules = rules or no_sharding()
-  flat = []
-  for key, var in nnx.to_flat_state(abstract):
-    if not isinstance(var, nnx.LoRAParam):
-      flat.append((key, base[key]))
-      continue
-    p, aval = path_str(key), var.get_value()
-    where = (SingleDeviceSharding(jax.local_devices()[0]) if mesh is None else
-             NamedSharding(mesh, spec_for(p, aval.shape, rules, mesh)))
-    rng = jax.random.fold_in(jax.random.key(seed), zlib.crc32(p.encode()))
-    make = ((lambda r, s=aval.shape: init(r, s, jnp.float32)) if p.endswith("lora_a") else
-            (lambda r, s=aval.shape: jnp.zeros(s, jnp.float32)))
-    flat.append((key, var.replace(jax.jit(make, out_shardings=where)(rng))))
+  keys, init_adapters = adapter_init(cfg, mesh, rules)
+  made = dict(zip(keys, init_adapters(jax.random.key(seed))))
+  flat = [(key, var.replace(made[key]) if key in made else base[key])
+          for key, var in nnx.to_flat_state(abstract)]
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
