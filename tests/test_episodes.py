@@ -1,0 +1,112 @@
+"""Multi-turn episodes (rollout/episodes.py): the engine's greedy episodes equal the reference
+backend's token for token with a scripted environment; observation tokens are in the
+sequence mask and out of the loss mask; an environment's failure ends the episode or stops."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from distflow_jax.envs import guard, parsers
+from distflow_jax.rollout import SamplingParams, backend, episodes, reference
+from distflow_jax.rollout.engine import Engine
+from distflow_jax.rollout.engine_config import EngineConfig, replica_mesh
+from test_rollout_engine import CFG, peaky_model
+import plugin_envs
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3], [2, 7], [11, 12, 13]]
+WIDTH = 40
+
+
+class ToyTokenizer:
+  """Ids 0..63: id % 8 == 0 reads '<tool>', id % 8 == 1 '</tool>', others 'tN '; text
+  encodes character by character (ord % 62 + 2 avoids the tag ids' text)."""
+
+  def decode(self, ids, skip_special_tokens=True):
+    return "".join("<tool>" if i % 8 == 0 else "</tool>" if i % 8 == 1 else f"t{i} "
+                   for i in ids)
+
+  def encode(self, text, add_special_tokens=False):
+    return [ord(c) % 62 + 2 for c in text]
+
+
+@functools.lru_cache(maxsize=None)
+def _pair():
+  conf = EngineConfig(max_concurrent_decodes=4, prefill_buckets=(8, 16, 32, 48), max_new_tokens=8,
+                      sampling=SamplingParams(0.0), decode_steps=3)
+  mesh = replica_mesh(1, jax.devices()[:1])
+  eng = backend.EngineBackend(CFG, conf, mesh)
+  return eng, reference.ReferenceSampler(CFG, conf, mesh)
+
+
+def _setup(name="scripted", on_error=guard.OnEnvError.END, max_turns=4, timeout_s=10.0):
+  from distflow_jax.envs import base
+  return episodes.EnvSetup(name, base.env_factory(name), parsers.tool_parser("tag"),
+                           max_turns, timeout_s, on_error)
+
+
+def _run(be, model, env, n=2):
+  rows = [{"prompt": f"p{i}", "answer": str(i)} for i in range(len(PROMPTS))]
+  return episodes.run_episodes(be, be.load_params(model), PROMPTS, rows, n, env=env,
+                               tokenizer=ToyTokenizer(), width=WIDTH,
+                               rng=jax.random.key(0), request_ids=np.arange(8) * 3 + 1)
+
+
+def test_engine_episodes_equal_reference_token_for_token():
+  model = peaky_model()
+  eng, ref = _pair()
+  plugin_envs.Scripted.log.clear()
+  got = _run(eng, model, _setup())
+  log = list(plugin_envs.Scripted.log)
+  want = _run(ref, model, _setup())
+  for a, b in ((got.rollout, want.rollout), (got, want)):
+    for f in ("tokens_RxN", "mask_RxN", "lengths_R", "stopped_R", "loss_mask_RxN",
+              "reward_R", "turns_R", "truncated_R"):
+      if hasattr(a, f):
+        np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
+  np.testing.assert_allclose(got.rollout.logprobs_RxN, want.rollout.logprobs_RxN, atol=3e-5)
+  # Multi-turn happened: some episode played several turns, and observation tokens sit
+  # between generated ones, in the sequence mask and out of the loss mask.
+  assert got.turns_R.max() >= 2, got.turns_R
+  tok = ToyTokenizer()
+  obs = got.rollout.mask_RxN & ~got.loss_mask_RxN
+  assert obs.any() and (got.loss_mask_RxN <= got.rollout.mask_RxN).all()
+  assert (got.rollout.logprobs_RxN[obs] == 0).all()
+  assert (got.rollout.logprobs_RxN[got.loss_mask_RxN] != 0).all()
+  for r in range(8):
+    toks = got.rollout.tokens_RxN[r][got.rollout.mask_RxN[r]].tolist()
+    gen = got.loss_mask_RxN[r][got.rollout.mask_RxN[r]].tolist()
+    # Every observation is the environment's text, tokenized: reset's first.
+    assert toks[:len(tok.encode(" obs0 "))] == tok.encode(" obs0 ") and not gen[0]
+  # Each turn was cut just after its first call: every step text but an episode's last
+  # ends with '</tool>' and holds one call.
+  p = parsers.tool_parser("tag")
+  steps = [t for kind, t in log if kind == "step"]
+  assert len(steps) == got.turns_R.sum()
+  assert all(p.call_end(s) in (None, len(s)) for s in steps)
+  calls = sum(p.call_end(s) == len(s) for s in steps)
+  # The reward is the scripted environment's: 1 per turn that made a call.
+  assert calls >= 2 and got.reward_R.sum() == calls
+
+
+def test_max_turns_bounds_the_episodes():
+  model = peaky_model()
+  eng, _ = _pair()
+  got = _run(eng, model, _setup(max_turns=1))
+  assert (got.turns_R == 1).all()
+  obs = got.rollout.mask_RxN & ~got.loss_mask_RxN
+  # only reset's observation: nothing after the first turn
+  assert (obs.sum(1) == len(ToyTokenizer().encode(" obs0 "))).all()
+
+
+@pytest.mark.parametrize("name", ["raises", "not_text", "nan_reward", "hangs"])
+def test_a_failing_environment_ends_its_episodes_and_counts_them(name):
+  model = peaky_model()
+  eng, _ = _pair()
+  got = _run(eng, model, _setup(name, timeout_s=0.5))
+  assert got.errors == 8 and (got.turns_R == 1).all()
+  with pytest.raises(guard.EnvFailure, match=f"environment {name!r} .* sample id 1"):
+    _run(eng, model, _setup(name, on_error=guard.OnEnvError.STOP, timeout_s=0.5))
