@@ -25,6 +25,7 @@ from distflow_jax.nodes.common import NodeFn, NodeTable, local_fields
 from distflow_jax.algos.estimators import BUILTIN_ESTIMATORS, AdvantageInput, Estimator
 from distflow_jax.state.context import RunContext, put_local
 from distflow_jax.state.metrics import gather_processes
+from distflow_jax.train.loss_mask import LOSS_MASK, loss_mask
 
 
 def advantage_node(est: Estimator) -> NodeFn:
@@ -66,9 +67,11 @@ def _advantage(est: Estimator, ctx: RunContext, node: Node, lay: dlayout.Layout,
                batch: Batch) -> Batch:
   algo, n = ctx.section(node, "algo"), ctx.cfg.rollout.n
   keys = ["rewards", "response_mask", "rollout_logprobs"] + [
-      k for k in ("values", "old_logprobs", "ref_logprobs") if k in batch.data]
+      k for k in ("values", "old_logprobs", "ref_logprobs", LOSS_MASK) if k in batch.data]
   loc = local_fields(batch, *keys)
-  mask = jnp.asarray(loc["response_mask"]).astype(jnp.float32)
+  # The generated tokens: a multi-turn episode's observation tokens get no reward, no KL
+  # and no advantage, and GAE skips them as it skips padding (train/loss_mask.py).
+  mask = loss_mask({k: jnp.asarray(v) for k, v in loc.items()})
   if est.needs_groups:
     _check_groups(node, loc[GROUP_ID], n)
   out = est.fn(AdvantageInput(

@@ -76,7 +76,23 @@ def reward_model(ctx: RunContext, node: Node, lay: dlayout.Layout, batch: Batch)
   return batch.replace(rewards=rewards)
 
 
+def env_reward(ctx: RunContext, node: Node, lay: dlayout.Layout, batch: Batch) -> Batch:
+  """The environment's rewards of each episode (summed over its turns, rollout.env), times
+  ``reward.weight``, added to any rewards already in the batch."""
+  if "env_rewards" not in batch.data:
+    raise DagError(f"DAG node {node.id!r}: reward.env reads the environment's rewards of "
+                   f"multi-turn episodes; set rollout.env (an environment) or use another "
+                   f"reward")
+  scores = batch.data["env_rewards"]
+  ctx.metrics.add(f"reward/{node.id}", float(jnp.sum(scores)), scores.shape[0])
+  rewards = ctx.section(node, "reward").weight * scores
+  if "rewards" in batch.data:
+    rewards = rewards + batch.data["rewards"]
+  return batch.replace(rewards=rewards)
+
+
 NODES: NodeTable = {
+    "reward.env": env_reward,
     "reward.math": rule_reward_node("math"),
     "reward.format": rule_reward_node("format"),
     "reward.model": reward_model,
