@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from distflow_jax.envs import guard, parsers
-from distflow_jax.rollout import SamplingParams, backend, episodes, reference
+from distflow_jax.rollout import SamplingParams, backend, episode_engine, episodes, reference
 from distflow_jax.rollout.engine import Engine
 from distflow_jax.rollout.engine_config import EngineConfig, replica_mesh
 from test_rollout_engine import CFG, peaky_model
@@ -18,6 +18,7 @@ import plugin_envs
 pytestmark = pytest.mark.timeout(300)
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3], [2, 7], [11, 12, 13]]
+MORE = PROMPTS + [[5, 8], [13, 21, 34], [1, 2, 4, 8, 16], [60, 50, 40]]
 WIDTH = 40
 
 
@@ -48,26 +49,43 @@ def _setup(name="scripted", on_error=guard.OnEnvError.END, max_turns=4, timeout_
                            max_turns, timeout_s, on_error)
 
 
-def _run(be, model, env, n=2):
-  rows = [{"prompt": f"p{i}", "answer": str(i)} for i in range(len(PROMPTS))]
-  return episodes.run_episodes(be, be.load_params(model), PROMPTS, rows, n, env=env,
+def _run(be, model, env, n=2, continuous=True, prompts=PROMPTS):
+  rows = [{"prompt": f"p{i}", "answer": str(i)} for i in range(len(prompts))]
+  return episodes.run_episodes(be, be.load_params(model), prompts, rows, n, env=env,
                                tokenizer=ToyTokenizer(), width=WIDTH,
-                               rng=jax.random.key(0), request_ids=np.arange(8) * 3 + 1)
+                               rng=jax.random.key(0), request_ids=np.arange(8) * 3 + 1,
+                               continuous=continuous)
 
 
-def test_engine_episodes_equal_reference_token_for_token():
-  model = peaky_model()
-  eng, ref = _pair()
-  plugin_envs.Scripted.log.clear()
-  got = _run(eng, model, _setup())
-  log = list(plugin_envs.Scripted.log)
-  want = _run(ref, model, _setup())
+def _assert_same(got, want):
   for a, b in ((got.rollout, want.rollout), (got, want)):
     for f in ("tokens_RxN", "mask_RxN", "lengths_R", "stopped_R", "loss_mask_RxN",
               "reward_R", "turns_R", "truncated_R"):
       if hasattr(a, f):
         np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
   np.testing.assert_allclose(got.rollout.logprobs_RxN, want.rollout.logprobs_RxN, atol=3e-5)
+
+
+def test_engine_episodes_equal_reference_token_for_token(monkeypatch):
+  model = peaky_model()
+  eng, ref = _pair()
+  plugin_envs.Scripted.log.clear()
+  turns_started = []  # the turn of each request of each prefill on the engine's slots
+  keys = episode_engine._keys
+  monkeypatch.setattr(episode_engine, "_keys", lambda rng, turn_of, ids, reqs: (
+      turns_started.append([int(turn_of[r]) for r in reqs]), keys(rng, turn_of, ids, reqs))[1])
+  got = _run(eng, model, _setup())
+  log = list(plugin_envs.Scripted.log)
+  want = _run(ref, model, _setup())
+  _assert_same(got, want)
+  _assert_same(_run(eng, model, _setup(), continuous=False), want)  # and in rounds
+  # Eight different prompts on 4 slots: the engine batched episodes at different turns (a
+  # prefill started one's first turn next to another's later one), still equal to the
+  # reference's rounds.
+  turns_started.clear()
+  more = _run(eng, model, _setup(), n=1, prompts=MORE)
+  assert any(len(set(t)) > 1 for t in turns_started), turns_started
+  _assert_same(more, _run(ref, model, _setup(), n=1, prompts=MORE))
   # Multi-turn happened: some episode played several turns, and observation tokens sit
   # between generated ones, in the sequence mask and out of the loss mask.
   assert got.turns_R.max() >= 2, got.turns_R

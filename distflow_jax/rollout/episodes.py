@@ -14,10 +14,11 @@ sequence the passes read); ``loss_mask_RxN`` only the generated ones (the losses
 advantages read it: observation tokens are never trained on); log-probs are 0 on
 observation tokens.
 
-Each round generates one turn for every live episode in one ``backend.generate`` call
-(continuous batching over the engine's slots inside the call), with prompt = the
-episode's prompt + response so far, re-prefilled (the KV cache is not kept across turns
-yet), request ids = the episodes' own, rng folded with the turn.  A turn's text is cut
+A turn's prompt is the episode's prompt + response so far, re-prefilled (the KV cache is
+not kept across turns yet); turn t of episode r draws with ``fold_in(rng, t)`` and request
+id ``request_ids[r]``.  The ``engine`` backend batches turns of episodes at different
+turns on its slots (episode_engine.py, ``CONTINUOUS``); any other backend plays rounds:
+one ``backend.generate`` call gives every live episode its next turn.  A turn's text is cut
 just after its first complete tool call (``rollout.tool_parser``); the tokens after it
 are dropped.  Then the environment's ``step`` gets the turn's text (through ``EnvGuard``:
 deadline and checks).  An episode ends when the environment says ``done``, the turn made
@@ -36,7 +37,8 @@ import jax
 import numpy as np
 
 from distflow_jax.envs import base as env_base, guard as env_guard, parsers
-from distflow_jax.rollout import driver
+from distflow_jax.rollout import driver, episode_engine, turns
+from distflow_jax.rollout.engine_backend import EngineBackend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,73 +69,38 @@ class Episodes:
   errors: int                 # episodes ended by an environment failure
 
 
-@dataclasses.dataclass
-class _Episode:
-  context: list[int]          # prompt + response so far (the next turn's prompt)
-  tokens: list[int] = dataclasses.field(default_factory=list)
-  gen: list[bool] = dataclasses.field(default_factory=list)
-  lps: list[float] = dataclasses.field(default_factory=list)
-  slps: list[float] = dataclasses.field(default_factory=list)
-  reward: float = 0.0
-  turns: int = 0
-  live: bool = True
-  truncated: bool = False
-  stopped: bool = False
-  env: Any = None
-
-  def add(self, toks, gen: bool, lps=None, slps=None) -> None:
-    zeros = [0.0] * len(toks)
-    self.tokens += toks
-    self.context += toks
-    self.gen += [gen] * len(toks)
-    self.lps += zeros if lps is None else list(lps)
-    self.slps += zeros if slps is None else list(slps)
-
-
-def cut_at_call(toks: Sequence[int], decode: Callable[[list[int]], str],
-                parser: parsers.TagParser) -> int | None:
-  """The fewest leading tokens of ``toks`` whose text holds a complete tool call (None: the
-  turn made none).  Binary search: a longer prefix's text extends a shorter one's."""
-  if parser.call_end(decode(list(toks))) is None:
-    return None
-  lo, hi = 1, len(toks)
-  while lo < hi:
-    mid = (lo + hi) // 2
-    if parser.call_end(decode(list(toks[:mid]))) is None:
-      lo = mid + 1
-    else:
-      hi = mid
-  return lo
-
-
-def _observe(ep: _Episode, obs: str, tokenizer, width: int) -> None:
-  """Appends the observation's tokens, as many as fit; a cut one truncates the episode."""
-  toks = tokenizer.encode(obs) if obs else []
-  room = width - len(ep.tokens)
-  if len(toks) >= room:  # no room left for another turn either
-    toks, ep.truncated, ep.live = toks[:room], True, False
-  ep.add(toks, False)
+# Backends whose episodes batch turns of different episodes on their slots; others (the
+# reference sampler, jetstream's orchestrator) play rounds, one generate call a turn.
+CONTINUOUS = {EngineBackend: episode_engine.engine_episodes}
 
 
 def run_episodes(backend, params, prompts: Sequence[Sequence[int]],
                  rows: Sequence[Mapping[str, Any]], n: int, *, env: EnvSetup, tokenizer,
                  width: int, rng: jax.Array | None = None,
-                 request_ids: Sequence[int] | None = None, pad_id: int = 0) -> Episodes:
-  """``n`` episodes per prompt (see module doc); ``rows[i]`` is prompt i's data row."""
+                 request_ids: Sequence[int] | None = None, pad_id: int = 0,
+                 continuous: bool = True) -> Episodes:
+  """``n`` episodes per prompt (see module doc); ``rows[i]`` is prompt i's data row.
+  ``continuous=False`` plays rounds on every backend (the engine's turns then wait for
+  their round)."""
   num = len(prompts) * n
   ids = (np.arange(num, dtype=np.int64) if request_ids is None
          else np.asarray(request_ids, np.int64).reshape(-1))
   rng = jax.random.key(backend.config.seed) if rng is None else rng
-  stop = set(backend.config.stop_ids)
   guard = env_guard.EnvGuard(env.name, env.timeout_s, env.on_error)
-  eps = [_Episode(list(map(int, prompts[r // n]))) for r in range(num)]
+  turn_ctx = turns.TurnContext(env.parser, env.max_turns, guard, tokenizer, width,
+                              frozenset(backend.config.stop_ids))
+  eps = [turns.Episode(list(map(int, prompts[r // n]))) for r in range(num)]
   for r, ep in enumerate(eps):
     ep.env = guard.make(env.factory, int(ids[r]))
     obs = None if ep.env is None else guard.reset(ep.env, rows[r // n], int(ids[r]))
     if obs is None:
       ep.live = False
     else:
-      _observe(ep, obs, tokenizer, width)
+      turns.observe(ep, obs, tokenizer, width)
+  driver_fn = CONTINUOUS.get(type(backend)) if continuous else None
+  if driver_fn is not None:  # episodes at different turns share the engine's slots
+    driver_fn(backend, params, eps, ids, rng, turn_ctx)
+    return assemble(eps, n, width, pad_id, guard.errors)
   turn = 0
   while True:
     live = [r for r in range(num) if eps[r].live]
@@ -144,30 +111,14 @@ def run_episodes(backend, params, prompts: Sequence[Sequence[int]],
                            rng=jax.random.fold_in(rng, turn), request_ids=ids[live],
                            pad_id=pad_id, max_new_tokens=budget)
     for q, r in enumerate(live):
-      ep = eps[r]
-      k = min(int(out.lengths_R[q]), width - len(ep.tokens))
-      toks = out.tokens_RxN[q, :k].tolist()
-      cut = cut_at_call(toks, tokenizer.decode, env.parser)
-      k = k if cut is None else cut
-      ep.add(toks[:k], True, out.logprobs_RxN[q, :k], out.sampling_logprobs_RxN[q, :k])
-      ep.turns += 1
-      ep.stopped = cut is None and bool(toks) and toks[k - 1] in stop
-      step = guard.step(ep.env, tokenizer.decode(toks[:k]), int(ids[r]))
-      if step is None:
-        ep.live = False
-        continue
-      ep.reward += step.reward
-      full = len(ep.tokens) >= width
-      if step.done or cut is None or ep.turns >= env.max_turns or full:
-        ep.live = False
-        ep.truncated = full and not step.done and not ep.stopped
-        continue
-      _observe(ep, step.observation, tokenizer, width)
+      k = int(out.lengths_R[q])
+      turns.finish_turn(eps[r], out.tokens_RxN[q, :k].tolist(), out.logprobs_RxN[q, :k],
+                        out.sampling_logprobs_RxN[q, :k], turn_ctx, int(ids[r]))
     turn += 1
-  return _assemble(eps, n, width, pad_id, guard.errors)
+  return assemble(eps, n, width, pad_id, guard.errors)
 
 
-def _assemble(eps: list[_Episode], n: int, width: int, pad_id: int, errors: int) -> Episodes:
+def assemble(eps: list[turns.Episode], n: int, width: int, pad_id: int, errors: int) -> Episodes:
   num = len(eps)
   tokens = np.full((num, width), pad_id, np.int32)
   mask = np.zeros((num, width), bool)
