@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from distflow_jax.envs import guard, parsers
-from distflow_jax.rollout import SamplingParams, backend, episode_engine, episodes, reference
+from distflow_jax.rollout import (SamplingParams, backend, episode_engine, episodes, extend,
+                                  reference)
 from distflow_jax.rollout.engine import Engine
 from distflow_jax.rollout.engine_config import EngineConfig, replica_mesh
 from test_rollout_engine import CFG, peaky_model
@@ -79,12 +80,23 @@ def test_engine_episodes_equal_reference_token_for_token(monkeypatch):
   want = _run(ref, model, _setup())
   _assert_same(got, want)
   _assert_same(_run(eng, model, _setup(), continuous=False), want)  # and in rounds
-  # Eight different prompts on 4 slots: the engine batched episodes at different turns (a
-  # prefill started one's first turn next to another's later one), still equal to the
-  # reference's rounds.
+  # Eight different prompts on 4 slots: later turns are appended to their slot's cache
+  # (extend.py: every call with a turn > 0 is an append, no prefill), and a new episode's
+  # first turn started after others had gone on to later turns (episodes at different turns
+  # decode side by side); still equal to the reference's rounds.
   turns_started.clear()
+  appended = []
+  call = extend.Extender.__call__
+  monkeypatch.setattr(extend.Extender, "__call__", lambda self, *a: (
+      appended.append(list(a[2])), call(self, *a))[1])
+  prefilled = []
+  pi = eng.engine.prefill_insert
+  monkeypatch.setattr(eng.engine, "prefill_insert", lambda *a, **k: (
+      prefilled.append(list(a[4])), pi(*a, **k))[1])
   more = _run(eng, model, _setup(), n=1, prompts=MORE)
-  assert any(len(set(t)) > 1 for t in turns_started), turns_started
+  later = [i for i, t in enumerate(turns_started) if min(t) > 0]
+  assert len(later) == len(appended) >= 1 and sum(map(len, prefilled)) == len(MORE)
+  assert any(0 in t for t in turns_started[later[0]:]), turns_started
   _assert_same(more, _run(ref, model, _setup(), n=1, prompts=MORE))
   # Multi-turn happened: some episode played several turns, and observation tokens sit
   # between generated ones, in the sequence mask and out of the loss mask.

@@ -3,12 +3,14 @@
 The round loop of episodes.py waits, each turn, for the longest turn of the round.  Here
 (the ``engine`` backend) a turn is a request of its own, and the host loop of
 ``driver.generate`` runs over turns instead of samples: a slot whose turn ends (the engine
-stopped it, or the host sees a complete tool call in the turn's text after a chunk) is
-freed at once; the episode's environment answers (``turns.finish_turn``), and its next
-turn joins the queue, to be prefilled (prompt + episode so far, re-prefilled: the KV
-cache is not kept across turns yet) into the next free slot, next to other episodes'
-first, second or last turns.  A slot the host freed before the engine did keeps decoding
-unread tokens until it is refilled or reaches its limit (its cache bound is kept).
+stopped it, or the host sees a complete tool call in the turn's text after a chunk) stops
+being read at once; the episode's environment answers (``turns.finish_turn``), and its
+next turn continues in the same slot: the tokens its cache lacks (the turn's last token,
+then the observation) are appended to the slot's KV cache (extend.py), not re-prefilled,
+while the other slots hold other episodes' first, second or last turns.  An episode that
+ends frees its slot for the queue's next episode (prefilled).  A slot the host freed
+before the engine did keeps decoding unread tokens until it is refilled or reaches its
+limit (its cache bound is kept).
 
 Turn t of episode r draws from ``fold_in(fold_in(rng, t), request_ids[r])``, as in the
 round loop, and every decision is a function of the tokens read back, so the greedy
@@ -24,6 +26,7 @@ import numpy as np
 
 from distflow_jax.rollout import turns
 from distflow_jax.rollout.cache_growth import chunk_end
+from distflow_jax.rollout.extend import Extender
 from distflow_jax.rollout.sampling import request_keys
 
 
@@ -51,6 +54,8 @@ def engine_episodes(backend, params, eps: list[turns.Episode], ids: np.ndarray,
   lim, active = np.ones((b,), np.int64), np.zeros((b,), bool)
   turn_of = np.zeros((len(eps),), np.int64)
   buf: dict[int, tuple[list, list, list]] = {}
+  pending: dict[int, int] = {}  # slot -> where its episode's uncached tokens start
+  extend = Extender.for_engine(engine)
   state = engine.start_state()
   while any(queues) or (slot_req >= 0).any():
     free = np.flatnonzero(slot_req < 0)
@@ -61,6 +66,21 @@ def engine_episodes(backend, params, eps: list[turns.Episode], ids: np.ndarray,
       reqs = [queues[0].popleft() for _ in range(min(len(free), len(queues[0])))]
       slots = free[:len(reqs)]
     started = None
+    if pending:  # turns that continue in their slot: the new tokens appended to its cache
+      slots_e = sorted(pending)
+      reqs_e = [int(slot_req[x]) for x in slots_e]
+      starts = [pending[x] for x in slots_e]
+      limits = [min(engine.config.max_new_tokens, tc.width - len(eps[r].tokens)) for r in reqs_e]
+      state = engine.fit(state, max(len(eps[r].context) for r in reqs_e))
+      state, tok, lp, slp = extend(params, state, slots_e,
+                                   [eps[r].context[st:] for r, st in zip(reqs_e, starts)],
+                                   starts, _keys(rng, turn_of, ids, reqs_e), limits)
+      tok, lp, slp = (np.asarray(x)[slots_e] for x in jax.device_get((tok, lp, slp)))
+      for q, (x, r) in enumerate(zip(slots_e, reqs_e)):
+        buf[r] = ([int(tok[q])], [float(lp[q])], [float(slp[q])])
+      plen[slots_e] = [len(eps[r].context) for r in reqs_e]
+      gen[slots_e], lim[slots_e], active[slots_e] = 1, limits, True
+      pending.clear()
     if reqs:
       ctxs = [tuple(eps[r].context) for r in reqs]
       uniq = ctxs if fixed else list(dict.fromkeys(ctxs))  # equal contexts share a prefill
@@ -95,10 +115,14 @@ def engine_episodes(backend, params, eps: list[turns.Episode], ids: np.ndarray,
       slps.extend(out.sampling_logprobs_BxK[s][valid].tolist())
       if active[s] and turns.cut_at_call(t, tc.tokenizer.decode, tc.parser) is None:
         continue  # the turn goes on
-      slot_req[s] = -1
       del buf[r]
       ep = eps[r]
+      cached = int(plen[s]) + int(gen[s]) - 1  # all but the last read token are in the cache
+      before = len(ep.tokens)
       turns.finish_turn(ep, t, lps, slps, tc, int(ids[r]))
-      if ep.live:
+      if ep.live:  # the next turn continues in this slot, from what the cache keeps
         turn_of[r] += 1
-        queues[int(ids[r] % b) if fixed else 0].append(r)
+        kept = int(plen[s]) + sum(ep.gen[before:])  # the turn's tokens up to its tool call
+        pending[s] = min(cached, kept, len(ep.context) - 1)
+      else:
+        slot_req[s] = -1
