@@ -36,9 +36,9 @@ class ToyTokenizer:
 
 
 @functools.lru_cache(maxsize=None)
-def _pair():
+def _pair(sp=SamplingParams(0.0), fixed_shapes=False):
   conf = EngineConfig(max_concurrent_decodes=4, prefill_buckets=(8, 16, 32, 48), max_new_tokens=8,
-                      sampling=SamplingParams(0.0), decode_steps=3)
+                      sampling=sp, decode_steps=3, fixed_shapes=fixed_shapes)
   mesh = replica_mesh(1, jax.devices()[:1])
   eng = backend.EngineBackend(CFG, conf, mesh)
   return eng, reference.ReferenceSampler(CFG, conf, mesh)
@@ -120,6 +120,19 @@ def test_engine_episodes_equal_reference_token_for_token(monkeypatch):
   calls = sum(p.call_end(s) == len(s) for s in steps)
   # The reward is the scripted environment's: 1 per turn that made a call.
   assert calls >= 2 and got.reward_R.sum() == calls
+
+
+@pytest.mark.parametrize("sp,fixed", [(SamplingParams(0.0), True),
+                                      (SamplingParams(0.8, top_p=0.9, top_k=20), False)])
+def test_sampled_and_fixed_shape_episodes_equal_reference(sp, fixed):
+  """Turn t of episode r draws with fold_in(rng, t) and r's request id on every backend, so
+  sampled episodes match too; fixed shapes (trainer.deterministic: episode r in slot
+  id % slots) play the same episodes."""
+  model = peaky_model(1, sharpness=1.0 if sp.temperature else 5.0)
+  eng, ref = _pair(sp, fixed)
+  got = _run(eng, model, _setup(), n=1, prompts=MORE)
+  _assert_same(got, _run(ref, model, _setup(), n=1, prompts=MORE))
+  assert got.turns_R.max() >= 2
 
 
 def test_max_turns_bounds_the_episodes():

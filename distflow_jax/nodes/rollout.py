@@ -64,7 +64,7 @@ def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Bat
   ctx.metrics.add_mean("response_stopped", ro.stopped_R)
   # The sampled tokens' mean negative log-prob under the policy: an estimate of its entropy
   # per token that needs no extra pass (the health monitor's entropy signal reads it).
-  mask = np.asarray(ro.mask_RxN, bool)
+  mask = np.asarray(episode_fields.get("loss_mask", ro.mask_RxN), bool)  # generated tokens
   ctx.metrics.add("rollout_nll", float(-np.asarray(ro.logprobs_RxN, np.float64)[mask].sum()),
                   float(mask.sum()))
   return to_global(local, lay)
