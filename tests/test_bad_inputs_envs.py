@@ -24,6 +24,7 @@ PLAN_CASES = {
                          "rollout.env_timeout_s"),
     "nan_timeout": (ENV + "c.rollout.env = 'scripted'\nc.rollout.env_timeout_s = float('nan')",
                     "rollout.env_timeout_s"),
+    "reward_env_without_env": ('c.dag[1]["fn"] = "reward.env"', "'reward' (reward.env)"),
     "bucket_too_small_for_episodes": (
         ENV + "c.rollout.env = 'scripted'\nc.rollout.prefill_buckets = (64,)",
         "largest of rollout.prefill_buckets"),

@@ -19,6 +19,12 @@ def check(cfg) -> None:
   in_range(r.env_timeout_s, "rollout.env_timeout_s", 0, lo_open=True,
            note=" (seconds each reset / step call may take)")
   if not r.env:
+    readers = [n.get("id") for n in (cfg.dag or []) if hasattr(n, "get")
+               and n.get("fn") == "reward.env"]
+    if readers:
+      raise ConfigError(f"DAG node {readers[0]!r} (reward.env) reads the environment's rewards "
+                        f"of multi-turn episodes, but rollout.env is not set; set it to an "
+                        f"environment or use another reward")
     return
   env_base.env_factory(r.env)  # resolves the name / imports module:Class, or one line
   context = cfg.data.max_prompt_len + r.max_new_tokens - 1
