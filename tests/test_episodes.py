@@ -61,7 +61,7 @@ def _run(be, model, env, n=2, continuous=True, prompts=PROMPTS):
 def _assert_same(got, want):
   for a, b in ((got.rollout, want.rollout), (got, want)):
     for f in ("tokens_RxN", "mask_RxN", "lengths_R", "stopped_R", "loss_mask_RxN",
-              "reward_R", "turns_R", "truncated_R"):
+              "reward_R", "turn_rewards_RxN", "turns_R", "truncated_R"):
       if hasattr(a, f):
         np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
   np.testing.assert_allclose(got.rollout.logprobs_RxN, want.rollout.logprobs_RxN, atol=3e-5)
@@ -118,8 +118,12 @@ def test_engine_episodes_equal_reference_token_for_token(monkeypatch):
   assert len(steps) == got.turns_R.sum()
   assert all(p.call_end(s) in (None, len(s)) for s in steps)
   calls = sum(p.call_end(s) == len(s) for s in steps)
-  # The reward is the scripted environment's: 1 per turn that made a call.
+  # The reward is the scripted environment's: 1 per turn that made a call, each on its
+  # turn's last generated token.
   assert calls >= 2 and got.reward_R.sum() == calls
+  np.testing.assert_array_equal(got.turn_rewards_RxN.sum(1), got.reward_R)
+  assert (got.loss_mask_RxN[got.turn_rewards_RxN != 0]).all()
+  assert ((got.turn_rewards_RxN != 0).sum(1) > 1).any()  # several turns rewarded
 
 
 @pytest.mark.parametrize("sp,fixed", [(SamplingParams(0.0), True),

@@ -76,3 +76,20 @@ def test_gae_skips_observation_tokens_like_padding():
   # the reward sits on the last generated token, not on a trailing observation
   last = np.asarray(rewards).argmax(1)
   assert np.asarray(m)[np.arange(B), last].all()
+
+
+def test_per_turn_rewards_reach_gae_where_they_were_earned():
+  """A multi-turn episode's turn rewards (``placed_rewards``, on each turn's last generated
+  token) stay there; the rest of the reward goes on the last token.  With gamma = lam = 1
+  and zero values, GAE's advantage at a token is the reward still to come."""
+  from distflow_jax.nodes.advantages import token_rewards_of
+  #            gen  gen  obs  gen  gen  obs  gen  pad
+  mask = jnp.asarray([[1, 1, 0, 1, 1, 0, 1, 0]], jnp.float32)
+  placed = jnp.asarray([[0, 1.0, 0, 0, 2.0, 0, 0, 0]], jnp.float32)
+  tr = token_rewards_of(jnp.asarray([3.5]), placed, mask)  # 3 from turns + 0.5 outcome
+  np.testing.assert_allclose(tr, [[0, 1.0, 0, 0, 2.0, 0, 0.5, 0]])
+  adv = adv_lib.gae_advantages(tr, jnp.zeros_like(tr), mask, whiten=False).advantages_BxT
+  np.testing.assert_allclose(adv, [[3.5, 3.5, 0, 2.5, 2.5, 0, 0.5, 0]])
+  # without placement the whole reward is the last token's (what an outcome gives)
+  np.testing.assert_allclose(token_rewards_of(jnp.asarray([3.5]), None, mask),
+                             [[0, 0, 0, 0, 0, 0, 3.5, 0]])

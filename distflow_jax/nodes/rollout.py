@@ -72,8 +72,9 @@ def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Bat
 
 def _episodes(ctx: RunContext, rollout, backend, params, prompts: Batch, plist, ids, rng):
   """``rollout.n`` episodes per prompt with ``rollout.env``: the rollout, the batch fields
-  ``loss_mask`` (generated tokens; observation tokens are never trained on) and
-  ``env_rewards`` (``reward.env`` adds them), and the ``env/*`` metrics."""
+  ``loss_mask`` (generated tokens; observation tokens are never trained on),
+  ``env_rewards`` and ``env_turn_rewards`` (``reward.env`` reads them), and the ``env/*``
+  metrics."""
   rows = [f or {} for f in prompts.host_fields(prompts.data[GROUP_ID])]
   ep = episodes.run_episodes(backend, params, plist, rows, rollout.n,
                              env=episodes.EnvSetup.from_config(rollout),
@@ -84,7 +85,8 @@ def _episodes(ctx: RunContext, rollout, backend, params, prompts: Batch, plist, 
   ctx.metrics.add_mean("env/truncated", ep.truncated_R)
   ctx.metrics.add("env/errors", float(ep.errors), float(len(ep.reward_R)))  # per episode
   ctx.metrics.add_mean("env/reward", ep.reward_R)
-  return ep.rollout, {"loss_mask": ep.loss_mask_RxN, "env_rewards": ep.reward_R}
+  return ep.rollout, {"loss_mask": ep.loss_mask_RxN, "env_rewards": ep.reward_R,
+                      "env_turn_rewards": ep.turn_rewards_RxN}
 
 
 def prompt_width(longest_here: int, buckets, max_prompt_len: int) -> int:

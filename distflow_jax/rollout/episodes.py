@@ -64,6 +64,7 @@ class Episodes:
   rollout: driver.Rollout     # tokens / mask (generated + observation) / log-probs, width N
   loss_mask_RxN: np.ndarray   # bool: generated tokens only
   reward_R: np.ndarray        # float32: the environment's rewards summed over the episode
+  turn_rewards_RxN: np.ndarray  # float32: each turn's reward on its last generated token
   turns_R: np.ndarray         # int32: turns the model played
   truncated_R: np.ndarray     # bool: ended because the response was full
   errors: int                 # episodes ended by an environment failure
@@ -125,14 +126,17 @@ def assemble(eps: list[turns.Episode], n: int, width: int, pad_id: int, errors: 
   gen = np.zeros((num, width), bool)
   lp = np.zeros((num, width), np.float32)
   slp = np.zeros((num, width), np.float32)
+  placed = np.zeros((num, width), np.float32)
   for r, ep in enumerate(eps):
     k = len(ep.tokens)
     tokens[r, :k], mask[r, :k], gen[r, :k] = ep.tokens, True, ep.gen
     lp[r, :k], slp[r, :k] = ep.lps, ep.slps
+    for i, reward in ep.turn_rewards:
+      placed[r, i] += reward
   ro = driver.Rollout(prompt_index_R=np.arange(num, dtype=np.int32) // n, tokens_RxN=tokens,
                       mask_RxN=mask, logprobs_RxN=lp, sampling_logprobs_RxN=slp,
                       lengths_R=mask.sum(1).astype(np.int32),
                       stopped_R=np.array([ep.stopped for ep in eps], bool))
-  return Episodes(ro, gen, np.array([ep.reward for ep in eps], np.float32),
+  return Episodes(ro, gen, np.array([ep.reward for ep in eps], np.float32), placed,
                   np.array([ep.turns for ep in eps], np.int32),
                   np.array([ep.truncated for ep in eps], bool), errors)

@@ -19,6 +19,8 @@ class Episode:
   lps: list[float] = dataclasses.field(default_factory=list)
   slps: list[float] = dataclasses.field(default_factory=list)
   reward: float = 0.0
+  # (index in the response of the turn's last generated token, the step's reward)
+  turn_rewards: list = dataclasses.field(default_factory=list)
   turns: int = 0
   live: bool = True
   truncated: bool = False
@@ -86,6 +88,8 @@ def finish_turn(ep: Episode, toks: list[int], lps, slps, tc: TurnContext,
     ep.live = False
     return
   ep.reward += step.reward
+  if k:  # the turn's reward sits on its last generated token (GAE sees it there)
+    ep.turn_rewards.append((len(ep.tokens) - 1, step.reward))
   full = len(ep.tokens) >= tc.width
   if step.done or cut is None or ep.turns >= tc.max_turns or full:
     ep.live = False
