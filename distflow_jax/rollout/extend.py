@@ -13,7 +13,8 @@ Cache entries at and after the appended tokens' end are cleared (the previous tu
 unread tokens after its tool call).  Rows not named keep their state: their writes go
 past the cache and are dropped.
 
-One program per appended-length bucket (powers of two from 8) and cache capacity.
+One program per appended-length bucket (powers of two from 8) and cache capacity; with
+fixed shapes (``trainer.deterministic``) one length, the cache's, for every call.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ class Extender:
     sh = decode_state_shardings(engine.mesh, engine.model_cfg)
     rep = NamedSharding(engine.mesh, P())
     self.slots = engine.max_concurrent_decodes
+    # Fixed shapes (trainer.deterministic): one length for every call, so a slot's numbers
+    # never depend on what the other slots append beside it.
+    self.fixed_len = bucket(c.cache_len) if c.fixed_shapes else 0
     self._fn = jax.jit(functools.partial(extend_rows, engine.graphdef, sp=c.sampling,
                                          stop_ids=c.stop_ids),
                        donate_argnums=(1,), out_shardings=(sh, rep, rep, rep))
@@ -97,7 +101,7 @@ class Extender:
                rows: Sequence[Sequence[int]], starts: Sequence[int], keys_Qx2: np.ndarray,
                limits: Sequence[int]):
     b = self.slots
-    m = bucket(max(len(r) for r in rows))
+    m = self.fixed_len or bucket(max(len(r) for r in rows))
     tokens = np.zeros((b, m), np.int32)
     starts_b, lens = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
     keys, lim = np.zeros((b, 2), np.uint32), np.ones((b,), np.int32)
