@@ -35,10 +35,17 @@ class ToyTokenizer:
     return [ord(c) % 62 + 2 for c in text]
 
 
+class OneTokenClose(ToyTokenizer):
+  """The toy tokenizer with '</tool>' as one token (id 17), as Qwen2.5's has </tool_call>."""
+
+  def encode(self, text, add_special_tokens=False):
+    return [17] if text == "</tool>" else super().encode(text)
+
+
 @functools.lru_cache(maxsize=None)
-def _pair(sp=SamplingParams(0.0), fixed_shapes=False):
+def _pair(sp=SamplingParams(0.0), fixed_shapes=False, stop_ids=()):
   conf = EngineConfig(max_concurrent_decodes=4, prefill_buckets=(8, 16, 32, 48), max_new_tokens=8,
-                      sampling=sp, decode_steps=3, fixed_shapes=fixed_shapes)
+                      sampling=sp, decode_steps=3, fixed_shapes=fixed_shapes, stop_ids=stop_ids)
   mesh = replica_mesh(1, jax.devices()[:1])
   eng = backend.EngineBackend(CFG, conf, mesh)
   return eng, reference.ReferenceSampler(CFG, conf, mesh)
@@ -137,6 +144,25 @@ def test_sampled_and_fixed_shape_episodes_equal_reference(sp, fixed):
   got = _run(eng, model, _setup(), n=1, prompts=MORE)
   _assert_same(got, _run(ref, model, _setup(), n=1, prompts=MORE))
   assert got.turns_R.max() >= 2
+
+
+def test_a_one_token_closing_tag_ends_turns_in_the_decode_loop():
+  import ml_collections
+  from distflow_jax.models.tokenizer import Tokenizer
+  rollout = ml_collections.ConfigDict(dict(env="scripted", tool_parser="tag"))
+  assert episodes.call_stop_ids(rollout, OneTokenClose()) == (17,)
+  assert episodes.call_stop_ids(rollout, Tokenizer.builtin()) == ()  # several tokens
+  rollout.env = ""
+  assert episodes.call_stop_ids(rollout, OneTokenClose()) == ()
+  # With it among the stop ids the engine ends a turn on the tag itself; the episodes are
+  # still the reference's, and a turn ended on it (an observation or the end follows).
+  model = peaky_model()
+  eng, ref = _pair(stop_ids=(17,))
+  got = _run(eng, model, _setup(), n=1, prompts=MORE)
+  _assert_same(got, _run(ref, model, _setup(), n=1, prompts=MORE))
+  ro, gen = got.rollout, got.loss_mask_RxN
+  at = [(r, i) for r in range(8) for i in np.flatnonzero(gen[r] & (ro.tokens_RxN[r] == 17))]
+  assert at and all(i + 1 == WIDTH or not gen[r, i + 1] for r, i in at), at
 
 
 def test_max_turns_bounds_the_episodes():

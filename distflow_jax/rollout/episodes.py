@@ -70,6 +70,16 @@ class Episodes:
   errors: int                 # episodes ended by an environment failure
 
 
+def call_stop_ids(rollout: Any, tokenizer) -> tuple[int, ...]:
+  """The tool parser's closing tag as a stop id, when ``rollout.env`` is set and the
+  tokenizer holds the tag as one token (Qwen2.5's ``</tool_call>``): a turn then ends at
+  its call inside the decode loop, not at the next chunk's end.  Else none."""
+  if not rollout.get("env", ""):
+    return ()
+  ids = tokenizer.encode(parsers.tool_parser(rollout.tool_parser).close)
+  return tuple(ids) if len(ids) == 1 else ()
+
+
 # Backends whose episodes batch turns of different episodes on their slots; others (the
 # reference sampler, jetstream's orchestrator) play rounds, one generate call a turn.
 CONTINUOUS = {EngineBackend: episode_engine.engine_episodes}
