@@ -22,7 +22,7 @@ from distflow_jax.data.batch import Batch
 from distflow_jax.nodes.common import NodeTable, seq
 from distflow_jax.nodes.passes import budget_plan, on_policy, pack_plan, prompt_group
 from distflow_jax.train import deterministic, micro_batches, steps as steps_lib
-from distflow_jax.train.loss_mask import LOSS_MASK, loss_mask
+from distflow_jax.train.loss_mask import LOSS_MASK
 from distflow_jax.state.context import RunContext
 
 
@@ -148,7 +148,9 @@ def off_policy_metrics(ctx: RunContext, lay: dlayout.Layout, batch: Batch,
   if "old_logprobs" not in d or "rollout_logprobs" not in d or on_policy(ctx):
     return  # the old log-probs are the rollout's own: nothing to compare
   fn = off_policy_stats(ctx, lay, loss_cfg.tis_cap)
-  s = jax.device_get(fn(d["old_logprobs"], d["rollout_logprobs"], loss_mask(d)))
+  # bool, as the program plan --lower lowers; episodes: their generated tokens only
+  mask = d["response_mask"] if LOSS_MASK not in d else d["response_mask"] & d[LOSS_MASK]
+  s = jax.device_get(fn(d["old_logprobs"], d["rollout_logprobs"], mask))
   tokens = float(s["tokens"])
   if tokens <= 0:
     return
