@@ -132,6 +132,7 @@ def _main(argv: Sequence[str] | None) -> int:
   if usage.wants_help(rest):
     return usage.show(cmd, COMMANDS[cmd])
   from distflow_jax.rewards.registry import RewardFunctionError
+  from distflow_jax.envs.guard import EnvFailure
   from distflow_jax.persist import run_lock
   try:
     return COMMANDS[cmd](rest)
@@ -139,7 +140,7 @@ def _main(argv: Sequence[str] | None) -> int:
     raise  # the reader closed stdout: main ends quietly
   except (loading.ConfigError, DagError) as e:
     return _fail(cmd, f"error: {e}", 2, debug)
-  except RewardFunctionError as e:  # the user's reward code raised or returned a non-number
+  except (RewardFunctionError, EnvFailure) as e:  # the user's reward / environment code failed
     return _fail(cmd, f"error: {_one_line(str(e))}", 2, debug)
   except OSError as e:
     disk = io_errors.find(e)

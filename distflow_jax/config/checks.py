@@ -81,6 +81,8 @@ def plan_from_config(cfg: ml_collections.ConfigDict, topo: planner_lib.Topology,
   values.check_values(cfg)
   from distflow_jax.config import async_checks  # trainer.max_staleness > 0: overlap possible?
   async_checks.check(cfg, plan)
+  from distflow_jax.config import env_checks  # rollout.env and its keys (after the plugins)
+  env_checks.check(cfg)
   if cfg.critic.warmup_steps and not any(n.fn == "train.critic" for n in dag.nodes):
     raise ConfigError(f"critic.warmup_steps={cfg.critic.warmup_steps} but no train.critic node "
                       f"trains a critic; set it to 0 or add the critic to the DAG")

@@ -152,6 +152,15 @@ def base() -> ml_collections.ConfigDict:
       # frozen base once into the engine's own copy, then only the adapters; merge on the
       # rollout devices).  Without LoRA both are the plain sync.
       lora_sync="merged",
+      # Multi-turn episodes (rollout/episodes.py, envs/): "" = single-turn; else a registered
+      # environment or module:Class.  Each turn ends at its first tool call (tool_parser:
+      # tag <tool>name(args)</tool> | hermes <tool_call>{json}</tool_call>); the episode's
+      # response (generated + observation tokens) is at most max_new_tokens tokens.
+      env="",
+      tool_parser="tag",
+      max_turns=4,
+      env_timeout_s=30.0,    # per reset / step call
+      on_env_error="end",    # end (the episode, counted in env/errors) | stop (the run)
   )
   c.actor = dict(
       optimizer=optimizer(1e-5),

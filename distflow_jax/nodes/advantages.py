@@ -22,9 +22,11 @@ from distflow_jax.dag.spec import DagError, Node
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch
 from distflow_jax.nodes.common import NodeFn, NodeTable, local_fields
+from distflow_jax.nodes.rewards import PLACED
 from distflow_jax.algos.estimators import BUILTIN_ESTIMATORS, AdvantageInput, Estimator
 from distflow_jax.state.context import RunContext, put_local
 from distflow_jax.state.metrics import gather_processes
+from distflow_jax.train.loss_mask import LOSS_MASK, loss_mask
 
 
 def advantage_node(est: Estimator) -> NodeFn:
@@ -46,8 +48,20 @@ def _check_groups(node: Node, group_ids: np.ndarray, n: int) -> None:
                    f"a group was split (check rollout.n and the re-partition before it)")
 
 
+def token_rewards_of(rewards_B: jax.Array, placed_BxT: jax.Array | None, mask: jax.Array
+                     ) -> jax.Array:
+  """Per-token rewards: the part of each reward placed at given tokens (``placed_rewards``:
+  a multi-turn episode's per-turn rewards, on each turn's last generated token) stays
+  there, the rest goes on the last generated token."""
+  if placed_BxT is None:
+    return adv_lib.outcome_to_token_rewards(rewards_B, mask)
+  placed = placed_BxT.astype(jnp.float32) * mask
+  return adv_lib.outcome_to_token_rewards(rewards_B - placed.sum(1), mask) + placed
+
+
 def _token_rewards(ctx: RunContext, node: Node, loc: dict, mask: jax.Array) -> jax.Array:
-  token_rewards = adv_lib.outcome_to_token_rewards(jnp.asarray(loc["rewards"]), mask)
+  token_rewards = token_rewards_of(jnp.asarray(loc["rewards"]),
+                                   None if PLACED not in loc else jnp.asarray(loc[PLACED]), mask)
   kl_cfg = ctx.cfg.actor.kl
   coef = ctx.kl_coef if ctx.kl_coef is not None else kl_cfg.coef
   if kl_cfg.in_reward and coef:
@@ -66,9 +80,12 @@ def _advantage(est: Estimator, ctx: RunContext, node: Node, lay: dlayout.Layout,
                batch: Batch) -> Batch:
   algo, n = ctx.section(node, "algo"), ctx.cfg.rollout.n
   keys = ["rewards", "response_mask", "rollout_logprobs"] + [
-      k for k in ("values", "old_logprobs", "ref_logprobs") if k in batch.data]
+      k for k in ("values", "old_logprobs", "ref_logprobs", LOSS_MASK, PLACED)
+      if k in batch.data]
   loc = local_fields(batch, *keys)
-  mask = jnp.asarray(loc["response_mask"]).astype(jnp.float32)
+  # The generated tokens: a multi-turn episode's observation tokens get no reward, no KL
+  # and no advantage, and GAE skips them as it skips padding (train/loss_mask.py).
+  mask = loss_mask({k: jnp.asarray(v) for k, v in loc.items()})
   if est.needs_groups:
     _check_groups(node, loc[GROUP_ID], n)
   out = est.fn(AdvantageInput(

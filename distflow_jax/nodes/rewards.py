@@ -76,7 +76,33 @@ def reward_model(ctx: RunContext, node: Node, lay: dlayout.Layout, batch: Batch)
   return batch.replace(rewards=rewards)
 
 
+# The part of each sample's reward that was earned at given tokens ([B, N]): advantages
+# with per-token rewards (GAE, REINFORCE++) put it there, the rest on the last token.
+PLACED = "placed_rewards"
+
+
+def env_reward(ctx: RunContext, node: Node, lay: dlayout.Layout, batch: Batch) -> Batch:
+  """The environment's rewards of each episode (summed over its turns, rollout.env), times
+  ``reward.weight``, added to any rewards already in the batch; each turn's also placed on
+  its last generated token (``placed_rewards``)."""
+  if "env_rewards" not in batch.data:
+    raise DagError(f"DAG node {node.id!r}: reward.env reads the environment's rewards of "
+                   f"multi-turn episodes; set rollout.env (an environment) or use another "
+                   f"reward")
+  scores = batch.data["env_rewards"]
+  ctx.metrics.add(f"reward/{node.id}", float(jnp.sum(scores)), scores.shape[0])
+  weight = ctx.section(node, "reward").weight
+  rewards, placed = weight * scores, weight * batch.data["env_turn_rewards"]
+  if "rewards" in batch.data:
+    rewards = rewards + batch.data["rewards"]
+  if PLACED in batch.data:
+    placed = placed + batch.data[PLACED]
+  # The same rewards, also where each turn earned them (per-token rewards: GAE).
+  return batch.replace(rewards=rewards, **{PLACED: placed})
+
+
 NODES: NodeTable = {
+    "reward.env": env_reward,
     "reward.math": rule_reward_node("math"),
     "reward.format": rule_reward_node("format"),
     "reward.model": reward_model,

@@ -9,6 +9,7 @@ from distflow_jax.dag.spec import Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, expand_groups, to_global
 from distflow_jax.nodes.common import NodeTable
+from distflow_jax.rollout import episodes
 from distflow_jax.state import vision as vision_lib
 from distflow_jax.state.context import RunContext
 from distflow_jax.state.metrics import gather_processes
@@ -34,8 +35,14 @@ def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Bat
       ctx.vision, prompts.host_fields(prompts.data[GROUP_ID]), plist)
   extra = {} if images is None else {
       "images": vision_lib.prompt_images(ctx.vision.cfg, images[0], plist, images[1])}
-  ro = backend.generate(params, plist, n, rng=ctx.step_rng(node), pad_id=ctx.tokenizer.pad_id,
-                        request_ids=sample_ids.reshape(-1), **extra)
+  episode_fields: dict = {}
+  if rollout.get("env", ""):  # multi-turn episodes (rollout/episodes.py)
+    ro, episode_fields = _episodes(ctx, rollout, backend, params, prompts, plist,
+                                   sample_ids.reshape(-1), ctx.step_rng(node))
+  else:
+    ro = backend.generate(params, plist, n, rng=ctx.step_rng(node),
+                          pad_id=ctx.tokenizer.pad_id, request_ids=sample_ids.reshape(-1),
+                          **extra)
   p_max = prompt_width(int(lens.max(initial=0)), rollout.prefill_buckets,
                        ctx.cfg.data.max_prompt_len)
   rows = np.repeat(np.arange(len(plist)), n)
@@ -48,7 +55,7 @@ def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Bat
                                 GROUP_ID: prompts.data[GROUP_ID]}, prompts.host), n)
   local = Batch({**groups.data, "prompt_tokens": prompt_tokens, "prompt_mask": prompt_mask,
                  "response_tokens": ro.tokens_RxN, "response_mask": ro.mask_RxN,
-                 "rollout_logprobs": ro.logprobs_RxN}, prompts.host)
+                 "rollout_logprobs": ro.logprobs_RxN, **episode_fields}, prompts.host)
   if images is not None:  # features travel with their samples (state/vision.py)
     feats, grids = images
     local = local.replace(**vision_lib.image_fields(
@@ -60,10 +67,29 @@ def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Bat
   ctx.metrics.add_mean("response_stopped", ro.stopped_R)
   # The sampled tokens' mean negative log-prob under the policy: an estimate of its entropy
   # per token that needs no extra pass (the health monitor's entropy signal reads it).
-  mask = np.asarray(ro.mask_RxN, bool)
+  mask = np.asarray(episode_fields.get("loss_mask", ro.mask_RxN), bool)  # generated tokens
   ctx.metrics.add("rollout_nll", float(-np.asarray(ro.logprobs_RxN, np.float64)[mask].sum()),
                   float(mask.sum()))
   return to_global(local, lay)
+
+
+def _episodes(ctx: RunContext, rollout, backend, params, prompts: Batch, plist, ids, rng):
+  """``rollout.n`` episodes per prompt with ``rollout.env``: the rollout, the batch fields
+  ``loss_mask`` (generated tokens; observation tokens are never trained on),
+  ``env_rewards`` and ``env_turn_rewards`` (``reward.env`` reads them), and the ``env/*``
+  metrics."""
+  rows = [f or {} for f in prompts.host_fields(prompts.data[GROUP_ID])]
+  ep = episodes.run_episodes(backend, params, plist, rows, rollout.n,
+                             env=episodes.EnvSetup.from_config(rollout),
+                             tokenizer=ctx.tokenizer, width=rollout.max_new_tokens,
+                             rng=rng, request_ids=ids,
+                             pad_id=ctx.tokenizer.pad_id)
+  ctx.metrics.add_mean("env/turns_mean", ep.turns_R)
+  ctx.metrics.add_mean("env/truncated", ep.truncated_R)
+  ctx.metrics.add("env/errors", float(ep.errors), float(len(ep.reward_R)))  # per episode
+  ctx.metrics.add_mean("env/reward", ep.reward_R)
+  return ep.rollout, {"loss_mask": ep.loss_mask_RxN, "env_rewards": ep.reward_R,
+                      "env_turn_rewards": ep.turn_rewards_RxN}
 
 
 def prompt_width(longest_here: int, buckets, max_prompt_len: int) -> int:

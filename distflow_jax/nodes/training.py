@@ -22,6 +22,7 @@ from distflow_jax.data.batch import Batch
 from distflow_jax.nodes.common import NodeTable, seq
 from distflow_jax.nodes.passes import budget_plan, on_policy, pack_plan, prompt_group
 from distflow_jax.train import deterministic, micro_batches, steps as steps_lib
+from distflow_jax.train.loss_mask import LOSS_MASK
 from distflow_jax.state.context import RunContext
 
 
@@ -88,6 +89,8 @@ def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: 
   state = ctx.roles[role]
   section = ctx.section(node, role.value.lower())
   data = seq(batch)
+  if LOSS_MASK in batch.data:  # multi-turn episodes: observation tokens are not trained on
+    data[LOSS_MASK] = batch.data[LOSS_MASK]
   shape = step_shape(ctx, role, section, lay, data["response_mask"].shape[0])
   minis, micro, budget = shape.minis, shape.micro, shape.budget
   gs = prompt_group(ctx, node, data, shape.parts) if role is Role.ACTOR else 1
@@ -145,7 +148,9 @@ def off_policy_metrics(ctx: RunContext, lay: dlayout.Layout, batch: Batch,
   if "old_logprobs" not in d or "rollout_logprobs" not in d or on_policy(ctx):
     return  # the old log-probs are the rollout's own: nothing to compare
   fn = off_policy_stats(ctx, lay, loss_cfg.tis_cap)
-  s = jax.device_get(fn(d["old_logprobs"], d["rollout_logprobs"], d["response_mask"]))
+  # bool, as the program plan --lower lowers; episodes: their generated tokens only
+  mask = d["response_mask"] if LOSS_MASK not in d else d["response_mask"] & d[LOSS_MASK]
+  s = jax.device_get(fn(d["old_logprobs"], d["rollout_logprobs"], mask))
   tokens = float(s["tokens"])
   if tokens <= 0:
     return

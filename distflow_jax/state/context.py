@@ -24,6 +24,7 @@ from distflow_jax.data.batch import Batch
 from distflow_jax.models import sharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.tokenizer import Tokenizer
+from distflow_jax.rollout import episodes
 from distflow_jax.rollout.backend import RolloutBackend, backend_factory
 from distflow_jax.rollout.engine import EngineConfig, replica_mesh
 from distflow_jax.rollout.engine_config import LoraSync
@@ -114,7 +115,9 @@ class RunContext:
               devices: list[jax.Device] | None = None) -> RolloutBackend:
     """This host's rollout replica for these rollout settings (built once), of the kind
     ``rollout.backend`` names (rollout/backend.py; a config without the key: "engine")."""
-    conf = engine_config(self.cfg, rollout, self.tokenizer.eos_ids, greedy)
+    # With rollout.env, a one-token closing tag of a tool call ends a turn too.
+    stops = (*self.tokenizer.eos_ids, *episodes.call_stop_ids(rollout, self.tokenizer))
+    conf = engine_config(self.cfg, rollout, tuple(dict.fromkeys(stops)), greedy)
     name = rollout.get("backend", "engine")
     make = backend_factory(name)  # refuses an unknown name, listing the valid ones
     key = (name, conf, rollout.tensor_parallel)

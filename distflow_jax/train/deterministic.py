@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from distflow_jax.algos import losses
 from distflow_jax.models import lora, lora_layer, sharding
 from distflow_jax.train import placement, steps as steps_lib
+from distflow_jax.train.loss_mask import loss_mask
 
 Batch = Mapping[str, jax.Array]
 AXIS = "data"  # the samples' axis of a layout mesh of its own (a role mesh: data, fsdp)
@@ -133,7 +134,7 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
     params, frozen = lora.split_trainable(params)  # LoRA: the adapters only (steps.py)
     b = jax.tree.leaves(batch)[0].shape[0]
     k = units_per_device(b, d, unit_rows)
-    denom = losses.loss_denominator(batch["response_mask"], agg_mode)
+    denom = losses.loss_denominator(loss_mask(batch), agg_mode)
 
     @_unconstrained
     def local(params, frozen, batch, denom, rng):

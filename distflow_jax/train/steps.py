@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from distflow_jax.algos import losses, off_policy
 from distflow_jax.models import heads, lora, lora_layer
 from distflow_jax.train import hidden as hidden_lib, micro_batches, optim, packing, placement
+from distflow_jax.train.loss_mask import loss_mask
 
 Batch = Mapping[str, jax.Array]
 
@@ -114,9 +115,9 @@ def actor_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, cfg: ActorL
   weights = None  # none: the loss is built exactly as without a correction
   if cfg.correction is not off_policy.OffPolicyCorrection.NONE:
     weights = off_policy.token_weights(mb["old_logprobs"], mb["rollout_logprobs"],
-                                       mb["response_mask"], cfg.correction, cfg.tis_cap)
+                                       loss_mask(mb), cfg.correction, cfg.tis_cap)
   return losses.actor_loss(
-      logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"],
+      logp, mb["old_logprobs"], mb["advantages"], loss_mask(mb),
       entropy_BxT=ent, entropy_coef=cfg.entropy_coef,  # entropy is always reported
       ref_logprobs_BxT=mb["ref_logprobs"] if use_kl else None,
       kl_coef=cfg.kl_coef if use_kl else 0.0, kl_estimator=cfg.kl_estimator,
@@ -128,7 +129,7 @@ def actor_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, cfg: ActorL
 def critic_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, value_clip: float,
                 loss_agg: str = "token-mean") -> losses.LossOutput:
   values = response_values(graphdef, params, mb)
-  return losses.value_loss(values, mb["values"], mb["returns"], mb["response_mask"],
+  return losses.value_loss(values, mb["values"], mb["returns"], loss_mask(mb),
                            clip_range=value_clip or None, agg_mode=loss_agg)
 
 
@@ -157,7 +158,7 @@ def make_train_step(loss_fn: Callable[[nnx.GraphDef, nnx.State, Batch], losses.L
     pack = batch.get("pack")
     batch = {k: v for k, v in batch.items() if k != "pack"}
     mbs = micro_batches.for_step(batch, pack, num_micro_batches, group_size)
-    denom = losses.loss_denominator(batch["response_mask"], agg_mode)
+    denom = losses.loss_denominator(loss_mask(batch), agg_mode)
 
     def one(carry, xs):
       grads_acc, out_acc = carry

@@ -1,0 +1,54 @@
+"""User environments for the multi-turn tests (loaded through config.plugins or named as
+``plugin_envs:Class``): a scripted tool environment and ones that misbehave."""
+
+import math
+import time
+
+from distflow_jax.envs import base, parsers
+
+
+class Scripted:
+  """Answers every turn with a fixed observation; done after ``turns`` steps; reward 1 for
+  a turn that made a complete <tool> call, else 0.  Records what it was given (class-level log)."""
+  turns = 3
+  log: list = []
+
+  def __init__(self):
+    self.steps = 0
+
+  def reset(self, row):
+    Scripted.log.append(("reset", dict(row)))
+    return " obs0 "
+
+  def step(self, action_text):
+    Scripted.log.append(("step", action_text))
+    self.steps += 1
+    reward = 1.0 if parsers.tool_parser("tag").parse(action_text) is not None else 0.0
+    return f" result {self.steps} ", reward, self.steps >= self.turns
+
+
+class Raises(Scripted):
+  def step(self, action_text):
+    raise KeyError("no such tool")
+
+
+class Hangs(Scripted):
+  def step(self, action_text):
+    time.sleep(60)
+    return "", 0.0, True
+
+
+class NotText(Scripted):
+  def step(self, action_text):
+    return 42, 0.0, False
+
+
+class NanReward(Scripted):
+  def step(self, action_text):
+    return "ok", math.nan, False
+
+
+for _name, _cls in (("scripted", Scripted), ("raises", Raises), ("hangs", Hangs),
+                    ("not_text", NotText), ("nan_reward", NanReward)):
+  if _name not in base.env_names():
+    base.register_env(_name, _cls)

@@ -1,0 +1,52 @@
+"""A GRPO step on multi-turn episodes (rollout.env) through the trainer: the scripted
+environment's observation tokens are in the responses and out of the loss."""
+
+import math
+
+import pytest
+
+from distflow_jax.config import loading
+from distflow_jax.run import trainer
+from workflow_util import smoke_overrides
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _cfg(tmp_path, *extra, name="grpo:tiny"):
+  cfg = loading.load(name, smoke_overrides(
+      tmp_path, "cluster.devices_per_process=8", "data.prompts_per_step=8", "rollout.n=2",
+      "actor.micro_batch_size=1", "trainer.total_steps=1", "rollout.env=scripted",
+      "rollout.max_new_tokens=16", "model.max_seq_len=64", *extra))
+  with cfg.unlocked():
+    cfg.rollout.prefill_buckets = (40, 56)
+    cfg.plugins = ("plugin_envs",)
+    # the environment's reward, not the math verifier's
+    cfg.dag = [dict(d, fn="reward.env") if d["fn"] == "reward.math" else dict(d)
+               for d in cfg.dag]
+  return cfg
+
+
+def test_grpo_step_on_episodes_trains_generated_tokens_only(tmp_path):
+  cfg = _cfg(tmp_path)
+  ctx, loaders = trainer.setup(cfg, log=lambda m: None)
+  (m,) = list(trainer.train(cfg, ctx, loaders))
+  for key in ("env/turns_mean", "env/errors", "env/truncated", "actor/loss", "reward"):
+    assert key in m and math.isfinite(m[key]), (key, m)
+  assert m["actor/skipped"] == 0.0 and m["env/errors"] == 0.0 and m["env/turns_mean"] >= 1
+  samples = 8 * 2
+  # Every episode starts with reset's observation (" obs0 "): at least one token per
+  # sample is in the responses (response_length) but not among the trained tokens.
+  assert m["actor/token_count"] <= m["response_length"] * samples - samples, m
+  assert m["actor/token_count"] > 0
+
+
+def test_ppo_step_on_episodes_with_a_critic(tmp_path):
+  """GAE over episodes: per-turn rewards (placed_rewards) and the loss mask reach the
+  critic's advantages and both train steps."""
+  cfg = _cfg(tmp_path, "critic.micro_batch_size=1", name="ppo:tiny")
+  ctx, loaders = trainer.setup(cfg, log=lambda m: None)
+  (m,) = list(trainer.train(cfg, ctx, loaders))
+  for key in ("env/turns_mean", "actor/loss", "critic/loss"):
+    assert key in m and math.isfinite(m[key]), (key, m)
+  samples = 8 * 2
+  assert m["critic/token_count"] <= m["response_length"] * samples - samples, m
