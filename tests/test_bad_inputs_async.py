@@ -24,6 +24,8 @@ CASES = {
                       "one process only"),
     "dynamic_sampling": ("", [K1, *SPLIT, *EIGHT, "--config.algo.dynamic_sampling_tries=2"],
                          "algo.dynamic_sampling_tries=2"),
+    "episodes": ("", [K1, *SPLIT, *EIGHT, "--config.rollout.env=plugin_envs:Scripted"],
+                 "with multi-turn episodes (rollout.env='plugin_envs:Scripted') is not built"),
     "rollout_unknown_key": ("c.placement.rollout.mesh = dict(fsdp=2)", [],
                             "unknown config key 'placement.rollout.mesh'"),
     "rollout_out_of_range": ("", [*EIGHT, "--config.placement.rollout.devices=4:99"],

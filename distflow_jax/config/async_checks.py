@@ -7,7 +7,8 @@
   devices nothing overlaps;
 * one process: the rollout thread's collectives (the weight sync) would otherwise race
   the trainer's across processes, in no fixed order (a deadlock);
-* no dynamic sampling (its refills run the rollout stage again inside a step).
+* no dynamic sampling (its refills run the rollout stage again inside a step);
+* no multi-turn episodes (``rollout.env``): not built with it yet.
 
 Each refusal is one line naming the setting to change.
 """
@@ -41,6 +42,10 @@ def check(cfg: ml_collections.ConfigDict, plan: Plan) -> None:
     raise ConfigError(f"{name} runs in one process only (the rollout thread's weight sync "
                       f"would race the trainer's collectives across processes); use "
                       f"--num_processes=1 or trainer.max_staleness=0")
+  if cfg.rollout.get("env", ""):
+    raise ConfigError(f"{name} with multi-turn episodes (rollout.env={cfg.rollout.env!r}) is "
+                      f"not built yet (in-flight episodes are not saved with checkpoints); "
+                      f"set trainer.max_staleness=0 or rollout.env=''")
   if cfg.algo.dynamic_sampling_tries:
     raise ConfigError(f"{name} does not work with algo.dynamic_sampling_tries="
                       f"{cfg.algo.dynamic_sampling_tries}; set one of them to 0")
