@@ -93,6 +93,27 @@ def prepare_requests(cfg: EngineConfig, prompts: Sequence[Sequence[int]], n: int
   return Requests(prompts, n_max, ids, np.asarray(request_keys(rng, ids)))
 
 
+def request_queues(requests, ids: np.ndarray, b: int, fixed: bool) -> list[collections.deque]:
+  """The waiting requests: with fixed shapes one queue per slot (request r always decodes in
+  slot ids[r] % b, so its numbers never depend on which others share the replica), else
+  one queue that any free slot takes from."""
+  requests = list(requests)
+  if fixed:
+    return [collections.deque(r for r in requests if ids[r] % b == s) for s in range(b)]
+  return [collections.deque(requests)]
+
+
+def next_requests(queues: list[collections.deque], slot_req: np.ndarray,
+                  fixed: bool) -> tuple[np.ndarray, list[int]]:
+  """``(slots, requests)``: the free slots (``slot_req < 0``) filled from ``queues``."""
+  free = np.flatnonzero(slot_req < 0)
+  if fixed:
+    slots = np.array([s for s in free if queues[s]], np.int64)
+    return slots, [queues[s].popleft() for s in slots]
+  reqs = [queues[0].popleft() for _ in range(min(len(free), len(queues[0])))]
+  return free[:len(reqs)], reqs
+
+
 def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 1, *,
              max_new_tokens: int | None = None, rng: jax.Array | None = None,
              pad_id: int = 0, request_ids: Sequence[int] | None = None) -> Rollout:
@@ -116,20 +137,13 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
   fixed = engine.config.fixed_shapes
   # Fixed shapes: request r always decodes in slot id % b and prefills in that row, so its
   # numbers never depend on which other requests share the replica (see EngineConfig).
-  queues = [collections.deque(r for r in range(num) if ids[r] % b == s) for s in range(b)] \
-      if fixed else [collections.deque(range(num))]
+  queues = request_queues(range(num), ids, b, fixed)
   slot_req = np.full((b,), -1, np.int64)
   slot_end = np.ones((b,), np.int64)  # a free slot's row keeps writing below this slot
   state = engine.start_state()
   while any(queues) or (slot_req >= 0).any():
     started = None
-    free = np.flatnonzero(slot_req < 0)
-    if fixed:
-      slots = np.array([s for s in free if queues[s]], np.int64)
-      reqs = [queues[s].popleft() for s in slots]
-    else:
-      reqs = [queues[0].popleft() for _ in range(min(len(free), len(queues[0])))]
-      slots = free[:len(reqs)]
+    slots, reqs = next_requests(queues, slot_req, fixed)
     if reqs:
       if fixed:
         plist, src = [prompts[r // n] for r in reqs], list(range(len(reqs)))

@@ -19,12 +19,11 @@ episodes equal the round loop's and the reference backend's token for token.
 
 from __future__ import annotations
 
-import collections
 
 import jax
 import numpy as np
 
-from distflow_jax.rollout import turns
+from distflow_jax.rollout import driver, turns
 from distflow_jax.rollout.cache_growth import chunk_end
 from distflow_jax.rollout.extend import Extender
 from distflow_jax.rollout.sampling import request_keys
@@ -44,9 +43,7 @@ def engine_episodes(backend, params, eps: list[turns.Episode], ids: np.ndarray,
   b, k = engine.max_concurrent_decodes, engine.config.decode_steps
   fixed = engine.config.fixed_shapes
   live = [r for r, ep in enumerate(eps) if ep.live]
-  # Fixed shapes: episode r always decodes in slot id % b (see EngineConfig, driver.py).
-  queues = ([collections.deque(r for r in live if ids[r] % b == s) for s in range(b)]
-            if fixed else [collections.deque(live)])
+  queues = driver.request_queues(live, ids, b, fixed)  # fixed: episode r in slot id % b
   slot_req = np.full((b,), -1, np.int64)
   # The engine's own view of each slot (prompt length, tokens made, limit, active), which
   # bounds the cache it writes (cache_growth.chunk_end), whether the host reads it or not.
@@ -58,13 +55,7 @@ def engine_episodes(backend, params, eps: list[turns.Episode], ids: np.ndarray,
   extend = Extender.for_engine(engine)
   state = engine.start_state()
   while any(queues) or (slot_req >= 0).any():
-    free = np.flatnonzero(slot_req < 0)
-    if fixed:
-      slots = np.array([s for s in free if queues[s]], np.int64)
-      reqs = [queues[s].popleft() for s in slots]
-    else:
-      reqs = [queues[0].popleft() for _ in range(min(len(free), len(queues[0])))]
-      slots = free[:len(reqs)]
+    slots, reqs = driver.next_requests(queues, slot_req, fixed)
     started = None
     if pending:  # turns that continue in their slot: the new tokens appended to its cache
       slots_e = sorted(pending)
