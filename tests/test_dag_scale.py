@@ -96,14 +96,17 @@ from distflow_jax.dag.registry import Placement  # noqa: E402
 from distflow_jax.dag.spec import Role  # noqa: E402
 
 BIG = 10_000
+# CPU seconds of this process (time.process_time), not wall seconds: a planner that went
+# quadratic in the nodes takes minutes of CPU; a busy machine only stretches the wall clock
+# (5.97 s wall for 0.84 s of CPU was seen at load 10).
 LIMIT_S = 5.0
 
 
 def timed_plan(nodes, topo=Topology(1, 8), **kw):
-  t0 = time.perf_counter()
+  t0 = time.process_time()
   dag = build_dag(nodes, FUNCTIONS)
   plan = make_plan(dag, FUNCTIONS, topo, **kw)
-  return plan, time.perf_counter() - t0
+  return plan, time.process_time() - t0
 
 
 @pytest.mark.timeout(120)
@@ -120,7 +123,7 @@ def test_ten_thousand_nodes_plan_fast(shape, order):
   assert len(nodes) >= BIG - 3
   plan, secs = timed_plan(nodes)
   print(f"{shape}/{order}: {len(nodes)} nodes planned in {secs:.2f} s")
-  assert secs < LIMIT_S, f"{len(nodes)} nodes took {secs:.1f} s"
+  assert secs < LIMIT_S, f"{len(nodes)} nodes took {secs:.1f} CPU s"
   assert is_topological(plan.order, nodes)
   assert plan.order[0] == "gen" and plan.order[-1] in ("train", "train_critic")
   assert len(plan.edges) == sum(len(n.get("deps", ())) for n in nodes)
@@ -132,10 +135,10 @@ def test_long_chain_through_config_and_render():
   cfg = loading.load("grpo:tiny", ["actor.kl.coef=0.0"])  # the chain has no ref_logprob
   with cfg.unlocked():
     cfg.dag = declared(chain(BIG - 3), "reverse")
-  t0 = time.perf_counter()
+  t0 = time.process_time()
   plan = plan_from_config(cfg, Topology(1, 8), FUNCTIONS)
   text = render(plan)
-  secs = time.perf_counter() - t0
+  secs = time.process_time() - t0
   print(f"plan_from_config + render, {BIG} nodes: {secs:.2f} s")
   assert secs < LIMIT_S
   assert plan.order == [n["id"] for n in chain(BIG - 3)]
@@ -147,10 +150,10 @@ def test_long_chain_through_config_and_render():
 def test_big_cycle_is_found_without_recursion(order):
   nodes = chain(BIG - 3)
   nodes[0] = dict(id="gen", fn="generate", deps=["r9000"])
-  t0 = time.perf_counter()
+  t0 = time.process_time()
   with pytest.raises(planner_lib.DagError, match=r"cycle of 9002 nodes: ") as e:
     build_dag(declared(nodes, order), FUNCTIONS)
-  assert time.perf_counter() - t0 < LIMIT_S
+  assert time.process_time() - t0 < LIMIT_S
   msg = str(e.value)
   assert len(msg) < 300 and "... (8991 more) ->" in msg
   # From the cycle's first declared node, in data-flow order, closed.
