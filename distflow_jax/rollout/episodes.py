@@ -14,11 +14,12 @@ sequence the passes read); ``loss_mask_RxN`` only the generated ones (the losses
 advantages read it: observation tokens are never trained on); log-probs are 0 on
 observation tokens.
 
-A turn's prompt is the episode's prompt + response so far, re-prefilled (the KV cache is
-not kept across turns yet); turn t of episode r draws with ``fold_in(rng, t)`` and request
-id ``request_ids[r]``.  The ``engine`` backend batches turns of episodes at different
-turns on its slots (episode_engine.py, ``CONTINUOUS``); any other backend plays rounds:
-one ``backend.generate`` call gives every live episode its next turn.  A turn's text is cut
+Turn t of episode r draws with ``fold_in(rng, t)`` and request id ``request_ids[r]``.
+The ``engine`` backend keeps each episode in its slot and appends the turn's new tokens to
+the slot's KV cache (episode_engine.py, extend.py), with episodes at different turns
+sharing the slots; any other backend plays rounds: one ``backend.generate`` call gives
+every live episode its next turn, its prompt the episode's prompt + response so far,
+re-prefilled.  A turn's text is cut
 just after its first complete tool call (``rollout.tool_parser``); the tokens after it
 are dropped.  Then the environment's ``step`` gets the turn's text (through ``EnvGuard``:
 deadline and checks).  An episode ends when the environment says ``done``, the turn made

@@ -62,6 +62,13 @@ def _digest(leaves: list[jax.Array]) -> jax.Array:
                             .astype(jnp.uint32), dtype=jnp.uint32) for x in leaves])
 
 
+def _digest_program(leaves: list[jax.Array]) -> Callable:
+  """``_digest`` jitted to a replicated result on the leaves' mesh (where they share one)."""
+  meshes = {x.sharding.mesh for x in leaves if isinstance(x.sharding, NamedSharding)}
+  out = NamedSharding(next(iter(meshes)), P()) if len(meshes) == 1 else None
+  return jax.jit(_digest, out_shardings=out)
+
+
 def _merge(ws: list, a_s: list, b_s: list, previous: list, *, scale: float) -> list:
   del previous  # donated: each new kernel is written into the previous one's buffer
   return [lora.merged_kernel(w, a, b, scale) for w, a, b in zip(ws, a_s, b_s)]
@@ -150,9 +157,7 @@ class AdapterSync:
     flat = list(nnx.to_flat_state(base))
     leaves = [v.get_value() for _, v in flat]
     if self._digest is None:
-      meshes = {x.sharding.mesh for x in leaves if isinstance(x.sharding, NamedSharding)}
-      out = NamedSharding(next(iter(meshes)), P()) if len(meshes) == 1 else None
-      self._digest = jax.jit(_digest, out_shardings=out)
+      self._digest = _digest_program(leaves)
     got = np.asarray(self._digest(leaves).addressable_data(0))
     if self._fingerprint is None:
       self._fingerprint = got
@@ -196,9 +201,7 @@ class AdapterSync:
     sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # noqa: E731
     adapters, base = lora.split_trainable(train_params)
     leaves = jax.tree.leaves(base)
-    meshes = {x.sharding.mesh for x in leaves if isinstance(x.sharding, NamedSharding)}
-    out_sh = NamedSharding(next(iter(meshes)), P()) if len(meshes) == 1 else None
-    out = [("lora_sync/digest", jax.jit(_digest, out_shardings=out_sh), (leaves,))]
+    out = [("lora_sync/digest", _digest_program(leaves), (leaves,))]
 
     def loop(state, name):
       if not stacking.is_stacked(state):
