@@ -15,7 +15,8 @@ episode (never trained on); ``reward`` a finite number, summed over the episode'
 ``done`` ends the episode.  ``reset``'s observation is appended before the first turn
 when it is not empty.
 
-Registered by name (``register_env``, from a plugin module in ``config.plugins``, as
+Built in: ``calc`` (envs/calc.py, a calculator tool).  Others are registered by name
+(``register_env``, from a plugin module in ``config.plugins``, as
 reward functions are) or named directly as ``module:Class`` (the module is imported).
 """
 
@@ -84,3 +85,12 @@ def env_factory(name: str) -> EnvFactory:
     raise ConfigError(f"rollout.env={name!r}: module {module!r} has no class or callable "
                       f"{attr!r}")
   return factory
+
+
+def _register_builtins() -> None:
+  """The built-in environments (a plugin may not reuse their names)."""
+  from distflow_jax.envs import calc
+  register_env(calc.TOOL, calc.CalcEnv, overwrite=True)
+
+
+_register_builtins()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
-from distflow_jax.tasks import arithmetic, letters, shapes
+from distflow_jax.tasks import arithmetic, calc, letters, shapes
 
 PREFIX = "builtin:"
 
@@ -90,6 +90,7 @@ def register(task: Task) -> None:
 register(ArithmeticTask())
 register(letters.TASK)  # letter counting (tasks/letters.py)
 register(shapes.TASK)  # counting coloured shapes in an image (tasks/shapes.py)
+register(calc.TASK)  # multi-digit products with a calculator tool (tasks/calc.py)
 
 
 def names() -> list[str]:
