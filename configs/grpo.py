@@ -5,7 +5,9 @@
 Variants: ``tiny`` (CPU, built-in task and model), ``tiny_lora`` (the same training LoRA
 adapters), ``qwen0.5b`` (a local
 Qwen2.5-0.5B-Instruct and GSM8K JSONL; set --config.model.path and
---config.data.train), ``llama1b`` (the same with a local Llama-3.2-1B-Instruct).
+--config.data.train), ``llama1b`` (the same with a local Llama-3.2-1B-Instruct), ``calc``
+(multi-turn episodes with the built-in calculator tool on ``builtin:calc``) and
+``calc_notool`` (the same run without the tool: its baseline).
 """
 
 from distflow_jax.config import defaults
@@ -67,6 +69,33 @@ def get_config(arg: str = "tiny"):
     c.actor.micro_batch_size = 16
     c.trainer.total_steps = 50
     c.trainer.eval_every = 10
+  elif arg in ("calc", "calc_notool"):
+    # builtin:calc (3-digit x 2-digit products) with the calculator tool (rollout.env=calc,
+    # episodes of up to 3 turns, the environment's reward), or without it: the same model,
+    # warm start, rows and budget, single-turn GRPO on the math verifier (the baseline).
+    c.run_dir = f"runs/grpo_{arg}"
+    c.data.train = c.data.eval = "builtin:calc:basic"
+    c.data.max_prompt_len = 24
+    c.data.eval_size = 128
+    # "<tool>calc(999 * 99)</tool> = 98901\n#### 98901" + EOS is 47 tokens; the round
+    # backends' re-prefill needs a bucket of max_prompt_len + max_new_tokens - 1.
+    c.rollout.max_new_tokens = 48
+    c.rollout.prefill_buckets = (24, 72)
+    c.model.max_seq_len = 72
+    # Copying the operands into the call and the result into the answer takes ~400 steps
+    # (200 left the copies garbled: no tool call gave a right answer).
+    c.model.warmstart.steps = 400
+    c.data.prompts_per_step = 16
+    c.rollout.n = 8
+    c.actor.optimizer.lr = 1e-4
+    c.actor.kl.coef = 0.05
+    c.actor.micro_batch_size = 16
+    c.trainer.total_steps = 40
+    c.trainer.eval_every = 2
+    c.rollout.max_turns = 3  # call, answer (+ one retry); read only with rollout.env
+    if arg == "calc":
+      c.rollout.env = "calc"
+      c.dag = [dict(d, fn="reward.env") if d["fn"] == "reward.math" else dict(d) for d in DAG]
   elif arg == "qwen0.5b":
     c.run_dir = "runs/grpo_qwen0.5b"
     c.model.path = ""  # set --config.model.path=/path/to/Qwen2.5-0.5B-Instruct
@@ -93,5 +122,5 @@ def get_config(arg: str = "tiny"):
     c.actor.optimizer.lr = 1e-3
   else:
     raise ValueError(f"unknown variant {arg!r} of grpo.py; valid: tiny, tiny_lora, qwen0.5b, "
-                     f"llama1b")
+                     f"llama1b, calc, calc_notool")
   return c

@@ -48,7 +48,36 @@ class NanReward(Scripted):
     return "ok", math.nan, False
 
 
-for _name, _cls in (("scripted", Scripted), ("raises", Raises), ("hangs", Hangs),
+class Leaky(Scripted):
+  """Shows the answer in its first observation: an evaluation must not credit the model."""
+  def reset(self, row):
+    return f" {row['answer']} \n"
+
+
+class HostileCalc:
+  """The built-in calculator (envs/calc.py) handed abusive calls in place of the model's
+  turns: each turn's text (of any episode) is replaced by the next of ``CALLS``; records
+  the observations."""
+  CALLS = ("<tool>calc(9**9**9)</tool>", "<tool>calc(__import__('os').system('x'))</tool>",
+           "<tool>calc(" + "9" * 40 + "*" + "9" * 20 + ")</tool>", "<tool>calc(" + "(" * 30
+           + ")</tool>", "<tool>calc(1/0)</tool>", "<tool>exec(1)</tool>")
+  seen: list = []
+
+  def __init__(self):
+    from distflow_jax.envs import calc
+    self.env = calc.CalcEnv()
+
+  def reset(self, row):
+    return self.env.reset(row)
+
+  def step(self, action_text):
+    call = self.CALLS[len(HostileCalc.seen) % len(self.CALLS)]
+    out = self.env.step(call)
+    HostileCalc.seen.append(out[0])
+    return out
+
+
+for _name, _cls in (("scripted", Scripted), ("hostile_calc", HostileCalc), ("leaky", Leaky), ("raises", Raises), ("hangs", Hangs),
                     ("not_text", NotText), ("nan_reward", NanReward)):
   if _name not in base.env_names():
     base.register_env(_name, _cls)

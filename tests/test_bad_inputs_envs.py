@@ -72,3 +72,18 @@ def test_a_failing_environment_under_end_ends_its_episodes(tmp_path, capsys):
   import json
   rows = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
   assert rows[-1]["env/errors"] == 1.0  # every episode ended by its failure, counted
+
+
+@pytest.mark.timeout(300)
+def test_bad_calc_expressions_are_observations_not_crashes(tmp_path, capsys):
+  """The built-in calculator handed abusive calls (tests/plugin_envs.py's HostileCalc) in
+  a real run: every call answered with an error observation, no environment error."""
+  import json
+  from plugin_envs import HostileCalc
+  HostileCalc.seen.clear()
+  code, err = _train(tmp_path, capsys, "hostile_calc")
+  assert code == 0, err
+  rows = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
+  assert rows[-1]["env/errors"] == 0.0
+  assert len(HostileCalc.seen) >= len(HostileCalc.CALLS), HostileCalc.seen
+  assert all(o.startswith(" error: ") for o in HostileCalc.seen), HostileCalc.seen

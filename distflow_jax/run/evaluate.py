@@ -21,6 +21,7 @@ from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.batch import Batch
 from distflow_jax.rewards import registry as reward_registry
+from distflow_jax.rollout import episodes
 from distflow_jax.observe import samples as samples_lib
 from distflow_jax.observe.heartbeat import heartbeat, interval as heartbeat_interval
 from distflow_jax.state import vision as vision_lib
@@ -44,6 +45,10 @@ def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1, reward: str = "math
   """Accuracy (greedy, k=1: ``eval/accuracy``) or pass@k and the mean accuracy of the k
   samples at the rollout temperature (``eval/pass@k``, ``eval/mean_accuracy@k``).
 
+  With ``rollout.env`` set each answer is an episode (rollout/episodes.py): the verifier
+  scores the model's own tokens of all its turns (observations left out), and
+  ``eval/turns_mean`` / ``eval/env_reward`` (the environment's reward) are added.
+
   With a ``samples`` list, the first ``num_samples`` prompts of this process's batch are
   appended to it as records (prompt, response, reward, correct, answer;
   ``observe/samples.py``); the metrics are the same either way."""
@@ -60,16 +65,28 @@ def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1, reward: str = "math
   if ctx.vision is not None:  # each prompt's features once (state/vision.py)
     feats, grids = vision_lib.batch_images(ctx.vision, fields, plist)
     extra["images"] = vision_lib.prompt_images(ctx.vision.cfg, feats, plist, grids)
-  ro = backend.generate(params, plist, k, pad_id=ctx.tokenizer.pad_id, **extra)
-  texts = [ctx.tokenizer.decode(ro.tokens_RxN[r][ro.mask_RxN[r]].tolist())
+  m = Metrics()
+  if rollout.get("env", ""):  # episodes: the model's own tokens are scored, not observations
+    ep = episodes.run_episodes(backend, params, plist, [f or {} for f in fields], k,
+                               env=episodes.EnvSetup.from_config(rollout),
+                               tokenizer=ctx.tokenizer, width=rollout.max_new_tokens,
+                               pad_id=ctx.tokenizer.pad_id)
+    ro, scored = ep.rollout, ep.loss_mask_RxN
+    m.add_mean("eval/turns_mean", ep.turns_R)
+    m.add_mean("eval/env_reward", ep.reward_R)
+  else:
+    ro = backend.generate(params, plist, k, pad_id=ctx.tokenizer.pad_id, **extra)
+    scored = ro.mask_RxN
+  texts = [ctx.tokenizer.decode(ro.tokens_RxN[r][scored[r]].tolist())
            for r in range(len(ro.lengths_R))]
   truths = [fields[r // k]["answer"] for r in range(len(texts))]
   scores = reward_registry.score_batch(
       reward_registry.configured_reward(reward, ctx.cfg.reward), texts, truths)
-  if samples is not None and num_samples > 0:
-    samples.extend(samples_lib.sample_records(ctx.tokenizer, fields, plist, texts, truths,
+  if samples is not None and num_samples > 0:  # the whole episode, observations included
+    shown = texts if scored is ro.mask_RxN else [
+        ctx.tokenizer.decode(ro.tokens_RxN[r][ro.mask_RxN[r]].tolist()) for r in range(len(texts))]
+    samples.extend(samples_lib.sample_records(ctx.tokenizer, fields, plist, shown, truths,
                                               scores, k, num_samples))
-  m = Metrics()
   correct = (scores > 0).reshape(len(plist), k)
   if k == 1:
     m.add_mean("eval/accuracy", correct[:, 0])
