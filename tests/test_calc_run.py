@@ -62,3 +62,18 @@ def test_eval_scores_the_models_tokens_not_the_observations(tmp_path):
   assert m["eval/turns_mean"] >= 1.0 and m["eval/accuracy"] == 0.0, m
   # The samples show the whole episode, the observation with the answer included.
   assert kept and all(r["answer"] in r["response"] for r in kept), kept
+
+
+def test_the_scored_text_puts_each_turn_on_its_own_line():
+  """The final turn's "#### N" is the scored text's last line (the format check reads it)."""
+  import numpy as np
+  from distflow_jax.models.tokenizer import Tokenizer
+  from distflow_jax.rewards import math_answer
+  tok = Tokenizer.builtin()
+  call, obs, answer = "<tool>calc(1 * 2)</tool>", " = 2\n", "#### 2"
+  ids = np.array(tok.encode(call + obs + answer) + [tok.pad_id] * 3)
+  own = np.zeros(len(ids), bool)
+  own[:len(call)] = own[len(call + obs):len(call + obs + answer)] = True
+  text = eval_lib._own_text(tok, ids, own)  # pylint: disable=protected-access
+  assert text == call + "\n" + answer and math_answer.format_reward(text) == 1.0
+  assert eval_lib._own_text(tok, ids, np.zeros(len(ids), bool)) == ""  # pylint: disable=protected-access

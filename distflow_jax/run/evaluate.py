@@ -77,8 +77,7 @@ def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1, reward: str = "math
   else:
     ro = backend.generate(params, plist, k, pad_id=ctx.tokenizer.pad_id, **extra)
     scored = ro.mask_RxN
-  texts = [ctx.tokenizer.decode(ro.tokens_RxN[r][scored[r]].tolist())
-           for r in range(len(ro.lengths_R))]
+  texts = [_own_text(ctx.tokenizer, ro.tokens_RxN[r], scored[r]) for r in range(len(ro.lengths_R))]
   truths = [fields[r // k]["answer"] for r in range(len(texts))]
   scores = reward_registry.score_batch(
       reward_registry.configured_reward(reward, ctx.cfg.reward), texts, truths)
@@ -100,6 +99,13 @@ def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1, reward: str = "math
   m.add_mean("eval/formatted", reward_registry.score_batch(
       reward_registry.get_reward("format"), texts, truths) > 0)
   return m.reduce()
+
+
+def _own_text(tokenizer, tokens: np.ndarray, own: np.ndarray) -> str:
+  """The text of ``tokens`` where ``own`` (the model's, not an observation's), each run of
+  them (a turn) on its own line: the final turn's last line is the answer's."""
+  edges = np.flatnonzero(np.diff(np.concatenate([[0], own.astype(np.int8), [0]])))
+  return "\n".join(tokenizer.decode(tokens[a:b].tolist()) for a, b in zip(edges[::2], edges[1::2]))
 
 
 class _Head:
