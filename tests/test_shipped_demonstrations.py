@@ -29,13 +29,13 @@ def _algorithm_variants() -> tuple[str, ...]:
 
 
 # Every shipped preset: (config file, variant).
-PRESETS = ([("grpo", v) for v in ("tiny", "qwen0.5b", "llama1b")]
+PRESETS = ([("grpo", v) for v in ("tiny", "qwen0.5b", "llama1b", "calc", "calc_notool")]
            + [("ppo", v) for v in ("tiny", "qwen0.5b")]
            + [("algorithms", v) for v in _algorithm_variants()]
            + [("reinforce_pp_two_rewards", "tiny")]
            + [("grpo_vl", v) for v in ("tiny", "qwen2.5-vl-3b")])
 # The presets on a built-in task (qwen2.5-vl-3b's model.path is the user's, empty as shipped).
-WARM_STARTED = {"grpo:tiny", "ppo:tiny", "reinforce_pp_two_rewards:tiny", "grpo_vl:tiny",
+WARM_STARTED = {"grpo:tiny", "grpo:calc", "grpo:calc_notool", "ppo:tiny", "reinforce_pp_two_rewards:tiny", "grpo_vl:tiny",
                 "grpo_vl:qwen2.5-vl-3b"} | {
     f"algorithms:{v}" for v in _algorithm_variants()}
 
