@@ -89,11 +89,11 @@ class Engine:
     rep = NamedSharding(self._mesh, P())
     self._replicated = rep
     g, c = self.graphdef, config
-    kw = dict(sp=c.sampling, stop_ids=c.stop_ids)
+    kw = dict(sp=c.sampling, stop_ids=c.stop_ids, stop_sequences=c.stop_sequences)
     self.capacities = cache_growth.capacities(
         c.cache_len, c.prefill_buckets[-1] + c.decode_steps, c.grow_cache and not c.fixed_shapes)
     self._init = jax.jit(functools.partial(decode.empty_state, model_cfg,
-                                           c.max_concurrent_decodes),
+                                           c.max_concurrent_decodes, history=c.history),
                          static_argnums=0, out_shardings=self._state_sh)
     # Layer by layer, each old layer released as its padded copy is made (cache_growth).
     self._grow = cache_growth.Grower(self._state_sh)

@@ -71,14 +71,17 @@ class Episodes:
   errors: int                 # episodes ended by an environment failure
 
 
-def call_stop_ids(rollout: Any, tokenizer) -> tuple[int, ...]:
-  """The tool parser's closing tag as a stop id, when ``rollout.env`` is set and the
-  tokenizer holds the tag as one token (Qwen2.5's ``</tool_call>``): a turn then ends at
-  its call inside the decode loop, not at the next chunk's end.  Else none."""
+def call_stops(rollout: Any, tokenizer) -> tuple[tuple[int, ...], ...]:
+  """The tool parser's closing tag as a stop sequence of the run's rollout, when
+  ``rollout.env`` is set (else none): its token ids, one (Qwen2.5's ``</tool_call>``: a stop
+  id) or several (the ``tag`` parser's ``</tool>`` in the built-in tokenizer: matched in the
+  decode loop against each slot's last tokens, ``decode.ends_sequence``), so a turn ends at
+  its call inside the decode loop, not at the next chunk's end.  The model may spell the
+  tag with other tokens; the host still finds those calls after each chunk."""
   if not rollout.get("env", ""):
     return ()
-  ids = tokenizer.encode(parsers.tool_parser(rollout.tool_parser).close)
-  return tuple(ids) if len(ids) == 1 else ()
+  ids = tuple(int(i) for i in tokenizer.encode(parsers.tool_parser(rollout.tool_parser).close))
+  return (ids,) if ids else ()
 
 
 # Backends whose episodes batch turns of different episodes on their slots; others (the
@@ -100,7 +103,7 @@ def run_episodes(backend, params, prompts: Sequence[Sequence[int]],
   rng = jax.random.key(backend.config.seed) if rng is None else rng
   guard = env_guard.EnvGuard(env.name, env.timeout_s, env.on_error)
   turn_ctx = turns.TurnContext(env.parser, env.max_turns, guard, tokenizer, width,
-                              frozenset(backend.config.stop_ids))
+                              backend.config.ends_on_stop)
   eps = [turns.Episode(list(map(int, prompts[r // n]))) for r in range(num)]
   for r, ep in enumerate(eps):
     ep.env = guard.make(env.factory, int(ids[r]))

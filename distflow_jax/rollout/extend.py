@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distflow_jax.models.transformer import KVCache, forward
-from distflow_jax.rollout.decode import DecodeState, is_stop
+from distflow_jax.rollout.decode import DecodeState, is_stop, started_history
 from distflow_jax.rollout.engine_config import decode_state_shardings
 from distflow_jax.rollout.sampling import SamplingParams, sample
 
@@ -65,7 +65,8 @@ def extend_rows(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState,
       generated_B=put(state.generated_B, jnp.ones((b,), jnp.int32)),
       limit_B=put(state.limit_B, limits_B),
       active_B=put(state.active_B, ~is_stop(tok_B, stop_ids) & (limits_B > 1)),
-      keys_Bx2=put(state.keys_Bx2, keys_Bx2))
+      keys_Bx2=put(state.keys_Bx2, keys_Bx2),
+      recent_BxJ=put(state.recent_BxJ, started_history(tok_B, state.recent_BxJ.shape[1])))
   return state, tok_B, lp_B, slp_B
 
 

@@ -69,7 +69,7 @@ class TurnContext:
   guard: env_guard.EnvGuard
   tokenizer: Any
   width: int
-  stop: frozenset[int]
+  ends_on_stop: Callable[[Sequence[int]], bool]  # EngineConfig.ends_on_stop
 
 
 def finish_turn(ep: Episode, toks: list[int], lps, slps, tc: TurnContext,
@@ -82,7 +82,7 @@ def finish_turn(ep: Episode, toks: list[int], lps, slps, tc: TurnContext,
   k = k if cut is None else cut
   ep.add(toks[:k], True, lps[:k], slps[:k])
   ep.turns += 1
-  ep.stopped = cut is None and bool(toks) and toks[k - 1] in tc.stop
+  ep.stopped = cut is None and tc.ends_on_stop(toks[:k])
   step = tc.guard.step(ep.env, tc.tokenizer.decode(toks[:k]), sample_id)
   if step is None:
     ep.live = False
