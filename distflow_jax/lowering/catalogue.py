@@ -32,6 +32,7 @@ from distflow_jax.lowering.program import Catalogue, Program
 from distflow_jax.lowering.rollout_programs import rollout_programs, vision_programs
 from distflow_jax.nodes import passes, rollout as rollout_node, training
 from distflow_jax.train import packing, token_budget
+from distflow_jax.train.loss_mask import LOSS_MASK
 from distflow_jax.persist import checkpoint_contents, checksums
 from distflow_jax.run import executor
 from distflow_jax.state.context import RunContext, shared_prompt_group
@@ -106,6 +107,8 @@ def train_programs(ctx: RunContext, node, lay, rows: int) -> list[Program]:
                                                lc.kl_coef else ())
     if lc.correction is not OffPolicyCorrection.NONE:  # the loss reads mu too
       extra += ("rollout_logprobs",)
+    if cfg.rollout.get("env", ""):  # episodes: observation tokens are not trained on
+      extra += (LOSS_MASK,)
   mb_rows = rows // shape.minis
   out = []
   if role is Role.ACTOR and not passes.on_policy(ctx) and {
@@ -290,6 +293,8 @@ def programs(cfg: ml_collections.ConfigDict, plan: Plan, ctx: RunContext) -> Cat
       if ctx.vision is not None:
         out += vision_programs(ctx, node.id)
         fields += [f for f in IMAGES if f not in fields]
+      if cfg.rollout.get("env", ""):  # multi-turn episodes: their masks and rewards
+        fields += [f for f in rollout_node.EPISODE_FIELDS if f not in fields]
       out += rollout_programs(ctx, node, step.layout.devices)
       if cfg.trainer.eval_every and cfg.data.eval:
         out += rollout_programs(ctx, node, step.layout.devices, greedy=True)

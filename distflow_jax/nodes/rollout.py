@@ -73,6 +73,10 @@ def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Bat
   return to_global(local, lay)
 
 
+# The batch fields episodes add (plan --lower's catalogue moves and trains them too).
+EPISODE_FIELDS = ("loss_mask", "env_rewards", "env_turn_rewards")
+
+
 def _episodes(ctx: RunContext, rollout, backend, params, prompts: Batch, plist, ids, rng):
   """``rollout.n`` episodes per prompt with ``rollout.env``: the rollout, the batch fields
   ``loss_mask`` (generated tokens; observation tokens are never trained on),
@@ -88,8 +92,8 @@ def _episodes(ctx: RunContext, rollout, backend, params, prompts: Batch, plist, 
   ctx.metrics.add_mean("env/truncated", ep.truncated_R)
   ctx.metrics.add("env/errors", float(ep.errors), float(len(ep.reward_R)))  # per episode
   ctx.metrics.add_mean("env/reward", ep.reward_R)
-  return ep.rollout, {"loss_mask": ep.loss_mask_RxN, "env_rewards": ep.reward_R,
-                      "env_turn_rewards": ep.turn_rewards_RxN}
+  return ep.rollout, dict(zip(EPISODE_FIELDS,
+                              (ep.loss_mask_RxN, ep.reward_R, ep.turn_rewards_RxN)))
 
 
 def prompt_width(longest_here: int, buckets, max_prompt_len: int) -> int:

@@ -89,11 +89,12 @@ def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: 
   state = ctx.roles[role]
   section = ctx.section(node, role.value.lower())
   data = seq(batch)
-  if LOSS_MASK in batch.data:  # multi-turn episodes: observation tokens are not trained on
-    data[LOSS_MASK] = batch.data[LOSS_MASK]
   shape = step_shape(ctx, role, section, lay, data["response_mask"].shape[0])
   minis, micro, budget = shape.minis, shape.micro, shape.budget
+  # on the sequence fields alone: the same compiled check as the log-prob passes'
   gs = prompt_group(ctx, node, data, shape.parts) if role is Role.ACTOR else 1
+  if LOSS_MASK in batch.data:  # multi-turn episodes: observation tokens are not trained on
+    data[LOSS_MASK] = batch.data[LOSS_MASK]
   loss_fn, agg = loss_for(ctx, role, section, gs)
   if role is Role.ACTOR:
     data["advantages"] = batch.data["advantages"]

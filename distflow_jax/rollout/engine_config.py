@@ -58,6 +58,11 @@ class EngineConfig:
   # decode program per capacity).  fixed_shapes keeps one full-size cache.
   grow_cache: bool = False
   lora_sync: LoraSync = LoraSync.MERGED
+  # Multi-turn episodes (rollout.env; rollout/episode_engine.py): the longest response an
+  # episode's slot holds across its turns (generated + observation tokens).  The cache holds
+  # it after the longest prompt bucket, and the engine's programs include the append
+  # programs (rollout/extend.py, one per appended-length bucket).  0: single turns.
+  episode_tokens: int = 0
 
   def __post_init__(self):
     object.__setattr__(self, "lora_sync", LoraSync(self.lora_sync))
@@ -73,6 +78,9 @@ class EngineConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value <= 0:
         raise ValueError(f"EngineConfig.{name}={value!r} must be a positive int")
+    if not isinstance(self.episode_tokens, int) or self.episode_tokens < 0:
+      raise ValueError(f"EngineConfig.episode_tokens={self.episode_tokens!r} must be an int "
+                       ">= 0")
     if not self.prefill_buckets or any(not isinstance(b, int) or b <= 0
                                        for b in self.prefill_buckets):
       raise ValueError(f"EngineConfig.prefill_buckets={self.prefill_buckets!r} must be "
@@ -107,7 +115,7 @@ class EngineConfig:
 
   @property
   def cache_len(self) -> int:
-    return self.prefill_buckets[-1] + self.max_new_tokens
+    return self.prefill_buckets[-1] + max(self.max_new_tokens, self.episode_tokens)
 
   def bucket_for(self, length: int) -> int:
     """The smallest prefill bucket that holds `length` tokens."""

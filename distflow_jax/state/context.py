@@ -167,6 +167,8 @@ def engine_config(cfg: ml_collections.ConfigDict, rollout: ml_collections.Config
                       prefill_buckets=tuple(rollout.prefill_buckets),
                       max_new_tokens=rollout.max_new_tokens, stop_ids=tuple(stop_ids),
                       stop_sequences=tuple(stop_sequences),
+                      # multi-turn episodes: the cache and the append programs (extend.py)
+                      episode_tokens=rollout.max_new_tokens if rollout.get("env", "") else 0,
                       sampling=sp, seed=cfg.seed, fixed_shapes=cfg.trainer.deterministic,
                       decode_steps=rollout.decode_chunk,
                       lora_sync=LoraSync(rollout.get("lora_sync", "merged")))
