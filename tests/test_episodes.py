@@ -257,3 +257,32 @@ def test_a_stop_sequence_ends_single_turn_requests_like_the_reference():
   state = eng2.engine.start_state()
   text = eng2.engine._chunk.lower(params, state).as_text()
   assert "stablehlo.case" not in text and "stablehlo.if" not in text
+
+
+def test_a_turn_cut_at_its_cap_truncates_the_episode():
+  """An episode is truncated when a limit cuts it: its response full (the episode's width)
+  or a turn at the per-turn cap (rollout.max_new_tokens) with no tool call and no stop;
+  a turn that stops early, or whose environment says done, is not."""
+  from distflow_jax.rollout import turns
+  g = guard.EnvGuard("scripted", 10.0, guard.OnEnvError.END)
+  stop = EngineConfig(stop_ids=(63,)).ends_on_stop
+
+  def play(toks, width=40, cap=8, done_after=3):
+    plugin_envs.Scripted.turns = done_after
+    try:
+      ep = turns.Episode([5, 6])
+      ep.env = g.make(plugin_envs.Scripted, 0)
+      tc = turns.TurnContext(parsers.tool_parser("tag"), 4, g, ToyTokenizer(), width, stop,
+                             cap)
+      turns.finish_turn(ep, toks, [0.0] * len(toks), [0.0] * len(toks), tc, 0)
+      return ep
+    finally:
+      plugin_envs.Scripted.turns = 3
+  capped = play([2, 3, 4, 5, 6, 7, 10, 11])  # 8 tokens, no call, no stop
+  assert not capped.live and capped.truncated
+  assert not play([2, 3, 63]).truncated  # stopped
+  assert not play([2, 3, 4]).truncated  # ended short of its cap (a turn that answered)
+  assert not play([2, 3, 4, 5, 6, 7, 10, 11], done_after=1).truncated  # the env is done
+  assert play([2, 3, 4, 5], width=4).truncated  # the response full
+  called = play([8, 3, 9, 4])  # '<tool>' t3 '</tool>': a call, the episode goes on
+  assert called.live and not called.truncated

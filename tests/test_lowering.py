@@ -183,7 +183,9 @@ EAGER = {"add", "broadcast_in_dim", "convert_element_type", "copy", "greater", "
 
 
 # A run on multi-turn episodes with tests/plugin_envs.py's scripted environment.
-EPISODES = ("--config.rollout.env=plugin_envs:Scripted",
+# Turns of at most 24 tokens, episodes of 48 (the passes' response width).
+EPISODES = ("--config.rollout.env=plugin_envs:Scripted", "--config.rollout.max_new_tokens=24",
+            "--config.rollout.max_episode_tokens=48",
             "--config.rollout.prefill_buckets=(16,32,80)")
 
 
@@ -209,7 +211,8 @@ def _covered(compiled, cat):
                                   # recomputed old log-probs and the off-policy weights' stats
                                   "grpo:tiny --config.actor.off_policy.correction=tis",
                                   # multi-turn episodes: the append programs (rollout/extend.py)
-                                  "grpo:tiny " + " ".join(EPISODES)])
+                                  pytest.param("grpo:tiny " + " ".join(EPISODES),
+                                               id="episodes")])
 def test_catalogue_holds_every_program_a_real_run_compiles(tmp_path, spec):
   """A real 1-step run on 1 process x 2 devices with every shape compiled ahead, jax's
   compile log read back: each program it compiled (eager single operations aside) is one
@@ -250,12 +253,13 @@ def test_episode_catalogue_holds_the_append_programs_and_the_loss_mask():
   cat = catalogue.programs(cfg, plan, abstract.abstract_context(cfg, plan,
                                                                 abstract.model_shape(cfg)))
   progs = {p.name: p for p in cat.programs}
-  cap = 80 + cfg.rollout.max_new_tokens  # the largest prompt bucket + the response
+  cap = 80 + 48  # the largest prompt bucket + the episode's response
   assert sorted(n for n in progs if n.startswith("append[")) == sorted(
       f"append[len={m},cap={cap}]" for m in (8, 16, 32, 64)), sorted(progs)
   assert count.count(cat).by_node["generate"]["append"] == 4
   train = next(p for n, p in progs.items() if n.startswith("train_step["))
   assert train.args[2]["loss_mask"].shape == train.args[2]["response_mask"].shape
+  assert train.args[2]["response_mask"].shape[1] == 48  # rollout.max_episode_tokens
 
 
 @pytest.mark.timeout(300)

@@ -13,6 +13,7 @@ from distflow_jax.rollout import episodes
 from distflow_jax.state import vision as vision_lib
 from distflow_jax.state.context import RunContext
 from distflow_jax.state.metrics import gather_processes
+from distflow_jax.config.defaults import response_width
 
 
 def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Batch) -> Batch:
@@ -85,7 +86,7 @@ def _episodes(ctx: RunContext, rollout, backend, params, prompts: Batch, plist, 
   rows = [f or {} for f in prompts.host_fields(prompts.data[GROUP_ID])]
   ep = episodes.run_episodes(backend, params, plist, rows, rollout.n,
                              env=episodes.EnvSetup.from_config(rollout),
-                             tokenizer=ctx.tokenizer, width=rollout.max_new_tokens,
+                             tokenizer=ctx.tokenizer, width=response_width(rollout),
                              rng=rng, request_ids=ids,
                              pad_id=ctx.tokenizer.pad_id)
   ctx.metrics.add_mean("env/turns_mean", ep.turns_R)

@@ -3,13 +3,15 @@ ask the environment, append the observation, go on (issue 35, first form).
 
     env = EnvSetup.from_config(cfg.rollout)             # rollout.env, tool_parser, limits
     ep = run_episodes(backend, params, prompts, rows, n, env=env, tokenizer=tok,
-                      rng=key, request_ids=ids, width=cfg.rollout.max_new_tokens)
+                      rng=key, request_ids=ids, width=defaults.response_width(cfg.rollout))
     ep.rollout.tokens_RxN, ep.rollout.mask_RxN, ep.loss_mask_RxN, ep.reward_R
 
 Episode r answers prompt r // n (as ``driver.generate``'s rows).  Its response is
 everything after the prompt: the model's tokens of each turn and the environment's
-observation tokens between them, at most ``width`` tokens (``rollout.max_new_tokens``:
-the training passes' response width).  ``mask_RxN`` marks all of them (they are in the
+observation tokens between them, at most ``width`` tokens (``rollout.max_episode_tokens``,
+else ``rollout.max_new_tokens``: the training passes' response width), each turn at most
+the backend's ``max_new_tokens`` (``rollout.max_new_tokens``).  ``mask_RxN`` marks all
+of them (they are in the
 sequence the passes read); ``loss_mask_RxN`` only the generated ones (the losses, KL and
 advantages read it: observation tokens are never trained on); log-probs are 0 on
 observation tokens.
@@ -24,7 +26,8 @@ just after its first complete tool call (``rollout.tool_parser``); the tokens af
 are dropped.  Then the environment's ``step`` gets the turn's text (through ``EnvGuard``:
 deadline and checks).  An episode ends when the environment says ``done``, the turn made
 no tool call, the model emitted a stop token, ``rollout.max_turns`` turns were played,
-its response is full (``truncated``), or its environment failed (``rollout.on_env_error``).
+its response is full or a turn reached its cap with no call and no stop (``truncated``),
+or its environment failed (``rollout.on_env_error``).
 Every decision is a function of the prompts, rows and tokens, so the engine and the
 reference backend play the same greedy episodes token for token.
 """
@@ -103,7 +106,7 @@ def run_episodes(backend, params, prompts: Sequence[Sequence[int]],
   rng = jax.random.key(backend.config.seed) if rng is None else rng
   guard = env_guard.EnvGuard(env.name, env.timeout_s, env.on_error)
   turn_ctx = turns.TurnContext(env.parser, env.max_turns, guard, tokenizer, width,
-                              backend.config.ends_on_stop)
+                              backend.config.ends_on_stop, backend.config.max_new_tokens)
   eps = [turns.Episode(list(map(int, prompts[r // n]))) for r in range(num)]
   for r, ep in enumerate(eps):
     ep.env = guard.make(env.factory, int(ids[r]))

@@ -70,6 +70,7 @@ class TurnContext:
   tokenizer: Any
   width: int
   ends_on_stop: Callable[[Sequence[int]], bool]  # EngineConfig.ends_on_stop
+  turn_cap: int = 0  # a turn's most tokens (rollout.max_new_tokens); 0: only the width
 
 
 def finish_turn(ep: Episode, toks: list[int], lps, slps, tc: TurnContext,
@@ -91,8 +92,10 @@ def finish_turn(ep: Episode, toks: list[int], lps, slps, tc: TurnContext,
   if k:  # the turn's reward sits on its last generated token (GAE sees it there)
     ep.turn_rewards.append((len(ep.tokens) - 1, step.reward))
   full = len(ep.tokens) >= tc.width
+  # a turn the per-turn cap cut before it made a call or stopped
+  capped = cut is None and not ep.stopped and 0 < tc.turn_cap <= len(toks)
   if step.done or cut is None or ep.turns >= tc.max_turns or full:
     ep.live = False
-    ep.truncated = full and not step.done and not ep.stopped
+    ep.truncated = (full or capped) and not step.done and not ep.stopped
     return
   observe(ep, step.observation, tc.tokenizer, tc.width)

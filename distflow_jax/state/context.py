@@ -32,6 +32,7 @@ from distflow_jax.rollout.sampling import SamplingParams
 from distflow_jax.state import roles as roles_lib, vision as vision_lib, warm_shapes
 from distflow_jax.state.algo_state import AlgoState
 from distflow_jax.state.metrics import Metrics
+from distflow_jax.config.defaults import response_width
 
 
 @dataclasses.dataclass
@@ -168,7 +169,7 @@ def engine_config(cfg: ml_collections.ConfigDict, rollout: ml_collections.Config
                       max_new_tokens=rollout.max_new_tokens, stop_ids=tuple(stop_ids),
                       stop_sequences=tuple(stop_sequences),
                       # multi-turn episodes: the cache and the append programs (extend.py)
-                      episode_tokens=rollout.max_new_tokens if rollout.get("env", "") else 0,
+                      episode_tokens=response_width(rollout) if rollout.get("env", "") else 0,
                       sampling=sp, seed=cfg.seed, fixed_shapes=cfg.trainer.deterministic,
                       decode_steps=rollout.decode_chunk,
                       lora_sync=LoraSync(rollout.get("lora_sync", "merged")))
