@@ -286,3 +286,15 @@ def test_a_turn_cut_at_its_cap_truncates_the_episode():
   assert play([2, 3, 4, 5], width=4).truncated  # the response full
   called = play([8, 3, 9, 4])  # '<tool>' t3 '</tool>': a call, the episode goes on
   assert called.live and not called.truncated
+
+
+def test_episodes_wider_than_the_engine_cache_are_refused():
+  """An episode's positions are its slot's cache slots: a width the cache cannot hold after
+  the prompts is refused before anything decodes (EngineConfig.episode_tokens sizes it)."""
+  model = peaky_model()
+  eng, _ = _pair()  # cache: the largest prompt bucket 48 + 8 new tokens
+  rows = [{"prompt": "p", "answer": "0"}] * len(PROMPTS)
+  with pytest.raises(ValueError, match="need a cache of 1[0-9][0-9] tokens, but the engine's "
+                                       "holds 56"):
+    episodes.run_episodes(eng, eng.load_params(model), PROMPTS, rows, 1, env=_setup(),
+                          tokenizer=ToyTokenizer(), width=100, rng=jax.random.key(0))
