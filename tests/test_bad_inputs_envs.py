@@ -25,6 +25,17 @@ PLAN_CASES = {
     "nan_timeout": (ENV + "c.rollout.env = 'scripted'\nc.rollout.env_timeout_s = float('nan')",
                     "rollout.env_timeout_s"),
     "reward_env_without_env": ('c.dag[1]["fn"] = "reward.env"', "'reward' (reward.env)"),
+    "episode_tokens_without_env": ("c.rollout.max_episode_tokens = 64",
+                                   "rollout.max_episode_tokens=64"),
+    "episode_tokens_below_a_turn": (
+        ENV + "c.rollout.env = 'scripted'\nc.rollout.max_episode_tokens = 16",
+        "rollout.max_episode_tokens=16"),
+    "negative_episode_tokens": (
+        ENV + "c.rollout.env = 'scripted'\nc.rollout.max_episode_tokens = -8",
+        "rollout.max_episode_tokens=-8 must be an int >= 0"),
+    "bucket_too_small_for_episode_tokens": (
+        ENV + "c.rollout.env = 'scripted'\nc.rollout.max_episode_tokens = 100\n"
+        "c.model.max_seq_len = 512", "max_prompt_len + rollout.max_episode_tokens - 1"),
     "bucket_too_small_for_episodes": (
         ENV + "c.rollout.env = 'scripted'\nc.rollout.prefill_buckets = (64,)",
         "largest of rollout.prefill_buckets"),

@@ -43,9 +43,10 @@ class OneTokenClose(ToyTokenizer):
 
 
 @functools.lru_cache(maxsize=None)
-def _pair(sp=SamplingParams(0.0), fixed_shapes=False, stop_ids=()):
+def _pair(sp=SamplingParams(0.0), fixed_shapes=False, stop_ids=(), stop_sequences=()):
   conf = EngineConfig(max_concurrent_decodes=4, prefill_buckets=(8, 16, 32, 48), max_new_tokens=8,
-                      sampling=sp, decode_steps=3, fixed_shapes=fixed_shapes, stop_ids=stop_ids)
+                      sampling=sp, decode_steps=3, fixed_shapes=fixed_shapes, stop_ids=stop_ids,
+                      stop_sequences=stop_sequences)
   mesh = replica_mesh(1, jax.devices()[:1])
   eng = backend.EngineBackend(CFG, conf, mesh)
   return eng, reference.ReferenceSampler(CFG, conf, mesh)
@@ -150,10 +151,13 @@ def test_a_one_token_closing_tag_ends_turns_in_the_decode_loop():
   import ml_collections
   from distflow_jax.models.tokenizer import Tokenizer
   rollout = ml_collections.ConfigDict(dict(env="scripted", tool_parser="tag"))
-  assert episodes.call_stop_ids(rollout, OneTokenClose()) == (17,)
-  assert episodes.call_stop_ids(rollout, Tokenizer.builtin()) == ()  # several tokens
+  assert episodes.call_stops(rollout, OneTokenClose()) == ((17,),)
+  assert EngineConfig(stop_sequences=((17,),)).stop_ids == (17,)  # one token: a stop id
+  builtin = Tokenizer.builtin()
+  (close,) = episodes.call_stops(rollout, builtin)  # several tokens: a stop sequence
+  assert len(close) > 1 and builtin.decode(list(close)) == "</tool>"
   rollout.env = ""
-  assert episodes.call_stop_ids(rollout, OneTokenClose()) == ()
+  assert episodes.call_stops(rollout, OneTokenClose()) == ()
   # With it among the stop ids the engine ends a turn on the tag itself; the episodes are
   # still the reference's, and a turn ended on it (an observation or the end follows).
   model = peaky_model()
@@ -183,3 +187,114 @@ def test_a_failing_environment_ends_its_episodes_and_counts_them(name):
   assert got.errors == 8 and (got.turns_R == 1).all()
   with pytest.raises(guard.EnvFailure, match=f"environment {name!r} .* sample id 1"):
     _run(eng, model, _setup(name, on_error=guard.OnEnvError.STOP, timeout_s=0.5))
+
+
+def _decoded(monkeypatch, eng):
+  """Counts the tokens the engine's decode loop produces (valid ones, read or not)."""
+  count = [0]
+  steps = eng.engine.generate_steps
+
+  def counted(*a):
+    state, out = steps(*a)
+    count[0] += int(np.asarray(out.valid_BxK).sum())
+    return state, out
+  monkeypatch.setattr(eng.engine, "generate_steps", counted)
+  return count
+
+
+def test_a_closing_tag_of_several_tokens_ends_turns_in_the_decode_loop(monkeypatch):
+  """A stop sequence of two tokens (a closing tag that is not one token) ends a turn in the
+  decode loop at its last token: the episodes equal the reference's (which stops there
+  too), every turn that holds the sequence ends on it, and the engine decodes fewer tokens
+  than without it (none after the tag in vain)."""
+  model = peaky_model()
+  eng, ref = _pair()
+  plain = _run(eng, model, _setup(), n=1, prompts=MORE)
+  ro, gen = plain.rollout, plain.loss_mask_RxN
+  # each (token, '</tool>') pair the model writes ends a call: the tags of two tokens here
+  pairs = [(int(ro.tokens_RxN[r, i - 1]), int(ro.tokens_RxN[r, i]))
+           for r in range(8) for i in range(1, WIDTH)
+           if gen[r, i - 1] and gen[r, i] and ro.tokens_RxN[r, i] % 8 == 1]
+  assert pairs, "the model wrote no closing tag after a generated token"
+  seqs = tuple(sorted(set(pairs)))
+  eng2, ref2 = _pair(stop_sequences=seqs)
+  decoded = _decoded(monkeypatch, eng2)
+  got = _run(eng2, model, _setup(), n=1, prompts=MORE)
+  _assert_same(got, _run(ref2, model, _setup(), n=1, prompts=MORE))
+  plain_decoded = _decoded(monkeypatch, eng)
+  _run(eng, model, _setup(), n=1, prompts=MORE)
+  assert decoded[0] < plain_decoded[0], (decoded, plain_decoded)
+  ro, gen = got.rollout, got.loss_mask_RxN
+  at = [(r, i) for r in range(8) for i in range(1, WIDTH)
+        if gen[r, i - 1] and gen[r, i] and (ro.tokens_RxN[r, i - 1], ro.tokens_RxN[r, i]) in seqs]
+  assert at and all(i + 1 == WIDTH or not gen[r, i + 1] for r, i in at), at
+
+
+def test_a_stop_sequence_ends_single_turn_requests_like_the_reference():
+  """Without episodes too: a request ends at the first occurrence of a stop sequence in its
+  generated tokens (stopped), on the engine as on the reference; the decode program holds
+  no conditional (the match is a mask)."""
+  from distflow_jax.rollout import driver
+  model = peaky_model()
+  eng, ref = _pair()
+  params = eng.load_params(model)
+  plain = driver.generate(eng.engine, params, MORE, 1, rng=jax.random.key(1))
+  toks = [plain.tokens_RxN[r, :plain.lengths_R[r]].tolist() for r in range(8)]
+  pairs = [tuple(t[i:i + 2]) for t in toks for i in range(1, len(t) - 2)]  # not at the end
+  seq = max(set(pairs), key=pairs.count)
+  eng2, ref2 = _pair(stop_sequences=(seq,))
+  got = driver.generate(eng2.engine, params, MORE, 1, rng=jax.random.key(1))
+  want = ref2.generate(ref2.load_params(model), MORE, 1, rng=jax.random.key(1))
+  for f in ("tokens_RxN", "mask_RxN", "lengths_R", "stopped_R"):
+    np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+  for r, t in enumerate(toks):
+    first = next((i + 2 for i in range(len(t) - 1) if tuple(t[i:i + 2]) == seq), None)
+    if first is None:
+      assert got.lengths_R[r] == plain.lengths_R[r]
+    else:
+      assert got.lengths_R[r] == first and got.stopped_R[r], (r, t, seq)
+  assert (got.lengths_R < plain.lengths_R).any()
+  state = eng2.engine.start_state()
+  text = eng2.engine._chunk.lower(params, state).as_text()
+  assert "stablehlo.case" not in text and "stablehlo.if" not in text
+
+
+def test_a_turn_cut_at_its_cap_truncates_the_episode():
+  """An episode is truncated when a limit cuts it: its response full (the episode's width)
+  or a turn at the per-turn cap (rollout.max_new_tokens) with no tool call and no stop;
+  a turn that stops early, or whose environment says done, is not."""
+  from distflow_jax.rollout import turns
+  g = guard.EnvGuard("scripted", 10.0, guard.OnEnvError.END)
+  stop = EngineConfig(stop_ids=(63,)).ends_on_stop
+
+  def play(toks, width=40, cap=8, done_after=3):
+    plugin_envs.Scripted.turns = done_after
+    try:
+      ep = turns.Episode([5, 6])
+      ep.env = g.make(plugin_envs.Scripted, 0)
+      tc = turns.TurnContext(parsers.tool_parser("tag"), 4, g, ToyTokenizer(), width, stop,
+                             cap)
+      turns.finish_turn(ep, toks, [0.0] * len(toks), [0.0] * len(toks), tc, 0)
+      return ep
+    finally:
+      plugin_envs.Scripted.turns = 3
+  capped = play([2, 3, 4, 5, 6, 7, 10, 11])  # 8 tokens, no call, no stop
+  assert not capped.live and capped.truncated
+  assert not play([2, 3, 63]).truncated  # stopped
+  assert not play([2, 3, 4]).truncated  # ended short of its cap (a turn that answered)
+  assert not play([2, 3, 4, 5, 6, 7, 10, 11], done_after=1).truncated  # the env is done
+  assert play([2, 3, 4, 5], width=4).truncated  # the response full
+  called = play([8, 3, 9, 4])  # '<tool>' t3 '</tool>': a call, the episode goes on
+  assert called.live and not called.truncated
+
+
+def test_episodes_wider_than_the_engine_cache_are_refused():
+  """An episode's positions are its slot's cache slots: a width the cache cannot hold after
+  the prompts is refused before anything decodes (EngineConfig.episode_tokens sizes it)."""
+  model = peaky_model()
+  eng, _ = _pair()  # cache: the largest prompt bucket 48 + 8 new tokens
+  rows = [{"prompt": "p", "answer": "0"}] * len(PROMPTS)
+  with pytest.raises(ValueError, match="need a cache of 1[0-9][0-9] tokens, but the engine's "
+                                       "holds 56"):
+    episodes.run_episodes(eng, eng.load_params(model), PROMPTS, rows, 1, env=_setup(),
+                          tokenizer=ToyTokenizer(), width=100, rng=jax.random.key(0))

@@ -3,6 +3,8 @@ environment's observation tokens are in the responses and out of the loss."""
 
 import math
 
+import numpy as np
+
 import pytest
 
 from distflow_jax.config import loading
@@ -50,3 +52,25 @@ def test_ppo_step_on_episodes_with_a_critic(tmp_path):
     assert key in m and math.isfinite(m[key]), (key, m)
   samples = 8 * 2
   assert m["critic/token_count"] <= m["response_length"] * samples - samples, m
+
+
+def test_max_episode_tokens_is_the_response_width_and_max_new_tokens_each_turns(
+    tmp_path, monkeypatch):
+  """rollout.max_episode_tokens bounds an episode's response (the width the training
+  passes read); rollout.max_new_tokens bounds each of its turns."""
+  from distflow_jax.rollout import episodes
+  seen = []
+  run = episodes.run_episodes
+  monkeypatch.setattr(episodes, "run_episodes",
+                      lambda *a, **k: seen.append(run(*a, **k)) or seen[-1])
+  cfg = _cfg(tmp_path, "rollout.max_new_tokens=6", "rollout.max_episode_tokens=16")
+  ctx, loaders = trainer.setup(cfg, log=lambda m: None)
+  (m,) = list(trainer.train(cfg, ctx, loaders))
+  (ep,) = seen
+  ro, gen = ep.rollout, ep.loss_mask_RxN
+  assert ro.tokens_RxN.shape[1] == 16 and m["actor/skipped"] == 0.0
+  assert ro.lengths_R.max() > 6, ro.lengths_R  # an episode longer than one turn's cap
+  for r in range(len(gen)):  # each turn (a run of generated tokens) at most 6 tokens
+    runs = np.diff(np.flatnonzero(np.diff(np.r_[0, gen[r].astype(int), 0])))[::2]
+    assert runs.size and runs.max() <= 6, gen[r]
+  assert math.isfinite(m["env/truncated"]) and m["response_length"] <= 16

@@ -182,6 +182,13 @@ EAGER = {"add", "broadcast_in_dim", "convert_element_type", "copy", "greater", "
          "repeat", "isfinite", "not", "and", "or", "ne", "eq", "lt", "le", "ge", "gt"}
 
 
+# A run on multi-turn episodes with tests/plugin_envs.py's scripted environment.
+# Turns of at most 24 tokens, episodes of 48 (the passes' response width).
+EPISODES = ("--config.rollout.env=plugin_envs:Scripted", "--config.rollout.max_new_tokens=24",
+            "--config.rollout.max_episode_tokens=48",
+            "--config.rollout.prefill_buckets=(16,32,80)")
+
+
 def _covered(compiled, cat):
   """Programs a run compiled that the catalogue does not hold with the same inputs (the
   compile log drops unused arguments, so the run's input list is a sub-multiset)."""
@@ -202,14 +209,18 @@ def _covered(compiled, cat):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("spec", ["grpo:tiny", "ppo:tiny",
                                   # recomputed old log-probs and the off-policy weights' stats
-                                  "grpo:tiny --config.actor.off_policy.correction=tis"])
+                                  "grpo:tiny --config.actor.off_policy.correction=tis",
+                                  # multi-turn episodes: the append programs (rollout/extend.py)
+                                  pytest.param("grpo:tiny " + " ".join(EPISODES),
+                                               id="episodes")])
 def test_catalogue_holds_every_program_a_real_run_compiles(tmp_path, spec):
   """A real 1-step run on 1 process x 2 devices with every shape compiled ahead, jax's
   compile log read back: each program it compiled (eager single operations aside) is one
   ``plan --lower`` lowers, with the same input shapes and dtypes, and the number of
   programs it logged (``compile/programs``) is ``plan --programs``' count."""
   out = tmp_path / "probe.json"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, DISTFLOW_JAX_COMPILE_CACHE="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", DISTFLOW_JAX_COMPILE_CACHE="",
+             PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
   env.pop("XLA_FLAGS", None)
   spec, *more = spec.split()
   args = [f"--config={spec}", *more, "--config.trainer.total_steps=1",
@@ -230,6 +241,25 @@ def test_catalogue_holds_every_program_a_real_run_compiles(tmp_path, spec):
     first = json.loads(f.readline())
   assert first["step"] == 1 and first["compile/programs"] == data["count"], (
       first.get("compile/programs"), data["count"], len(ours))
+
+
+@pytest.mark.timeout(300)
+def test_episode_catalogue_holds_the_append_programs_and_the_loss_mask():
+  """With rollout.env the catalogue holds the engine's append programs (rollout/extend.py:
+  one per appended-length bucket up to the episode's response, at the cache's capacity),
+  plan --programs counts them, and the train step reads the episodes' loss mask."""
+  from distflow_jax.lowering import count
+  cfg, plan = _plan("grpo:tiny", [o.removeprefix("--config.") for o in EPISODES])
+  cat = catalogue.programs(cfg, plan, abstract.abstract_context(cfg, plan,
+                                                                abstract.model_shape(cfg)))
+  progs = {p.name: p for p in cat.programs}
+  cap = 80 + 48  # the largest prompt bucket + the episode's response
+  assert sorted(n for n in progs if n.startswith("append[")) == sorted(
+      f"append[len={m},cap={cap}]" for m in (8, 16, 32, 64)), sorted(progs)
+  assert count.count(cat).by_node["generate"]["append"] == 4
+  train = next(p for n, p in progs.items() if n.startswith("train_step["))
+  assert train.args[2]["loss_mask"].shape == train.args[2]["response_mask"].shape
+  assert train.args[2]["response_mask"].shape[1] == 48  # rollout.max_episode_tokens
 
 
 @pytest.mark.timeout(300)

@@ -19,6 +19,7 @@ from distflow_jax.dag import planner as planner_lib
 from distflow_jax.dag.registry import Placement, Registry, unknown_name_message
 from distflow_jax.dag.spec import DagError, NodeType
 from distflow_jax.dag.validate import Dag, build_dag
+from distflow_jax.config.defaults import response_width, response_width_key
 
 
 def topology(cfg: ml_collections.ConfigDict, num_processes: int | None = None,
@@ -206,13 +207,14 @@ def _check_token_budget(cfg, key: str, budget: int, node_id: str, per_mini: int)
   micro-batches) and everything one shard's mini-batch can hold: below it every long sample
   sits alone in its own micro-batch (a step of one micro-batch per sample), above it each
   micro-batch allocates ``ceil(budget / pack_len)`` packed rows that no data could fill."""
-  longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens - 1  # what a pass feeds
+  longest = cfg.data.max_prompt_len + response_width(cfg.rollout) - 1  # what a pass feeds
   most = per_mini * longest
   where = f"node {node_id!r}"
   if budget < longest:
     raise ConfigError(
         f"{key}={budget} is below the longest sample, data.max_prompt_len + "
-        f"rollout.max_new_tokens - 1 = {longest} tokens ({where}); a sample is not split "
+        f"{response_width_key(cfg.rollout)} - 1 = {longest} tokens ({where}); a sample is not "
+        f"split "
         f"across micro-batches, so raise it to at least {longest}")
   if budget > most:
     raise ConfigError(

@@ -1,8 +1,10 @@
 """Checks of the multi-turn episode keys (``rollout.env``, ``tool_parser``, ``max_turns``,
-``env_timeout_s``, ``on_env_error``; see rollout/episodes.py): one ConfigError line each."""
+``env_timeout_s``, ``on_env_error``, ``max_episode_tokens``; see rollout/episodes.py): one
+ConfigError line each."""
 
 from __future__ import annotations
 
+from distflow_jax.config.defaults import response_width
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.config.values import in_range, one_of, positive
 from distflow_jax.envs import base as env_base, guard as env_guard, parsers
@@ -18,6 +20,18 @@ def check(cfg) -> None:
   positive(r.max_turns, "rollout.max_turns")
   in_range(r.env_timeout_s, "rollout.env_timeout_s", 0, lo_open=True,
            note=" (seconds each reset / step call may take)")
+  episode = r.get("max_episode_tokens", 0)
+  if not isinstance(episode, int) or isinstance(episode, bool) or episode < 0:
+    raise ConfigError(f"rollout.max_episode_tokens={episode!r} must be an int >= 0 (0: an "
+                      f"episode's response is at most rollout.max_new_tokens)")
+  if episode and not r.env:
+    raise ConfigError(f"rollout.max_episode_tokens={episode} limits multi-turn episodes, but "
+                      f"rollout.env is not set; set rollout.env or leave it at 0 (single "
+                      f"turns are at most rollout.max_new_tokens)")
+  if episode and episode < r.max_new_tokens:
+    raise ConfigError(f"rollout.max_episode_tokens={episode} is less than one turn's "
+                      f"rollout.max_new_tokens={r.max_new_tokens}; raise it to at least "
+                      f"{r.max_new_tokens} (or 0: the same)")
   if not r.env:
     readers = [n.get("id") for n in (cfg.dag or []) if hasattr(n, "get")
                and n.get("fn") == "reward.env"]
@@ -27,11 +41,12 @@ def check(cfg) -> None:
                         f"environment or use another reward")
     return
   env_base.env_factory(r.env)  # resolves the name / imports module:Class, or one line
-  context = cfg.data.max_prompt_len + r.max_new_tokens - 1
+  width = "rollout.max_episode_tokens" if episode else "rollout.max_new_tokens"
+  context = cfg.data.max_prompt_len + response_width(r) - 1
   if max(r.prefill_buckets) < context:
     raise ConfigError(
         f"rollout.env={r.env!r}: each turn re-prefills the prompt and the episode so far, up "
-        f"to data.max_prompt_len + rollout.max_new_tokens - 1 = {context} tokens, but the "
+        f"to data.max_prompt_len + {width} - 1 = {context} tokens, but the "
         f"largest of rollout.prefill_buckets={list(r.prefill_buckets)} is smaller; add a "
         f"bucket >= {context}")
   if cfg.data.get("image_key", ""):

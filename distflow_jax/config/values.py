@@ -19,6 +19,7 @@ import functools
 import math
 from collections.abc import Iterable
 
+from distflow_jax.config import defaults
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.config import lora_checks, vision_checks
 
@@ -120,9 +121,9 @@ def check_values(cfg) -> None:
   if buckets[-1] < d.max_prompt_len:
     raise ConfigError(f"rollout.prefill_buckets={buckets}: the largest bucket is smaller "
                       f"than data.max_prompt_len={d.max_prompt_len}")
-  total = d.max_prompt_len + r.max_new_tokens
+  total = d.max_prompt_len + defaults.response_width(r)
   if total > cfg.model.max_seq_len:
-    raise ConfigError(f"data.max_prompt_len + rollout.max_new_tokens = {total} exceeds "
+    raise ConfigError(f"data.max_prompt_len + {defaults.response_width_key(r)} = {total} exceeds "
                       f"model.max_seq_len={cfg.model.max_seq_len}")
   _check_token_budget(cfg)
   _check_packing(cfg)
@@ -241,10 +242,11 @@ def _check_packing(cfg) -> None:
   if cfg.trainer.deterministic:
     raise ConfigError("model.pack_sequences=True does not work with trainer.deterministic="
                       "True (its passes run unit by unit, padded); turn one of them off")
-  total = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+  total = cfg.data.max_prompt_len + defaults.response_width(cfg.rollout)
   if m.pack_len and m.pack_len < total - 1:
     raise ConfigError(f"model.pack_len={m.pack_len} is shorter than the longest sample, "
-                      f"data.max_prompt_len + rollout.max_new_tokens - 1 = {total - 1}; raise "
+                      f"data.max_prompt_len + {defaults.response_width_key(cfg.rollout)} - 1 "
+                      f"= {total - 1}; raise "
                       f"it or set model.pack_len=0 (the padded row's length)")
 
 

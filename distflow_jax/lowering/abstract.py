@@ -177,6 +177,9 @@ FIELDS: dict[str, tuple[tuple[str, ...], Any]] = {
     "advantages": (("N",), jnp.float32), "returns": (("N",), jnp.float32),
     "old_logprobs": (("N",), jnp.float32), "ref_logprobs": (("N",), jnp.float32),
     "values": (("N",), jnp.float32),
+    # multi-turn episodes (nodes/rollout.EPISODE_FIELDS)
+    "loss_mask": (("N",), jnp.bool_), "env_rewards": ((), jnp.float32),
+    "env_turn_rewards": (("N",), jnp.float32),
     "image_embeds": (("I", "D"), jnp.float32), "image_slots": (("P",), jnp.bool_),
     "rope_positions": (("3", "PN"), jnp.int32),
 }

@@ -32,9 +32,11 @@ from distflow_jax.lowering.program import Catalogue, Program
 from distflow_jax.lowering.rollout_programs import rollout_programs, vision_programs
 from distflow_jax.nodes import passes, rollout as rollout_node, training
 from distflow_jax.train import packing, token_budget
+from distflow_jax.train.loss_mask import LOSS_MASK
 from distflow_jax.persist import checkpoint_contents, checksums
 from distflow_jax.run import executor
 from distflow_jax.state.context import RunContext, shared_prompt_group
+from distflow_jax.config.defaults import response_width
 
 
 def _widths(cfg: ml_collections.ConfigDict) -> tuple[int, ...]:
@@ -57,7 +59,7 @@ def _dims(ctx: RunContext, rows: int, width: int) -> ab.Dims:
   i = d = 0
   if ctx.vision is not None:
     i, d, _ = ab.image_dims(ctx.cfg, ctx.vision.cfg)
-  return ab.Dims(rows, width, ctx.cfg.rollout.max_new_tokens, i, d)
+  return ab.Dims(rows, width, response_width(ctx.cfg.rollout), i, d)
 
 
 def pass_programs(ctx: RunContext, node, lay, rows: int) -> list[Program]:
@@ -79,7 +81,7 @@ def pass_programs(ctx: RunContext, node, lay, rows: int) -> list[Program]:
         out.append(Program(node.id, f"prompts_grouped[w={w}]", passes.grouped_check(ctx, gs),
                            (data,)))
     if cfg.model.get("pack_sequences", False):
-      pm, rm = ab.full_masks(rows, w, cfg.rollout.max_new_tokens)
+      pm, rm = ab.full_masks(rows, w, response_width(cfg.rollout))
       shards = lay.num_shards if rows % lay.num_shards == 0 else 1
       plan, _ = packing.plan(pm, rm, cfg.model.pack_len, shards, gs)
       data = {**data, "pack": ab.replicated(plan, lay.mesh)}
@@ -106,6 +108,8 @@ def train_programs(ctx: RunContext, node, lay, rows: int) -> list[Program]:
                                                lc.kl_coef else ())
     if lc.correction is not OffPolicyCorrection.NONE:  # the loss reads mu too
       extra += ("rollout_logprobs",)
+    if cfg.rollout.get("env", ""):  # episodes: observation tokens are not trained on
+      extra += (LOSS_MASK,)
   mb_rows = rows // shape.minis
   out = []
   if role is Role.ACTOR and not passes.on_policy(ctx) and {
@@ -116,7 +120,7 @@ def train_programs(ctx: RunContext, node, lay, rows: int) -> list[Program]:
     out.append(Program(node.id, "off_policy_stats",
                        training.off_policy_stats(ctx, lay, lc.tis_cap), tuple(fields.values())))
   for w in _widths(cfg):
-    n = cfg.rollout.max_new_tokens
+    n = response_width(cfg.rollout)
     dims = _dims(ctx, rows, w)
     data = {**_seq(dims, lay), **ab.batch_fields(extra, dims, lay.sharding)}
     if shape.minis > 1:
@@ -224,7 +228,7 @@ def advantage_programs(ctx: RunContext, node, rows: int) -> list[Program]:
   from distflow_jax.algos import advantages as adv
   algo = ctx.section(node, "algo")
   local = rows // ctx.topo.num_processes
-  x = np.zeros((local, ctx.cfg.rollout.max_new_tokens), np.float32)
+  x = np.zeros((local, response_width(ctx.cfg.rollout)), np.float32)
   if node.fn == "advantage.gae":
     return [Program(node.id, f"gae_scan[rows={local}]", adv._gae_scan, (x, x, x),
                     dict(gamma=algo.gamma, lam=algo.lam))]
@@ -290,6 +294,8 @@ def programs(cfg: ml_collections.ConfigDict, plan: Plan, ctx: RunContext) -> Cat
       if ctx.vision is not None:
         out += vision_programs(ctx, node.id)
         fields += [f for f in IMAGES if f not in fields]
+      if cfg.rollout.get("env", ""):  # multi-turn episodes: their masks and rewards
+        fields += [f for f in rollout_node.EPISODE_FIELDS if f not in fields]
       out += rollout_programs(ctx, node, step.layout.devices)
       if cfg.trainer.eval_every and cfg.data.eval:
         out += rollout_programs(ctx, node, step.layout.devices, greedy=True)

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from distflow_jax.models import lora, sharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import Transformer
+from distflow_jax.config.defaults import response_width
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +116,8 @@ def train_step_memory(cfg: ml_collections.ConfigDict, graphdef: nnx.GraphDef, pa
   donated, outputs pinned to the inputs' shardings, rows split over data and fsdp)."""
   from distflow_jax.nodes import training
   from distflow_jax.train import steps as steps_lib
-  loss_cfg = steps_lib.ActorLoss.from_config(cfg.actor, cfg.rollout.max_new_tokens, group_size)
+  loss_cfg = steps_lib.ActorLoss.from_config(cfg.actor, response_width(cfg.rollout),
+                                             group_size)
   loss_fn = functools.partial(training._actor_loss, cfg=loss_cfg)  # the node's own loss
   step = steps_lib.make_train_step(loss_fn, graphdef, tx, micro, loss_cfg.loss_agg, group_size)
   return _stats(step.jitted_for(params, opt_state).lower(params, opt_state, batch).compile())

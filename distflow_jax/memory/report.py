@@ -33,6 +33,7 @@ from distflow_jax.memory.consumers import RESIDENT, Estimate, Item
 from distflow_jax.memory.render import check_fits, render
 from distflow_jax.memory.rollout_items import generate_items
 from distflow_jax.models.config import ModelConfig
+from distflow_jax.config.defaults import response_width, response_width_key
 
 
 def _prompt_len(cfg: ml_collections.ConfigDict) -> int:
@@ -60,7 +61,7 @@ def _advice(cfg: ml_collections.ConfigDict, fsdp: int, per_host: int) -> dict[st
                  f"slots (rollout.max_concurrent_decodes, now {r.max_concurrent_decodes}), or "
                  f"more hosts (--num_processes) to thin the actor's resident state")
   act = (f"lower actor.micro_batch_size (now {a.micro_batch_size})" if a.micro_batch_size > 1
-         else f"shorten rollout.max_new_tokens (now {r.max_new_tokens}) or data.max_prompt_len "
+         else f"shorten {response_width_key(r)} (now {response_width(r)}) or data.max_prompt_len "
               f"(now {cfg.data.max_prompt_len})")
   if remat != "full":
     act += f" or set model.remat=full (now {remat})"
@@ -72,7 +73,7 @@ def _advice(cfg: ml_collections.ConfigDict, fsdp: int, per_host: int) -> dict[st
              "actor.kl.coef=0 and drop the ref_logprob node",
       "rollout_w": rollout_w,
       "kv": f"lower rollout.max_concurrent_decodes (now {r.max_concurrent_decodes}) or "
-            f"rollout.max_new_tokens (now {r.max_new_tokens})",
+            f"{response_width_key(r)} (now {response_width(r)})",
       "sync": ("its largest step is the embedding or one layer: "
                + (f"raise rollout.tensor_parallel to {wider[-1]} (now {tp})" if wider else
                   "it shrinks only with the model")),
@@ -122,7 +123,7 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
   tx = roles_lib.optimizer(cfg, cfg.actor.optimizer, total)
   opt_name = str(cfg.actor.optimizer.name)
   samples = cfg.data.prompts_per_step * cfg.rollout.n
-  plen, nlen = _prompt_len(cfg), cfg.rollout.max_new_tokens
+  plen, nlen = _prompt_len(cfg), response_width(cfg.rollout)
   params_by_role, passes = {}, {}
 
   lora_on = model_cfg.lora is not None

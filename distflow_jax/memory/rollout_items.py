@@ -19,6 +19,7 @@ from distflow_jax.dag.spec import Role
 from distflow_jax.memory import analytic as an
 from distflow_jax.memory.consumers import RESIDENT, Item
 from distflow_jax.models.config import ModelConfig
+from distflow_jax.config.defaults import response_width
 
 def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
                    node_id: str, devs: tuple[int, ...], comp: bool, adv: dict[str, str],
@@ -49,7 +50,7 @@ def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelC
   per_host = len(devs) // topo.num_processes
   data = max(per_host // tp, 1)
   slots = cfg.rollout.max_concurrent_decodes
-  cache_len = max(cfg.rollout.prefill_buckets) + cfg.rollout.max_new_tokens
+  cache_len = max(cfg.rollout.prefill_buckets) + response_width(cfg.rollout)
   if comp:
     rdevs = roles_lib.ordered_devices()
     host0 = [rdevs[i] for i in devs[:per_host]]

@@ -13,6 +13,7 @@ from distflow_jax.rollout import episodes
 from distflow_jax.state import vision as vision_lib
 from distflow_jax.state.context import RunContext
 from distflow_jax.state.metrics import gather_processes
+from distflow_jax.config.defaults import response_width
 
 
 def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Batch) -> Batch:
@@ -73,6 +74,10 @@ def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Bat
   return to_global(local, lay)
 
 
+# The batch fields episodes add (plan --lower's catalogue moves and trains them too).
+EPISODE_FIELDS = ("loss_mask", "env_rewards", "env_turn_rewards")
+
+
 def _episodes(ctx: RunContext, rollout, backend, params, prompts: Batch, plist, ids, rng):
   """``rollout.n`` episodes per prompt with ``rollout.env``: the rollout, the batch fields
   ``loss_mask`` (generated tokens; observation tokens are never trained on),
@@ -81,15 +86,15 @@ def _episodes(ctx: RunContext, rollout, backend, params, prompts: Batch, plist, 
   rows = [f or {} for f in prompts.host_fields(prompts.data[GROUP_ID])]
   ep = episodes.run_episodes(backend, params, plist, rows, rollout.n,
                              env=episodes.EnvSetup.from_config(rollout),
-                             tokenizer=ctx.tokenizer, width=rollout.max_new_tokens,
+                             tokenizer=ctx.tokenizer, width=response_width(rollout),
                              rng=rng, request_ids=ids,
                              pad_id=ctx.tokenizer.pad_id)
   ctx.metrics.add_mean("env/turns_mean", ep.turns_R)
   ctx.metrics.add_mean("env/truncated", ep.truncated_R)
   ctx.metrics.add("env/errors", float(ep.errors), float(len(ep.reward_R)))  # per episode
   ctx.metrics.add_mean("env/reward", ep.reward_R)
-  return ep.rollout, {"loss_mask": ep.loss_mask_RxN, "env_rewards": ep.reward_R,
-                      "env_turn_rewards": ep.turn_rewards_RxN}
+  return ep.rollout, dict(zip(EPISODE_FIELDS,
+                              (ep.loss_mask_RxN, ep.reward_R, ep.turn_rewards_RxN)))
 
 
 def prompt_width(longest_here: int, buckets, max_prompt_len: int) -> int:

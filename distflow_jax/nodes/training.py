@@ -24,6 +24,7 @@ from distflow_jax.nodes.passes import budget_plan, on_policy, pack_plan, prompt_
 from distflow_jax.train import deterministic, micro_batches, steps as steps_lib
 from distflow_jax.train.loss_mask import LOSS_MASK
 from distflow_jax.state.context import RunContext
+from distflow_jax.config.defaults import response_width
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +53,7 @@ def loss_for(ctx: RunContext, role: Role, section, gs: int):
   """``(loss_fn, agg)`` of the role's train step (actor: the policy loss with the step's
   prompt group size; critic: value regression)."""
   if role is Role.ACTOR:
-    loss_cfg = steps_lib.ActorLoss.from_config(section, ctx.cfg.rollout.max_new_tokens, gs)
+    loss_cfg = steps_lib.ActorLoss.from_config(section, response_width(ctx.cfg.rollout), gs)
     return functools.partial(_actor_loss, cfg=loss_cfg), loss_cfg.loss_agg
   # the train steps take the config's spelling
   return (functools.partial(_critic_loss, value_clip=section.value_clip),
@@ -89,11 +90,12 @@ def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: 
   state = ctx.roles[role]
   section = ctx.section(node, role.value.lower())
   data = seq(batch)
-  if LOSS_MASK in batch.data:  # multi-turn episodes: observation tokens are not trained on
-    data[LOSS_MASK] = batch.data[LOSS_MASK]
   shape = step_shape(ctx, role, section, lay, data["response_mask"].shape[0])
   minis, micro, budget = shape.minis, shape.micro, shape.budget
+  # on the sequence fields alone: the same compiled check as the log-prob passes'
   gs = prompt_group(ctx, node, data, shape.parts) if role is Role.ACTOR else 1
+  if LOSS_MASK in batch.data:  # multi-turn episodes: observation tokens are not trained on
+    data[LOSS_MASK] = batch.data[LOSS_MASK]
   loss_fn, agg = loss_for(ctx, role, section, gs)
   if role is Role.ACTOR:
     data["advantages"] = batch.data["advantages"]

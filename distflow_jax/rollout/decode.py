@@ -37,6 +37,7 @@ class DecodeState:
   limit_B: jax.Array      # int32: max new tokens of the request in the slot
   active_B: jax.Array     # bool: the slot holds an unfinished request
   keys_Bx2: jax.Array     # uint32: the request's PRNG key data
+  recent_BxJ: jax.Array   # int32: the request's last J generated tokens, -1 before its first
 
 
 @struct.dataclass
@@ -60,18 +61,41 @@ class StepOutput:
   active_B: jax.Array     # after the chunk
 
 
-def empty_state(cfg, batch: int, max_len: int) -> DecodeState:
-  """All slots free."""
+def empty_state(cfg, batch: int, max_len: int, history: int = 1) -> DecodeState:
+  """All slots free; ``history``: the generated tokens each slot keeps for stop sequences
+  (``EngineConfig.history``)."""
   zeros = jnp.zeros((batch,), jnp.int32)
   return DecodeState(cache=init_cache(cfg, batch, max_len), tokens_B=zeros, index_B=zeros,
                      generated_B=zeros, limit_B=zeros, active_B=jnp.zeros((batch,), bool),
-                     keys_Bx2=jnp.zeros((batch, 2), jnp.uint32))
+                     keys_Bx2=jnp.zeros((batch, 2), jnp.uint32),
+                     recent_BxJ=jnp.full((batch, history), -1, jnp.int32))
 
 
 def is_stop(tokens: jax.Array, stop_ids: Sequence[int]) -> jax.Array:
   if not stop_ids:
     return jnp.zeros(tokens.shape, bool)
   return jnp.isin(tokens, jnp.asarray(stop_ids, jnp.int32))
+
+
+def started_history(first_Q: jax.Array, history: int) -> jax.Array:
+  """``[Q, history]``: a request's recent tokens just after its first one was drawn."""
+  pad = jnp.full((first_Q.shape[0], history - 1), -1, jnp.int32)
+  return jnp.concatenate([pad, first_Q[:, None].astype(jnp.int32)], axis=1)
+
+
+def ends_sequence(recent_BxJ: jax.Array, tok_B: jax.Array,
+                  stop_sequences: Sequence[Sequence[int]]) -> jax.Array:
+  """Whether each slot's generated tokens, ``tok_B`` appended to its ``recent_BxJ``, end with
+  one of ``stop_sequences``: a fixed-length suffix compare per sequence (a mask, no branch;
+  -1 before a request's first token matches no token)."""
+  if not stop_sequences:
+    return jnp.zeros(tok_B.shape, bool)
+  window_BxW = jnp.concatenate([recent_BxJ, tok_B[:, None].astype(jnp.int32)], axis=1)
+  hit_B = jnp.zeros(tok_B.shape, bool)
+  for seq in stop_sequences:
+    want = jnp.asarray(seq, jnp.int32)[None, :]
+    hit_B = hit_B | jnp.all(window_BxW[:, -len(seq):] == want, axis=1)
+  return hit_B
 
 
 def prefill_logits(graphdef: nnx.GraphDef, params: nnx.State, tokens_PxT: jax.Array,
@@ -131,7 +155,9 @@ def insert_rows(state: DecodeState, prefix_cache: KVCache, src_Q: jax.Array, slo
       index_B=put(state.index_B, lengths_Q), generated_B=put(state.generated_B,
                                                              jnp.ones_like(lengths_Q)),
       limit_B=put(state.limit_B, limits_Q), active_B=put(state.active_B, active_Q),
-      keys_Bx2=put(state.keys_Bx2, keys_Qx2))
+      keys_Bx2=put(state.keys_Bx2, keys_Qx2),
+      recent_BxJ=put(state.recent_BxJ,
+                     started_history(first_tokens_Q, state.recent_BxJ.shape[1])))
 
 
 def prefill_sample(graphdef: nnx.GraphDef, params: nnx.State, tokens_PxT: jax.Array,
@@ -152,12 +178,14 @@ def prefill_sample(graphdef: nnx.GraphDef, params: nnx.State, tokens_PxT: jax.Ar
 
 
 def decode_chunk(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, *,
-                 sp: SamplingParams, stop_ids: Sequence[int], num_steps: int
+                 sp: SamplingParams, stop_ids: Sequence[int], num_steps: int,
+                 stop_sequences: Sequence[Sequence[int]] = ()
                  ) -> tuple[DecodeState, StepOutput]:
   """Exactly `num_steps` decode steps for every slot, in one `lax.scan` (a static trip
   count: no data-dependent loop predicate, no conditional).
 
-  A request finishes on a stop token (which is kept, with its logprob) or when it has
+  A request finishes on a stop token or at the end of a stop sequence (kept, with their
+  logprobs; ``ends_sequence`` over the slot's last tokens) or when it has
   `limit` tokens; from then on its slot flows through the batched forward (shapes are
   fixed) without moving and its results are marked invalid.  Whether to call again (a
   slot left to refill, rows still active) is the host's decision between calls.
@@ -170,10 +198,13 @@ def decode_chunk(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState, 
     tok_B, lp_B, slp_B = sample(logits_Bx1xV[:, 0], st.keys_Bx2, st.generated_B, sp)
     live = st.active_B
     generated = st.generated_B + live.astype(jnp.int32)
-    done = is_stop(tok_B, stop_ids) | (generated >= st.limit_B)
+    done = (is_stop(tok_B, stop_ids) | ends_sequence(st.recent_BxJ, tok_B, stop_sequences)
+            | (generated >= st.limit_B))
+    recent = jnp.concatenate([st.recent_BxJ[:, 1:], tok_B[:, None].astype(jnp.int32)], axis=1)
     st = st.replace(cache=cache, tokens_B=jnp.where(live, tok_B, st.tokens_B),
                     index_B=st.index_B + live.astype(jnp.int32), generated_B=generated,
-                    active_B=live & ~done)
+                    active_B=live & ~done,
+                    recent_BxJ=jnp.where(live[:, None], recent, st.recent_BxJ))
     return st, (jnp.where(live, tok_B, 0), jnp.where(live, lp_B, 0.0),
                 jnp.where(live, slp_B, 0.0), live)
 

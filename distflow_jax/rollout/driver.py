@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -178,11 +178,11 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
       if not out.active_B[s]:
         slot_req[s] = -1
         slot_end[s] = chunk_end(len(prompts[r // n]), len(toks[r]), False, k, n_max)
-  return assemble(toks, lps, slps, n, n_max, engine.config.stop_ids, pad_id)
+  return assemble(toks, lps, slps, n, n_max, engine.config.ends_on_stop, pad_id)
 
 
 def assemble(toks: list[list[int]], lps: list[list[float]], slps: list[list[float]], n: int,
-             n_max: int, stop_ids: Sequence[int], pad_id: int) -> Rollout:
+             n_max: int, ends_on_stop: Callable[[Sequence[int]], bool], pad_id: int) -> Rollout:
   """A `Rollout` from each request's tokens, log-probs and sampling log-probs (ragged)."""
   num = len(toks)
   tokens = np.full((num, n_max), pad_id, np.int32)
@@ -197,7 +197,7 @@ def assemble(toks: list[list[int]], lps: list[list[float]], slps: list[list[floa
       raise RuntimeError(f"generate: request {r} produced {k} tokens, expected 1..{n_max}")
     tokens[r, :k], mask[r, :k], lp[r, :k], slp[r, :k] = toks[r], True, lps[r], slps[r]
     lengths[r] = k
-    stopped[r] = toks[r][-1] in stop_ids
+    stopped[r] = ends_on_stop(toks[r])
   return Rollout(prompt_index_R=np.arange(num, dtype=np.int32) // n, tokens_RxN=tokens,
                  mask_RxN=mask, logprobs_RxN=lp, sampling_logprobs_RxN=slp, lengths_R=lengths,
                  stopped_R=stopped)

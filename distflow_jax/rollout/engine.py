@@ -47,8 +47,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from distflow_jax.models import lora, sharding as msharding, stacking
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import Transformer
-from distflow_jax.rollout import (cache_growth, decode, engine_programs, lora_sync, prefill_rows,
-                                  weight_sync)
+from distflow_jax.rollout import (cache_growth, decode, engine_programs, extend, lora_sync,
+                                  prefill_rows, weight_sync)
 from distflow_jax.rollout.decode import DecodeState, Prefix, StepOutput
 # The settings, placement and result types live in their own modules; re-exported here.
 from distflow_jax.rollout.engine_config import (EngineConfig, LoraSync, decode_state_shardings,
@@ -89,11 +89,11 @@ class Engine:
     rep = NamedSharding(self._mesh, P())
     self._replicated = rep
     g, c = self.graphdef, config
-    kw = dict(sp=c.sampling, stop_ids=c.stop_ids)
+    kw = dict(sp=c.sampling, stop_ids=c.stop_ids, stop_sequences=c.stop_sequences)
     self.capacities = cache_growth.capacities(
         c.cache_len, c.prefill_buckets[-1] + c.decode_steps, c.grow_cache and not c.fixed_shapes)
     self._init = jax.jit(functools.partial(decode.empty_state, model_cfg,
-                                           c.max_concurrent_decodes),
+                                           c.max_concurrent_decodes, history=c.history),
                          static_argnums=0, out_shardings=self._state_sh)
     # Layer by layer, each old layer released as its padded copy is made (cache_growth).
     self._grow = cache_growth.Grower(self._state_sh)
@@ -316,7 +316,13 @@ class Engine:
     return engine_programs.programs(
         params_sig, slots=self.max_concurrent_decodes, capacities=self.capacities,
         shapes=self.prefill_shapes(), state_shardings=self._state_sh, init=self._init,
-        decode=self._chunk, grow=self._grow, prefill_insert=self._prefill_insert)
+        decode=self._chunk, grow=self._grow, prefill_insert=self._prefill_insert,
+        append=self.extender if self.config.episode_tokens else None)
+
+  @functools.cached_property
+  def extender(self) -> extend.Extender:
+    """Appends to slots' caches (multi-turn episodes' next turns: rollout/extend.py)."""
+    return extend.Extender(self)
 
   def precompile(self) -> int:
     """Compiles ahead of time, with the parameters' placements of the first call (a no-op
@@ -336,7 +342,7 @@ class Engine:
         ("init", self._init), ("grow", self._grow), ("decode_steps", self._chunk),
         ("generate", self._step),
         ("prefill_insert", self._prefill_insert), ("prefill", self._prefill),
-        ("insert", self._insert))}
+        ("insert", self._insert), ("append", self.extender._fn))}
     counts["weight_sync"] = self._sync.compile_count() if self._sync is not None else 0
     counts["lora_sync"] = (self._adapter_sync.compile_count()
                            if self._adapter_sync is not None else 0)

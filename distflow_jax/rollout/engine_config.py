@@ -40,6 +40,11 @@ class EngineConfig:
   prefill_buckets: tuple[int, ...] = (32, 64)
   max_new_tokens: int = 32
   stop_ids: tuple[int, ...] = ()
+  # Token sequences that end a request like a stop id when its generated tokens end with
+  # one (a tool call's closing tag of several tokens: rollout/episodes.call_stops); matched
+  # in the decode loop against each slot's last tokens (decode.ends_sequence).  A sequence
+  # of one token joins stop_ids.
+  stop_sequences: tuple[tuple[int, ...], ...] = ()
   sampling: SamplingParams = SamplingParams()
   decode_steps: int = 16      # tokens per compiled decode call (K)
   seed: int = 0
@@ -53,15 +58,29 @@ class EngineConfig:
   # decode program per capacity).  fixed_shapes keeps one full-size cache.
   grow_cache: bool = False
   lora_sync: LoraSync = LoraSync.MERGED
+  # Multi-turn episodes (rollout.env; rollout/episode_engine.py): the longest response an
+  # episode's slot holds across its turns (generated + observation tokens).  The cache holds
+  # it after the longest prompt bucket, and the engine's programs include the append
+  # programs (rollout/extend.py, one per appended-length bucket).  0: single turns.
+  episode_tokens: int = 0
 
   def __post_init__(self):
     object.__setattr__(self, "lora_sync", LoraSync(self.lora_sync))
     object.__setattr__(self, "prefill_buckets", tuple(sorted(set(self.prefill_buckets))))
-    object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
+    seqs = tuple(dict.fromkeys(tuple(int(i) for i in q) for q in self.stop_sequences))
+    if any(not q for q in seqs):
+      raise ValueError("EngineConfig.stop_sequences must not hold an empty sequence")
+    ones = tuple(q[0] for q in seqs if len(q) == 1)
+    object.__setattr__(self, "stop_ids",
+                       tuple(dict.fromkeys(int(i) for i in (*self.stop_ids, *ones))))
+    object.__setattr__(self, "stop_sequences", tuple(q for q in seqs if len(q) > 1))
     for name in ("max_concurrent_decodes", "max_new_tokens", "decode_steps"):
       value = getattr(self, name)
       if not isinstance(value, int) or value <= 0:
         raise ValueError(f"EngineConfig.{name}={value!r} must be a positive int")
+    if not isinstance(self.episode_tokens, int) or self.episode_tokens < 0:
+      raise ValueError(f"EngineConfig.episode_tokens={self.episode_tokens!r} must be an int "
+                       ">= 0")
     if not self.prefill_buckets or any(not isinstance(b, int) or b <= 0
                                        for b in self.prefill_buckets):
       raise ValueError(f"EngineConfig.prefill_buckets={self.prefill_buckets!r} must be "
@@ -69,20 +88,34 @@ class EngineConfig:
 
   @classmethod
   def from_config(cls, rollout: Any, *, stop_ids: Sequence[int] = (), seed: int = 0,
-                  max_new_tokens: int | None = None) -> "EngineConfig":
+                  max_new_tokens: int | None = None,
+                  stop_sequences: Sequence[Sequence[int]] = ()) -> "EngineConfig":
     """From the `rollout` block of the run config (see config/defaults.py)."""
     return cls(max_concurrent_decodes=int(rollout.max_concurrent_decodes),
                prefill_buckets=tuple(int(b) for b in rollout.prefill_buckets),
                max_new_tokens=int(rollout.max_new_tokens if max_new_tokens is None
                                   else max_new_tokens),
                stop_ids=tuple(stop_ids), decode_steps=int(rollout.decode_chunk),
+               stop_sequences=tuple(map(tuple, stop_sequences)),
                sampling=SamplingParams(temperature=float(rollout.temperature),
                                        top_p=float(rollout.top_p), top_k=int(rollout.top_k)),
                seed=int(seed), lora_sync=LoraSync(rollout.get("lora_sync", "merged")))
 
   @property
+  def history(self) -> int:
+    """Generated tokens each slot keeps for the stop sequences' match (at least 1)."""
+    return max([len(q) - 1 for q in self.stop_sequences], default=1) or 1
+
+  def ends_on_stop(self, tokens: Sequence[int]) -> bool:
+    """Whether a request's generated ``tokens`` end on a stop id or a stop sequence (the
+    host's reading of what the decode loop stops on)."""
+    toks = list(tokens)
+    return bool(toks) and (toks[-1] in self.stop_ids or any(
+        toks[-len(q):] == list(q) for q in self.stop_sequences))
+
+  @property
   def cache_len(self) -> int:
-    return self.prefill_buckets[-1] + self.max_new_tokens
+    return self.prefill_buckets[-1] + max(self.max_new_tokens, self.episode_tokens)
 
   def bucket_for(self, length: int) -> int:
     """The smallest prefill bucket that holds `length` tokens."""
@@ -132,7 +165,8 @@ def decode_state_shardings(mesh: Mesh, model_cfg: ModelConfig) -> DecodeState:
                     v=_kv_shardings(mesh, model_cfg, "data"),
                     pos=NamedSharding(mesh, P("data", None))),
       tokens_B=rows, index_B=rows, generated_B=rows, limit_B=rows, active_B=rows,
-      keys_Bx2=NamedSharding(mesh, P("data", None)))
+      keys_Bx2=NamedSharding(mesh, P("data", None)),
+      recent_BxJ=NamedSharding(mesh, P("data", None)))
 
 
 def prefix_shardings(mesh: Mesh, model_cfg: ModelConfig) -> Prefix:

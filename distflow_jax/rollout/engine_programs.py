@@ -3,7 +3,8 @@
 An engine's compiles are bounded (rollout/engine.py): for each cache capacity an empty
 state, a decode loop and a grow step to the next capacity; for each prompt shape
 (rollout/prefill_rows.py: a power-of-four row count up to the slots, a prefill bucket) a
-prefill-and-insert at every capacity.  ``programs`` lists them as ``(name, jitted,
+prefill-and-insert at every capacity; with multi-turn episodes, for each appended-length
+bucket an append at every capacity (rollout/extend.py).  ``programs`` lists them as ``(name, jitted,
 abstract args)`` for parameters laid out as a given signature; ``precompile`` compiles
 them ahead of time, counting a capacity or a prompt shape (a program's ``group``) as one
 unit; ``sync_programs`` lists what a weight update runs.  ``plan --lower`` lowers the same
@@ -34,11 +35,12 @@ class Program(NamedTuple):
 
 def programs(params_sig: Any, *, slots: int, capacities: Sequence[int],
              shapes: Sequence[tuple[int, int]], state_shardings: Any, init: Any, decode: Any,
-             grow: Any, prefill_insert: Any) -> list[Program]:
+             grow: Any, prefill_insert: Any, append: Any = None) -> list[Program]:
   """Every program of an engine with ``slots`` slots, for parameters laid out as
   ``params_sig`` (``ShapeDtypeStruct``s with shardings): each cache capacity's empty state
-  (``init``), decode loop (``decode``) and grow step (``grow``), and for each prompt shape
-  of ``shapes`` its prefill-and-insert (``prefill_insert``) at every capacity."""
+  (``init``), decode loop (``decode``) and grow step (``grow``), for each prompt shape
+  of ``shapes`` its prefill-and-insert (``prefill_insert``) at every capacity, and with
+  multi-turn episodes each append program (``append``: the engine's ``extend.Extender``)."""
   sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # noqa: E731
   states = {c: jax.tree.map(sds, jax.eval_shape(init, c), state_shardings)
             for c in capacities}
@@ -57,6 +59,8 @@ def programs(params_sig: Any, *, slots: int, capacities: Sequence[int],
               ints, ints, keys, ints)
       out.append(Program(f"prefill_insert[rows={p},len={t},cap={c}]", prefill_insert, args,
                          (p, t)))
+  if append is not None:
+    out += [Program(*p) for p in append.programs(params_sig, states)]
   return out
 
 

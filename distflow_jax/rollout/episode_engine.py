@@ -43,6 +43,13 @@ def engine_episodes(backend, params, eps: list[turns.Episode], ids: np.ndarray,
   b, k = engine.max_concurrent_decodes, engine.config.decode_steps
   fixed = engine.config.fixed_shapes
   live = [r for r, ep in enumerate(eps) if ep.live]
+  # An episode's whole context must fit the slot's cache (positions are cache slots).
+  need = max([len(eps[r].context) - len(eps[r].tokens) for r in live], default=0) + tc.width
+  if live and need > engine.capacities[-1]:
+    raise ValueError(f"episodes of up to {tc.width} response tokens after their prompts need "
+                     f"a cache of {need} tokens, but the engine's holds "
+                     f"{engine.capacities[-1]}; raise EngineConfig.episode_tokens (the "
+                     f"episode width) or the largest prefill bucket")
   queues = driver.request_queues(live, ids, b, fixed)  # fixed: episode r in slot id % b
   slot_req = np.full((b,), -1, np.int64)
   # The engine's own view of each slot (prompt length, tokens made, limit, active), which

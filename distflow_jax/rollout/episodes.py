@@ -3,13 +3,15 @@ ask the environment, append the observation, go on (issue 35, first form).
 
     env = EnvSetup.from_config(cfg.rollout)             # rollout.env, tool_parser, limits
     ep = run_episodes(backend, params, prompts, rows, n, env=env, tokenizer=tok,
-                      rng=key, request_ids=ids, width=cfg.rollout.max_new_tokens)
+                      rng=key, request_ids=ids, width=defaults.response_width(cfg.rollout))
     ep.rollout.tokens_RxN, ep.rollout.mask_RxN, ep.loss_mask_RxN, ep.reward_R
 
 Episode r answers prompt r // n (as ``driver.generate``'s rows).  Its response is
 everything after the prompt: the model's tokens of each turn and the environment's
-observation tokens between them, at most ``width`` tokens (``rollout.max_new_tokens``:
-the training passes' response width).  ``mask_RxN`` marks all of them (they are in the
+observation tokens between them, at most ``width`` tokens (``rollout.max_episode_tokens``,
+else ``rollout.max_new_tokens``: the training passes' response width), each turn at most
+the backend's ``max_new_tokens`` (``rollout.max_new_tokens``).  ``mask_RxN`` marks all
+of them (they are in the
 sequence the passes read); ``loss_mask_RxN`` only the generated ones (the losses, KL and
 advantages read it: observation tokens are never trained on); log-probs are 0 on
 observation tokens.
@@ -24,7 +26,8 @@ just after its first complete tool call (``rollout.tool_parser``); the tokens af
 are dropped.  Then the environment's ``step`` gets the turn's text (through ``EnvGuard``:
 deadline and checks).  An episode ends when the environment says ``done``, the turn made
 no tool call, the model emitted a stop token, ``rollout.max_turns`` turns were played,
-its response is full (``truncated``), or its environment failed (``rollout.on_env_error``).
+its response is full or a turn reached its cap with no call and no stop (``truncated``),
+or its environment failed (``rollout.on_env_error``).
 Every decision is a function of the prompts, rows and tokens, so the engine and the
 reference backend play the same greedy episodes token for token.
 """
@@ -71,14 +74,17 @@ class Episodes:
   errors: int                 # episodes ended by an environment failure
 
 
-def call_stop_ids(rollout: Any, tokenizer) -> tuple[int, ...]:
-  """The tool parser's closing tag as a stop id, when ``rollout.env`` is set and the
-  tokenizer holds the tag as one token (Qwen2.5's ``</tool_call>``): a turn then ends at
-  its call inside the decode loop, not at the next chunk's end.  Else none."""
+def call_stops(rollout: Any, tokenizer) -> tuple[tuple[int, ...], ...]:
+  """The tool parser's closing tag as a stop sequence of the run's rollout, when
+  ``rollout.env`` is set (else none): its token ids, one (Qwen2.5's ``</tool_call>``: a stop
+  id) or several (the ``tag`` parser's ``</tool>`` in the built-in tokenizer: matched in the
+  decode loop against each slot's last tokens, ``decode.ends_sequence``), so a turn ends at
+  its call inside the decode loop, not at the next chunk's end.  The model may spell the
+  tag with other tokens; the host still finds those calls after each chunk."""
   if not rollout.get("env", ""):
     return ()
-  ids = tokenizer.encode(parsers.tool_parser(rollout.tool_parser).close)
-  return tuple(ids) if len(ids) == 1 else ()
+  ids = tuple(int(i) for i in tokenizer.encode(parsers.tool_parser(rollout.tool_parser).close))
+  return (ids,) if ids else ()
 
 
 # Backends whose episodes batch turns of different episodes on their slots; others (the
@@ -100,7 +106,7 @@ def run_episodes(backend, params, prompts: Sequence[Sequence[int]],
   rng = jax.random.key(backend.config.seed) if rng is None else rng
   guard = env_guard.EnvGuard(env.name, env.timeout_s, env.on_error)
   turn_ctx = turns.TurnContext(env.parser, env.max_turns, guard, tokenizer, width,
-                              frozenset(backend.config.stop_ids))
+                              backend.config.ends_on_stop, backend.config.max_new_tokens)
   eps = [turns.Episode(list(map(int, prompts[r // n]))) for r in range(num)]
   for r, ep in enumerate(eps):
     ep.env = guard.make(env.factory, int(ids[r]))

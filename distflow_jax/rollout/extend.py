@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distflow_jax.models.transformer import KVCache, forward
-from distflow_jax.rollout.decode import DecodeState, is_stop
+from distflow_jax.rollout.decode import DecodeState, is_stop, started_history
 from distflow_jax.rollout.engine_config import decode_state_shardings
 from distflow_jax.rollout.sampling import SamplingParams, sample
 
@@ -65,13 +65,27 @@ def extend_rows(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState,
       generated_B=put(state.generated_B, jnp.ones((b,), jnp.int32)),
       limit_B=put(state.limit_B, limits_B),
       active_B=put(state.active_B, ~is_stop(tok_B, stop_ids) & (limits_B > 1)),
-      keys_Bx2=put(state.keys_Bx2, keys_Bx2))
+      keys_Bx2=put(state.keys_Bx2, keys_Bx2),
+      recent_BxJ=put(state.recent_BxJ, started_history(tok_B, state.recent_BxJ.shape[1])))
   return state, tok_B, lp_B, slp_B
 
 
 def bucket(length: int) -> int:
   """The appended-length bucket of ``length`` tokens: a power of two, at least 8."""
   return max(8, 1 << (max(length, 1) - 1).bit_length())
+
+
+def append_lengths(config) -> tuple[int, ...]:
+  """Every appended length ``Extender`` pads to for an engine of ``config``: none without
+  episodes (``episode_tokens`` 0); with fixed shapes the cache's bucket alone; else the
+  buckets up to the episode's response (an append is the end of a turn and an
+  observation, after the episode's prompt: at most ``episode_tokens`` tokens)."""
+  if not config.episode_tokens:
+    return ()
+  if config.fixed_shapes:
+    return (bucket(config.cache_len),)
+  top = bucket(config.episode_tokens)
+  return tuple(1 << i for i in range(3, top.bit_length()))
 
 
 class Extender:
@@ -85,17 +99,24 @@ class Extender:
     # Fixed shapes (trainer.deterministic): one length for every call, so a slot's numbers
     # never depend on what the other slots append beside it.
     self.fixed_len = bucket(c.cache_len) if c.fixed_shapes else 0
+    self.lengths = append_lengths(c)
     self._fn = jax.jit(functools.partial(extend_rows, engine.graphdef, sp=c.sampling,
                                          stop_ids=c.stop_ids),
                        donate_argnums=(1,), out_shardings=(sh, rep, rep, rep))
 
   @classmethod
   def for_engine(cls, engine) -> "Extender":
-    """One per engine, kept on it, so its programs compile once per run."""
-    ext = getattr(engine, "_episode_extender", None)
-    if ext is None:
-      ext = engine._episode_extender = cls(engine)  # pylint: disable=protected-access
-    return ext
+    """The engine's own (``Engine.extender``), so its programs compile once per run."""
+    return engine.extender
+
+  def programs(self, params_sig, states: dict) -> list[tuple[str, object, tuple, tuple]]:
+    """``(name, jitted, abstract args, group)`` of every append program: each appended
+    length (``append_lengths``) at each cache capacity of ``states`` that can hold it."""
+    b = self.slots
+    ints, keys = np.zeros((b,), np.int32), np.zeros((b, 2), np.uint32)
+    return [(f"append[len={m},cap={c}]", self._fn,
+             (params_sig, st, np.zeros((b, m), np.int32), ints, ints, keys, ints), ("append", m))
+            for m in self.lengths for c, st in states.items() if m // 2 < c]
 
   def __call__(self, params, state: DecodeState, slots: Sequence[int],
                rows: Sequence[Sequence[int]], starts: Sequence[int], keys_Qx2: np.ndarray,

@@ -25,7 +25,7 @@ comparison, slower than `engine` (see tools/jetstream_conformance.py).
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -75,7 +75,7 @@ class JetStreamBackend(EngineBackend):
                                    req.max_new_tokens))
     finally:
       drv.stop()
-    toks, lps = _replay_trace(js.trace, num, req.max_new_tokens, self.config.stop_ids)
+    toks, lps = _replay_trace(js.trace, num, req.max_new_tokens, self.config.ends_on_stop)
     keep_stop = jetstream_adapter.api_generation() == "main"  # main streams the stop token
     for r in range(num):
       want = toks[r] if keep_stop or toks[r][-1] not in self.config.stop_ids else toks[r][:-1]
@@ -83,7 +83,7 @@ class JetStreamBackend(EngineBackend):
         raise RuntimeError(f"jetstream backend: request {r} streamed {streams[r]}, the "
                            f"engine produced {toks[r]}")
     slps = [[0.0] * len(t) for t in toks] if self.config.sampling.greedy else lps
-    return driver.assemble(toks, lps, slps, n, req.max_new_tokens, self.config.stop_ids,
+    return driver.assemble(toks, lps, slps, n, req.max_new_tokens, self.config.ends_on_stop,
                            pad_id)
 
 
@@ -94,17 +94,17 @@ async def _serve(drv: Any, prompts: list[list[int]], max_tokens: int) -> list[li
       for p in prompts])
 
 
-def _replay_trace(trace: list, num: int, n_max: int, stop_ids: Sequence[int]
+def _replay_trace(trace: list, num: int, n_max: int,
+                  ends_on_stop: Callable[[Sequence[int]], bool]
                   ) -> tuple[list[list[int]], list[list[float]]]:
   """Each request's tokens and temperature-1 log-probs from the adapter's log."""
   toks: list[list[int]] = [[] for _ in range(num)]
   lps: list[list[float]] = [[] for _ in range(num)]
   live: dict[int, int] = {}  # slot -> request
   inserted = 0
-  stops = set(stop_ids)
 
   def add(r: int, token: int, lp: float) -> None:
-    if len(toks[r]) < n_max and not (toks[r] and toks[r][-1] in stops):
+    if len(toks[r]) < n_max and not ends_on_stop(toks[r]):
       toks[r].append(token)
       lps[r].append(lp)
 

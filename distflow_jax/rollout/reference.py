@@ -12,7 +12,8 @@ defines the result:
   token, by `sampling.sample` with the engine's `SamplingParams`;
 * request r draws token t with `fold_in(fold_in(rng, request_ids[r]), t)`
   (`driver.prepare_requests` derives the request keys for both backends);
-* a request ends on a stop id (kept) or after `max_new_tokens` tokens.
+* a request ends on a stop id or a stop sequence (kept) or after `max_new_tokens`
+  tokens.
 
 So greedy tokens and every log-prob match the engine up to float rounding,
 and sampled tokens match exactly unless rounding moves a Gumbel-max argmax
@@ -119,7 +120,7 @@ class ReferenceSampler:
                                   rng=rng, request_ids=request_ids)
     num, n_max = len(req.prompts) * n, req.max_new_tokens
     if num == 0:
-      return driver.assemble([], [], [], n, n_max, self.config.stop_ids, pad_id)
+      return driver.assemble([], [], [], n, n_max, self.config.ends_on_stop, pad_id)
     rows = [req.prompts[r // n] for r in range(num)]
     width = -(-(max(map(len, rows)) + n_max) // 8) * 8
     tokens = np.zeros((num, width), np.int32)
@@ -131,7 +132,6 @@ class ReferenceSampler:
     slps: list[list[float]] = [[] for _ in range(num)]
     live = np.ones((num,), bool)
     img = None if images is None else images.rows(np.arange(num) // n, width)
-    stop = set(self.config.stop_ids)
     for step in range(n_max):
       tok, lp, slp = (np.asarray(x) for x in self._next(
           params, tokens, lengths, req.keys_Rx2, np.int32(step), img))
@@ -141,10 +141,10 @@ class ReferenceSampler:
         slps[r].append(float(slp[r]))
         tokens[r, lengths[r]] = tok[r]
         lengths[r] += 1
-        live[r] = int(tok[r]) not in stop
+        live[r] = not self.config.ends_on_stop(toks[r])
       if not live.any():
         break
-    return driver.assemble(toks, lps, slps, n, n_max, self.config.stop_ids, pad_id)
+    return driver.assemble(toks, lps, slps, n, n_max, self.config.ends_on_stop, pad_id)
 
   def precompile(self) -> None:
     """Nothing: the oracle runs a full forward per token and is not for speed."""

@@ -69,7 +69,8 @@ class TurnContext:
   guard: env_guard.EnvGuard
   tokenizer: Any
   width: int
-  stop: frozenset[int]
+  ends_on_stop: Callable[[Sequence[int]], bool]  # EngineConfig.ends_on_stop
+  turn_cap: int = 0  # a turn's most tokens (rollout.max_new_tokens); 0: only the width
 
 
 def finish_turn(ep: Episode, toks: list[int], lps, slps, tc: TurnContext,
@@ -82,7 +83,7 @@ def finish_turn(ep: Episode, toks: list[int], lps, slps, tc: TurnContext,
   k = k if cut is None else cut
   ep.add(toks[:k], True, lps[:k], slps[:k])
   ep.turns += 1
-  ep.stopped = cut is None and bool(toks) and toks[k - 1] in tc.stop
+  ep.stopped = cut is None and tc.ends_on_stop(toks[:k])
   step = tc.guard.step(ep.env, tc.tokenizer.decode(toks[:k]), sample_id)
   if step is None:
     ep.live = False
@@ -91,8 +92,10 @@ def finish_turn(ep: Episode, toks: list[int], lps, slps, tc: TurnContext,
   if k:  # the turn's reward sits on its last generated token (GAE sees it there)
     ep.turn_rewards.append((len(ep.tokens) - 1, step.reward))
   full = len(ep.tokens) >= tc.width
+  # a turn the per-turn cap cut before it made a call or stopped
+  capped = cut is None and not ep.stopped and 0 < tc.turn_cap <= len(toks)
   if step.done or cut is None or ep.turns >= tc.max_turns or full:
     ep.live = False
-    ep.truncated = full and not step.done and not ep.stopped
+    ep.truncated = (full or capped) and not step.done and not ep.stopped
     return
   observe(ep, step.observation, tc.tokenizer, tc.width)

@@ -32,6 +32,7 @@ from distflow_jax.rollout.sampling import SamplingParams
 from distflow_jax.state import roles as roles_lib, vision as vision_lib, warm_shapes
 from distflow_jax.state.algo_state import AlgoState
 from distflow_jax.state.metrics import Metrics
+from distflow_jax.config.defaults import response_width
 
 
 @dataclasses.dataclass
@@ -115,9 +116,9 @@ class RunContext:
               devices: list[jax.Device] | None = None) -> RolloutBackend:
     """This host's rollout replica for these rollout settings (built once), of the kind
     ``rollout.backend`` names (rollout/backend.py; a config without the key: "engine")."""
-    # With rollout.env, a one-token closing tag of a tool call ends a turn too.
-    stops = (*self.tokenizer.eos_ids, *episodes.call_stop_ids(rollout, self.tokenizer))
-    conf = engine_config(self.cfg, rollout, tuple(dict.fromkeys(stops)), greedy)
+    # With rollout.env, a tool call's closing tag (one token or several) ends a turn too.
+    conf = engine_config(self.cfg, rollout, tuple(self.tokenizer.eos_ids), greedy,
+                         episodes.call_stops(rollout, self.tokenizer))
     name = rollout.get("backend", "engine")
     make = backend_factory(name)  # refuses an unknown name, listing the valid ones
     key = (name, conf, rollout.tensor_parallel)
@@ -158,7 +159,7 @@ class RunContext:
 
 
 def engine_config(cfg: ml_collections.ConfigDict, rollout: ml_collections.ConfigDict,
-                  stop_ids, greedy: bool = False) -> EngineConfig:
+                  stop_ids, greedy: bool = False, stop_sequences=()) -> EngineConfig:
   """The rollout replica's settings for these rollout settings (greedy: evaluation's)."""
   sp = (SamplingParams(temperature=0.0) if greedy else
         SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p,
@@ -166,6 +167,9 @@ def engine_config(cfg: ml_collections.ConfigDict, rollout: ml_collections.Config
   return EngineConfig(max_concurrent_decodes=rollout.max_concurrent_decodes,
                       prefill_buckets=tuple(rollout.prefill_buckets),
                       max_new_tokens=rollout.max_new_tokens, stop_ids=tuple(stop_ids),
+                      stop_sequences=tuple(stop_sequences),
+                      # multi-turn episodes: the cache and the append programs (extend.py)
+                      episode_tokens=response_width(rollout) if rollout.get("env", "") else 0,
                       sampling=sp, seed=cfg.seed, fixed_shapes=cfg.trainer.deterministic,
                       decode_steps=rollout.decode_chunk,
                       lora_sync=LoraSync(rollout.get("lora_sync", "merged")))
