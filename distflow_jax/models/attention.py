@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from distflow_jax.models import segments, target as target_lib
+from distflow_jax.models import fused, segments, target as target_lib
 from distflow_jax.models.attention_choice import Impl, choose, round_up
 from distflow_jax.models.blockwise import blockwise_attention
 from distflow_jax.models.config import ModelConfig
@@ -109,9 +109,13 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     d, dh = cfg.hidden_size, cfg.head_dim
-    self.q_proj = linear(cfg, d, cfg.num_heads * dh, cfg.qkv_bias, rngs, "q_proj")
-    self.k_proj = linear(cfg, d, cfg.num_kv_heads * dh, cfg.qkv_bias, rngs, "k_proj")
-    self.v_proj = linear(cfg, d, cfg.num_kv_heads * dh, cfg.qkv_bias, rngs, "v_proj")
+    if "qkv_proj" in cfg.fused_projections:  # the rollout engine's layout (fused.py)
+      self.qkv_proj = linear(cfg, d, (cfg.num_heads + 2 * cfg.num_kv_heads) * dh,
+                             cfg.qkv_bias, rngs)
+    else:
+      self.q_proj = linear(cfg, d, cfg.num_heads * dh, cfg.qkv_bias, rngs, "q_proj")
+      self.k_proj = linear(cfg, d, cfg.num_kv_heads * dh, cfg.qkv_bias, rngs, "k_proj")
+      self.v_proj = linear(cfg, d, cfg.num_kv_heads * dh, cfg.qkv_bias, rngs, "v_proj")
     self.o_proj = linear(cfg, cfg.num_heads * dh, d, False, rngs, "o_proj")
     if cfg.qk_norm:
       self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, cfg.jnp_dtype)
@@ -128,9 +132,12 @@ class Attention(nnx.Module):
     b, t, _ = x_BxTxD.shape
     hkv, dh = cfg.num_kv_heads, cfg.head_dim
     g = cfg.num_heads // hkv
-    q_BxTxHxDh = self.q_proj(x_BxTxD).reshape(b, t, cfg.num_heads, dh)
-    k_BxTxKxDh = self.k_proj(x_BxTxD).reshape(b, t, hkv, dh)
-    v_BxTxKxDh = self.v_proj(x_BxTxD).reshape(b, t, hkv, dh)
+    if "qkv_proj" in cfg.fused_projections:
+      q, k, v = fused.split(self.qkv_proj(x_BxTxD), (cfg.num_heads * dh, hkv * dh, hkv * dh))
+    else:
+      q, k, v = self.q_proj(x_BxTxD), self.k_proj(x_BxTxD), self.v_proj(x_BxTxD)
+    q_BxTxHxDh = q.reshape(b, t, cfg.num_heads, dh)
+    k_BxTxKxDh, v_BxTxKxDh = k.reshape(b, t, hkv, dh), v.reshape(b, t, hkv, dh)
     if cfg.qk_norm:
       q_BxTxHxDh = self.q_norm(q_BxTxHxDh)
       k_BxTxKxDh = self.k_norm(k_BxTxKxDh)
