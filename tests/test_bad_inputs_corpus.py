@@ -86,6 +86,8 @@ PLAN_CASES = {
     "misspelt_key": ("", ["--config.actor.optimizr.lr=1"], "optimizr"),
     "wrong_type": ("", ["--config.rollout.n=two"], "rollout.n"),
     "decode_chunk_zero": ("", ["--config.rollout.decode_chunk=0"], "rollout.decode_chunk=0"),
+    "fuse_projections_unknown": ("", ["--config.rollout.fuse_projections=qkv"],
+                                 "rollout.fuse_projections='qkv' is not valid; choose one of"),
     "config_raises": ("raise RuntimeError('my config is broken')", [], "my config is broken"),
 }
 

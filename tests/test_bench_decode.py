@@ -33,12 +33,26 @@ def test_bench_decode_smoke(tmp_path, capsys):
     assert r["kv_whole_bytes"] > r["kv_bytes"] > 0 and r["param_bytes"] > 0, r
 
 
+@pytest.mark.timeout(180)
+def test_bench_decode_alternates_fusions(tmp_path, capsys):
+  """--fuse: each batch size once per fusion of the engine's projections, fewer fusions in
+  the decode program where q/k/v and gate/up are one matmul each."""
+  out_json = tmp_path / "rows.json"
+  rc = bench_decode.main(["--batch", "2", "--prompt", "8", "--new", "5", "--decode-steps",
+                          "4", "--rounds", "1", "--fuse", "none,all", "--json", str(out_json)])
+  assert rc == 0, capsys.readouterr().out
+  rows = json.loads(out_json.read_text())
+  assert [(r["batch"], r["fuse"]) for r in rows] == [(2, "none"), (2, "all")]
+  assert rows[1]["fusions"] < rows[0]["fusions"], rows
+
+
 @pytest.mark.parametrize("argv, culprit", [
     (["--shape", "qwen9"], "--shape='qwen9'"),
     (["--batch", "16,x"], "--batch='16,x'"),
     (["--batch", "0"], "--batch='0'"),
     (["--new", "1"], "--new=1"),
     (["--dtype", "fp8"], "--dtype='fp8'"),
+    (["--fuse", "none,qkv"], "--fuse='none,qkv'"),
 ])
 @pytest.mark.timeout(60)
 def test_bench_decode_bad_input_is_one_line(argv, culprit, capsys):

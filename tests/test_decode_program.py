@@ -51,3 +51,35 @@ def test_each_call_decodes_k_tokens_and_the_host_stops_when_every_row_is_done():
   # after every row had finished (the first token comes from the prefill).
   assert calls[-1].any() and len(calls) <= 2 * -(-(20 - 1) // 4)
   assert int(sum(v.sum() for v in calls)) == int(out.lengths_R.sum()) - 6
+
+
+@pytest.mark.timeout(120)
+def test_rope_tables_are_made_once_per_call_not_per_layer():
+  """Issue 32 item 2: one cos and one sin per forward (the RoPE table every layer's q and k
+  share), in the decode program and in a plain, a prefix and a multimodal-RoPE forward."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from distflow_jax.models.transformer import forward
+  assert CFG.num_layers >= 2
+  eng = _engine()
+  params = eng.load_params(peaky_model())
+  sig = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                     params)
+  decode = next(p for p in eng.programs(sig) if p.name.startswith("decode"))
+  text = decode.fn.lower(*decode.args).as_text()
+  assert (text.count("stablehlo.cosine"), text.count("stablehlo.sine")) == (1, 1)
+
+  def trig(fn, *args):
+    eqns = str(jax.make_jaxpr(fn)(*args))
+    return eqns.count(" cos "), eqns.count(" sin ")
+  g, p = nnx.split(peaky_model())
+  tok = jnp.ones((2, 5), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+  assert trig(lambda p: forward(g, p, tok, pos)[0], p) == (1, 1)
+  assert trig(lambda p: forward(g, p, tok, pos, return_kv=True)[1], p) == (1, 1)
+  vl_cfg = CFG.replace(mrope_section=(CFG.head_dim // 4, CFG.head_dim // 8, CFG.head_dim // 8))
+  from distflow_jax.models.transformer import Transformer
+  g3, p3 = nnx.split(Transformer(vl_cfg, rngs=nnx.Rngs(0)))
+  assert trig(lambda p: forward(g3, p, tok, pos, rope_positions_3xBxT=jnp.stack([pos] * 3))[0],
+              p3) == (1, 1)

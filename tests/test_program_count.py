@@ -2,6 +2,8 @@
 engine's prefill and insert are one program, and prefill row counts take few sizes.
 plan's count against a real run's is tests/test_lowering.py's probe test."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -11,6 +13,9 @@ from distflow_jax.persist import checksums
 from distflow_jax.rollout import EngineConfig, generate, prefill_rows
 from distflow_jax.run import compile_cache
 from test_rollout_engine import engine, peaky_model
+
+SHAPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "tools", "model_shapes")
 
 
 @pytest.mark.timeout(120)
@@ -29,6 +34,44 @@ def test_a_save_checksums_in_one_program_per_mesh():
   # The same figures as a host array's, whatever the layout.
   for name, x in tree.items():
     assert sums[name] == checksums.checksum(checksums.host_figures(np.asarray(x))), name
+
+
+@pytest.mark.timeout(120)
+def test_a_save_checksums_the_state_and_the_reference_in_one_program():
+  """checkpoint_contents.save_sums: the trained state and the reference model's parameters
+  on one mesh are one program (it was one each), with each tree's own figures."""
+  mesh = jax.make_mesh((2,), ("fsdp",), devices=jax.devices()[:2])
+  rs = np.random.RandomState(1)
+  put = lambda *s: jax.device_put(np.asarray(rs.randn(*s), np.float32),
+                                  NamedSharding(mesh, P("fsdp")))
+  state = {"actor": {"params": {"w": put(8, 4), "b": put(6)}}}
+  reference = {"w": put(10, 4), "b": put(4)}
+  counter = compile_cache.CompileCounter()
+  before = counter.snapshot()
+  got = checksums.sections({"state": state, "reference": reference})
+  assert counter.since(before).programs == 1
+  assert got == {"state": checksums.checksums(state),
+                 "reference": checksums.checksums(reference)}
+
+
+@pytest.mark.timeout(300)
+def test_grpo_qwen05b_compiles_at_most_40_programs_before_step_2():
+  """plan --programs for grpo:qwen0.5b at its defaults on 1 x 8 (issue 32's target): a
+  save's checksums are one program, the weight sync's final norm rides with the embedding."""
+  from absl import flags
+  from distflow_jax.config import checks, loading
+  from distflow_jax.dag import FUNCTIONS
+  from distflow_jax.lowering import abstract, catalogue, count
+  fv = flags.FlagValues()
+  loading.parse(fv, ["--config=grpo:qwen0.5b",
+                     f"--config.model.path={os.path.join(SHAPES, 'qwen2.5-0.5b')}"])
+  cfg = fv.config
+  plan = checks.plan_from_config(cfg, checks.topology(cfg, 1, 8), FUNCTIONS)
+  ctx = abstract.abstract_context(cfg, plan, abstract.model_shape(cfg))
+  c = count.count(catalogue.programs(cfg, plan, ctx))
+  assert c.by_node["save"] == {"checksum": 1}, c.by_node
+  assert c.by_node["generate"]["sync/reshard"] == 2, c.by_node
+  assert c.total <= 40, count.render(c)
 
 
 def test_prefill_rows_take_powers_of_four():

@@ -2,7 +2,7 @@
 
     python tools/bench_decode.py [--shape tiny|qwen2.5-0.5b|HF_DIR] [--batch 16,64,128]
         [--prompt 128] [--new 128] [--decode-steps 16] [--rounds 3] [--dtype float32]
-        [--json out.json]
+        [--fuse none,gate_up,all] [--json out.json]
 
 For each batch size B (B slots, B prompts of --prompt random tokens, random weights, no
 stop token, so every row decodes --new tokens; the first comes from the prefill):
@@ -19,6 +19,9 @@ stop token, so every row decodes --new tokens; the first comes from the prefill)
 * compile seconds of the decode program, its StableHLO ops, its compiled fusions,
   conditionals and `while` loops without a known trip count (each a host round trip per
   call or iteration on a GPU; `lowering.gate.compiled_counts`).
+
+``--fuse`` (comma-separated ``rollout.fuse_projections`` values): each batch size once per
+fusion of the engine's projections (models/fused.py), all alternated in one round.
 """
 
 from __future__ import annotations
@@ -53,8 +56,15 @@ def _args(argv):
   p.add_argument("--decode-steps", type=int, default=16, help="tokens per decode call")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the shape's)")
+  p.add_argument("--fuse", default="none",
+                 help="comma-separated rollout.fuse_projections values: none, gate_up, all")
   p.add_argument("--json", default=None, help="write the rows here")
   a = p.parse_args(argv)
+  from distflow_jax.rollout.engine_config import FuseProjections
+  valid = [f.value for f in FuseProjections]
+  a.fusions = [x.strip() for x in a.fuse.split(",") if x.strip()]
+  if not a.fusions or any(f not in valid for f in a.fusions):
+    raise BadInput(f"--fuse={a.fuse!r}: give comma-separated values of {valid}")
   try:
     a.batches = [int(x) for x in a.batch.split(",") if x.strip()]
   except ValueError:
@@ -132,14 +142,14 @@ def program_counts(engine, params) -> dict:
 class Contender:
   """One batch size: its engine, parameters and prompts, and one timed decode round."""
 
-  def __init__(self, cfg, batch: int, a):
+  def __init__(self, cfg, batch: int, a, fuse: str = "none"):
     import jax
 
     from distflow_jax.rollout import Engine, EngineConfig, SamplingParams, replica_mesh
     self.batch, self.cfg = batch, cfg
     self.engine = Engine(cfg, EngineConfig(
         max_concurrent_decodes=batch, prefill_buckets=(a.prompt,), max_new_tokens=a.new,
-        sampling=SamplingParams(1.0), decode_steps=a.decode_steps),
+        sampling=SamplingParams(1.0), decode_steps=a.decode_steps, fuse_projections=fuse),
         mesh=replica_mesh(1, jax.devices()[:1]))
     self.params = self.engine.load_params(None, seed=0)
     self.prompts = np.random.RandomState(batch).randint(
@@ -181,40 +191,44 @@ def run(a) -> list[dict]:
   print(f"# shape {a.shape} ({cfg.dtype}), prompt {a.prompt}, new {a.new}, decode_steps "
         f"{a.decode_steps}, rounds {a.rounds}; bandwidth {bw / 1e9:.1f} GB/s ({bw_note})",
         flush=True)
-  contenders = {b: Contender(cfg, b, a) for b in a.batches}
+  # One contender per batch size (and fusion, where --fuse names several): "16", "16/all".
+  label = (lambda b, f: str(b)) if len(a.fusions) == 1 else (lambda b, f: f"{b}/{f}")
+  contenders = {label(b, f): Contender(cfg, b, a, f) for b in a.batches for f in a.fusions}
   rows = {}
-  table = bc.Table(bc.Col("batch", 5), bc.Col("compile s", 9), bc.Col("hlo ops", 7),
+  table = bc.Table(bc.Col("batch", 11), bc.Col("compile s", 9), bc.Col("hlo ops", 7),
                    bc.Col("fusions", 7), bc.Col("cond", 4), bc.Col("dd while", 8),
                    bc.Col("MB/step", 8), bc.Col("kv whole MB", 11))
   for b, c in contenders.items():
     counts = program_counts(c.engine, c.params)
-    sizes = step_bytes(cfg, c.params, b, a.prompt, a.new)
-    rows[b] = dict(batch=b, **counts, **sizes, bandwidth=bw, bandwidth_source=bw_note)
+    sizes = step_bytes(cfg, c.params, c.batch, a.prompt, a.new)
+    rows[b] = dict(batch=c.batch, fuse=c.engine.config.fuse_projections.value, **counts,
+                   **sizes, bandwidth=bw, bandwidth_source=bw_note)
     table.row(b, f"{counts['compile_s']:.2f}", counts["stablehlo_ops"], counts["fusions"],
               counts["conditionals"], counts["data_dependent_whiles"],
               f"{(sizes['param_bytes'] + sizes['kv_bytes']) / 1e6:.1f}",
               f"{sizes['kv_whole_bytes'] / 1e6:.1f}")
   for c in contenders.values():
     c.round()  # compiles prefill and insert, warms the decode program
-  speed = bc.Table(bc.Col("round", 5), bc.Col("batch", 5), bc.Col("tok/s", 10),
+  speed = bc.Table(bc.Col("round", 5), bc.Col("batch", 11), bc.Col("tok/s", 10),
                    bc.Col("roofline tok/s", 14), bc.Col("share", 7))
   tokens = {b: [] for b in contenders}
 
   def on_time(i, b, secs, n):
     r = rows[b]
-    roof = b * bw / (r["param_bytes"] + r["kv_bytes"])
+    roof = r["batch"] * bw / (r["param_bytes"] + r["kv_bytes"])
     tokens[b].append(n / secs)
     speed.row(i, b, f"{n / secs:,.0f}", f"{roof:,.0f}", f"{n / secs / roof:.1%}")
   bc.alternate({b: c.round for b, c in contenders.items()}, a.rounds, rotate=True,
                on_time=on_time)
-  first = a.batches[0]
+  first = next(iter(contenders))
   print("# medians", flush=True)
-  summary = bc.Table(bc.Col("batch", 5), bc.Col("tok/s (median)", 14),
+  summary = bc.Table(bc.Col("batch", 11), bc.Col("tok/s (median)", 14),
                      bc.Col(f"x batch {first}", 10), bc.Col("roofline share", 14))
   base = statistics.median(tokens[first])
   for b, r in rows.items():
     r["tokens_per_s"] = statistics.median(tokens[b])
-    r["roofline_tokens_per_s"] = b * bw / (r["param_bytes"] + r["kv_bytes"])
+    r["tokens_per_s_rounds"] = tokens[b]
+    r["roofline_tokens_per_s"] = r["batch"] * bw / (r["param_bytes"] + r["kv_bytes"])
     r["roofline_share"] = r["tokens_per_s"] / r["roofline_tokens_per_s"]
     summary.row(b, f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base:.2f}",
                 f"{r['roofline_share']:.1%}")

@@ -39,7 +39,7 @@ def option_types() -> dict[str, type[enum.Enum] | tuple[str, ...]]:
   from distflow_jax.data.redistribute import Mode
   from distflow_jax.models.config import ATTENTION_IMPLS, DTYPES, PRESETS, REMATS
   from distflow_jax.rollout.backend import BACKENDS
-  from distflow_jax.rollout.engine_config import LoraSync
+  from distflow_jax.rollout.engine_config import FuseProjections, LoraSync
   from distflow_jax.rewards.math_answer import MATCH_MODES
   from distflow_jax.train.optim import Optimizer, Schedule
   from distflow_jax.state.warm_shapes import CompileAhead
@@ -50,6 +50,7 @@ def option_types() -> dict[str, type[enum.Enum] | tuple[str, ...]]:
       "optimizer": Optimizer, "schedule": Schedule, "match": MATCH_MODES,
       "remat": REMATS, "attention_impl": ATTENTION_IMPLS, "compile_ahead": CompileAhead,
       "backend": tuple(BACKENDS), "preset": tuple(PRESETS), "lora_sync": LoraSync,
+      "fuse_projections": FuseProjections,
   }
 
 
@@ -162,6 +163,7 @@ def _check_rollout(r) -> None:
   positive(r.top_k, "rollout.top_k", allow_zero=True)
   option(r.get("backend", "engine"), "rollout.backend", "backend")
   option(r.get("lora_sync", "merged"), "rollout.lora_sync", "lora_sync")
+  option(r.get("fuse_projections", "none"), "rollout.fuse_projections", "fuse_projections")
   buckets = list(r.prefill_buckets)
   if not buckets or buckets != sorted(set(buckets)) or buckets[0] <= 0:
     raise ConfigError(f"rollout.prefill_buckets={buckets} must be positive and strictly "

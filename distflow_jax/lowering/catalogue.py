@@ -173,23 +173,15 @@ def move_programs(ctx: RunContext, step, src, lay, fields: list[str], rows: int
 
 
 def checksum_programs(ctx: RunContext) -> list[Program]:
-  """A save's checksums: one program per mesh over the saved arrays laid out on it, for the
-  trained state, (first save only) the reference model's parameters and a LoRA actor's
-  frozen base (its fingerprint: checkpoint_contents.base_fingerprint)."""
-  from distflow_jax.models import lora
-  sets = [("", checkpoint_contents.trained_state(ctx.roles))]
-  if Role.REFERENCE in ctx.roles:
-    sets.append(("reference,", ctx.roles[Role.REFERENCE].params))
-  if lora.has_adapters(ctx.roles[Role.ACTOR].params):
-    sets.append(("lora base,", lora.split_trainable(ctx.roles[Role.ACTOR].params)[1]))
-  out = []
-  for what, tree in sets:
-    arrays = {n: x for n, x in checksums.flatten(tree).items()
-              if isinstance(getattr(x, "sharding", None), NamedSharding)}
-    out += [Program("save", f"checksum[{what}arrays={len(names)},"
-                            f"mesh={dict(xs[0].sharding.mesh.shape)}]", fn, xs)
-            for names, fn, xs in checksums.mesh_programs(arrays)]
-  return out
+  """A save's checksums (checkpoint_contents.save_sums): one program per mesh over the
+  trained state, the reference model's parameters and a LoRA actor's frozen base."""
+  trees = checkpoint_contents.save_trees(ctx.roles)
+  arrays = {n: x for n, x in checksums.flatten(trees).items()
+            if isinstance(getattr(x, "sharding", None), NamedSharding)}
+  what = "".join(f"{k.replace('_', ' ')}," for k in trees if k != checkpoint_contents.STATE)
+  return [Program("save", f"checksum[{what}arrays={len(names)},"
+                          f"mesh={dict(xs[0].sharding.mesh.shape)}]", fn, xs)
+          for names, fn, xs in checksums.mesh_programs(arrays)]
 
 
 def warmstart_programs(ctx: RunContext) -> list[Program]:

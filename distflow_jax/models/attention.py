@@ -11,12 +11,14 @@ whose memory is linear in T and S.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from distflow_jax.models import segments, target as target_lib
+from distflow_jax.models import fused, segments, target as target_lib
 from distflow_jax.models.attention_choice import Impl, choose, round_up
 from distflow_jax.models.blockwise import blockwise_attention
 from distflow_jax.models.config import ModelConfig
@@ -26,7 +28,6 @@ from distflow_jax.models.layers import RMSNorm, linear
 # Finite so that a query with no visible key (a padding row) gives a uniform
 # softmax instead of NaNs that would poison gradients.
 _MASK_VALUE = -1e30
-
 
 
 def rope_inv_freq(dh: int, theta: float, llama3: tuple = ()) -> jax.Array:
@@ -45,36 +46,47 @@ def rope_inv_freq(dh: int, theta: float, llama3: tuple = ()) -> jax.Array:
   return jnp.where(medium, blended, scaled)
 
 
-def rope(x_BxTxHxDh: jax.Array, positions_BxT: jax.Array, theta: float,
-         llama3: tuple = ()) -> jax.Array:
-  """Rotary embedding, HF "rotate half" layout (first half / second half pairs)."""
-  dh = x_BxTxHxDh.shape[-1]
-  inv_freq = rope_inv_freq(dh, theta, llama3)
-  angles_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
-  return rotate(x_BxTxHxDh, angles_BxTxF)
+class RopeTable(NamedTuple):
+  """cos and sin of every token's RoPE angles, ``[B, T, 1, Dh / 2]`` float32: computed once
+  per forward (``rope_table``) and shared by every layer's queries and keys."""
+  cos: jax.Array
+  sin: jax.Array
 
 
-def mrope(x_BxTxHxDh: jax.Array, positions_3xBxT: jax.Array, theta: float,
-          section: tuple[int, ...]) -> jax.Array:
-  """Qwen2-VL's multimodal RoPE: frequency f of the head's dh / 2 is rotated by the
-  position row (0 temporal, 1 height, 2 width) whose `section` holds f.  Where the three
-  rows agree (text tokens) this is `rope` at that position."""
+def table_of(angles_BxTxF: jax.Array) -> RopeTable:
+  return RopeTable(jnp.cos(angles_BxTxF)[:, :, None, :], jnp.sin(angles_BxTxF)[:, :, None, :])
+
+
+def rope_table(cfg: ModelConfig, positions_BxT: jax.Array,
+               rope_positions_3xBxT: jax.Array | None = None) -> RopeTable:
+  """The RoPE table of a call's tokens.  With ``rope_positions_3xBxT`` (needs
+  ``cfg.mrope_section``), Qwen2-VL's multimodal RoPE: frequency f of the head's dh / 2 is
+  rotated by the position row (0 temporal, 1 height, 2 width) whose section holds f; where
+  the three rows agree (text tokens) this is the 1-D table at that position."""
+  dh = cfg.head_dim
+  if rope_positions_3xBxT is None:
+    inv_freq = rope_inv_freq(dh, cfg.rope_theta, cfg.rope_llama3)
+    return table_of(positions_BxT.astype(jnp.float32)[..., None] * inv_freq)
+  inv_freq = rope_inv_freq(dh, cfg.rope_theta)
+  row_F = np.repeat(np.arange(len(cfg.mrope_section)), cfg.mrope_section)
+  pos_BxTxF = jnp.moveaxis(rope_positions_3xBxT.astype(jnp.float32)[row_F], 0, -1)
+  return table_of(pos_BxTxF * inv_freq)
+
+
+def apply_rope(x_BxTxHxDh: jax.Array, table: RopeTable) -> jax.Array:
+  """Rotates x by the table's angles (one per frequency, shared by the heads), HF's
+  "rotate half" layout (first half / second half pairs)."""
   dh = x_BxTxHxDh.shape[-1]
-  inv_freq = rope_inv_freq(dh, theta)
-  row_F = np.repeat(np.arange(len(section)), section)
-  pos_BxTxF = jnp.moveaxis(positions_3xBxT.astype(jnp.float32)[row_F], 0, -1)
-  return rotate(x_BxTxHxDh, pos_BxTxF * inv_freq)
+  x = x_BxTxHxDh.astype(jnp.float32)
+  x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
+  out = jnp.concatenate([x1 * table.cos - x2 * table.sin, x2 * table.cos + x1 * table.sin],
+                        axis=-1)
+  return out.astype(x_BxTxHxDh.dtype)
 
 
 def rotate(x_BxTxHxDh: jax.Array, angles_BxTxF: jax.Array) -> jax.Array:
-  """Rotates x by `angles` (one per frequency, shared by the heads), "rotate half" layout."""
-  dh = x_BxTxHxDh.shape[-1]
-  cos = jnp.cos(angles_BxTxF)[:, :, None, :]
-  sin = jnp.sin(angles_BxTxF)[:, :, None, :]
-  x = x_BxTxHxDh.astype(jnp.float32)
-  x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxTxHxDh.dtype)
+  """``apply_rope`` by angles (the vision tower's 2-D RoPE)."""
+  return apply_rope(x_BxTxHxDh, table_of(angles_BxTxF))
 
 
 def _attend_one(q_BxKxGxDh: jax.Array, k_BxKxSxDh: jax.Array, v_BxKxSxDh: jax.Array,
@@ -97,37 +109,40 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     d, dh = cfg.hidden_size, cfg.head_dim
-    self.q_proj = linear(cfg, d, cfg.num_heads * dh, cfg.qkv_bias, rngs, "q_proj")
-    self.k_proj = linear(cfg, d, cfg.num_kv_heads * dh, cfg.qkv_bias, rngs, "k_proj")
-    self.v_proj = linear(cfg, d, cfg.num_kv_heads * dh, cfg.qkv_bias, rngs, "v_proj")
+    if "qkv_proj" in cfg.fused_projections:  # the rollout engine's layout (fused.py)
+      self.qkv_proj = linear(cfg, d, (cfg.num_heads + 2 * cfg.num_kv_heads) * dh,
+                             cfg.qkv_bias, rngs)
+    else:
+      self.q_proj = linear(cfg, d, cfg.num_heads * dh, cfg.qkv_bias, rngs, "q_proj")
+      self.k_proj = linear(cfg, d, cfg.num_kv_heads * dh, cfg.qkv_bias, rngs, "k_proj")
+      self.v_proj = linear(cfg, d, cfg.num_kv_heads * dh, cfg.qkv_bias, rngs, "v_proj")
     self.o_proj = linear(cfg, cfg.num_heads * dh, d, False, rngs, "o_proj")
     if cfg.qk_norm:
       self.q_norm = RMSNorm(dh, cfg.rms_norm_eps, cfg.jnp_dtype)
       self.k_norm = RMSNorm(dh, cfg.rms_norm_eps, cfg.jnp_dtype)
 
   def __call__(self, x_BxTxD, positions_BxT, key_pos_BxS, writer, segment_ids_BxT=None,
-               rope_positions_3xBxT=None):
+               rope: RopeTable | None = None):
     """`writer` is None (attend within x) or one of kv_cache.py's writers for this layer's k/v.
     `segment_ids_BxT` (packed rows, writer None): a query sees only keys of its own segment
     and, in a shared-prompt row, its group's prompt (segments.py).
-    `rope_positions_3xBxT` (needs `cfg.mrope_section`): multimodal RoPE positions; masking
-    still follows `positions_BxT`."""
+    `rope`: the call's RoPE table (`rope_table`, made once per forward by transformer.py;
+    None: made here from `positions_BxT`); masking follows `positions_BxT`."""
     cfg = self.cfg
     b, t, _ = x_BxTxD.shape
     hkv, dh = cfg.num_kv_heads, cfg.head_dim
     g = cfg.num_heads // hkv
-    q_BxTxHxDh = self.q_proj(x_BxTxD).reshape(b, t, cfg.num_heads, dh)
-    k_BxTxKxDh = self.k_proj(x_BxTxD).reshape(b, t, hkv, dh)
-    v_BxTxKxDh = self.v_proj(x_BxTxD).reshape(b, t, hkv, dh)
+    if "qkv_proj" in cfg.fused_projections:
+      q, k, v = fused.split(self.qkv_proj(x_BxTxD), (cfg.num_heads * dh, hkv * dh, hkv * dh))
+    else:
+      q, k, v = self.q_proj(x_BxTxD), self.k_proj(x_BxTxD), self.v_proj(x_BxTxD)
+    q_BxTxHxDh = q.reshape(b, t, cfg.num_heads, dh)
+    k_BxTxKxDh, v_BxTxKxDh = k.reshape(b, t, hkv, dh), v.reshape(b, t, hkv, dh)
     if cfg.qk_norm:
       q_BxTxHxDh = self.q_norm(q_BxTxHxDh)
       k_BxTxKxDh = self.k_norm(k_BxTxKxDh)
-    if rope_positions_3xBxT is None:
-      q_BxTxHxDh = rope(q_BxTxHxDh, positions_BxT, cfg.rope_theta, cfg.rope_llama3)
-      k_BxTxKxDh = rope(k_BxTxKxDh, positions_BxT, cfg.rope_theta, cfg.rope_llama3)
-    else:
-      q_BxTxHxDh = mrope(q_BxTxHxDh, rope_positions_3xBxT, cfg.rope_theta, cfg.mrope_section)
-      k_BxTxKxDh = mrope(k_BxTxKxDh, rope_positions_3xBxT, cfg.rope_theta, cfg.mrope_section)
+    rope = rope_table(cfg, positions_BxT) if rope is None else rope
+    q_BxTxHxDh, k_BxTxKxDh = apply_rope(q_BxTxHxDh, rope), apply_rope(k_BxTxKxDh, rope)
     if writer is None:
       k_BxKxSxDh, v_BxKxSxDh = heads_major(k_BxTxKxDh), heads_major(v_BxTxKxDh)
     else:

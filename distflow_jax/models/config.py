@@ -80,6 +80,10 @@ class ModelConfig:
   # LoRA adapters (lora_layer.py, lora.py; the config's model.lora); None = none.  Not part
   # of a `config.json`.
   lora: LoraSpec | None = None
+  # The rollout engine's layout (fused.py): the fused projections it holds, of `qkv_proj`
+  # (q/k/v) and `gate_up_proj` (gate/up).  Never a checkpoint's or a trained model's; not
+  # part of a `config.json`.
+  fused_projections: tuple[str, ...] = ()
 
   def __post_init__(self):
     if isinstance(self.lora, dict):  # a checkpoint's meta (dataclasses.asdict) read back
@@ -99,6 +103,10 @@ class ModelConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value <= 0:
         raise ValueError(f"ModelConfig.{name}={value!r} must be a positive int")
+    object.__setattr__(self, "fused_projections", tuple(self.fused_projections))
+    if not set(self.fused_projections) <= {"qkv_proj", "gate_up_proj"}:
+      raise ValueError(f"ModelConfig.fused_projections={self.fused_projections}: valid "
+                       f"names are qkv_proj, gate_up_proj")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"ModelConfig.num_heads={self.num_heads} must be a multiple of "

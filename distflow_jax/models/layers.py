@@ -43,9 +43,17 @@ def linear(cfg: ModelConfig, d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs,
 class MLP(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     d, f = cfg.hidden_size, cfg.intermediate_size
-    self.gate_proj = linear(cfg, d, f, False, rngs, "gate_proj")
-    self.up_proj = linear(cfg, d, f, False, rngs, "up_proj")
+    self.fused = "gate_up_proj" in cfg.fused_projections
+    if self.fused:  # the rollout engine's layout (fused.py)
+      self.gate_up_proj = linear(cfg, d, 2 * f, False, rngs)
+    else:
+      self.gate_proj = linear(cfg, d, f, False, rngs, "gate_proj")
+      self.up_proj = linear(cfg, d, f, False, rngs, "up_proj")
     self.down_proj = linear(cfg, f, d, False, rngs, "down_proj")
 
   def __call__(self, x):
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    if self.fused:
+      gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+    else:
+      gate, up = self.gate_proj(x), self.up_proj(x)
+    return self.down_proj(jax.nn.silu(gate) * up)

@@ -48,10 +48,10 @@ def fsdp_tp_rules() -> Rules:
   return (
       (r"(.*/)?embed/embedding", P("tensor", "fsdp")),         # [V, D]
       (r"(.*/)?lm_head/kernel", P("fsdp", "tensor")),          # [D, V]
-      (r".*attn/(q|k|v)_proj/kernel", P("fsdp", "tensor")),    # [D, H*Dh]
-      (r".*attn/(q|k|v)_proj/bias", P("tensor")),
+      (r".*attn/(q|k|v|qkv)_proj/kernel", P("fsdp", "tensor")),    # [D, H*Dh]
+      (r".*attn/(q|k|v|qkv)_proj/bias", P("tensor")),
       (r".*attn/o_proj/kernel", P("tensor", "fsdp")),          # [H*Dh, D]
-      (r".*mlp/(gate|up)_proj/kernel", P("fsdp", "tensor")),   # [D, F]
+      (r".*mlp/(gate|up|gate_up)_proj/kernel", P("fsdp", "tensor")),   # [D, F]
       (r".*mlp/down_proj/kernel", P("tensor", "fsdp")),        # [F, D]
       (r"(.*/)?value_head/kernel", P("fsdp", None)),           # [D, 1]
       (r".*", P()),                                            # norms, value bias

@@ -74,7 +74,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from distflow_jax.models import lora_layer, sharding, stacking
-from distflow_jax.models.attention import Attention
+from distflow_jax.models.attention import Attention, RopeTable, rope_table
 from distflow_jax.models.config import ModelConfig
 # KVCache, init_cache, cache_insert and positions_from_mask are imported from here by
 # the rollout, the train steps and the models package: re-exported.
@@ -94,9 +94,9 @@ class Block(nnx.Module):
     self.mlp = MLP(cfg, rngs)
 
   def __call__(self, x, positions_BxT, key_pos_BxS, writer, segment_ids_BxT=None,
-               rope_positions_3xBxT=None):
+               rope: RopeTable | None = None):
     x = x + self.attn(self.input_norm(x), positions_BxT, key_pos_BxS, writer, segment_ids_BxT,
-                      rope_positions_3xBxT)
+                      rope)
     return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -175,6 +175,7 @@ class Transformer(nnx.Module):
     elif return_kv:
       writer = KVRecorder()
     key_pos_BxS = own_pos_BxT if writer is None else writer.pos(own_pos_BxT)
+    rope = rope_table(self.cfg, positions_BxT, rope_positions_3xBxT)  # once, for every layer
     x = sharding.constrain_rows(self.embed(tokens_BxT) if inputs_embeds_BxTxD is None
                                 else inputs_embeds_BxTxD.astype(self.cfg.jnp_dtype))
     new_cache = None
@@ -182,13 +183,13 @@ class Transformer(nnx.Module):
       # Layer by layer (stacked layers sliced): each layer's cache buffer is written in place.
       for i in range(self.cfg.num_layers):
         layer = stacking.layer_of(self.layers, i) if self.cfg.scan_layers else self.layers[i]
-        x = layer(x, positions_BxT, key_pos_BxS, writer, None, rope_positions_3xBxT)
+        x = layer(x, positions_BxT, key_pos_BxS, writer, None, rope)
         writer.layer += 1
       new_cache = KVCache(k=tuple(writer.k), v=tuple(writer.v), pos=key_pos_BxS)
     else:
       policy = self.cfg.remat if remat is None else {True: "full", False: "none"}.get(remat, remat)
       x, kv = self._run_layers(x, positions_BxT, key_pos_BxS, writer, policy,
-                               segment_ids_BxT, rope_positions_3xBxT)
+                               segment_ids_BxT, rope)
       if isinstance(writer, KVRecorder):
         new_cache = KVCache(k=kv[0], v=kv[1], pos=own_pos_BxT)
     hidden = sharding.constrain_rows(self.final_norm(x))
@@ -198,7 +199,7 @@ class Transformer(nnx.Module):
 
 
   def _run_layers(self, x, positions_BxT, key_pos_BxS, writer, remat: str,
-                  segment_ids_BxT=None, rope_positions_3xBxT=None):
+                  segment_ids_BxT=None, rope: RopeTable | None = None):
     """The cache-less passes (plain, `return_kv`, `prefix`): every layer as a pure function
     of its parameters, looped or scanned, each rematerialised under `remat`.  Returns
     `(x, (ks, vs))`, the recorded keys/values when `writer` is a KVRecorder."""
@@ -212,7 +213,7 @@ class Transformer(nnx.Module):
            PrefixReader(KVCache(k=(pk,), v=(pv,), pos=prefix.pos), writer.repeat, b))
       with lora_layer.dropout_layer(index):  # a train step's adapter dropout: own masks
         y = sharding.constrain_rows(layer(x, positions_BxT, key_pos_BxS, w, segment_ids_BxT,
-                                          rope_positions_3xBxT))
+                                          rope))
       return y, ((w.ks[0], w.vs[0]) if record else None)
 
     def wrap(graphdef, scanned):

@@ -66,7 +66,7 @@ from distflow_jax.state.algo_state import AlgoState
 from distflow_jax.persist.checkpoint_contents import (  # noqa: F401 (re-exported)
     FORMAT, ITEMS, LOADER, META, STATE, STATIC, CheckpointDamaged, CheckpointError, abstract,
     base_fingerprint, check_base, compare_shapes, flat_shapes, put_restored, restore_algo_state,
-    restore_loader, trained_state)
+    restore_loader, save_sums, trained_state)
 from distflow_jax.persist.checkpoint_files import read_arrays, resolve  # noqa: F401 (export's)
 from distflow_jax.persist.checksums import agree, gather_json
 from distflow_jax.state.roles import ModelState
@@ -135,7 +135,8 @@ class Checkpointer:
            ) -> None:
     """Starts an asynchronous save of ``step`` (every process must call it)."""
     self.wait()  # orbax would wait here anyway; the previous save's file record follows
-    self._save_static(roles, tokenizer)
+    sums = save_sums(roles)  # one program per mesh: the state, reference and LoRA base
+    self._save_static(roles, tokenizer, sums.reference)
     loaders = gather_json(loader.get_state())
     state = trained_state(roles)
     meta = {"format": FORMAT, "step": step, "seed": cfg.seed,
@@ -143,7 +144,7 @@ class Checkpointer:
             "roles": sorted(state),
             "model_config": dataclasses.asdict(model_cfg),
             "config": json.loads(cfg.to_json_best_effort()),
-            "checksums": checksums.checksums(state), "lora_base": base_fingerprint(roles)}
+            "checksums": sums.state, "lora_base": sums.lora_base}
     if self.ctx is not None:
       meta["algo_state"] = self.ctx.algo_state.to_dict()
     if self._manager.save(step, args=ocp.args.Composite(**{
@@ -153,20 +154,19 @@ class Checkpointer:
       self._pending = step
 
   def compile_checksums(self, roles: dict[Role, ModelState]) -> None:
-    """Runs (and drops) a save's checksums (the trained state's, the reference's where the
-    next save writes it) so they compile now, not mid-run (trainer.compile_ahead)."""
-    checksums.checksums(trained_state(roles))
-    if self._reference_to_save(roles):
-      checksums.checksums(roles[Role.REFERENCE].params)
+    """Runs (and drops) a save's checksums (``save_sums``: one program per mesh) so they
+    compile now, not mid-run (trainer.compile_ahead)."""
+    save_sums(roles)
 
   def _reference_to_save(self, roles: dict[Role, ModelState]) -> str | None:
     ref = os.path.join(self.directory, STATIC, "reference")  # written once per run dir
     return ref if Role.REFERENCE in roles and not os.path.isdir(ref) else None
 
-  def _save_static(self, roles: dict[Role, ModelState], tokenizer: Any) -> None:
+  def _save_static(self, roles: dict[Role, ModelState], tokenizer: Any,
+                   ref_sums: dict[str, str] | None) -> None:
     ref = self._reference_to_save(roles)
     if ref is not None:
-      files.save_reference(ref, roles[Role.REFERENCE].params)
+      files.save_reference(ref, roles[Role.REFERENCE].params, ref_sums)
     tok = os.path.join(self.directory, STATIC, "tokenizer")
     if tokenizer is not None and jax.process_index() == 0 and not os.path.isdir(tok):
       tokenizer.save(tok + ".tmp")

@@ -9,6 +9,7 @@ what is here); this module needs nothing from it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Callable, Mapping
@@ -62,6 +63,38 @@ def put_restored(roles: dict[Role, ModelState], state: dict[str, dict[str, Any]]
       s.opt_state = tree["opt_state"]
 
 
+def save_trees(roles: dict[Role, ModelState]) -> dict[str, Any]:
+  """What a save checksums, by section: the trained state, the reference model's parameters
+  (every save, though only the first writes them: the same program each time, so nothing
+  compiles after step 1) and a LoRA actor's frozen base (its fingerprint)."""
+  trees = {STATE: trained_state(roles)}
+  if Role.REFERENCE in roles:
+    trees["reference"] = roles[Role.REFERENCE].params
+  if Role.ACTOR in roles and lora.has_adapters(roles[Role.ACTOR].params):
+    trees["lora_base"] = lora.split_trainable(roles[Role.ACTOR].params)[1]
+  return trees
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveSums:
+  """A save's checksums: the trained state's, the reference's (None without one) and the
+  LoRA base's fingerprint (None without adapters)."""
+  state: dict[str, str]
+  reference: dict[str, str] | None
+  lora_base: str | None
+
+
+def save_sums(roles: dict[Role, ModelState]) -> SaveSums:
+  """``save_trees``' checksums in one program per mesh (a collective)."""
+  s = checksums.sections(save_trees(roles))
+  base = s.get("lora_base")
+  return SaveSums(s[STATE], s.get("reference"), None if base is None else _fingerprint(base))
+
+
+def _fingerprint(sums: dict[str, str]) -> str:
+  return hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def base_fingerprint(roles: dict[Role, ModelState]) -> str | None:
   """A digest of a LoRA actor's frozen base (None without adapters): stored with each save
   and compared on resume, as the checkpoint holds the adapters only (a collective)."""
@@ -75,8 +108,7 @@ def adapters_base_fingerprint(params: Any) -> str | None:
   compare it with a checkpoint's to find the base its adapters were trained on."""
   if not lora.has_adapters(params):
     return None
-  sums = checksums.checksums(lora.split_trainable(params)[1])
-  return hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()[:16]
+  return _fingerprint(checksums.checksums(lora.split_trainable(params)[1]))
 
 
 def check_base(saved: str | None, roles: dict[Role, ModelState], where: str) -> None:

@@ -145,9 +145,10 @@ def read_error(e: BaseException) -> str | None:
 
 # ---- the frozen reference model (``static/reference``) ----------------------------------------
 
-def save_reference(path: str, params: Any) -> None:
-  """Saves it (every process), then its record with its array checksums."""
-  sums = checksums.checksums(params)
+def save_reference(path: str, params: Any, sums: dict[str, str] | None = None) -> None:
+  """Saves it (every process), then its record with its array checksums (``sums``, the
+  save's own where it computed them: ``checkpoint_contents.save_sums``)."""
+  sums = checksums.checksums(params) if sums is None else sums
   ckptr = ocp.StandardCheckpointer()
   ckptr.save(path, params)
   ckptr.wait_until_finished()

@@ -226,6 +226,17 @@ def checksums(tree: Any) -> dict[str, str]:
   return {n: checksum(f) for n, f in all_figures(tree).items()}
 
 
+def sections(trees: dict[str, Any]) -> dict[str, dict[str, str]]:
+  """``{section: {name: checksum}}`` of several trees at once (a collective): one program
+  per mesh over all of their arrays, so a save's trained state, reference and LoRA base
+  checksum in one program (issue 32), with the names each tree alone would give."""
+  out: dict[str, dict[str, str]] = {k: {} for k in trees}
+  for name, s in checksums(trees).items():
+    head, _, rest = name.partition(".")
+    out[head][rest] = s
+  return out
+
+
 def _host_bits(x: np.ndarray) -> np.ndarray:
   x = np.ascontiguousarray(x).reshape(-1)
   if x.dtype == np.bool_:

@@ -22,15 +22,15 @@ power-of-four prompt count; `prefill_rows`) and capacity, whatever the traffic
 (`engine_programs` lists them and precompiles them).  The cache has one capacity
 for the run, the longest prompt bucket plus `max_new_tokens`; with `grow_cache`
 the driver's cache starts smaller and grows (`cache_growth`: at most 8
-capacities); `init_decode_state` (JetStream) gives the full-size one.
-`compile_counts()` exposes the jit cache sizes so tests can assert it.
+capacities); `init_decode_state` (JetStream) gives the full-size one.  `compile_counts()`
+exposes the jit cache sizes so tests can assert it.
 
 Placement: the engine runs on `mesh`, by default one replica over this
 host's local devices (`replica_mesh`): slots split over `data`, heads and
 hidden units over `tensor`.  Every output the host loop reads is replicated,
-so when a replica's mesh spans several hosts each of its processes reads the
-same values and takes the same decisions; those processes must then be given
-the same prompts, and every call is a cross-host collective step.
+so when a replica's mesh spans several hosts each of its processes reads the same values
+and takes the same decisions; those processes must then be given the same prompts, and
+every call is a cross-host collective step.
 """
 
 from __future__ import annotations
@@ -44,15 +44,16 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from distflow_jax.models import lora, sharding as msharding, stacking
+from distflow_jax.models import fused, lora, sharding as msharding, stacking
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import Transformer
 from distflow_jax.rollout import (cache_growth, decode, engine_programs, extend, lora_sync,
                                   prefill_rows, weight_sync)
 from distflow_jax.rollout.decode import DecodeState, Prefix, StepOutput
 # The settings, placement and result types live in their own modules; re-exported here.
-from distflow_jax.rollout.engine_config import (EngineConfig, LoraSync, decode_state_shardings,
-                                               place_params, prefix_shardings, replica_mesh)
+from distflow_jax.rollout.engine_config import (
+    FUSED_NAMES, EngineConfig, LoraSync, decode_state_shardings, place_params, prefix_shardings,
+    replica_mesh)
 from distflow_jax.rollout.results import ResultTokens, SlotData
 from distflow_jax.rollout.sampling import request_keys
 
@@ -72,8 +73,10 @@ class Engine:
     # model at the base's speed; merged on the training mesh before the sync (`_unstacked`,
     # lora_sync=merged) or on the rollout devices after syncing the adapters alone
     # (lora_sync=adapters: rollout/lora_sync.py).
-    self._loop_cfg = model_cfg.replace(scan_layers=False, lora=None)
     self._lora_scale = None if model_cfg.lora is None else model_cfg.lora.scale
+    self._fuse = () if (config.lora_sync is LoraSync.ADAPTERS and self._lora_scale is not None
+                        ) else FUSED_NAMES[config.fuse_projections]
+    self._loop_cfg = model_cfg.replace(scan_layers=False, lora=None, fused_projections=self._fuse)
     self.config = config
     self._mesh = mesh if mesh is not None else replica_mesh()
     self.rules = rules if rules is not None else msharding.fsdp_tp_rules()
@@ -86,8 +89,7 @@ class Engine:
     self.param_shardings = msharding.state_shardings(self._abstract_params, self._mesh,
                                                      self.rules)
     self._state_sh = decode_state_shardings(self._mesh, model_cfg)
-    rep = NamedSharding(self._mesh, P())
-    self._replicated = rep
+    self._replicated = rep = NamedSharding(self._mesh, P())
     g, c = self.graphdef, config
     kw = dict(sp=c.sampling, stop_ids=c.stop_ids, stop_sequences=c.stop_sequences)
     self.capacities = cache_growth.capacities(
@@ -98,8 +100,7 @@ class Engine:
     # Layer by layer, each old layer released as its padded copy is made (cache_growth).
     self._grow = cache_growth.Grower(self._state_sh)
     # One decode program per capacity: `decode_steps` tokens, no conditional (decode.py).
-    self._chunk = jax.jit(functools.partial(decode.decode_chunk, g, num_steps=c.decode_steps,
-                                            **kw),
+    self._chunk = jax.jit(functools.partial(decode.decode_chunk, g, num_steps=c.decode_steps, **kw),
                           donate_argnums=(1,), out_shardings=(self._state_sh, rep))
     self._step = jax.jit(functools.partial(decode.decode_chunk, g, num_steps=1, **kw),
                          donate_argnums=(1,), out_shardings=(self._state_sh, rep))
@@ -188,21 +189,21 @@ class Engine:
       return [engine_programs.Program(n, fn, args)
               for n, fn, args in self._new_adapter_sync(process_of).programs(train_params)]
     return engine_programs.sync_programs(train_params, self.param_shardings, self._unstacker,
-                                         process_of)
+                                         process_of, bool(self._fuse))
 
   def _unstacker(self) -> Any:
     """The jitted split of stacked layers into one array per layer (after merging any LoRA
-    adapters into their kernels), built on first use."""
+    adapters into their kernels; then fused where the engine fuses), built on first use."""
     if self._unstack is None:
-      scale = self._lora_scale
-      self._unstack = jax.jit(lambda p: stacking.to_loop(
-          p if scale is None else lora.merged_state(p, scale)))
+      scale, fuse = self._lora_scale, self._fuse
+      self._unstack = jax.jit(lambda p: fused.fuse(stacking.to_loop(
+          p if scale is None else lora.merged_state(p, scale)), fuse))
     return self._unstack
 
   def _unstacked(self, params: nnx.State) -> nnx.State:
     """`params` in the engine's one-array-per-layer layout (a jitted split of stacked ones),
     adapters merged."""
-    if not stacking.is_stacked(params) and not lora.has_adapters(params):
+    if not (stacking.is_stacked(params) or lora.has_adapters(params) or self._fuse):
       return params
     return self._unstacker()(params)
 

@@ -17,7 +17,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from distflow_jax.models import sharding as msharding
+from distflow_jax.models import fused, sharding as msharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import KVCache, Transformer
 from distflow_jax.rollout.decode import DecodeState, Prefix
@@ -31,6 +31,20 @@ class LoraSync(enum.Enum):
   and merges on the rollout devices."""
   MERGED = "merged"
   ADAPTERS = "adapters"
+
+
+class FuseProjections(enum.Enum):
+  """Which projections of each layer the engine's weights fuse (``rollout.fuse_projections``;
+  models/fused.py): one matmul for gate/up, and with ``all`` one for q/k/v too.  On XLA:CPU
+  in float32 (2026-11-27, tests/test_fused_projections.py) ``gate_up`` gives the unfused
+  engine's tokens and log-probs bitwise; ``all`` the same tokens, log-probs within 5e-6."""
+  NONE = "none"
+  GATE_UP = "gate_up"
+  ALL = "all"
+
+
+FUSED_NAMES = {FuseProjections.NONE: (), FuseProjections.GATE_UP: ("gate_up_proj",),
+               FuseProjections.ALL: ("qkv_proj", "gate_up_proj")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +78,14 @@ class EngineConfig:
   # programs (rollout/extend.py, one per appended-length bucket).  0: single turns.
   episode_tokens: int = 0
 
+  # The engine's weights with gate/up (and q/k/v) fused into one projection each (one
+  # matmul apiece per layer and token; models/fused.py), concatenated as they enter the
+  # engine; the trained model keeps them apart.  Not with lora_sync=adapters (merges by name).
+  fuse_projections: FuseProjections = FuseProjections.NONE
+
   def __post_init__(self):
     object.__setattr__(self, "lora_sync", LoraSync(self.lora_sync))
+    object.__setattr__(self, "fuse_projections", FuseProjections(self.fuse_projections))
     object.__setattr__(self, "prefill_buckets", tuple(sorted(set(self.prefill_buckets))))
     seqs = tuple(dict.fromkeys(tuple(int(i) for i in q) for q in self.stop_sequences))
     if any(not q for q in seqs):
@@ -99,7 +119,8 @@ class EngineConfig:
                stop_sequences=tuple(map(tuple, stop_sequences)),
                sampling=SamplingParams(temperature=float(rollout.temperature),
                                        top_p=float(rollout.top_p), top_k=int(rollout.top_k)),
-               seed=int(seed), lora_sync=LoraSync(rollout.get("lora_sync", "merged")))
+               seed=int(seed), lora_sync=LoraSync(rollout.get("lora_sync", "merged")),
+               fuse_projections=FuseProjections(rollout.get("fuse_projections", "none")))
 
   @property
   def history(self) -> int:
@@ -138,13 +159,18 @@ def replica_mesh(tensor_parallel: int = 1, devices: Sequence[jax.Device] | None 
 
 def place_params(model_cfg: ModelConfig, params: nnx.State | nnx.Module | None, mesh: Mesh,
                  rules: msharding.Rules, shardings: Any, seed: int) -> nnx.State:
-  """`params` (a model or its state) placed in a replica's layout; random init when None."""
+  """`params` (a model or its state) placed in a replica's layout; random init when None
+  (the unfused model's values, fused where `model_cfg` fuses: models/fused.py)."""
   if params is None:
-    model = msharding.create_sharded(
-        lambda: Transformer(model_cfg, rngs=nnx.Rngs(seed)), mesh, rules)
-    return nnx.state(model)
+    model = msharding.create_sharded(lambda: Transformer(
+        model_cfg.replace(fused_projections=()), rngs=nnx.Rngs(seed)), mesh, rules)
+    params = nnx.state(model)
+    if not model_cfg.fused_projections:
+      return params
   if isinstance(params, nnx.Module):
     params = nnx.state(params)
+  if model_cfg.fused_projections:
+    params = fused.fuse(params, model_cfg.fused_projections)
   return jax.device_put(params, shardings)
 
 

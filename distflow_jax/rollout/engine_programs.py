@@ -88,14 +88,16 @@ def precompile(programs: Iterable[Program], done: set[tuple]) -> set[tuple]:
 
 def sync_programs(train_params: Any, param_shardings: Any,
                   unstack: Callable[[], Any] | None = None,
-                  process_of: Callable[[jax.Device], int] | None = None) -> list[Program]:
+                  process_of: Callable[[jax.Device], int] | None = None,
+                  fuse: bool = False) -> list[Program]:
   """The programs a weight update runs for (abstract, sharded) ``train_params``: the split
   of stacked layers (``unstack()``: the engine's jitted split; None: a backend that takes
   stacked layers as they are), then the weight sync's steps into ``param_shardings``
-  (``process_of``: a simulated topology's device -> process, as ``WeightSync`` takes it)."""
+  (``process_of``: a simulated topology's device -> process, as ``WeightSync`` takes it;
+  ``fuse``: the split also fuses projections, models/fused.py, so it runs on any state)."""
   out = []
   if unstack is not None and (stacking.is_stacked(train_params)
-                              or lora.has_adapters(train_params)):
+                              or lora.has_adapters(train_params) or fuse):
     split = unstack()
     out.append(Program("unstack", split, (train_params,)))
     # The split's output layout is what sharding propagation picks: ask the compiler.

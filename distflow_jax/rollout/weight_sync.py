@@ -82,6 +82,17 @@ def _chunk_key(path: tuple) -> tuple:
   return names[:cut + 1] if cut is not None else names
 
 
+def _joins(path: tuple, shape: tuple[int, ...], chunk_head: tuple) -> bool:
+  """Whether a parameter syncs in the step of the chunk that ``chunk_head`` opened: the same
+  layer, or a vector outside the layers (the final norm's scale) after another parameter
+  outside them: it adds a vector to that step's buffers and saves a program (issue 32)."""
+  key, head = _chunk_key(path), _chunk_key(chunk_head)
+  if key == head:
+    return True
+  outside = not any(n.isdigit() for n in key + head)
+  return outside and len(shape) <= 1
+
+
 @dataclasses.dataclass(frozen=True)
 class SyncMemory:
   """Bytes per training device of one sync, from the compiled steps: ``output`` the
@@ -177,7 +188,7 @@ class WeightSync:
       mids.append(via(ref, shape, src, want) if ok else None)
     groups: list[list[int]] = []
     for i, path in enumerate(paths):
-      if groups and _chunk_key(path) == _chunk_key(paths[groups[-1][0]]):
+      if groups and _joins(path, shapes[i], paths[groups[-1][0]]):
         groups[-1].append(i)
       else:
         groups.append([i])
