@@ -42,7 +42,9 @@ def _run(tmp_path, procs, devs, k, steps):
                                          "grpo:tiny", *overrides],
                            timeout_s=400, env=env, out=None)
   assert result.ok, result.describe() + "\n" + "\n".join(sum(result.outputs, [])[-40:])
-  return json.loads(out.read_text())
+  trained = sorted(out.parent.glob(out.name + ".*"))  # the training process's (one here)
+  assert len(trained) == 1, trained
+  return json.loads(trained[0].read_text())
 
 
 @pytest.mark.timeout(900)

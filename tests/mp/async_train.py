@@ -1,5 +1,6 @@
-"""Child program: an RL run (asynchronous on disjoint processes, say); the first training
-process writes its metrics and the trained actor's digest as JSON.
+"""Child program: an RL run (asynchronous on disjoint processes, say); each process that
+trained writes its metrics and the trained actor's digest (its parameters must be whole
+on it: one training process) to OUT.json.<process index>.
 
   python tests/mp/async_train.py OUT.json CONFIG [override ...]
 
@@ -27,7 +28,7 @@ def main() -> int:
   import numpy as np
   from distflow_jax.config import loading
   from distflow_jax.dag.spec import Role
-  from distflow_jax.run import disjoint, trainer
+  from distflow_jax.run import trainer
   cfg = loading.load(name, overrides)
   if os.environ.get("DISTFLOW_TEST_DIGITS") == "1":
     cfg.plugins = tuple(cfg.plugins) + ("plugin_length_reward",)
@@ -38,13 +39,12 @@ def main() -> int:
   for row in trainer.train(cfg, ctx, loaders):
     metrics.append(row)
     print(f"step {row['step']}", flush=True)
-  split, rollout_side = disjoint.process_role(ctx)
-  if not rollout_side and info.process_index == (split.training[0] if split else 0):
+  if metrics:  # a rollout process of a run on disjoint processes trains nothing
     h = hashlib.sha256()
     for x in jax.tree.leaves(ctx.roles[Role.ACTOR].params):  # one training process: whole
       h.update(np.asarray(x).tobytes())
     metrics[-1]["params_sha256"] = h.hexdigest()
-    with open(out, "w") as f:
+    with open(f"{out}.{info.process_index}", "w") as f:
       json.dump(metrics, f)
   print(f"OK process {info.process_index}: {len(metrics)} steps")
   return 0
