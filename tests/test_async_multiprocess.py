@@ -5,6 +5,9 @@ training process, real jax.distributed processes with SIGKILL deadlines.
   on the same device split (1 process x 2 devices: rollout on device 0, training on
   device 1, against 2 processes x 1 device), and the same metrics;
 * the staleness bound holds: no trained sample is older than K versions;
+* two rollout processes + two training processes (each group's collectives among itself)
+  generate the same samples as 1 process x 4 devices on the same split, and train to the
+  same figures up to float32 reassociation (the training reduces across processes there);
 * a peer killed in either group stops the other in one line (the victim is process 1
   either way: process 0 hosts the coordination service, and when it dies JAX itself
   ends the others, the launcher naming process 0; README "Launching").
@@ -31,20 +34,23 @@ SAME = ("reward", "actor/loss", "actor/grad_norm", "tokens", "response_length",
         "async/staleness", "async/staleness_max", "async/dropped")
 
 
-def _run(tmp_path, procs, devs, k, steps):
+def _run(tmp_path, procs, devs, k, steps, split=SPLIT):
   out = tmp_path / f"{procs}x{devs}_k{k}.json"
   overrides = smoke_overrides(tmp_path / f"run_{procs}x{devs}_k{k}",
                               f"cluster.devices_per_process={devs}",
                               f"cluster.num_processes={procs}", f"trainer.max_staleness={k}",
-                              f"trainer.total_steps={steps}", *SPLIT)
+                              f"trainer.total_steps={steps}", *split)
   env = dict(os.environ, DISTFLOW_TEST_DIGITS="1")
   result = launcher.launch(procs, devs, [sys.executable, "tests/mp/async_train.py", str(out),
                                          "grpo:tiny", *overrides],
                            timeout_s=400, env=env, out=None)
   assert result.ok, result.describe() + "\n" + "\n".join(sum(result.outputs, [])[-40:])
-  trained = sorted(out.parent.glob(out.name + ".*"))  # the training process's (one here)
-  assert len(trained) == 1, trained
-  return json.loads(trained[0].read_text())
+  trained = sorted(out.parent.glob(out.name + ".*"))  # the training processes'
+  rows = [json.loads(f.read_text()) for f in trained]
+  assert rows and all([[m[k] for k in SAME] for m in r] == [[m[k] for k in SAME] for m in rows[0]]
+                      and r[-1]["params_sha256"] == rows[0][-1]["params_sha256"]
+                      for r in rows), trained
+  return rows[0]
 
 
 @pytest.mark.timeout(900)
@@ -62,6 +68,20 @@ def test_one_rollout_process_and_one_training_process_equal_one_process(tmp_path
   assert [m["async/staleness_max"] for m in split] == [min(i, k) for i in range(steps)]
   assert all(m["async/dropped"] == 0.0 for m in split)
   assert any(m["actor/grad_norm"] > 0 for m in split)  # the weights moved
+
+
+@pytest.mark.timeout(900)
+def test_two_rollout_processes_and_two_training_processes(tmp_path):
+  split = ["placement.rollout.devices=0:2", "placement.actor.devices=2:4",
+           "placement.reference.devices=2:4", *SPLIT[3:]]
+  single = _run(tmp_path, 1, 4, 1, 3, split)
+  multi = _run(tmp_path, 4, 1, 1, 3, split)
+  assert [m["async/staleness_max"] for m in multi] == [0.0, 1.0, 1.0]
+  for a, b in zip(multi, single):
+    for key in ("reward", "tokens", "response_length", "async/staleness"):
+      assert a[key] == b[key], (a["step"], key)
+    for key in ("actor/loss", "actor/grad_norm"):  # as test_workflow_multiprocess's REL, ABS
+      assert abs(a[key] - b[key]) <= 2e-4 * abs(b[key]) + 1e-6, (a["step"], key)
 
 
 # Which process trains, which generates (devices 0:1 are process 0's).

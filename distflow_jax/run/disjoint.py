@@ -50,6 +50,8 @@ from distflow_jax.state.context import RunContext, put_local
 from distflow_jax.state.metrics import Metrics
 
 _RUNS = itertools.count()  # every process starts its runs in the same order: same ids
+# A copy of arrays spanning several processes (jax.device_put copies only addressable ones).
+_copy = jax.jit(lambda tree: jax.tree.map(lambda x: x.copy(), tree))
 
 
 @dataclasses.dataclass
@@ -169,9 +171,8 @@ class TrainerSide:
 
   def step(self, step: int) -> dict[str, float]:
     start, ctx = time.perf_counter(), self.ctx
-    if step in self.versions:  # version `step`, for the thread to send (the train step
-      self.snapshots.put(step, jax.device_put(ctx.roles[Role.ACTOR].params,  # donates)
-                                              may_alias=False))
+    if step in self.versions:  # version `step`, a copy (the train step donates its own)
+      self.snapshots.put(step, _copy(ctx.roles[Role.ACTOR].params))  # for the thread
     t0 = time.perf_counter()
     metas, data = self.batches.take(step)
     lay = self.links.train_layout

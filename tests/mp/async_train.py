@@ -1,6 +1,5 @@
 """Child program: an RL run (asynchronous on disjoint processes, say); each process that
-trained writes its metrics and the trained actor's digest (its parameters must be whole
-on it: one training process) to OUT.json.<process index>.
+trained writes its metrics and the trained actor's digest to OUT.json.<process index>.
 
   python tests/mp/async_train.py OUT.json CONFIG [override ...]
 
@@ -41,8 +40,10 @@ def main() -> int:
     print(f"step {row['step']}", flush=True)
   if metrics:  # a rollout process of a run on disjoint processes trains nothing
     h = hashlib.sha256()
-    for x in jax.tree.leaves(ctx.roles[Role.ACTOR].params):  # one training process: whole
-      h.update(np.asarray(x).tobytes())
+    from jax.experimental import multihost_utils
+    for x in jax.tree.leaves(ctx.roles[Role.ACTOR].params):  # gathered among the trainers
+      h.update(np.asarray(x if x.is_fully_addressable else
+                          multihost_utils.process_allgather(x, tiled=True)).tobytes())
     metrics[-1]["params_sha256"] = h.hexdigest()
     with open(f"{out}.{info.process_index}", "w") as f:
       json.dump(metrics, f)
