@@ -26,7 +26,10 @@ CASES = {
                                   "--config.placement.actor.devices=2:8",
                                   "--config.placement.reference.devices=2:8"],
                              "needs the rollout on processes of its own"),
-    "split_without_staleness": ("", [*SPLIT, *TWO], "needs trainer.max_staleness >= 1"),
+    "split_dynamic_sampling": ("", [*SPLIT, *TWO, "--config.trainer.eval_every=0",
+                                    "--config.algo.dynamic_sampling_tries=2"],
+                               "a rollout on processes of its own (placement.rollout.devices) "
+                               "does not work with algo.dynamic_sampling_tries=2"),
     "split_device_counts": ("", [K1, *TWO, "--config.placement.rollout.devices=0:2",
                                  "--config.placement.actor.devices=4:8",
                                  "--config.placement.reference.devices=4:8"],
@@ -69,8 +72,10 @@ def test_the_split_plans_with_the_rollout_on_its_own_devices(tmp_path, capsys):
 
 
 @pytest.mark.timeout(120)
-def test_plan_prints_the_process_groups_and_the_weight_sync(tmp_path, capsys):
-  code = cli.main(["plan", f"--config={config_file(tmp_path, '')}", K1, *SPLIT, *TWO,
+@pytest.mark.parametrize("k", [0, 1])  # 0: the synchronous loop on the same split
+def test_plan_prints_the_process_groups_and_the_weight_sync(tmp_path, capsys, k):
+  code = cli.main(["plan", f"--config={config_file(tmp_path, '')}",
+                   f"--config.trainer.max_staleness={k}", *SPLIT, *TWO,
                    "--config.trainer.eval_every=0", "--config.actor.micro_batch_size=1"])
   out, err = capsys.readouterr()
   assert code == 0, err

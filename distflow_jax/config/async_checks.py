@@ -11,7 +11,8 @@
   does both would run the rollout thread's collectives (the weight sync) beside the
   trainer's across processes, in no fixed order (a deadlock).  On disjoint processes each
   transfer is a device-to-device copy, so the rollout, the actor and the first training
-  node hold as many devices each; nothing but the training runs there (no evaluation);
+  node hold as many devices each; nothing but the training runs there (no evaluation).
+  K = 0 there is the synchronous loop through the same transfers (version j makes batch j);
 * no dynamic sampling (its refills run the rollout stage again inside a step);
 * no multi-turn episodes (``rollout.env``): not built with it yet.
 
@@ -88,14 +89,11 @@ def check(cfg: ml_collections.ConfigDict, plan: Plan) -> None:
   """Refuses, in one line, a config that ``trainer.max_staleness`` cannot run."""
   k = cfg.trainer.get("max_staleness", 0)
   split = process_split(plan)
-  if not k:
-    if split is not None:
-      raise ConfigError(
-          f"the rollout runs on processes {list(split.rollout)} and the training on "
-          f"{list(split.training)}: such a split overlaps them and needs "
-          f"trainer.max_staleness >= 1 (e.g. --config.trainer.max_staleness=1)")
+  if not k and split is None:
     return
-  name = f"trainer.max_staleness={k}"
+  # K = 0 on disjoint processes: the synchronous loop through the same transfers.
+  name = (f"trainer.max_staleness={k}" if k else
+          "a rollout on processes of its own (placement.rollout.devices)")
   if plan.topology.num_processes > 1 and split is None:
     raise ConfigError(f"{name} on {plan.topology.num_processes} processes needs the rollout "
                       f"on processes of its own (the rollout thread's weight sync would race "
