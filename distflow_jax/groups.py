@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -47,12 +48,23 @@ def allgather(local: np.ndarray) -> np.ndarray:
   if jax.process_index() not in group:
     raise RuntimeError(f"process {jax.process_index()} gathers in group {list(group)}, "
                        f"which it is not part of")
+  if len(group) == 1:
+    return local[None]
+  mesh, gather = _gatherer(group)
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("p")), local[None])
+  return np.asarray(gather(x).addressable_data(0))
+
+
+@functools.lru_cache(maxsize=None)
+def _gatherer(group: tuple[int, ...]):
+  """The group's mesh (one device per member: the first of its own) and its compiled
+  all-gather (built once per group: no compile per call)."""
+  import jax
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   firsts = {}
-  for d in jax.devices():  # one device per member: the first of its own
+  for d in jax.devices():
     if d.process_index in group and d.process_index not in firsts:
       firsts[d.process_index] = d
   mesh = Mesh(np.array([firsts[p] for p in group]), ("p",))
-  x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("p")), local[None])
-  out = jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, P()))(x)
-  return np.asarray(out.addressable_data(0))
+  return mesh, jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, P()))

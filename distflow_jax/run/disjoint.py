@@ -153,6 +153,7 @@ class TrainerSide:
     steps = transfer.schedule(k, start, total)
     self.versions = {t.index for t in steps if t.kind is transfer.Kind.WEIGHTS}
     self.bad_rows = 0.0
+    self._place = jax.jit(lambda d: d, out_shardings=self.links.train_layout.sharding)
 
     def send(v: int) -> None:
       transfer.copy(self.snapshots.take(v), self.links.actor_dst)
@@ -176,7 +177,7 @@ class TrainerSide:
     t0 = time.perf_counter()
     metas, data = self.batches.take(step)
     lay = self.links.train_layout
-    data = jax.jit(lambda d: d, out_shardings=lay.sharding)(data)  # rows in order
+    data = self._place(data)  # rows in order, onto the first training node's layout
     metrics = _merged(metas, real=ctx.process_index == self.split.training[0])
     metrics.add_time("time/async_wait", time.perf_counter() - t0)
     self.bad_rows = sum(m["bad_rows"] for m in metas)
