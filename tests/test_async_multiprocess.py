@@ -143,3 +143,19 @@ def test_a_killed_peer_in_either_group_stops_the_other_in_one_line(tmp_path, cas
   assert len(lines) == 1 and lines[0].startswith("distflow-jax") and (
       "lost process 1 of 2" in lines[0]), out[-3000:]
   assert "Check failure" not in out and "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.timeout(400)
+def test_the_rollout_process_waits_for_the_trainer_at_the_end(tmp_path):
+  """With K = 1 and 2 steps the rollout process makes both batches from version 0 and is
+  done while the trainer still compiles its first step; jax's shutdown barrier (1 s here)
+  must not be where it waits."""
+  overrides = [f"--config.{o}" for o in smoke_overrides(
+      tmp_path / "run", "cluster.devices_per_process=1", "cluster.num_processes=2",
+      "trainer.max_staleness=1", "trainer.total_steps=2", *SPLIT)]
+  env = dict(os.environ, DISTFLOW_SHUTDOWN_TIMEOUT_S="1")
+  result = launcher.launch(2, 1, [sys.executable, "-m", "distflow_jax.cli", "train",
+                                  *overrides], timeout_s=300, env=env, out=None)
+  assert result.ok, result.describe() + "\n" + "\n".join(sum(result.outputs, [])[-30:])
+  rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(r)["step"] for r in rows] == [1, 2]

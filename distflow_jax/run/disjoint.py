@@ -138,6 +138,7 @@ def run_rollout(ctx: RunContext, loader: Any, k: int, start: int, total: int,
                                      "bad_rows": bad_rows})
       outgoing.put(j, data)
   threads.join()
+  transfer.meet(str(run))  # the trainer trains the last K batches yet
 
 
 class TrainerSide:
@@ -148,7 +149,8 @@ class TrainerSide:
                split: async_checks.ProcessSplit):
     self.ctx, self.k, self.split = ctx, k, split
     self.stage = async_checks.rollout_stage(ctx.plan)
-    self.links, run = Links.of(ctx, self.stage), str(next(_RUNS))
+    self.links, self.run = Links.of(ctx, self.stage), str(next(_RUNS))
+    run = self.run
     self.snapshots, self.batches = transfer.Mailbox(), transfer.Mailbox()
     steps = transfer.schedule(k, start, total)
     self.versions = {t.index for t in steps if t.kind is transfer.Kind.WEIGHTS}
@@ -192,6 +194,11 @@ class TrainerSide:
 
   def wait_all(self) -> None:
     self.threads.check()
+
+  def end(self) -> None:
+    """After the last step: the rollout processes wait for it (``transfer.meet``)."""
+    self.threads.join()
+    transfer.meet(self.run)
 
   def close(self) -> None:
     if not self.threads.alive:

@@ -219,6 +219,8 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
   try:
     yield from _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer,
                      pipeline, run_eval, after_step, compiles, eval_batch)
+    if pipeline is not None:
+      pipeline.end()
   finally:
     if pipeline is not None:
       pipeline.close()

@@ -106,6 +106,13 @@ def read(run: str, index: int, process: int) -> dict:
                                                      META_TIMEOUT_MS))
 
 
+def meet(run: str) -> None:
+  """Waits until every process of the run got here: the end of a run on disjoint
+  processes.  The rollout processes finish K batches ahead; left alone they would wait in
+  jax's shutdown barrier, whose timeout is short, while the trainer trains those."""
+  _client().wait_at_barrier(f"distflow/async/{run}/end", META_TIMEOUT_MS)
+
+
 def batch_meta(data: dict[str, jax.Array]) -> dict:
   keys = sorted(data)
   return {"keys": keys, "shapes": [list(data[k].shape) for k in keys],
