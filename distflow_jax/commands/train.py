@@ -60,9 +60,12 @@ def run(argv: Sequence[str]) -> int:
     ctx, loaders = trainer.setup(cfg, log)
     log.nodes = [s.node.id for s in ctx.plan.steps]  # the times line in run order
     from distflow_jax.run import disjoint
-    if disjoint.process_role(ctx)[0] is not None:
-      # An asynchronous run on disjoint processes: its save would wait for the rollout
+    split = disjoint.process_role(ctx)[0]
+    if split is not None:
+      # An asynchronous run on disjoint processes: the first training process shows the
+      # steps (the rollout processes have none); a save would wait for the rollout
       # processes, which hold the loader (not built yet).
+      log.enabled = info.process_index == split.training[0]
       log("checkpoint: none (an asynchronous run with the rollout on processes of its own "
           "saves no checkpoint yet); it starts at step 0")
       ckpt, start = None, 0
