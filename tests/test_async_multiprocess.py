@@ -159,3 +159,21 @@ def test_the_rollout_process_waits_for_the_trainer_at_the_end(tmp_path):
   assert result.ok, result.describe() + "\n" + "\n".join(sum(result.outputs, [])[-30:])
   rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
   assert [json.loads(r)["step"] for r in rows] == [1, 2]
+
+
+@pytest.mark.timeout(300)
+def test_a_run_dir_with_checkpoints_is_refused_in_one_line(tmp_path):
+  """No checkpoint is saved or restored on disjoint processes yet: a run dir that holds
+  checkpoints would otherwise be started over in silence (its metrics mixed)."""
+  (tmp_path / "run" / "checkpoints" / "1").mkdir(parents=True)  # a committed step's name
+  overrides = [f"--config.{o}" for o in smoke_overrides(
+      tmp_path / "run", "cluster.devices_per_process=1", "cluster.num_processes=2",
+      "trainer.max_staleness=1", *SPLIT)]
+  result = launcher.launch(2, 1, [sys.executable, "-m", "distflow_jax.cli", "train",
+                                  *overrides], timeout_s=200, env=dict(os.environ), out=None)
+  assert result.first_failure is not None and result.first_failure[1] == 2, result.describe()
+  out = result.outputs[result.first_failure[0]]  # the others are stopped by the launcher
+  errors = [l for l in out if l.startswith("distflow-jax train: error:")]
+  assert len(errors) == 1 and "cannot resume yet" in errors[0] and (
+      "holds checkpoints of steps [1]; choose another --config.run_dir" in errors[0]), out
+  assert not any("Traceback" in l for l in out), out[-20:]

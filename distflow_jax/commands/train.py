@@ -66,6 +66,12 @@ def run(argv: Sequence[str]) -> int:
       # steps (the rollout processes have none); a save would wait for the rollout
       # processes, which hold the loader (not built yet).
       log.enabled = info.process_index == split.training[0]
+      held = run_config.committed_steps(cfg.run_dir)
+      if fv.resume or held:
+        raise loading.ConfigError(
+            "a run with the rollout on processes of its own cannot resume yet (it saves no "
+            "checkpoint): " + (f"{cfg.run_dir} holds checkpoints of steps {held}; choose "
+                               f"another --config.run_dir" if held else "drop --resume"))
       log("checkpoint: none (an asynchronous run with the rollout on processes of its own "
           "saves no checkpoint yet); it starts at step 0")
       ckpt, start = None, 0
