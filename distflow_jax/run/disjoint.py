@@ -137,6 +137,8 @@ def run_rollout(ctx: RunContext, loader: Any, k: int, start: int, total: int,
                                      "metrics": _metrics_json(mine.metrics),
                                      "bad_rows": bad_rows})
       outgoing.put(j, data)
+      if j - k - 1 >= start:  # version j - k came after every trainer read that batch's
+        transfer.forget(str(run), j - k - 1)
   threads.join()
   transfer.meet(str(run))  # the trainer trains the last K batches yet
 

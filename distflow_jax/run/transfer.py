@@ -101,6 +101,11 @@ def publish(run: str, index: int, meta: dict) -> None:
   _client().key_value_set(meta_key(run, index, jax.process_index()), json.dumps(meta))
 
 
+def forget(run: str, index: int) -> None:
+  """Drops this process's metadata of batch ``index`` (read by every trainer already)."""
+  _client().key_value_delete(meta_key(run, index, jax.process_index()))
+
+
 def read(run: str, index: int, process: int) -> dict:
   return json.loads(_client().blocking_key_value_get(meta_key(run, index, process),
                                                      META_TIMEOUT_MS))
