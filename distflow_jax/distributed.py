@@ -20,6 +20,10 @@ ENV_PROCESS_ID = "DISTFLOW_PROCESS_ID"
 ENV_INIT_TIMEOUT = "DISTFLOW_INIT_TIMEOUT_S"
 ENV_HEARTBEAT = "DISTFLOW_HEARTBEAT_TIMEOUT_S"
 ENV_SHUTDOWN = "DISTFLOW_SHUTDOWN_TIMEOUT_S"
+# host:port this process serves cross-process array transfers on (an asynchronous run on
+# disjoint processes moves batches and weights with them, run/transfer.py); the local
+# launcher gives each process a free loopback port, a cluster the host's address.
+ENV_TRANSFER = "DISTFLOW_TRANSFER_ADDRESS"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +59,7 @@ def initialize(auto: bool = False) -> ProcessInfo:
           f"are missing or not integers: {e}") from e
     if not jax.distributed.is_initialized():
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
+      set_transfer_address()
       timeout = int(os.environ.get(ENV_INIT_TIMEOUT, "60"))
       jax.distributed.initialize(
           coordinator_address=coordinator, num_processes=num, process_id=pid,
@@ -67,6 +72,7 @@ def initialize(auto: bool = False) -> ProcessInfo:
           shutdown_timeout_seconds=int(os.environ.get(ENV_SHUTDOWN, "10")))
       _record_self()
   elif auto and not jax.distributed.is_initialized():
+    set_transfer_address()
     jax.distributed.initialize()
   return ProcessInfo(
       process_index=jax.process_index(),
@@ -74,6 +80,17 @@ def initialize(auto: bool = False) -> ProcessInfo:
       local_device_count=jax.local_device_count(),
       global_device_count=jax.device_count(),
   )
+
+
+def set_transfer_address() -> None:
+  """Serves cross-process array transfers on ``DISTFLOW_TRANSFER_ADDRESS`` (when set); must
+  run before ``jax.distributed.initialize``."""
+  import jax
+  address = os.environ.get(ENV_TRANSFER, "")
+  if address:
+    jax.config.update("jax_cross_host_transfer_socket_address", address)
+    host = address.rsplit(":", 1)[0]
+    jax.config.update("jax_cross_host_transport_addresses", f"{host}:0")
 
 
 def coordination_client():

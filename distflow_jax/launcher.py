@@ -59,6 +59,7 @@ def child_env(base: dict[str, str], *, coordinator: str, num_processes: int,
   env[distributed.ENV_COORDINATOR] = coordinator
   env[distributed.ENV_NUM_PROCESSES] = str(num_processes)
   env[distributed.ENV_PROCESS_ID] = str(process_id)
+  env[distributed.ENV_TRANSFER] = f"127.0.0.1:{free_port()}"
   env["XLA_FLAGS"] = distributed.with_device_count(env.get("XLA_FLAGS", ""),
                                                    devices_per_process)
   env.setdefault("JAX_PLATFORMS", "cpu")

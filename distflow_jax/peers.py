@@ -26,9 +26,11 @@ import threading
 
 import jax
 
-# Errors a collective raises when its peer went away (not a bug of this process).
+# Errors a collective raises when its peer went away (not a bug of this process); the last
+# two: a cross-process array copy's socket (run/transfer.py) whose other end died.
 _PEER_ERROR = re.compile(r"Gloo|Connection (closed|reset)|coordination service|UNAVAILABLE|"
-                         r"DEADLINE_EXCEEDED|heartbeat", re.IGNORECASE)
+                         r"DEADLINE_EXCEEDED|heartbeat|SocketServer|"
+                         r"Transport endpoint is not connected", re.IGNORECASE)
 
 
 class PeerLostError(RuntimeError):

@@ -12,6 +12,7 @@ K1 = "--config.trainer.max_staleness=1"
 SPLIT = ["--config.placement.rollout.devices=0:4", "--config.placement.actor.devices=4:8",
          "--config.placement.reference.devices=4:8"]
 EIGHT = ["--config.cluster.devices_per_process=8"]
+TWO = ["--num_processes=2", "--devices_per_process=4"]  # the rollout on a process of its own
 
 # (config-file body, extra arguments, what the line must name)
 CASES = {
@@ -20,8 +21,23 @@ CASES = {
     "half_shared": ("", [K1, *EIGHT, "--config.placement.rollout.devices=0:4",
                          "--config.placement.actor.devices=2:6"],
                     "node 'old_logprob' runs on devices [2, 3]"),
-    "two_processes": ("", [K1, *SPLIT, "--num_processes=2", "--devices_per_process=4"],
-                      "one process only"),
+    "two_processes_shared": ("", [K1, "--num_processes=2", "--devices_per_process=4",
+                                  "--config.placement.rollout.devices=0:2",
+                                  "--config.placement.actor.devices=2:8",
+                                  "--config.placement.reference.devices=2:8"],
+                             "needs the rollout on processes of its own"),
+    "split_dynamic_sampling": ("", [*SPLIT, *TWO, "--config.trainer.eval_every=0",
+                                    "--config.algo.dynamic_sampling_tries=2"],
+                               "a rollout on processes of its own (placement.rollout.devices) "
+                               "does not work with algo.dynamic_sampling_tries=2"),
+    "split_device_counts": ("", [K1, *TWO, "--config.placement.rollout.devices=0:2",
+                                 "--config.placement.actor.devices=4:8",
+                                 "--config.placement.reference.devices=4:8"],
+                            "placement.rollout.devices holds 2 devices but the actor"),
+    "split_eval": ("", [K1, *SPLIT, *TWO, "--config.trainer.eval_every=5"],
+                   "does not evaluate yet (trainer.eval_every=5)"),
+    "split_idle_process": ("", [K1, *SPLIT, "--num_processes=3", "--devices_per_process=4"],
+                           "processes [2] run neither the rollout nor the training"),
     "dynamic_sampling": ("", [K1, *SPLIT, *EIGHT, "--config.algo.dynamic_sampling_tries=2"],
                          "algo.dynamic_sampling_tries=2"),
     "episodes": ("", [K1, *SPLIT, *EIGHT, "--config.rollout.env=plugin_envs:Scripted"],
@@ -53,6 +69,19 @@ def test_the_split_plans_with_the_rollout_on_its_own_devices(tmp_path, capsys):
   assert code == 0, err
   assert "local placement.rollout (devices [0..3])" in out
   assert "layout=rollout(own, tp=1)" in out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("k", [0, 1])  # 0: the synchronous loop on the same split
+def test_plan_prints_the_process_groups_and_the_weight_sync(tmp_path, capsys, k):
+  code = cli.main(["plan", f"--config={config_file(tmp_path, '')}",
+                   f"--config.trainer.max_staleness={k}", *SPLIT, *TWO,
+                   "--config.trainer.eval_every=0", "--config.actor.micro_batch_size=1"])
+  out, err = capsys.readouterr()
+  assert code == 0, err
+  line = next(l for l in out.splitlines() if l.startswith("async on disjoint processes"))
+  assert "rollout on processes [0], training on processes [1]" in line
+  assert "each of the 4 rollout replica(s)" in line and " MB " in line
 
 
 @pytest.mark.timeout(300)

@@ -2,7 +2,7 @@
 
     python tools/bench_async.py [--ks 0,1,2] [--repeats 3] [--steps 6] [--warmup 2]
                                 [--prompts 8] [--n 4] [--new 32] [--devices 8]
-                                [--timeout 900] [--json FILE]
+                                [--processes 1|2] [--timeout 900] [--json FILE]
 
 Every contender runs configs/grpo.py:tiny (the built-in 1.2 M-param model, not warm-started:
 speed, not learning, is measured) on `--devices` simulated CPU devices split in two halves:
@@ -25,6 +25,11 @@ the end: on a machine whose cores the simulated devices share, the two halves co
 the same cores and overlap buys little; issue 33's target (K = 1 at <= 0.6 x the
 synchronous step when rollout and training take about equal time) needs disjoint
 hardware.
+
+``--processes 2``: the same split over two processes (``distflow-jax launch``), one
+holding the rollout's half, the other the training's (run/disjoint.py; K = 0 is the
+synchronous loop through the same transfers), each pinned to a core of its own
+(``taskset -c <process index>``), so that each group has hardware of its own.
 """
 
 from __future__ import annotations
@@ -42,8 +47,10 @@ import _bench_common as bc  # noqa: E402
 def overrides(args: argparse.Namespace, k: int, run_dir: str) -> list[str]:
   half = args.devices // 2
   rows = args.prompts * args.n
+  procs = getattr(args, "processes", 1)
   return [
-      f"run_dir={run_dir}", f"cluster.devices_per_process={args.devices}",
+      f"run_dir={run_dir}", f"cluster.num_processes={procs}",
+      f"cluster.devices_per_process={args.devices // procs}",
       "model.warmstart.steps=0", "trainer.eval_every=0", "trainer.log_samples=0",
       f"trainer.total_steps={args.warmup + args.steps}", f"trainer.max_staleness={k}",
       f"data.prompts_per_step={args.prompts}", f"rollout.n={args.n}",
@@ -55,10 +62,15 @@ def overrides(args: argparse.Namespace, k: int, run_dir: str) -> list[str]:
 
 
 def child(args: argparse.Namespace) -> None:
-  """One contender: its steps' times as one tagged JSON line."""
+  """One contender: its steps' times as one tagged JSON line (from the process that
+  trains, with ``--processes 2``)."""
+  if args.processes > 1:
+    from distflow_jax import distributed
+    distributed.initialize()
   from distflow_jax.config import async_checks, loading
   from distflow_jax.run import trainer
-  with tempfile.TemporaryDirectory(prefix="bench-async-") as run_dir:
+  with tempfile.TemporaryDirectory(prefix="bench-async-") as own:
+    run_dir = args.run_dir or own  # the parent's, shared by the processes of one run
     cfg = loading.load("grpo:tiny", overrides(args, args.k, run_dir))
     ctx, loaders = trainer.setup(cfg, log=lambda m: None)
     n = async_checks.rollout_stage(ctx.plan)
@@ -72,7 +84,8 @@ def child(args: argparse.Namespace) -> None:
           "train": sum(m[f"time/{i}"] + m.get(f"time/move_to/{i}", 0.0) for i in rest),
           "wait": m.get("time/async_wait", 0.0), "staleness": m.get("async/staleness", 0.0),
           "compiles": m.get("compile/count", 0.0)})
-  bc.emit({"k": args.k, "steps": rows})
+  if rows:  # a rollout process of a run on disjoint processes trains (and reports) none
+    bc.emit({"k": args.k, "steps": rows})
 
 
 def main() -> None:
@@ -85,9 +98,13 @@ def main() -> None:
   p.add_argument("--n", type=int, default=4)
   p.add_argument("--new", type=int, default=32, help="rollout.max_new_tokens")
   p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (split in 2)")
+  p.add_argument("--processes", type=int, default=1, choices=(1, 2),
+                 help="2: the rollout half and the training half in processes of their own, "
+                      "each pinned to its own core")
   p.add_argument("--timeout", type=float, default=900, help="SIGKILL deadline per run, s")
   p.add_argument("--json", default="", help="write the figures here")
   p.add_argument("--k", type=int, default=None, help=argparse.SUPPRESS)  # the child
+  p.add_argument("--run_dir", default="", help=argparse.SUPPRESS)  # the child's
   args = p.parse_args()
   if args.k is not None:
     child(args)
@@ -95,20 +112,32 @@ def main() -> None:
   bc.flush_lines()
   ks = [int(k) for k in args.ks.split(",")]
   print(f"start: {bc.load_line()}")
+  where = ("" if args.processes == 1 else
+           f" over 2 processes (one each, pinned to cores 0 and 1)")
   print(f"grpo:tiny, {args.prompts} prompts x {args.n}, <= 32 + {args.new} tokens, "
         f"{args.devices} simulated CPU devices: rollout on 0:{args.devices // 2}, training on "
-        f"{args.devices // 2}:{args.devices}; {args.steps} timed steps after {args.warmup}, "
-        f"{args.repeats} rounds")
+        f"{args.devices // 2}:{args.devices}{where}; {args.steps} timed steps after "
+        f"{args.warmup}, {args.repeats} rounds")
   steps: dict[int, list[dict]] = {k: [] for k in ks}
   base = [sys.executable, os.path.abspath(__file__)] + [
       f"--{a}={getattr(args, a)}" for a in ("steps", "warmup", "prompts", "n", "new",
-                                            "devices")]
+                                            "devices", "processes")]
+  env = bc.child_env(args.devices)
+  if args.processes > 1:  # each process on its own core; the launcher SIGKILLs at timeout
+    base = [sys.executable, "-m", "distflow_jax.cli", "launch", "-n", str(args.processes),
+            "--devices-per-process", str(args.devices // args.processes),
+            f"--timeout={args.timeout}", "--", "sh", "-c",
+            'exec taskset -c "$DISTFLOW_PROCESS_ID" "$0" "$@"', *base]
+    env = bc.child_env()
 
   def contender(k: int):
     def go():
-      res = bc.run_with_deadline(base + [f"--k={k}"], args.timeout,
-                                 env=bc.child_env(args.devices), die_with_parent=True)
-      recs = bc.tagged(res.output.splitlines())
+      with tempfile.TemporaryDirectory(prefix="bench-async-") as run_dir:
+        res = bc.run_with_deadline(base + [f"--k={k}", f"--run_dir={run_dir}"],
+                                   args.timeout + 30, env=env, die_with_parent=True)
+      lines = [l.split("] ", 1)[1] if l.startswith("[") and "] " in l else l
+               for l in res.output.splitlines()]  # the launcher's "[i] " prefixes
+      recs = bc.tagged(lines)
       if res.returncode or not recs:
         tail = res.output.strip().splitlines()[-3:]
         raise SystemExit(f"max_staleness={k}: run failed (exit {res.returncode}): {tail}")

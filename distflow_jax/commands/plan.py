@@ -80,6 +80,7 @@ def run(argv: Sequence[str]) -> int:
                               f"{topo.num_processes} process(es)")
   print(f"config: {cfg.name}")
   print(render(plan, fv.process))
+  _print_process_split(cfg, plan)
   lo = cfg.model.lora
   if lo.enabled:
     print(f"lora: rank {lo.rank} adapters on {list(lo.targets)} train (the base is frozen); "
@@ -92,6 +93,22 @@ def run(argv: Sequence[str]) -> int:
   if target is not None:
     _lower(cfg, plan, target)
   return 0
+
+
+def _print_process_split(cfg, plan) -> None:
+  """An asynchronous run on disjoint processes: the two groups and a weight sync's bytes."""
+  from distflow_jax.config import async_checks
+  from distflow_jax.memory import analytic, report
+  split = async_checks.process_split(plan)
+  if split is None:
+    return
+  whole = analytic.param_bytes(report.model_shape(cfg))
+  replicas = plan.steps[0].layout.dp_size
+  print(f"async on disjoint processes: rollout on processes {list(split.rollout)}, training "
+        f"on processes {list(split.training)}; each weight sync copies the actor's "
+        f"{analytic.fmt(whole)} across once (each training device's shards to its rollout "
+        f"device; a parameter the actor replicates, once per copy), then each of the {replicas} rollout replica(s) gathers its whole copy "
+        f"({analytic.fmt(whole)} per replica) inside the rollout processes")
 
 
 def _count(cfg, plan) -> None:

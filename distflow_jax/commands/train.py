@@ -59,16 +59,35 @@ def run(argv: Sequence[str]) -> int:
                                   resuming=resumed.latest is not None and fv.resume is not False)
     ctx, loaders = trainer.setup(cfg, log)
     log.nodes = [s.node.id for s in ctx.plan.steps]  # the times line in run order
-    ckpt, start = checkpoint.open_run(cfg, ctx.roles, loaders.train, resume=fv.resume, log=log,
-                                      ctx=ctx)
+    from distflow_jax.run import disjoint
+    split = disjoint.process_role(ctx)[0]
+    if split is not None:
+      # An asynchronous run on disjoint processes: the first training process shows the
+      # steps (the rollout processes have none); a save would wait for the rollout
+      # processes, which hold the loader (not built yet).
+      log.enabled = info.process_index == split.training[0]
+      held = run_config.committed_steps(cfg.run_dir)
+      if fv.resume or held:
+        raise loading.ConfigError(
+            "a run with the rollout on processes of its own cannot resume yet (it saves no "
+            "checkpoint): " + (f"{cfg.run_dir} holds checkpoints of steps {held}; choose "
+                               f"another --config.run_dir" if held else "drop --resume"))
+      log("checkpoint: none (an asynchronous run with the rollout on processes of its own "
+          "saves no checkpoint yet); it starts at step 0")
+      ckpt, start = None, 0
+    else:
+      ckpt, start = checkpoint.open_run(cfg, ctx.roles, loaders.train, resume=fv.resume,
+                                        log=log, ctx=ctx)
     t0 = time.perf_counter()
     for m in trainer.train(cfg, ctx, loaders, start, checkpointer=ckpt, log=log, wandb=wandb):
       log.step(m, cfg.trainer.total_steps)
-    ckpt.wait()
-    last = ckpt.latest_step()
-    ckpt.close()
+    last = None
+    if ckpt is not None:
+      ckpt.wait()
+      last = ckpt.latest_step()
+      ckpt.close()
     log.summary(progress.summary_lines(
-        cfg.run_dir, checkpoint_dir=ckpt.directory, last_checkpoint=last,
+        cfg.run_dir, checkpoint_dir=checkpoint.checkpoint_dir(cfg.run_dir), last_checkpoint=last,
         steps=cfg.trainer.total_steps - start, seconds=time.perf_counter() - t0,
         eval_data=trainer.dataset_paths(cfg)[1], rate=log.rate(),
         config_args=with_default_config(argv, DEFAULT_CONFIG)))

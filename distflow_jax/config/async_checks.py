@@ -5,8 +5,14 @@
   advantages); the rollout thread runs them, the trainer the rest;
 * the rollout's devices (``placement.rollout.devices``) are none of the rest's: on shared
   devices nothing overlaps;
-* one process: the rollout thread's collectives (the weight sync) would otherwise race
-  the trainer's across processes, in no fixed order (a deadlock);
+* one process, or processes split between the two stages (``process_split``: the
+  rollout's devices are whole processes' own, the training runs on the others; the
+  stages then talk through transfers in a fixed order, run/disjoint.py).  A process that
+  does both would run the rollout thread's collectives (the weight sync) beside the
+  trainer's across processes, in no fixed order (a deadlock).  On disjoint processes each
+  transfer is a device-to-device copy, so the rollout, the actor and the first training
+  node hold as many devices each; nothing but the training runs there (no evaluation).
+  K = 0 there is the synchronous loop through the same transfers (version j makes batch j);
 * no dynamic sampling (its refills run the rollout stage again inside a step);
 * no multi-turn episodes (``rollout.env``): not built with it yet.
 
@@ -14,6 +20,8 @@ Each refusal is one line naming the setting to change.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import ml_collections
 
@@ -32,16 +40,68 @@ def rollout_stage(plan: Plan) -> int:
   return n
 
 
+@dataclasses.dataclass(frozen=True)
+class ProcessSplit:
+  """An asynchronous run on disjoint processes: who runs the rollout stage, who trains."""
+  rollout: tuple[int, ...]
+  training: tuple[int, ...]
+
+
+def process_split(plan: Plan) -> ProcessSplit | None:
+  """The rollout stage's processes and the rest's when no process takes part in both,
+  else None (every process runs every stage, or the chain has no rollout stage)."""
+  n = rollout_stage(plan)
+  if n == 0 or n == len(plan.steps) or plan.topology.num_processes == 1:
+    return None
+  topo = plan.topology
+  rollout = {topo.process_of(d) for d in plan.steps[0].layout.devices}
+  training = {topo.process_of(d) for s in plan.steps[n:] for d in s.layout.devices}
+  if rollout & training:
+    return None
+  return ProcessSplit(tuple(sorted(rollout)), tuple(sorted(training)))
+
+
+def _check_split(cfg: ml_collections.ConfigDict, plan: Plan, split: ProcessSplit,
+                 name: str) -> None:
+  topo = plan.topology
+  idle = sorted(set(range(topo.num_processes)) - set(split.rollout) - set(split.training))
+  if idle:
+    raise ConfigError(f"{name}: processes {idle} run neither the rollout nor the training; "
+                      f"give their devices to placement.rollout.devices or a role")
+  n = rollout_stage(plan)
+  rollout = len(plan.steps[0].layout.devices)
+  actor = next(m for m in plan.meshes if m.role.value.lower() == "actor")
+  first = plan.steps[n]
+  for what, count in (("the actor (placement.actor.devices)", len(actor.devices)),
+                      (f"node {first.node.id!r}", len(first.layout.devices))):
+    if count != rollout:
+      raise ConfigError(
+          f"{name} on disjoint processes: placement.rollout.devices holds {rollout} devices "
+          f"but {what} {count}; batches and weights move device to device, so give them "
+          f"as many devices each")
+  if cfg.trainer.eval_every:
+    raise ConfigError(f"{name} with the rollout on processes of its own does not evaluate "
+                      f"yet (trainer.eval_every={cfg.trainer.eval_every}); set "
+                      f"trainer.eval_every=0")
+
+
 def check(cfg: ml_collections.ConfigDict, plan: Plan) -> None:
   """Refuses, in one line, a config that ``trainer.max_staleness`` cannot run."""
   k = cfg.trainer.get("max_staleness", 0)
-  if not k:
+  split = process_split(plan)
+  if not k and split is None:
     return
-  name = f"trainer.max_staleness={k}"
-  if plan.topology.num_processes > 1:
-    raise ConfigError(f"{name} runs in one process only (the rollout thread's weight sync "
-                      f"would race the trainer's collectives across processes); use "
-                      f"--num_processes=1 or trainer.max_staleness=0")
+  # K = 0 on disjoint processes: the synchronous loop through the same transfers.
+  name = (f"trainer.max_staleness={k}" if k else
+          "a rollout on processes of its own (placement.rollout.devices)")
+  if plan.topology.num_processes > 1 and split is None:
+    raise ConfigError(f"{name} on {plan.topology.num_processes} processes needs the rollout "
+                      f"on processes of its own (the rollout thread's weight sync would race "
+                      f"the trainer's collectives on a process that does both): set "
+                      f"placement.rollout.devices to whole processes' devices and every "
+                      f"role's devices to the others, or use --num_processes=1")
+  if split is not None:
+    _check_split(cfg, plan, split, name)
   if cfg.rollout.get("env", ""):
     raise ConfigError(f"{name} with multi-turn episodes (rollout.env={cfg.rollout.env!r}) is "
                       f"not built yet (in-flight episodes are not saved with checkpoints); "

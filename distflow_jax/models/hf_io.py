@@ -102,7 +102,10 @@ def _load_module(path: Path, make: Callable[[], nnx.Module],
         return (np.stack([readers[i](index[1:]) for i in range(len(readers))[index[0]]])
                 if stacked else readers[0](index))
 
-      flat.append((key, var.replace(jax.make_array_from_callback(aval.shape, sharding, read))))
+      # dtype: a process holding no device of the mesh (an asynchronous run's rollout
+      # processes) reads nothing and still needs it.
+      flat.append((key, var.replace(jax.make_array_from_callback(aval.shape, sharding, read,
+                                                                 dtype=aval.dtype))))
     skip = set(n for n in where if n.endswith(_IGNORED)) | set(ignorable)
     extra = sorted(set(where) - used - skip)
     if extra:

@@ -171,6 +171,10 @@ class AsyncRollout:
     for entry in self._queue:
       entry.future.result()
 
+  def end(self) -> None:
+    """After the last step: nothing is in flight (no batch past the last step is made)."""
+    self.wait_all()
+
   def saved(self) -> list[dict[str, Any]]:
     """The batches in flight, this process's rows, as JSON (waits for them)."""
     out = []

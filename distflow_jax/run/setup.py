@@ -67,7 +67,12 @@ class PreparedRun:
 
 def check_plan_spans_hosts(plan: Plan, topo: Topology) -> None:
   """Refuses a plan with a node on only some hosts: the executor runs every node on every
-  process, so such a placement cannot be executed yet (it can be planned)."""
+  process, so such a placement cannot be executed yet (it can be planned).  An
+  asynchronous run's rollout on processes of its own is the exception (run/disjoint.py;
+  config/async_checks.py checks it)."""
+  from distflow_jax.config import async_checks
+  if async_checks.process_split(plan) is not None:
+    return
   for s in plan.steps:
     procs = {topo.process_of(d) for d in s.layout.devices}
     if len(procs) != topo.num_processes:

@@ -25,7 +25,8 @@ from distflow_jax.data.loader import PromptLoader
 from distflow_jax.tasks import registry as tasks
 from distflow_jax.nodes import rollout as rollout_nodes
 from distflow_jax.persist import checkpoint
-from distflow_jax.run import async_rollout, compile_cache
+from distflow_jax import groups
+from distflow_jax.run import async_rollout, compile_cache, disjoint
 from distflow_jax.state import warm_shapes
 from distflow_jax.run import evaluate as eval_lib
 from distflow_jax.run import executor
@@ -98,14 +99,19 @@ def setup(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print
                     check_inputs=lambda: _check_datasets(cfg, log), log=log)
   ctx, (train_path, eval_path) = run.ctx, run.inputs
   tokenizer = ctx.tokenizer
-  nproc = jax.process_count()
+  nproc, rank = jax.process_count(), jax.process_index()
+  split, _ = disjoint.process_role(ctx)
+  if split is not None:  # the rollout processes load the prompts (the others never draw)
+    nproc, rank = len(split.rollout), (split.rollout.index(rank) if rank in split.rollout
+                                        else 0)
   common = dict(tokenizer=tokenizer, max_prompt_len=cfg.data.max_prompt_len,
                 pad_id=tokenizer.pad_id, use_chat_template=cfg.data.chat_template,
                 prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
                 on_bad_row=cfg.data.on_bad_row, image_key=vision_checks.run_image_key(cfg),
                 image_root=cfg.data.get("image_root", ""))
   train = PromptLoader(train_path, batch_size=cfg.data.prompts_per_step // nproc,
-                       seed=cfg.data.shuffle_seed, **common)
+                       seed=cfg.data.shuffle_seed, process_index=rank, process_count=nproc,
+                       **common)
   train = async_rollout.wrap_loader(cfg, train)  # its state holds the batches in flight
   ev = None
   if cfg.trainer.eval_every and eval_path is not None:
@@ -143,8 +149,13 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
   ``compile/cache_load_s``), the most over processes: after the first step it is 0 unless
   something recompiled.
   """
+  split, rollout_side = disjoint.process_role(ctx)
+  if rollout_side:  # a rollout process of a run on disjoint processes: no rows to yield
+    disjoint.run_rollout(ctx, loaders.train, async_rollout.max_staleness(cfg), start_step,
+                         cfg.trainer.total_steps, split)
+    return
   monitor = health_monitor(cfg)
-  is_writer = ctx.process_index == 0
+  is_writer = ctx.process_index == (split.training[0] if split is not None else 0)
   board = tensorboard.TensorBoardWriter(os.path.join(cfg.run_dir, tensorboard.SUBDIR),
                                         is_writer)
   if wandb is None:
@@ -154,8 +165,9 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
   sample_writer = samples_lib.SampleWriter(cfg.run_dir, board, cfg.trainer.log_samples,
                                            is_writer, wandb=wandb)
   try:
-    yield from _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer,
-                      sample_writer)
+    with groups.within(split.training if split is not None else None):
+      yield from _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer,
+                        sample_writer)
   except GeneratorExit:  # the caller stopped early: not a failure
     wandb.close()
     raise
@@ -200,10 +212,15 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
     first.update(compiles())
     writer.write(first)
     yield first
-  pipeline = async_rollout.start(cfg, ctx, loaders.train, start_step)  # None: synchronous
+  split, _ = disjoint.process_role(ctx)
+  pipeline = (disjoint.TrainerSide(ctx, async_rollout.max_staleness(cfg), start_step,
+                                   cfg.trainer.total_steps, split) if split is not None
+              else async_rollout.start(cfg, ctx, loaders.train, start_step))  # None: sync
   try:
     yield from _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer,
                      pipeline, run_eval, after_step, compiles, eval_batch)
+    if pipeline is not None:
+      pipeline.end()
   finally:
     if pipeline is not None:
       pipeline.close()
@@ -225,7 +242,8 @@ def _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, pip
       else:
         metrics = pipeline.step(step)
     metrics["step"] = step + 1
-    metrics["data/bad_rows"] = float(sum(v for k, v in loaders.train.counts.items() if k != "ok"))
+    metrics["data/bad_rows"] = float(getattr(pipeline, "bad_rows", None) or sum(
+        v for k, v in loaders.train.counts.items() if k != "ok"))  # the rollout's own
     if eval_batch is not None and ((step + 1) % cfg.trainer.eval_every == 0
                                    or step + 1 == cfg.trainer.total_steps):
       metrics.update(run_eval(step + 1))

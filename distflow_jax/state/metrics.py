@@ -18,19 +18,21 @@ import numpy as np
 
 
 def gather_processes(local: np.ndarray) -> np.ndarray:
-  """``[process_count, ...]``: every process's copy of a small array (one all-gather).
+  """``[process_count, ...]``: every process's copy of a small array (one all-gather);
+  inside ``groups.within`` the group's processes' alone (``[group size, ...]``).
 
   Exact for 64-bit values too: JAX without x64 would turn float64 into float32 (so a
   metric's sums would lose bits, and token counts past 2**24 their integer value), so
   8-byte values travel as pairs of uint32 and are viewed back."""
   local = np.ascontiguousarray(local)
   import jax
+
+  from distflow_jax import groups
   if jax.process_count() == 1:
     return local[None]
-  from jax.experimental import multihost_utils
   if local.dtype.itemsize != 8:
-    return np.asarray(multihost_utils.process_allgather(local))
-  raw = np.asarray(multihost_utils.process_allgather(local.reshape(-1).view(np.uint32)))
+    return groups.allgather(local)
+  raw = groups.allgather(local.reshape(-1).view(np.uint32))
   return raw.reshape(raw.shape[0], -1).view(local.dtype).reshape(raw.shape[0], *local.shape)
 
 

@@ -203,7 +203,7 @@ def ensure_model(cfg: ml_collections.ConfigDict, plan: Plan, tokenizer: Tokenize
   from distflow_jax.observe import progress
   progress.phase(log, "warm start")
   model_cfg = roles_lib.model_config(cfg, tokenizer, "").replace(lora=None)  # full SFT
-  actor_mesh = roles_lib.jax_mesh(next(m for m in plan.meshes if m.role is Role.ACTOR))
+  actor_mesh = roles_lib.jax_mesh(_warm_start_mesh(plan))
   model = roles_lib.build_actor(model_cfg, actor_mesh, "", cfg.seed)
   from flax import nnx
   graphdef, params = nnx.split(model)
@@ -229,6 +229,19 @@ def ensure_model(cfg: ml_collections.ConfigDict, plan: Plan, tokenizer: Tokenize
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("distflow_warmstart_written")
   return wdir
+
+
+def _warm_start_mesh(plan: Plan):
+  """The actor's mesh, or -- where it leaves whole processes out (an asynchronous run with
+  the rollout on processes of its own) -- FSDP over every device, so that every process
+  takes part in the warm start and its save, as they all wait for it."""
+  actor = next(m for m in plan.meshes if m.role is Role.ACTOR)
+  topo = plan.topology
+  if {topo.process_of(d) for d in actor.devices} == set(range(topo.num_processes)):
+    return actor
+  n = topo.num_devices
+  return dataclasses.replace(actor, devices=tuple(range(n)),
+                             axes=tuple((a, n if a == "fsdp" else 1) for a, _ in actor.axes))
 
 
 def _show(log: Callable[[str], None], done: int, total: int, loss: float) -> None:

@@ -1,0 +1,38 @@
+"""run/transfer.py's schedule: the one global order of an asynchronous run's cross-process
+copies on disjoint processes (both groups issue exactly it; jax pairs copies by call
+order, so any other order on one side deadlocks)."""
+
+import pytest
+
+from distflow_jax.run.transfer import Kind, Transfer, schedule
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _names(steps):
+  return [f"{'w' if t.kind is Kind.WEIGHTS else 'b'}{t.index}" for t in steps]
+
+
+def test_k1_alternates_after_the_first_two_batches():
+  assert _names(schedule(1, 0, 4)) == ["w0", "b0", "b1", "w1", "b2", "w2", "b3"]
+
+
+def test_k0_is_the_synchronous_loop():
+  assert _names(schedule(0, 0, 3)) == ["w0", "b0", "w1", "b1", "w2", "b2"]
+
+
+def test_nothing_past_the_last_step_and_no_unused_version():
+  assert _names(schedule(2, 0, 2)) == ["w0", "b0", "b1"]
+  assert _names(schedule(1, 3, 5)) == ["w3", "b3", "b4"]
+
+
+@pytest.mark.parametrize("k,start,total", [(1, 0, 7), (2, 0, 9), (3, 2, 11), (0, 1, 5)])
+def test_every_batch_follows_the_version_that_makes_it(k, start, total):
+  steps = schedule(k, start, total)
+  assert [t.index for t in steps if t.kind is Kind.BATCH] == list(range(start, total))
+  for i, t in enumerate(steps):
+    if t.kind is Kind.BATCH:
+      version = max(start, t.index - k)
+      assert Transfer(Kind.WEIGHTS, version) in steps[:i]
+      later = [s.index for s in steps[:i] if s.kind is Kind.WEIGHTS]
+      assert max(later) == version  # no newer version was sent before it: it is fresh
