@@ -117,3 +117,15 @@ def test_eval_hint_of_a_launched_run_runs_in_one_process(tmp_path, capsys):
   out, err = capsys.readouterr()
   assert rc == 0, err[-2000:]
   assert "eval/accuracy:" in out
+
+
+@pytest.mark.timeout(60)
+def test_a_run_without_a_checkpoint_offers_no_eval_or_export():
+  """eval --model=RUN and export --checkpoint RUN read the run's checkpoint: a run that
+  wrote none (e.g. asynchronous RL on processes of its own) is not told to run them."""
+  lines = progress.summary_lines("runs/x", checkpoint_dir="runs/x/checkpoints",
+                                 last_checkpoint=None, steps=2, seconds=3.0, eval_data=None)
+  after = lines[lines.index("next:") + 1:]
+  assert any(" report " in l for l in after), lines
+  assert not any("--model=" in l or "--checkpoint " in l for l in after), lines
+  assert not any(l.startswith("checkpoint:") for l in lines), lines

@@ -270,9 +270,10 @@ def summary_lines(run_dir: str, *, checkpoint_dir: str, last_checkpoint: int | N
   hf = os.path.join(run_dir, "hf")
   from distflow_jax.observe import invocation
   cmd = invocation.command()  # the venv's script by its full path where PATH lacks it
-  out += ["next:",
-          f"  {cmd} report {run_dir}",
-          f"  {cmd} eval " + "".join(f"{shlex.quote(a)} " for a in
+  out += ["next:", f"  {cmd} report {run_dir}"]
+  if last_checkpoint is None:  # eval and export read a checkpoint: none was written
+    return out + ["  (no checkpoint was written, so there is nothing to eval or export)"]
+  out += [f"  {cmd} eval " + "".join(f"{shlex.quote(a)} " for a in
                                      eval_config_args(config_args))
           + f"--model={run_dir} --data={eval_data or 'FILE.jsonl'}",
           f"  {cmd} export --checkpoint {run_dir} --out {hf}   (for transformers)"]
