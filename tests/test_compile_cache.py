@@ -84,6 +84,38 @@ def test_unwritable_folder_is_one_line_and_the_run_goes_on(tmp_path, monkeypatch
   assert "\n" not in lines[0]
 
 
+_AUTOTUNE_PROBE = """
+import sys
+from distflow_jax.run import compile_cache
+class Cfg:
+  class trainer:
+    compile_cache_dir = sys.argv[1]
+assert compile_cache.enable(Cfg) == sys.argv[1]
+from jax._src import compiler
+opts = compiler.get_compile_options(num_replicas=1, num_partitions=1).executable_build_options
+print(opts.debug_options.xla_gpu_per_fusion_autotune_cache_dir)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_gpu_autotune_results_are_kept_beside_the_compile_cache(tmp_path):
+  """With the run's cache on, every compile's options point XLA:GPU's per-fusion autotune
+  cache into it: a second run on a GPU skips autotuning its kernels as it skips their
+  compiles.  A JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES the user set ("" = jax's companion
+  caches off) is respected.  (jax's default already names this cache; the test pins it.)"""
+  env = {k: v for k, v in os.environ.items() if k not in SHARED_CACHE_VARS}
+  env.pop(compile_cache.ENV, None)
+  for setting, want in ((None, str(tmp_path / "c" / "xla_gpu_per_fusion_autotune_cache_dir")),
+                        ("", "")):
+    env.pop("JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES", None)
+    if setting is not None:
+      env["JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES"] = setting
+    out = subprocess.run([sys.executable, "-c", _AUTOTUNE_PROBE, str(tmp_path / "c")],
+                         env=env, capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == want, (setting, out.stdout)
+
+
 def test_folder_from_env_else_config_and_home_expanded(monkeypatch):
   class Cfg:
     class trainer:  # noqa: N801

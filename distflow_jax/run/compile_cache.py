@@ -80,6 +80,13 @@ def enable(cfg, log: Callable[[str], None] | None = None) -> str:
   # most of a small model's on CPU (and many small ones add up).
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  # XLA:GPU's per-fusion autotune results beside the executables (jax's companion cache,
+  # in <folder>/xla_gpu_per_fusion_autotune_cache_dir): a second run skips autotuning too.
+  # Said here rather than left to jax's default; JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES,
+  # when set, is the user's choice and stays.
+  if "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES" not in os.environ:
+    jax.config.update("jax_persistent_cache_enable_xla_caches",
+                      "xla_gpu_per_fusion_autotune_cache_dir")
   _enabled.append(directory)
   return directory
 
