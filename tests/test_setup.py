@@ -64,7 +64,7 @@ def test_train_rejects_an_unknown_builtin_task_naming_the_valid_ones(tmp_path):
   cfg = loading.load("grpo:tiny", smoke_overrides(tmp_path, "data.train=builtin:algebra"))
   with pytest.raises(loading.ConfigError, match=r"^data.train='builtin:algebra': unknown "
                                                 r"built-in task 'algebra'; valid: "
-                                                r"\['arithmetic', 'letters', 'shapes'\]"):
+                                                r"\['arithmetic', 'calc', 'letters', 'shapes'\]"):
     trainer.setup(cfg, log=lambda m: None)
   cfg = loading.load("grpo:tiny", smoke_overrides(tmp_path, "data.eval=builtin:arithmetic:x",
                                                   "trainer.eval_every=1"))

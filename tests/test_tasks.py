@@ -160,7 +160,7 @@ def test_registry_errors_list_the_valid_names_and_levels():
   from distflow_jax.tasks import registry
   with pytest.raises(registry.UnknownTaskError,
                      match=r"unknown built-in task 'algebra'; valid: "
-                           r"\['arithmetic', 'letters', 'shapes'\]"):
+                           r"\['arithmetic', 'calc', 'letters', 'shapes'\]"):
     registry.parse("builtin:algebra")
   with pytest.raises(registry.UnknownTaskError,
                      match=r"no level 'impossible'; valid: easy\|basic\|medium\|hard"):

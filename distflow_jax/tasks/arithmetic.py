@@ -30,7 +30,7 @@ import hashlib
 import json
 import os
 import random
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 DATA_SOURCE = "arithmetic"
 SPLITS = ("train", "eval")
@@ -210,46 +210,67 @@ def _sample(cfg: ArithmeticConfig, rng: random.Random
   return operands, ops
 
 
+def draw_records(task: str, config: object, split: str, num_examples: int, seed: int,
+                 draw: Callable[[random.Random], tuple[str, str, Callable[[], dict]] | None],
+                 *, eval_fraction: float, unique: bool, widen: str) -> list[dict[str, str]]:
+  """The built-in tasks' draw: ``num_examples`` records of ``split``, deterministic in
+  ``task`` and ``seed``.  ``draw(rng)`` gives ``(split key, question, build)`` or None (a
+  sample the task skips); a sample is kept when ``split_of(split key)`` is ``split`` and,
+  with ``unique``, its question is new; ``build()`` then makes its record (it may draw
+  from ``rng`` too).  Raises ValueError naming ``widen`` when the question space is too
+  small to supply that many."""
+  if split not in SPLITS:
+    raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+  if num_examples < 0:
+    raise ValueError(f"num_examples must be >= 0, got {num_examples}")
+  rng = random.Random(f"{task}:{split}:{seed}")
+  records, seen = [], set()
+  max_tries = 200 * num_examples + 10_000
+  for _ in range(max_tries):
+    if len(records) == num_examples:
+      break
+    sample = draw(rng)
+    if sample is None:
+      continue
+    key, question, build = sample
+    if split_of(key, eval_fraction) != split or (unique and question in seen):
+      continue
+    seen.add(question)
+    records.append(build())
+  if len(records) < num_examples:
+    raise ValueError(f"found only {len(records)} of {num_examples} distinct {split} questions "
+                     f"in {max_tries} tries: the question space of {config} is too small; "
+                     f"{widen}")
+  return records
+
+
 def make_examples(config: ArithmeticConfig, split: str, num_examples: int, seed: int,
-             *, unique: bool = True) -> list[dict[str, str]]:
+                  *, unique: bool = True) -> list[dict[str, str]]:
   """``num_examples`` deterministic records of ``split`` for ``seed``.
 
   ``unique``: no question (expression) repeats within the returned list.
   Raises ValueError if the config's question space for the split is too
   small to supply that many.
   """
-  if split not in SPLITS:
-    raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
-  if num_examples < 0:
-    raise ValueError(f"num_examples must be >= 0, got {num_examples}")
-  rng = random.Random(f"arithmetic:{split}:{seed}")
-  records, seen = [], set()
-  max_tries = 200 * num_examples + 10_000
-  tries = 0
-  while len(records) < num_examples:
-    tries += 1
-    if tries > max_tries:
-      raise ValueError(
-          f"found only {len(records)} of {num_examples} distinct {split} "
-          f"questions in {max_tries} tries: the question space of {config} is "
-          "too small; widen max_value, operators or operands, or pass "
-          "unique=False")
+  def draw(rng):
     sample = _sample(config, rng)
     if sample is None:
-      continue
+      return None
     operands, ops = sample
     expr = expression(operands, ops)
     answer = worked_answer(operands, ops)
-    if split_of(answer, config.eval_fraction) != split or (unique and expr in seen):
-      continue
-    seen.add(expr)
-    prompt = None
-    if config.word_problem_prob and rng.random() < config.word_problem_prob:
-      prompt = word_problem(operands, ops, rng)
-    records.append({"prompt": prompt or f"What is {expr}?",
-                    "answer": answer,
-                    "data_source": DATA_SOURCE})
-  return records
+
+    def build():
+      prompt = None
+      if config.word_problem_prob and rng.random() < config.word_problem_prob:
+        prompt = word_problem(operands, ops, rng)
+      return {"prompt": prompt or f"What is {expr}?", "answer": answer,
+              "data_source": DATA_SOURCE}
+    return answer, expr, build
+
+  return draw_records("arithmetic", config, split, num_examples, seed, draw,
+                      eval_fraction=config.eval_fraction, unique=unique,
+                      widen="widen max_value, operators or operands, or pass unique=False")
 
 
 def final_answer(record: dict[str, str]) -> int:

@@ -83,28 +83,15 @@ def make_examples(config: CalcConfig, split: str, num_examples: int, seed: int,
                   *, unique: bool = True) -> list[dict[str, str]]:
   """``num_examples`` deterministic records of ``split`` for ``seed``; ``unique``: no
   question repeats.  Raises ValueError when the split's question space is too small."""
-  if split not in SPLITS:
-    raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
-  if num_examples < 0:
-    raise ValueError(f"num_examples must be >= 0, got {num_examples}")
-  rng = random.Random(f"calc:{split}:{seed}")
-  records, seen = [], set()
-  max_tries = 200 * num_examples + 10_000
-  for _ in range(max_tries):
-    if len(records) == num_examples:
-      break
+  def draw(rng):
     a, b = _number(config.a_digits, rng), _number(config.b_digits, rng)
     key = f"{a}*{b}"
-    if arithmetic.split_of(key, config.eval_fraction) != split or (unique and key in seen):
-      continue
-    seen.add(key)
-    records.append({"prompt": prompt(a, b), "answer": f"#### {a * b}",
-                    "data_source": DATA_SOURCE})
-  if len(records) < num_examples:
-    raise ValueError(f"found only {len(records)} of {num_examples} distinct {split} questions "
-                     f"in {max_tries} tries: the question space of {config} is too small; "
-                     f"use more digits, or pass unique=False")
-  return records
+    return key, key, lambda: {"prompt": prompt(a, b), "answer": f"#### {a * b}",
+                              "data_source": DATA_SOURCE}
+
+  return arithmetic.draw_records("calc", config, split, num_examples, seed, draw,
+                                 eval_fraction=config.eval_fraction, unique=unique,
+                                 widen="use more digits, or pass unique=False")
 
 
 def operands(record: dict[str, str]) -> tuple[int, int]:

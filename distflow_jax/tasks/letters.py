@@ -106,30 +106,17 @@ def make_examples(config: LettersConfig, split: str, num_examples: int, seed: in
                   *, unique: bool = True) -> list[dict[str, str]]:
   """``num_examples`` deterministic records of ``split`` for ``seed``; ``unique``: no
   question repeats.  Raises ValueError when the split's question space is too small."""
-  if split not in SPLITS:
-    raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
-  if num_examples < 0:
-    raise ValueError(f"num_examples must be >= 0, got {num_examples}")
-  rng = random.Random(f"letters:{split}:{seed}")
-  records, seen = [], set()
-  max_tries = 200 * num_examples + 10_000
-  for _ in range(max_tries):
-    if len(records) == num_examples:
-      break
+  def draw(rng):
     word, letter = _sample(config, rng)
     if word.count(letter) > MAX_COUNT:
-      continue
-    answer = worked_answer(word, letter)
-    question = prompt(word, letter)
-    if arithmetic.split_of(answer, config.eval_fraction) != split or (unique and question in seen):
-      continue
-    seen.add(question)
-    records.append({"prompt": question, "answer": answer, "data_source": DATA_SOURCE})
-  if len(records) < num_examples:
-    raise ValueError(f"found only {len(records)} of {num_examples} distinct {split} questions "
-                     f"in {max_tries} tries: the question space of {config} is too small; "
-                     f"widen the alphabet or lengths, or pass unique=False")
-  return records
+      return None
+    answer, question = worked_answer(word, letter), prompt(word, letter)
+    return answer, question, lambda: {"prompt": question, "answer": answer,
+                                      "data_source": DATA_SOURCE}
+
+  return arithmetic.draw_records(
+      "letters", config, split, num_examples, seed, draw, eval_fraction=config.eval_fraction,
+      unique=unique, widen="widen the alphabet or lengths, or pass unique=False")
 
 
 def final_answer(record: dict[str, str]) -> int:
