@@ -36,6 +36,10 @@ CASES = {
     "critic_undeclared": (["--config=ppo:tiny", ON], "model.lora.critic=full"),
     "base_check_not_bool": ([ON, "--config.model.lora.base_check=maybe"],
                             "model.lora.base_check"),
+    "fused_adapters_sync": ([ON, "--config.rollout.lora_sync=adapters",
+                             "--config.rollout.fuse_projections=gate_up"],
+                            "rollout.fuse_projections='gate_up' cannot go with "
+                            "rollout.lora_sync='adapters'"),
     "lora_sync_unknown": ([ON, "--config.rollout.lora_sync=both"],
                           "rollout.lora_sync='both' is not valid; choose one of ['merged', "
                           "'adapters']"),

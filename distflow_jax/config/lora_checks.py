@@ -47,6 +47,13 @@ def check(cfg) -> None:
       or not all(isinstance(t, str) and t for t in targets)):
     raise ConfigError(f"model.lora.targets={targets!r} must be a non-empty tuple of module "
                       f"name patterns, e.g. ('q_proj', 'v_proj')")
+  rollout = cfg.get("rollout") or {}
+  fuse = rollout.get("fuse_projections", "none")
+  if rollout.get("lora_sync", "merged") == "adapters" and fuse != "none":
+    raise ConfigError(f"rollout.fuse_projections={fuse!r} cannot go with "
+                      "rollout.lora_sync='adapters' (that route merges the adapters into the "
+                      "engine's kernels by name, unfused); set rollout.fuse_projections=none "
+                      "or rollout.lora_sync=merged")
   if any(n.get("fn") == "ref_logprob" for n in cfg.dag or ()) and (
       cfg.placement.reference.to_dict() != cfg.placement.actor.to_dict()):
     raise ConfigError("model.lora: the reference pass runs on the actor's own weights with "

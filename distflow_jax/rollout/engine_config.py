@@ -80,7 +80,8 @@ class EngineConfig:
 
   # The engine's weights with gate/up (and q/k/v) fused into one projection each (one
   # matmul apiece per layer and token; models/fused.py), concatenated as they enter the
-  # engine; the trained model keeps them apart.  Not with lora_sync=adapters (merges by name).
+  # engine; the trained model keeps them apart.  With lora_sync=adapters a run refuses it
+  # (config/lora_checks.py); the engine itself then leaves its weights unfused.
   fuse_projections: FuseProjections = FuseProjections.NONE
 
   def __post_init__(self):
