@@ -168,6 +168,20 @@ def test_plan_lower_cli_table_and_bad_target():
   assert len(line) == 1 and "unknown target 'h1000'" in line[0] and "h100" in line[0], line
 
 
+
+@pytest.mark.timeout(300)
+def test_episodes_on_a_folder_without_a_tokenizer_are_one_line():
+  """A tool parser's closing tag shapes the decode program and needs the tokenizer; a
+  folder with config.json only (tools/model_shapes) says so in one line (it was an
+  AttributeError of the stand-in tokenizer)."""
+  for what in ("--programs", "--lower=h100"):
+    bad = _cli(["--config=grpo:calc", f"--config.model.path={SHAPES}/qwen2.5-0.5b", what,
+                "--num_processes=1", "--devices_per_process=8"])
+    line = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(line) == 1, (what, bad.stderr[-2000:])
+    assert "rollout.env: the tool parser's closing tag" in line[0], line
+    assert "tokenizer files" in line[0] and "Error:" not in line[0], line
+
 # Eager operations (one jax primitive each, no model) a run also compiles; every other
 # program it compiles must be in the catalogue.
 EAGER = {"add", "broadcast_in_dim", "convert_element_type", "copy", "greater", "maximum",

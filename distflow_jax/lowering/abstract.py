@@ -37,6 +37,15 @@ class StopIds:
   """What the rollout needs of a tokenizer when only config.json is at hand."""
   eos_ids: tuple[int, ...]
   pad_id: int = 0
+  path: str = ""
+
+  def encode(self, text: str) -> list[int]:
+    """Text cannot be tokenized without the tokenizer: the one thing a run needs it for
+    here is a tool parser's closing tag (rollout.env), which shapes the decode program."""
+    from distflow_jax.config.loading import ConfigError
+    raise ConfigError(f"rollout.env: the tool parser's closing tag {text!r} needs the "
+                      f"model's tokenizer, and model.path={self.path!r} has none (config.json "
+                      f"only); point model.path at a folder with its tokenizer files")
 
 
 def vl_config(cfg: ml_collections.ConfigDict) -> Any:
@@ -104,7 +113,7 @@ def stop_ids(cfg: ml_collections.ConfigDict) -> Any:
       conf = json.load(f)
     ids = conf.get("eos_token_id", conf.get("text_config", {}).get("eos_token_id", 0))
   ids = ids if isinstance(ids, list) else [ids]
-  return StopIds(tuple(int(i) for i in ids if i is not None) or (0,))
+  return StopIds(tuple(int(i) for i in ids if i is not None) or (0,), path=cfg.model.path or "")
 
 
 def _sds(x: Any, sh: Any) -> jax.ShapeDtypeStruct:
