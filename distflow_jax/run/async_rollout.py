@@ -158,11 +158,7 @@ class AsyncRollout:
     batch, metrics = entry.future.result()
     metrics = Metrics(dict(metrics.sums), dict(metrics.counts), dict(metrics.maxima))
     metrics.add_time("time/async_wait", time.perf_counter() - t0)
-    stale = step - np.asarray(to_local(Batch({k: batch.data[k] for k in (
-        SAMPLE_ID, GROUP_ID, VERSION)})).data[VERSION], np.int64)
-    metrics.add_mean("async/staleness", stale)
-    metrics.set_max("async/staleness_max", float(stale.max(initial=0)))
-    metrics.add("async/dropped", float((stale > self.k).sum()))
+    add_staleness(metrics, step, batch.data, self.k)
     self.ctx.metrics = metrics
     return executor.run_rest(self.ctx, batch, self.layout, self.stage, start)
 
@@ -202,3 +198,14 @@ def start(cfg: ml_collections.ConfigDict, ctx: RunContext, loader: Any,
 def wrap_loader(cfg: ml_collections.ConfigDict, loader: Any) -> Any:
   """The train loader an asynchronous run needs (its state holds the batches in flight)."""
   return InFlightLoader(loader) if max_staleness(cfg) else loader
+
+
+def add_staleness(metrics: Metrics, step: int, data: dict, k: int) -> None:
+  """``async/staleness`` (mean of step - version over the step's samples), its max and
+  ``async/dropped`` (samples older than ``k`` versions: 0 by the schedule) into
+  ``metrics``, from the batch's ``policy_version`` field."""
+  stale = step - np.asarray(to_local(Batch({n: data[n] for n in (
+      SAMPLE_ID, GROUP_ID, VERSION)})).data[VERSION], np.int64)
+  metrics.add_mean("async/staleness", stale)
+  metrics.set_max("async/staleness_max", float(stale.max(initial=0)))
+  metrics.add("async/dropped", float((stale > k).sum()))

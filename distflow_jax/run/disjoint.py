@@ -44,7 +44,7 @@ from distflow_jax.config import async_checks
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, to_local
 from distflow_jax.run import executor, transfer
-from distflow_jax.run.async_rollout import VERSION
+from distflow_jax.run.async_rollout import VERSION, add_staleness
 from distflow_jax.state import roles as roles_lib
 from distflow_jax.state.context import RunContext, put_local
 from distflow_jax.state.metrics import Metrics
@@ -186,11 +186,7 @@ class TrainerSide:
     metrics.add_time("time/async_wait", time.perf_counter() - t0)
     self.bad_rows = sum(m["bad_rows"] for m in metas)
     batch = Batch(data, {})
-    stale = step - np.asarray(to_local(Batch({n: data[n] for n in (
-        SAMPLE_ID, GROUP_ID, VERSION)})).data[VERSION], np.int64)
-    metrics.add_mean("async/staleness", stale)
-    metrics.set_max("async/staleness_max", float(stale.max(initial=0)))
-    metrics.add("async/dropped", float((stale > self.k).sum()))
+    add_staleness(metrics, step, data, self.k)
     ctx.metrics = metrics
     return executor.run_rest(ctx, batch, lay, self.stage, start)
 
