@@ -77,3 +77,17 @@ def test_the_scored_text_puts_each_turn_on_its_own_line():
   text = eval_lib._own_text(tok, ids, own)  # pylint: disable=protected-access
   assert text == call + "\n" + answer and math_answer.format_reward(text) == 1.0
   assert eval_lib._own_text(tok, ids, np.zeros(len(ids), bool)) == ""  # pylint: disable=protected-access
+
+
+def test_eval_episodes_take_the_episode_width_not_one_turns(tmp_path):
+  """With rollout.max_episode_tokens set, an evaluated episode (the first observation, then
+  the model's turn) may run past one turn's rollout.max_new_tokens, as a trained one does;
+  it was cut at max_new_tokens."""
+  cfg = _cfg(tmp_path, "grpo:calc", "rollout.env=scripted", "rollout.max_new_tokens=8",
+             "rollout.max_episode_tokens=40", "rollout.max_turns=4",
+             "rollout.prefill_buckets=(40,80)", "model.max_seq_len=128")
+  with cfg.unlocked():
+    cfg.plugins = ("plugin_envs",)
+  ctx, loaders = trainer.setup(cfg, log=lambda m: None)
+  m = eval_lib.evaluate(ctx, next(iter(loaders.eval)))
+  assert 8 < m["eval/response_length"] <= 40, m

@@ -17,6 +17,7 @@ import ml_collections
 import numpy as np
 
 from distflow_jax.config import vision_checks
+from distflow_jax.config.defaults import response_width
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.batch import Batch
@@ -69,7 +70,7 @@ def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1, reward: str = "math
   if rollout.get("env", ""):  # episodes: the model's own tokens are scored, not observations
     ep = episodes.run_episodes(backend, params, plist, [f or {} for f in fields], k,
                                env=episodes.EnvSetup.from_config(rollout),
-                               tokenizer=ctx.tokenizer, width=rollout.max_new_tokens,
+                               tokenizer=ctx.tokenizer, width=response_width(rollout),
                                pad_id=ctx.tokenizer.pad_id)
     ro, scored = ep.rollout, ep.loss_mask_RxN
     m.add_mean("eval/turns_mean", ep.turns_R)
