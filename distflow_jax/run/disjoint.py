@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -208,9 +208,3 @@ def process_role(ctx: RunContext) -> tuple[async_checks.ProcessSplit | None, boo
   one of its rollout processes."""
   split = async_checks.process_split(ctx.plan)
   return split, split is not None and ctx.process_index in split.rollout
-
-
-def train_steps(iterate: Iterator[dict[str, float]], split) -> Iterator[dict[str, float]]:
-  """``iterate``'s rows, run among the training processes."""
-  with groups.within(split.training if split is not None else None):
-    yield from iterate
