@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.reduction_order]
+pytestmark = pytest.mark.multiprocess
 
 
 def _child(ckpt: str, out: str) -> None:

@@ -12,7 +12,7 @@ from distflow_jax.tasks import registry as tasks
 from test_vl_rl import VL, tiny_vl_checkpoint
 from test_workflow_multiprocess import ABS, COMPARE, REL, _multi, _single
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.reduction_order]
+pytestmark = pytest.mark.multiprocess
 
 
 @pytest.mark.timeout(1500)
