@@ -50,21 +50,32 @@ def randomize_b(model, seed=2):
                                          for k, (a, b) in arrays.items()})
 
 
+# Eager NNX dispatches op by op (many tiny compiles on a busy CPU): the passes run jitted.
+FWD = jax.jit(forward)
+
+
+@jax.jit
+def _three_passes(graphdef, params, tok, pos, mask, seg):
+  """The model's plain, prefix (return_kv + return_hidden) and packed passes, in one
+  program (eager NNX dispatches op by op: slow on a busy CPU)."""
+  plain, _ = forward(graphdef, params, tok, pos, mask)
+  hidden, _ = forward(graphdef, params, tok[:, :5], pos[:, :5], mask[:, :5], return_kv=True,
+                      return_hidden=True)
+  packed, _ = forward(graphdef, params, tok, pos, segment_ids_BxT=seg)
+  return plain, hidden, packed
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("scan", [False, True])
 def test_fresh_adapters_give_the_base_logits_bitwise(dtype, scan):
   base = Transformer(cfg(dtype, scan), rngs=nnx.Rngs(0))
   tok, pos, mask = inputs()
-  want, _ = base(tok, pos, mask)
-  want_h, kv = base(tok[:, :5], pos[:, :5], mask[:, :5], return_kv=True, return_hidden=True)
   seg = jnp.where(jnp.arange(9) < 4, 1, 2)[None].repeat(2, 0)
-  want_packed, _ = base(tok, pos, segment_ids_BxT=seg)
+  want = _three_passes(*nnx.split(base), tok, pos, mask, seg)
   model = lora.attach(base, LoraSpec(4, 8.0, ("*_proj",), init="kaiming"), seed=3)
   assert lora.has_adapters(model) and not lora.has_adapters(base)
-  got, _ = model(tok, pos, mask)
-  got_h, _ = model(tok[:, :5], pos[:, :5], mask[:, :5], return_kv=True, return_hidden=True)
-  got_packed, _ = model(tok, pos, segment_ids_BxT=seg)
-  assert same_bits(got, want) and same_bits(got_h, want_h) and same_bits(got_packed, want_packed)
+  got = _three_passes(*nnx.split(model), tok, pos, mask, seg)
+  assert all(same_bits(g, w) for g, w in zip(got, want))
   # The base weights are the same arrays, not copies; the adapters float32 whatever dtype.
   b_flat = dict(nnx.to_flat_state(nnx.split(base)[1]))
   for k, v in nnx.to_flat_state(nnx.split(model)[1]):
@@ -78,20 +89,20 @@ def test_fresh_adapters_give_the_base_logits_bitwise(dtype, scan):
 def test_switched_off_and_merged(scan):
   base = Transformer(cfg(scan=scan), rngs=nnx.Rngs(0))
   tok, pos, mask = inputs()
-  want, _ = base(tok, pos, mask)
+  want, _ = FWD(*nnx.split(base), tok, pos, mask)
   spec = LoraSpec(4, 8.0, ("q_proj", "v_proj", "down_proj"))
   model = randomize_b(lora.attach(base, spec, seed=3))
   g, params = nnx.split(model)
-  trained, _ = forward(g, params, tok, pos, mask)
+  trained, _ = FWD(g, params, tok, pos, mask)
   assert float(jnp.abs(trained - want).max()) > 1e-3  # the adapters act
-  off, _ = forward(g, lora.base_only(params), tok, pos, mask)
+  off, _ = FWD(g, lora.base_only(params), tok, pos, mask)
   assert same_bits(off, want)
   merged = lora.merged_state(params, spec.scale)
   assert not lora.has_adapters(merged)
-  got, _ = forward(nnx.split(base)[0], merged, tok, pos, mask)
+  got, _ = FWD(nnx.split(base)[0], merged, tok, pos, mask)
   np.testing.assert_allclose(got, trained, atol=2e-5, rtol=1e-5)
   # jit-able, as the weight sync runs it
-  got_jit, _ = forward(nnx.split(base)[0], jax.jit(lambda p: lora.merged_state(p, spec.scale))(
+  got_jit, _ = FWD(nnx.split(base)[0], jax.jit(lambda p: lora.merged_state(p, spec.scale))(
       params), tok, pos, mask)
   np.testing.assert_allclose(got_jit, got, atol=1e-6)
 

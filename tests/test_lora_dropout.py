@@ -6,6 +6,8 @@ same for the same key and differently for another (step, call); the log-prob pas
 (and anything outside a train step) compute as with p = 0; deterministic mode stays
 bitwise equal across layouts."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,12 +30,20 @@ from test_train_steps import make_batch
 P_DROP = 0.3
 
 
+@functools.cache
 def _params(dropout: float, scan: bool = False):
   """A LoRA model (B random, so A has a gradient too) with this dropout rate: the same
-  weights for every rate."""
+  weights for every rate.  Built once per (rate, layout) in this module; callers never
+  change it (the steps below take a copy, as they donate their parameters)."""
   base = Transformer(cfg(scan=scan), rngs=nnx.Rngs(0))
   model = randomize_b(lora.attach(base, LoraSpec(4, 8.0, ALL, dropout=dropout), seed=3))
   return nnx.split(model)
+
+
+@functools.cache
+def _base_batch(scan: bool):
+  """The batch with the dropout-free model's log-probs, once per layout."""
+  return _batch(*_params(0.0, scan))
 
 
 def _batch(graphdef, params):
@@ -53,12 +63,22 @@ def _key(*fold) -> jax.Array:
   return jax.random.key_data(key)
 
 
+TX = optax.sgd(1.0)
+
+
+@functools.cache
+def _step(dropout: float, scan: bool, micro: int):
+  """One jitted sgd(1) step per (rate, layout, micro-batches), shared by this module's
+  calls: a call with another key runs the same program on other masks."""
+  return steps.make_train_step(_loss, _params(dropout, scan)[0], TX, micro, "token-mean")
+
+
 def _update(dropout: float, rng, *, scan: bool = False, micro: int = 2):
   """The adapters' update (new - old) of one sgd(1) step: minus their gradient."""
-  graphdef, params = _params(dropout, scan)
-  batch = _batch(*_params(0.0, scan))
-  tx = optax.sgd(1.0)
-  step = steps.make_train_step(_loss, graphdef, tx, micro, "token-mean")
+  _, params = _params(dropout, scan)
+  batch = _base_batch(scan)
+  tx = TX
+  step = _step(dropout, scan, micro)
   before = lora.split_trainable(params)
   new, _, stats = step(jax.tree.map(jnp.copy, params), placement.init_opt_state(tx, params),
                        batch, rng)
@@ -108,17 +128,17 @@ def test_layer_drops_the_adapter_input_only():
 
 @pytest.mark.timeout(300)
 def test_zero_dropout_step_has_no_random_op_and_is_bitwise_unchanged():
-  graphdef, params = _params(0.0)
-  batch = _batch(graphdef, params)
-  tx = optax.sgd(1.0)
-  step = steps.make_train_step(_loss, graphdef, tx, 2, "token-mean")
+  _, params = _params(0.0)
+  batch = _base_batch(False)
+  tx = TX
+  step = _step(0.0, False, 2)
   text = step.lower(params, tx.init(lora.split_trainable(params)[0]), batch).as_text()
   assert "threefry" not in text and "rng" not in text.lower()
   # p = 0 given a key, or p > 0 given none (a caller without dropout): the plain step.
   plain = _update(0.0, None)
   assert _same(plain, _update(0.0, _key(0)))
   assert _same(plain, _update(P_DROP, None))
-  dropped = steps.make_train_step(_loss, _params(P_DROP)[0], tx, 2, "token-mean")
+  dropped = _step(P_DROP, False, 2)
   assert "threefry" in dropped.lower(params, tx.init(lora.split_trainable(params)[0]), batch,
                                      _key(0)).as_text()
 
@@ -174,24 +194,30 @@ def test_node_keys_follow_seed_step_and_call():
 @pytest.mark.timeout(300)
 def test_deterministic_dropout_step_is_bitwise_equal_on_8_and_2_devices():
   graphdef, params = _params(P_DROP)
-  batch = _batch(*_params(0.0))
+  batch = _base_batch(False)
   tx = optax.adamw(0.1)
 
-  def adapters_after(graphdef, d, rng):
+  def adapters_after(d, *rngs):
+    """The adapters after one deterministic step on d devices, per key: one program."""
     devs = jax.devices()[:d]
     pmesh = sharding.make_mesh({"fsdp": d}, devs)
     bmesh = sharding.make_mesh({"data": d}, devs)
     where = sharding.state_shardings(params, pmesh, sharding.fsdp_tp_rules())
-    p = jax.device_put(jax.tree.map(jnp.copy, params), where)  # the step donates it
     b = jax.device_put(batch, NamedSharding(bmesh, P("data")))
     step = deterministic.make_train_step(_loss, graphdef, tx, bmesh, 1, "token-mean", 1.0)
-    new, _, stats = step(p, placement.init_opt_state(tx, p), b, rng)
-    assert int(stats["skipped"]) == 0
-    return [np.asarray(x) for x in jax.tree.leaves(lora.split_trainable(new)[0])]
+    out = []
+    for rng in rngs:
+      p = jax.device_put(jax.tree.map(jnp.copy, params), where)  # the step donates it
+      new, _, stats = step(p, placement.init_opt_state(tx, p), b, rng)
+      assert int(stats["skipped"]) == 0
+      out.append([np.asarray(x) for x in jax.tree.leaves(lora.split_trainable(new)[0])])
+    return out
 
-  eight = adapters_after(graphdef, 8, _key(5))
-  assert _same(eight, adapters_after(graphdef, 2, _key(5)))
-  assert not _same(eight, adapters_after(_params(0.0)[0], 8, None))
+  eight, other_key = adapters_after(8, _key(5), _key(6))
+  (two,) = adapters_after(2, _key(5))
+  assert _same(eight, two)
+  # The masks are drawn (another key: another update), so the equality above is dropout's.
+  assert not _same(eight, other_key)
 
 
 @pytest.mark.timeout(120)

@@ -164,12 +164,18 @@ def test_a_peft_adapter_as_model_lora_path_gives_peft_logits(qwen, tmp_path):
 
 # ---- a GRPO LoRA run on the built-in model: its base is the run's warm start ------------------
 
+# Every role on the first simulated device: these runs test the files, not a layout, and one
+# device compiles fastest.
+ONE_DEVICE = [f"--config.placement.{r}.devices=0:1" for r in ("actor", "reference", "critic",
+                                                             "reward")]
+
+
 def test_grpo_lora_run_exports_on_its_warm_start_and_eval_generate_read_it(tmp_path, capsys):
   from workflow_util import SMOKE
   run_dir = tmp_path / "run"
   code = cli.main(["train", "--config=grpo:tiny_lora", f"--config.run_dir={run_dir}",
                    *[f"--config.{o}" for o in SMOKE if not o.startswith("trainer.total_steps")],
-                   "--config.trainer.total_steps=1"])
+                   "--config.trainer.total_steps=1", *ONE_DEVICE])
   assert code == 0, capsys.readouterr().err
   assert cli.main(["export", f"--checkpoint={run_dir}", f"--out={tmp_path}/adapter",
                    "--lora=adapter"]) == 0, capsys.readouterr().err
@@ -208,7 +214,11 @@ def test_train_starts_from_model_lora_path_and_exports_it_back(tmp_path, capsys)
                    "--config.model.lora.enabled=True", f"--config.model.lora.path={start}",
                    "--config.trainer.total_steps=1", "--config.data.eval=",
                    "--config.data.prompts_per_step=8", "--config.rollout.n=2",
-                   "--config.actor.micro_batch_size=1", "--config.trainer.eval_every=0"])
+                   "--config.actor.micro_batch_size=1", "--config.trainer.eval_every=0",
+                   # the smallest run the claim allows: short rows, one prefill bucket
+                   "--config.data.max_prompt_len=40", "--config.rollout.prefill_buckets=(40,)",
+                   "--config.rollout.max_new_tokens=8",
+                   *ONE_DEVICE])
   assert code == 0, capsys.readouterr().err
   assert cli.main(["export", f"--checkpoint={run_dir}", f"--out={tmp_path}/out",
                    "--lora=adapter"]) == 0, capsys.readouterr().err
