@@ -50,8 +50,11 @@ TINY = [("grpo:tiny", ()), ("ppo:tiny", ()), ("reinforce_pp_two_rewards:tiny", (
     (f"algorithms:{v}", ()) for v in ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp_baseline",
                                       "dapo", "gspo")]
 # The tiny model in bfloat16 (head dim 48: cuDNN serves it) under each lever that changes
-# the sequence passes' shapes.
-BF16 = ("model.dtype=bfloat16", "model.warmstart.steps=0")
+# the sequence passes' shapes.  Two prompt widths (shipped: 3) and 4 decode slots (prefill
+# rows 1 and 4; shipped: 1, 4, 16): each program kind at fewer shapes (the shipped shapes
+# are test_shipped_tiny_configs_lower_for_h100's).
+BF16 = ("model.dtype=bfloat16", "model.warmstart.steps=0", "rollout.prefill_buckets=(16, 32)",
+        "rollout.max_concurrent_decodes=4")
 LEVERS = {
     "packing": BF16 + ("model.pack_sequences=True",),
     "packing_len": BF16 + ("model.pack_sequences=True", "model.pack_len=128"),
@@ -193,7 +196,8 @@ EAGER = {"add", "broadcast_in_dim", "convert_element_type", "copy", "greater", "
          "_cumulative_reduction", "_var", "minimum", "negative", "exp", "log", "abs",
          "reshard", "clip", "expm1", "log1p", "sign", "where", "sum", "mean", "cumsum",
          "argmax", "max", "min", "tanh", "logistic", "_take", "take", "pad", "tile",
-         "repeat", "isfinite", "not", "and", "or", "ne", "eq", "lt", "le", "ge", "gt"}
+         "repeat", "isfinite", "not", "and", "bitwise_and", "or", "ne", "eq", "lt", "le", "ge",
+         "gt"}
 
 
 # A run on multi-turn episodes with tests/plugin_envs.py's scripted environment.
@@ -219,15 +223,25 @@ def _covered(compiled, cat):
   return missing
 
 
+# Two real runs carry the claims of the four configs this test ran one by one (grpo:tiny,
+# ppo:tiny, grpo:tiny with actor.off_policy.correction=tis, grpo:tiny on episodes):
+#   ppo:tiny at its shipped two prompt widths: the catalogue's widths against the run's, a
+#     single-turn rollout, and old log-probs taken from the rollout (on-policy: no pass);
+#   grpo:tiny with tis and multi-turn episodes: GRPO's DAG and warm start, old log-probs
+#     recomputed and the off-policy weights' stats (tis), and the engine's append programs
+#     (episodes, rollout/extend.py); one prompt width (32; 80 is the re-prefill bucket).
+# 4 decode slots (prefill rows 1 and 4) in both.
+PROBES = {
+    "ppo:tiny": ("--config=ppo:tiny",),
+    "grpo:tiny+tis+episodes": ("--config=grpo:tiny", "--config.actor.off_policy.correction=tis",
+                               *EPISODES, "--config.rollout.prefill_buckets=(32,80)"),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("spec", ["grpo:tiny", "ppo:tiny",
-                                  # recomputed old log-probs and the off-policy weights' stats
-                                  "grpo:tiny --config.actor.off_policy.correction=tis",
-                                  # multi-turn episodes: the append programs (rollout/extend.py)
-                                  pytest.param("grpo:tiny " + " ".join(EPISODES),
-                                               id="episodes")])
-def test_catalogue_holds_every_program_a_real_run_compiles(tmp_path, spec):
+@pytest.mark.parametrize("probe", sorted(PROBES))
+def test_catalogue_holds_every_program_a_real_run_compiles(tmp_path, probe):
   """A real 1-step run on 1 process x 2 devices with every shape compiled ahead, jax's
   compile log read back: each program it compiled (eager single operations aside) is one
   ``plan --lower`` lowers, with the same input shapes and dtypes, and the number of
@@ -236,12 +250,11 @@ def test_catalogue_holds_every_program_a_real_run_compiles(tmp_path, spec):
   env = dict(os.environ, JAX_PLATFORMS="cpu", DISTFLOW_JAX_COMPILE_CACHE="",
              PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
   env.pop("XLA_FLAGS", None)
-  spec, *more = spec.split()
-  args = [f"--config={spec}", *more, "--config.trainer.total_steps=1",
+  args = [*PROBES[probe], "--config.trainer.total_steps=1",
           "--config.model.warmstart.steps=2", "--config.trainer.eval_every=0",
           f"--config.run_dir={tmp_path / 'run'}", "--config.cluster.num_processes=1",
           "--config.cluster.devices_per_process=2", "--config.data.prompts_per_step=4",
-          "--config.rollout.max_concurrent_decodes=8", "--config.trainer.compile_ahead=always"]
+          "--config.rollout.max_concurrent_decodes=4", "--config.trainer.compile_ahead=always"]
   proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "lowering_probe.py"),
                          str(out), "2", "--", *args], cwd=tmp_path, env=env,
                         capture_output=True, text=True, timeout=800)
@@ -251,10 +264,15 @@ def test_catalogue_holds_every_program_a_real_run_compiles(tmp_path, spec):
   assert len(ours) >= 10, data["compiled"]
   missing = _covered(data["compiled"], data["catalogue"])
   assert not missing, missing
+  if "episodes" in probe:  # the run compiled the engine's append programs
+    append = {c[0] for c in data["catalogue"] if c[3].startswith("append[")}
+    assert append and append <= {c[0] for c in ours}, (append, data["catalogue"])
   with open(tmp_path / "run" / "metrics.jsonl") as f:
     first = json.loads(f.readline())
   assert first["step"] == 1 and first["compile/programs"] == data["count"], (
       first.get("compile/programs"), data["count"], len(ours))
+  # tis recomputes the old log-probs (ppo takes the rollout's)
+  assert ("old_logprob_from_rollout" in first) == ("tis" not in probe), first
 
 
 @pytest.mark.timeout(300)
