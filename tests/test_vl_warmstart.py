@@ -76,10 +76,14 @@ def test_configs_plan(args):
 @pytest.mark.timeout(300)
 def test_two_steps_of_the_tiny_config(tmp_path, monkeypatch):
   monkeypatch.setattr(trainer, "BUILTIN_TRAIN_ROWS", 64)
+  # The reference backend runs a full forward per new token: most of the run's time is
+  # rollout.max_new_tokens times the rows.  20 new tokens (not the shipped 56) keep the 9
+  # of the 64 demonstrations that fit (one square), enough for warm-start batches of 8;
+  # two held-out prompts, and the 8 rollout replicas (one a device) each take one prompt.
   cfg = _cfg(tmp_path, "model.warmstart.steps=3", "model.warmstart.examples=64",
              "model.warmstart.batch_size=8", "trainer.total_steps=2", "trainer.eval_every=2",
-             "data.eval_size=8", "data.prompts_per_step=8", "rollout.n=2",
-             "actor.micro_batch_size=1")  # rollout.max_new_tokens as shipped: fits the demos
+             "data.eval_size=2", "data.prompts_per_step=8", "rollout.n=2",
+             "actor.micro_batch_size=1", "rollout.max_new_tokens=20")
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
   assert ctx.vision is not None and cfg.model.path.endswith("warmstart-vl")
   rows = list(trainer.train(cfg, ctx, loaders))
