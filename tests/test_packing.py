@@ -229,7 +229,7 @@ def test_config_refuses_packing_with_deterministic_and_short_rows():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_grpo_and_ppo_train_packed(tmp_path):
-  """A tiny GRPO step (old log-probs recomputed, reference KL, 2 mini-batches) and
+  """A tiny GRPO run (2 steps, old log-probs recomputed, reference KL, 2 mini-batches) and
   a PPO step (values, critic) with packing on: finite losses, pad_fraction logged."""
   import math
 
@@ -239,7 +239,7 @@ def test_grpo_and_ppo_train_packed(tmp_path):
   common = ("cluster.devices_per_process=8", "model.pack_sequences=True",
             "model.share_prompt_prefix=False", "actor.micro_batch_size=1")
   for name, extra, nodes in (
-      ("grpo:tiny", ("data.prompts_per_step=8", "rollout.n=2", "trainer.total_steps=1",
+      ("grpo:tiny", ("data.prompts_per_step=8", "rollout.n=2", "trainer.total_steps=2",
                      "actor.recompute_old_logprobs=True", "actor.mini_batches=2",
                      "actor.entropy_coef=0.01"),
        ("old_logprob", "ref_logprob", "train_actor")),
