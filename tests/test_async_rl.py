@@ -73,6 +73,14 @@ def whole(tmp_path_factory):
   return run_dir, metrics, params
 
 
+@pytest.fixture(scope="module")
+def sync(tmp_path_factory):
+  """The K = 0 run of the same config: the synchronous loop's metrics and weights."""
+  start, metrics, params = run(config(str(tmp_path_factory.mktemp("sync")), 0))
+  assert start == 0
+  return metrics, params
+
+
 def sequential_replay(cfg, k):
   """Asynchronous K by hand, in one thread: batch j generated with version max(0, j - k)
   (the actor's weights after that many train steps), trained at step j."""
@@ -98,7 +106,7 @@ def sequential_replay(cfg, k):
   return weights(ctx)
 
 
-def test_k1_follows_the_version_schedule(whole, tmp_path):
+def test_k1_follows_the_version_schedule(whole, sync, tmp_path):
   _, metrics, params = whole
   assert [m["async/staleness"] for m in metrics] == [0.0, 1.0, 1.0]
   assert [m["async/staleness_max"] for m in metrics] == [0.0, 1.0, 1.0]
@@ -106,8 +114,7 @@ def test_k1_follows_the_version_schedule(whole, tmp_path):
   assert all(m["actor/skipped"] == 0.0 for m in metrics)
   assert_same(params, sequential_replay(config(str(tmp_path / "replay"), 1), 1))
   # Not the synchronous result: step 2 trained samples of the previous version.
-  _, _, sync = run(config(str(tmp_path / "sync"), 0))
-  assert any(not np.array_equal(a, b) for a, b in zip(params, sync))
+  assert any(not np.array_equal(a, b) for a, b in zip(params, sync[1]))
 
 
 def test_results_do_not_depend_on_thread_timing(whole, tmp_path, monkeypatch):
@@ -139,12 +146,12 @@ def test_resumed_k1_run_equals_the_uninterrupted_one(whole, tmp_path):
       assert a[key] == b[key], key
 
 
-def test_zero_staleness_is_the_synchronous_loop_bitwise(tmp_path):
-  cfg = config(str(tmp_path / "k0"), 0, "trainer.total_steps=2")
-  _, metrics, params = run(cfg)
+def test_zero_staleness_is_the_synchronous_loop_bitwise(sync, tmp_path):
+  metrics, params = sync
+  assert len(metrics) == STEPS
   assert not any(k.startswith("async/") for m in metrics for k in m)
   ctx, loaders = trainer.setup(config(str(tmp_path / "loop"), 0), log=lambda m: None)
-  for step in range(2):  # today's loop: generate, score, train, one step after the other
+  for step in range(STEPS):  # today's loop: generate, score, train, one step after the other
     ctx.step = step
     executor.run_step(ctx, next(loaders.train))
   assert_same(params, weights(ctx))

@@ -58,10 +58,11 @@ def test_observation_tokens_are_context():
   """Masked out of the loss, not out of the sequence: changing an observation token changes
   the log-probs of the generated tokens after it."""
   graphdef, params, batch, obs = episode_batch()
-  lp1, _ = steps.response_logprobs(graphdef, params, batch)
+  logprobs = jax.jit(steps.response_logprobs, static_argnums=0)
+  lp1, _ = logprobs(graphdef, params, batch)
   other = dict(batch, response_tokens=np.where(obs, (batch["response_tokens"] + 7) % 64,
                                                batch["response_tokens"]).astype(np.int32))
-  lp2, _ = steps.response_logprobs(graphdef, params, other)
+  lp2, _ = logprobs(graphdef, params, other)
   after = batch["loss_mask"] & (np.arange(N)[None] > 1)
   assert not np.allclose(np.asarray(lp1)[after], np.asarray(lp2)[after])
 

@@ -116,8 +116,9 @@ def test_packed_values_match_padded():
   params["value_head"]["kernel"] = jnp.ones_like(params["value_head"]["kernel"][...]) * 0.1
   batch = make_batch(2)
   packed, _ = with_plan(batch, 16)
-  v = steps.response_values(graphdef, params, batch)
-  v2 = steps.response_values(graphdef, params, packed)
+  values = jax.jit(steps.response_values, static_argnums=0)
+  v = values(graphdef, params, batch)
+  v2 = values(graphdef, params, packed)
   np.testing.assert_allclose(np.asarray(v2), np.asarray(v), atol=1e-5)
 
 
@@ -127,7 +128,7 @@ def _actor_loss_fn():
 
 
 def _old(graphdef, params, batch):
-  lp, _ = steps.response_logprobs(graphdef, params, batch)
+  lp, _ = jax.jit(steps.response_logprobs, static_argnums=0)(graphdef, params, batch)
   lp = np.asarray(lp)
   return {**batch, "old_logprobs": lp - 0.01 * batch["response_mask"],
           "ref_logprobs": lp + 0.02 * batch["response_mask"]}
@@ -138,7 +139,7 @@ def test_packed_gradients_match_padded():
   batch = _old(graphdef, params, make_batch(3))
   packed, _ = with_plan(batch, 20)
   fn = _actor_loss_fn()
-  grad = lambda b: jax.grad(lambda p: fn(graphdef, p, b).total)(params)  # noqa: E731
+  grad = lambda b: jax.jit(jax.grad(lambda p: fn(graphdef, p, b).total))(params)  # noqa: E731
   for a, b in zip(jax.tree.leaves(grad(batch)), jax.tree.leaves(grad(packed))):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
 
@@ -183,7 +184,7 @@ def test_packed_on_8_device_mesh_matches_single_device():
   assert jax.device_count() == 8
   graphdef, params = model()
   batch = _old(graphdef, params, make_batch(6))
-  ref_lp, _ = steps.response_logprobs(graphdef, params, batch)
+  ref_lp, _ = jax.jit(steps.response_logprobs, static_argnums=0)(graphdef, params, batch)
   ref_p, _ = _train(graphdef, params, batch, 2)
   for axes, shards in (({"fsdp": 4, "tensor": 2}, 4), ({"data": 8}, 8)):
     mesh = sharding.make_mesh(axes)

@@ -16,6 +16,12 @@ CFG = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=64, intermediate_size
 G, NS, PL, N = 3, 4, 7, 6  # groups, samples per group, prompt width, response width
 B = G * NS
 
+# Every model computation below runs jitted: one compile per program, not one per eager op.
+_forward = jax.jit(forward, static_argnums=0,
+                   static_argnames=("return_kv", "prefix_repeat"))
+_logprobs = jax.jit(steps.response_logprobs, static_argnums=0, static_argnames=("group_size",))
+_grouped = jax.jit(hidden.prompts_grouped, static_argnums=1)
+
 
 def grouped_batch(seed=0, group=NS):
   """`B // group` prompts (left padded, own lengths), each repeated `group` times; responses
@@ -43,13 +49,13 @@ def test_prefix_forward_equals_the_full_sequence(model):
   graphdef, params = model
   batch = grouped_batch()
   tokens, mask, pos = hidden.sequence_inputs(batch)
-  full, _ = forward(graphdef, params, tokens, pos, mask)
+  full, _ = _forward(graphdef, params, tokens, pos, mask)
   pm = jnp.asarray(batch["prompt_mask"][::NS])
-  _, kv = forward(graphdef, params, jnp.asarray(batch["prompt_tokens"][::NS]),
-                  positions_from_mask(pm), pm, return_kv=True)
+  _, kv = _forward(graphdef, params, jnp.asarray(batch["prompt_tokens"][::NS]),
+                   positions_from_mask(pm), pm, return_kv=True)
   assert [k.shape for k in kv.k] == [(G, CFG.num_kv_heads, PL, CFG.head_dim)] * CFG.num_layers
-  resp, _ = forward(graphdef, params, tokens[:, PL:], pos[:, PL:], mask[:, PL:], prefix=kv,
-                    prefix_repeat=NS)
+  resp, _ = _forward(graphdef, params, tokens[:, PL:], pos[:, PL:], mask[:, PL:], prefix=kv,
+                     prefix_repeat=NS)
   rm = batch["response_mask"]
   np.testing.assert_allclose(np.asarray(resp)[rm], np.asarray(full[:, PL:])[rm], atol=2e-5)
 
@@ -58,50 +64,51 @@ def test_prefix_arguments_are_checked(model):
   graphdef, params = model
   tok = jnp.ones((4, 3), jnp.int32)
   pos = jnp.broadcast_to(jnp.arange(3), (4, 3))
-  _, kv = forward(graphdef, params, tok[:2], pos[:2], return_kv=True)
+  _, kv = _forward(graphdef, params, tok[:2], pos[:2], return_kv=True)
   with pytest.raises(ValueError, match="prefix of 2 rows repeated 3 times"):
-    forward(graphdef, params, tok, pos, prefix=kv, prefix_repeat=3)
+    _forward(graphdef, params, tok, pos, prefix=kv, prefix_repeat=3)
   with pytest.raises(ValueError, match="exclude each other"):
-    forward(graphdef, params, tok, pos, prefix=kv, prefix_repeat=2, return_kv=True)
+    _forward(graphdef, params, tok, pos, prefix=kv, prefix_repeat=2, return_kv=True)
 
 
 @pytest.mark.slow
 def test_shared_logprobs_and_gradients_equal_the_plain_pass(model):
   graphdef, params = model
   batch = grouped_batch()
-  assert bool(hidden.prompts_grouped(batch, NS))
-  plain = hidden._response_hidden_plain(graphdef, params, batch)
-  shared = hidden._response_hidden_shared(graphdef, params, batch, NS)
+  assert bool(_grouped(batch, NS))
+  plain = jax.jit(hidden._response_hidden_plain, static_argnums=0)(graphdef, params, batch)
+  shared = jax.jit(hidden._response_hidden_shared, static_argnums=(0, 3))(graphdef, params,
+                                                                          batch, NS)
   rm = batch["response_mask"]
   np.testing.assert_allclose(np.asarray(shared)[rm], np.asarray(plain)[rm], atol=2e-5)
 
   def loss(p, gs):
     return jnp.sum(steps.response_logprobs(graphdef, p, batch, group_size=gs)[0])
-  g1 = jax.grad(loss)(params, 1)
-  g4 = jax.grad(loss)(params, NS)
+  g1 = jax.jit(jax.grad(loss), static_argnums=1)(params, 1)
+  g4 = jax.jit(jax.grad(loss), static_argnums=1)(params, NS)
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g4)):
     np.testing.assert_allclose(a, b, atol=2e-5 * max(1.0, float(jnp.max(jnp.abs(a)))))
 
 
 def test_grouping_check(model):
   batch = grouped_batch()
-  assert bool(hidden.prompts_grouped(batch, NS))
-  assert bool(hidden.prompts_grouped(batch, 1))
+  assert bool(_grouped(batch, NS))
+  assert bool(_grouped(batch, 1))
   broken = dict(batch, prompt_tokens=batch["prompt_tokens"].copy())
   broken["prompt_tokens"][1, -1] += 1  # one token differs inside a group
-  assert not bool(hidden.prompts_grouped(broken, NS))
+  assert not bool(_grouped(broken, NS))
   masked = dict(batch, prompt_mask=batch["prompt_mask"].copy())
   masked["prompt_mask"][NS + 1, -2] = False  # same tokens, other padding
-  assert not bool(hidden.prompts_grouped(masked, NS))
+  assert not bool(_grouped(masked, NS))
   graphdef, params = model
   with pytest.raises(ValueError, match="12 rows are not whole groups of 5"):
-    steps.response_logprobs(graphdef, params, batch, group_size=5)
+    _logprobs(graphdef, params, batch, group_size=5)
 
 
 def test_train_step_refuses_an_ungrouped_batch(model):
   graphdef, params = model
   batch = grouped_batch(seed=2)
-  lp, _ = steps.response_logprobs(graphdef, params, batch)
+  lp, _ = _logprobs(graphdef, params, batch)
   batch = {**batch, "old_logprobs": np.asarray(lp), "ref_logprobs": np.asarray(lp)}
   batch["prompt_tokens"] = np.roll(batch["prompt_tokens"], 1, axis=0)
   cfg = steps.ActorLoss(group_size=NS)
@@ -135,7 +142,7 @@ def test_micro_batches_keep_groups_whole():
 def test_shared_train_step_gives_the_plain_update(model, micro):
   graphdef, params = model
   batch = grouped_batch(seed=1)
-  lp, _ = steps.response_logprobs(graphdef, params, batch)
+  lp, _ = _logprobs(graphdef, params, batch)
   batch = {**batch, "old_logprobs": np.asarray(lp) - 0.05, "ref_logprobs": np.asarray(lp)}
   tx = optax.sgd(1.0)
   out = []

@@ -13,8 +13,11 @@ from distflow_jax.run import trainer
 from workflow_util import smoke_overrides
 
 
-def run(name, tmp_path, *extra):
+def run(name, tmp_path, *extra, adjust=None):
   cfg = loading.load(name, smoke_overrides(tmp_path, "cluster.devices_per_process=8", *extra))
+  if adjust is not None:
+    with cfg.unlocked():
+      adjust(cfg)
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
   before = jax.tree.map(np.asarray, ctx.roles[Role.ACTOR].params)
   metrics = list(trainer.train(cfg, ctx, loaders))
@@ -24,10 +27,23 @@ def run(name, tmp_path, *extra):
   return cfg, ctx, metrics, changed
 
 
-@pytest.mark.timeout(600)
-def test_grpo_three_steps(tmp_path):
+@pytest.fixture(scope="module")
+def grpo_three_steps(tmp_path_factory):
+  """Three GRPO steps (8 prompts x 2, micro-batches of 1) on plain prompts with prefill
+  buckets (32, 40): the run of test_grpo_three_steps and of the prompt-width test."""
+  tmp_path = tmp_path_factory.mktemp("grpo3")
+
+  def buckets(cfg):
+    cfg.rollout.prefill_buckets = (32, 40)
   cfg, ctx, metrics, changed = run("grpo:tiny", tmp_path, "data.prompts_per_step=8",
-                                   "rollout.n=2", "actor.micro_batch_size=1")
+                                   "rollout.n=2", "actor.micro_batch_size=1",
+                                   "data.chat_template=False", adjust=buckets)
+  return tmp_path, metrics, changed
+
+
+@pytest.mark.timeout(600)
+def test_grpo_three_steps(grpo_three_steps):
+  tmp_path, metrics, changed = grpo_three_steps
   assert [m["step"] for m in metrics] == [1, 2, 3]
   for m in metrics:
     for key in ("reward", "accuracy", "actor/loss", "actor/grad_norm", "response_length",
@@ -52,14 +68,9 @@ def test_prompt_width_is_the_smallest_bucket_that_fits():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_short_prompts_are_not_padded_to_max_prompt_len(tmp_path):
-  cfg = loading.load("grpo:tiny", smoke_overrides(
-      tmp_path, "cluster.devices_per_process=8", "data.prompts_per_step=8", "rollout.n=2",
-      "actor.micro_batch_size=1", "data.chat_template=False", "trainer.total_steps=2"))
-  with cfg.unlocked():
-    cfg.rollout.prefill_buckets = (32, 40)
-  ctx, loaders = trainer.setup(cfg, log=lambda m: None)
-  metrics = list(trainer.train(cfg, ctx, loaders))
+def test_short_prompts_are_not_padded_to_max_prompt_len(grpo_three_steps):
+  _, metrics, _ = grpo_three_steps
+  assert len(metrics) == 3
   for m in metrics:  # "What is 3 + 4 - 1?" prompts are < 32 characters
     assert m["prompt_width"] == 32 and m["prompt_length"] < 32
     assert math.isfinite(m["actor/loss"])
@@ -89,7 +100,7 @@ def test_ppo_three_steps_trains_actor_and_critic(tmp_path):
 def test_config_only_two_reward_dag_trains(tmp_path):
   cfg, ctx, metrics, changed = run("reinforce_pp_two_rewards", tmp_path,
                                    "data.prompts_per_step=8", "rollout.n=2",
-                                   "actor.micro_batch_size=1")
+                                   "actor.micro_batch_size=1", "trainer.total_steps=1")
   assert changed
   m = metrics[-1]
   assert "reward/reward_math" in m and "reward/reward_format" in m
@@ -98,13 +109,20 @@ def test_config_only_two_reward_dag_trains(tmp_path):
                                       abs=1e-6)
 
 
+@pytest.fixture(scope="module")
+def repartitioned_mini_batches(tmp_path_factory):
+  """One step of 16 prompts x 2 (32 rows), rollout replicas of 2 devices, 2 mini-batches
+  of micro-batches of 2: the run of the re-partition and the mini-batch tests."""
+  return run("grpo:tiny", tmp_path_factory.mktemp("repart"), "data.prompts_per_step=16",
+             "rollout.n=2", "actor.micro_batch_size=2", "actor.mini_batches=2",
+             "rollout.tensor_parallel=2", "trainer.total_steps=1",
+             "actor.entropy_coef=0.01")  # a gradient even if all rewards tie
+
+
 @pytest.mark.timeout(600)
-def test_repartition_between_rollout_and_training_layouts(tmp_path):
+def test_repartition_between_rollout_and_training_layouts(repartitioned_mini_batches):
   # Rollout replicas of 2 devices (dp 4) -> FSDP over 8 (dp 8): one all-to-all per step.
-  cfg, ctx, metrics, changed = run("grpo:tiny", tmp_path, "data.prompts_per_step=8",
-                                   "rollout.n=2", "actor.micro_batch_size=2",
-                                   "rollout.tensor_parallel=2", "trainer.total_steps=1",
-                                   "actor.entropy_coef=0.01")  # a gradient even if all rewards tie
+  cfg, ctx, metrics, changed = repartitioned_mini_batches
   assert ctx.plan.repartitions() == [("advantage", "old_logprob")]
   assert "time/move_to/old_logprob" in metrics[0]
   # The re-partition kept each prompt's 2 samples together, so the passes share prompts.
@@ -114,13 +132,11 @@ def test_repartition_between_rollout_and_training_layouts(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_two_mini_batches_of_whole_groups(tmp_path):
+@pytest.mark.timeout(600)
+def test_two_mini_batches_of_whole_groups(repartitioned_mini_batches):
   # 32 rows on 8 devices, 2 mini-batches: each shard's part of a mini-batch is one group.
-  cfg, ctx, metrics, changed = run("grpo:tiny", tmp_path, "data.prompts_per_step=16",
-                                   "rollout.n=2", "actor.mini_batches=2",
-                                   "actor.micro_batch_size=2",
-                                   "actor.entropy_coef=0.01", "trainer.total_steps=1")
+  cfg, ctx, metrics, changed = repartitioned_mini_batches
+  assert cfg.actor.mini_batches == 2 and cfg.data.prompts_per_step * cfg.rollout.n == 32
   [m] = metrics
   assert m["prompt_group/train_actor"] == 2.0
   assert math.isfinite(m["actor/loss"]) and m["actor/skipped"] == 0.0
@@ -221,7 +237,7 @@ def test_reward_model_node_adds_its_score_to_the_rule_reward(tmp_path):
   _save_rm(tmp_path / "rm", tok.vocab_size, tok)
   cfg = _rm_dag(loading.load("grpo:tiny", smoke_overrides(
       tmp_path / "run", "cluster.devices_per_process=8", "data.prompts_per_step=8",
-      "rollout.n=2", "actor.micro_batch_size=1", "trainer.total_steps=2")), tmp_path / "rm")
+      "rollout.n=2", "actor.micro_batch_size=1", "trainer.total_steps=1")), tmp_path / "rm")
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
   assert Role.REWARD in ctx.roles
   metrics = list(trainer.train(cfg, ctx, loaders))
