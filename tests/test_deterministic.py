@@ -114,3 +114,22 @@ def test_infinite_learning_rate_is_a_skipped_step_not_nan_weights():
     assert int(stats["skipped"]) == 1, lr
     for a, b in zip(before, jax.tree.leaves(new_p)):
       np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.timeout(120)
+def test_train_rows_go_in_sample_id_order_whatever_the_layout_loaded():
+  """A process loads every process_count-th prompt and its rows come as a block, so 2
+  processes give the rows of prompts 0 2 4 6 1 3 5 7; the canonical tree sums units by row
+  position, so the deterministic train node sorts the rows by sample id first."""
+  from types import SimpleNamespace
+
+  from distflow_jax.data import layout as dlayout
+  from distflow_jax.nodes import training
+  ctx = SimpleNamespace(jitted=lambda key, make: make())
+  lay = dlayout.Layout(sharding.make_mesh({"data": 4}, jax.devices()[:4]), ("data",))
+  ids = np.array([0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15], np.int32)
+  rows = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
+  data = {"x": jax.device_put(rows, lay.sharding)}
+  out = training.canonical_rows(ctx, lay, data, jax.device_put(ids, lay.sharding))
+  np.testing.assert_array_equal(np.asarray(out["x"]), rows[np.argsort(ids)])
+  assert out["x"].sharding.is_equivalent_to(lay.sharding, 2)

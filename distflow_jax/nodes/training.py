@@ -12,13 +12,14 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from distflow_jax.algos import off_policy
 from distflow_jax.algos.losses import LossAggMode
 from distflow_jax.dag.spec import DagError, Node, Role
 from distflow_jax.data import layout as dlayout
-from distflow_jax.data.batch import Batch
+from distflow_jax.data.batch import SAMPLE_ID, Batch
 from distflow_jax.nodes.common import NodeTable, seq
 from distflow_jax.nodes.passes import budget_plan, on_policy, pack_plan, prompt_group
 from distflow_jax.train import deterministic, micro_batches, steps as steps_lib
@@ -75,6 +76,20 @@ def train_step(ctx: RunContext, role: Role, section, lay: dlayout.Layout, shape:
                      shape.det), make)
 
 
+def canonical_rows(ctx: RunContext, lay: dlayout.Layout, data: dict, sample_ids) -> dict:
+  """Deterministic mode: ``data``'s rows in sample-id order.  The batch's own row order
+  depends on the layout (each process loads every process_count-th prompt and its rows
+  come as a block), and the canonical reduction tree sums units by row position, so the
+  rows are put in an order that every layout shares first.  A group's samples keep
+  their adjacent ids (prompt_id * n + j), so shared-prompt groups stay whole."""
+  def order(d, ids):
+    perm = jnp.argsort(ids, stable=True)
+    return jax.tree.map(lambda x: x[perm], d)
+  return ctx.jitted(("canonical_rows", lay), lambda: jax.jit(order,
+                                                             out_shardings=lay.sharding))(
+      data, sample_ids)
+
+
 def minibatch_take(ctx: RunContext, minis: int, gs: int, lay: dlayout.Layout):
   """Mini-batch i: whole groups (blocks of gs rows) dealt round robin, as micro-batches are."""
   def take_minibatch(d, i):
@@ -111,6 +126,8 @@ def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: 
       data["ref_logprobs"] = batch.data["ref_logprobs"]
   else:
     data.update(values=batch.data["values"], returns=batch.data["returns"])
+  if shape.det:
+    data = canonical_rows(ctx, lay, data, batch.data[SAMPLE_ID])
   step = train_step(ctx, role, section, lay, shape, loss_fn, agg, gs)
   take = minibatch_take(ctx, minis, gs, lay)
   prefix = "actor" if role is Role.ACTOR else "critic"
