@@ -329,3 +329,22 @@ def test_other_targets_lower(name):
   _assert_all_lower(rows)
   train = [r for r in rows if r.name.startswith("train_step")]
   assert all(("cudnn" in r.attention) == (name == "a100") for r in train), train
+
+
+@pytest.mark.timeout(300)
+def test_deterministic_catalogue_holds_the_row_order_of_each_train_node():
+  """Deterministic mode sorts each train step's rows by sample id first (nodes/training.
+  row_order): one program per train node and prompt width, in the catalogue and counted by
+  plan --programs; a run without the mode has none."""
+  from distflow_jax.lowering import count
+  for det, want in ((True, True), (False, False)):
+    cfg, plan = _plan("ppo:tiny", (f"trainer.deterministic={det}",))
+    cat = catalogue.programs(cfg, plan, abstract.abstract_context(cfg, plan,
+                                                                  abstract.model_shape(cfg)))
+    names = [(p.node, p.name) for p in cat.programs if p.name.startswith("canonical_rows[")]
+    nodes = {n for n, _ in names}
+    assert (nodes == {"train_actor", "train_critic"}) if want else not names, names
+    if want:
+      assert count.count(cat).by_node["train_actor"]["canonical_rows"] >= 1
+      lowered = next(p for p in cat.programs if p.name.startswith("canonical_rows["))
+      lowered.fn.lower(*lowered.args)  # it lowers on the abstract arrays

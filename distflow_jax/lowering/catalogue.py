@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding
@@ -123,6 +124,10 @@ def train_programs(ctx: RunContext, node, lay, rows: int) -> list[Program]:
     n = response_width(cfg.rollout)
     dims = _dims(ctx, rows, w)
     data = {**_seq(dims, lay), **ab.batch_fields(extra, dims, lay.sharding)}
+    if shape.det:  # the rows in sample-id order first (nodes/training.row_order)
+      ids = jax.ShapeDtypeStruct((rows,), jnp.int32)
+      out.append(Program(node.id, f"canonical_rows[w={w}]", training.row_order(ctx, lay),
+                         (data, ids)))
     if shape.minis > 1:
       take = training.minibatch_take(ctx, shape.minis, gs, lay)
       out.append(Program(node.id, f"minibatch[w={w}]", take, (data, 0)))

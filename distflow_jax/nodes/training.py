@@ -76,18 +76,21 @@ def train_step(ctx: RunContext, role: Role, section, lay: dlayout.Layout, shape:
                      shape.det), make)
 
 
-def canonical_rows(ctx: RunContext, lay: dlayout.Layout, data: dict, sample_ids) -> dict:
-  """Deterministic mode: ``data``'s rows in sample-id order.  The batch's own row order
-  depends on the layout (each process loads every process_count-th prompt and its rows
-  come as a block), and the canonical reduction tree sums units by row position, so the
-  rows are put in an order that every layout shares first.  A group's samples keep
-  their adjacent ids (prompt_id * n + j), so shared-prompt groups stay whole."""
+def row_order(ctx: RunContext, lay: dlayout.Layout):
+  """Deterministic mode: ``(data, sample_ids) -> data`` in sample-id order.  The batch's
+  own row order depends on the layout (each process loads every process_count-th prompt
+  and its rows come as a block), and the canonical reduction tree sums units by row
+  position, so the rows are put in an order that every layout shares first.  A group's
+  samples keep their adjacent ids (prompt_id * n + j), so shared-prompt groups stay whole."""
   def order(d, ids):
     perm = jnp.argsort(ids, stable=True)
     return jax.tree.map(lambda x: x[perm], d)
-  return ctx.jitted(("canonical_rows", lay), lambda: jax.jit(order,
-                                                             out_shardings=lay.sharding))(
-      data, sample_ids)
+  return ctx.jitted(("canonical_rows", lay),
+                    lambda: jax.jit(order, out_shardings=lay.sharding))
+
+
+def canonical_rows(ctx: RunContext, lay: dlayout.Layout, data: dict, sample_ids) -> dict:
+  return row_order(ctx, lay)(data, sample_ids)
 
 
 def minibatch_take(ctx: RunContext, minis: int, gs: int, lay: dlayout.Layout):
