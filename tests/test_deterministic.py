@@ -130,6 +130,6 @@ def test_train_rows_go_in_sample_id_order_whatever_the_layout_loaded():
   ids = np.array([0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15], np.int32)
   rows = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
   data = {"x": jax.device_put(rows, lay.sharding)}
-  out = training.canonical_rows(ctx, lay, data, jax.device_put(ids, lay.sharding))
+  out = training.row_order(ctx, lay)(data, jax.device_put(ids, lay.sharding))
   np.testing.assert_array_equal(np.asarray(out["x"]), rows[np.argsort(ids)])
   assert out["x"].sharding.is_equivalent_to(lay.sharding, 2)

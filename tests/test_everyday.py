@@ -10,16 +10,12 @@ import os
 
 import pytest
 
-from distflow_jax import cli
 from distflow_jax.commands import NAMES
 from distflow_jax.observe import progress, run_config
-from workflow_util import tiny_model_folder
+from workflow_util import cli_in_process, tiny_model_folder
 
 
-def _main(capsys, *argv: str) -> tuple[int, str, str]:
-  code = cli.main(list(argv))
-  out, err = capsys.readouterr()
-  return code, out, err
+_main = cli_in_process
 
 
 def _error_lines(err: str) -> list[str]:

@@ -77,10 +77,9 @@ def _update(dropout: float, rng, *, scan: bool = False, micro: int = 2):
   """The adapters' update (new - old) of one sgd(1) step: minus their gradient."""
   _, params = _params(dropout, scan)
   batch = _base_batch(scan)
-  tx = TX
   step = _step(dropout, scan, micro)
   before = lora.split_trainable(params)
-  new, _, stats = step(jax.tree.map(jnp.copy, params), placement.init_opt_state(tx, params),
+  new, _, stats = step(jax.tree.map(jnp.copy, params), placement.init_opt_state(TX, params),
                        batch, rng)
   after = lora.split_trainable(new)
   assert int(stats["skipped"]) == 0
@@ -130,16 +129,15 @@ def test_layer_drops_the_adapter_input_only():
 def test_zero_dropout_step_has_no_random_op_and_is_bitwise_unchanged():
   _, params = _params(0.0)
   batch = _base_batch(False)
-  tx = TX
   step = _step(0.0, False, 2)
-  text = step.lower(params, tx.init(lora.split_trainable(params)[0]), batch).as_text()
+  text = step.lower(params, TX.init(lora.split_trainable(params)[0]), batch).as_text()
   assert "threefry" not in text and "rng" not in text.lower()
   # p = 0 given a key, or p > 0 given none (a caller without dropout): the plain step.
   plain = _update(0.0, None)
   assert _same(plain, _update(0.0, _key(0)))
   assert _same(plain, _update(P_DROP, None))
   dropped = _step(P_DROP, False, 2)
-  assert "threefry" in dropped.lower(params, tx.init(lora.split_trainable(params)[0]), batch,
+  assert "threefry" in dropped.lower(params, TX.init(lora.split_trainable(params)[0]), batch,
                                      _key(0)).as_text()
 
 

@@ -13,18 +13,13 @@ from distflow_jax.config.loading import ConfigError
 from distflow_jax.run import model_source
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workflow_util import SMOKE  # noqa: E402
+from workflow_util import SMOKE, cli_in_process  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def cli(capsys, *args):
-  """The real command line, in this process (its imports and compiled programs shared by
-  the commands of the file): exit code, stdout and stderr."""
-  capsys.readouterr()
-  code = cli_main.main([str(a) for a in args])
-  out, err = capsys.readouterr()
-  return code, out, err
+# The real command line in this process: the file's commands share imports and programs.
+cli = cli_in_process
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ import sys
 
 import pytest
 from fixtures import tiny_hf
+from workflow_util import cli_in_process
 
-from distflow_jax import cli
 from distflow_jax.config import loading
 from distflow_jax.observe import hints
 
@@ -73,9 +73,7 @@ def test_qwen_config_trains_on_gsm8k_fixture_then_report(tmp_path, capsys):
   assert len(events) == 1 and os.path.getsize(events[0]) > 200
 
   # report reads files only: the real command line in this process.
-  capsys.readouterr()
-  code = cli.main(["report", run_dir])
-  rep_out, rep_err = capsys.readouterr()
+  code, rep_out, rep_err = cli_in_process(capsys, "report", run_dir)
   assert code == 0, rep_err
   pngs = sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "report", "*.png")))
   assert pngs == ["accuracy.png", "kl.png", "response_length.png", "reward.png",
@@ -90,10 +88,8 @@ def test_realworld_configs_load_and_plan(variant, capsys):
   assert cfg.data.prompt_key == "question" and cfg.data.chat_template
   assert cfg.model.path == "" and cfg.data.train == ""  # set by the user, never downloaded
   # plan builds no array: the real command line in this process.
-  capsys.readouterr()
-  code = cli.main(["plan", f"--config=configs/grpo.py:{variant}", "--num_processes=2",
-                   "--devices_per_process=8"])
-  out, err = capsys.readouterr()
+  code, out, err = cli_in_process(capsys, "plan", f"--config=configs/grpo.py:{variant}",
+                                  "--num_processes=2", "--devices_per_process=8")
   assert code == 0, err
   assert "train_actor" in out
 

@@ -87,3 +87,13 @@ def tiny_train_argv(tmp_path, run_dir, *extra):
           "--config.rollout.n=2", "--config.rollout.max_new_tokens=8",
           "--config.actor.micro_batch_size=1", "--config.trainer.save_every=0",
           "--config.trainer.async_save=False", *extra]
+
+
+def cli_in_process(capsys, *args) -> tuple[int, str, str]:
+  """The real command line (``cli.main``) in this process: exit code, stdout, stderr (what
+  was printed before the call is dropped)."""
+  from distflow_jax import cli
+  capsys.readouterr()
+  code = cli.main([str(a) for a in args])
+  out, err = capsys.readouterr()
+  return code, out, err

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding
@@ -125,7 +124,7 @@ def train_programs(ctx: RunContext, node, lay, rows: int) -> list[Program]:
     dims = _dims(ctx, rows, w)
     data = {**_seq(dims, lay), **ab.batch_fields(extra, dims, lay.sharding)}
     if shape.det:  # the rows in sample-id order first (nodes/training.row_order)
-      ids = jax.ShapeDtypeStruct((rows,), jnp.int32)
+      ids = jax.ShapeDtypeStruct((rows,), np.int32)
       out.append(Program(node.id, f"canonical_rows[w={w}]", training.row_order(ctx, lay),
                          (data, ids)))
     if shape.minis > 1:

@@ -89,10 +89,6 @@ def row_order(ctx: RunContext, lay: dlayout.Layout):
                     lambda: jax.jit(order, out_shardings=lay.sharding))
 
 
-def canonical_rows(ctx: RunContext, lay: dlayout.Layout, data: dict, sample_ids) -> dict:
-  return row_order(ctx, lay)(data, sample_ids)
-
-
 def minibatch_take(ctx: RunContext, minis: int, gs: int, lay: dlayout.Layout):
   """Mini-batch i: whole groups (blocks of gs rows) dealt round robin, as micro-batches are."""
   def take_minibatch(d, i):
@@ -130,7 +126,7 @@ def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: 
   else:
     data.update(values=batch.data["values"], returns=batch.data["returns"])
   if shape.det:
-    data = canonical_rows(ctx, lay, data, batch.data[SAMPLE_ID])
+    data = row_order(ctx, lay)(data, batch.data[SAMPLE_ID])
   step = train_step(ctx, role, section, lay, shape, loss_fn, agg, gs)
   take = minibatch_take(ctx, minis, gs, lay)
   prefix = "actor" if role is Role.ACTOR else "critic"
