@@ -20,25 +20,41 @@ def test_readme_test_command_is_the_ci_command():
   blocks = re.findall(r"```bash\n(.*?)\n```", _read("README.md"), re.S)
   readme = [b for b in blocks if "pytest" in b and b.startswith("python3 -m venv")]
   assert readme == ci
-  # The in-process pass: two workers, stealing, so the slow-first order
-  # (tests/conftest.py) lets both finish together.
-  assert '-n 2 --dist worksteal -m "not multiprocess"' in ci[0]
+  # One pytest, every test in it: two workers, stealing, so the slow-first order
+  # (tests/conftest.py) lets both finish together; no -m leaves a test out.
+  assert ci[0].endswith("pytest -q -n 2 --dist worksteal"), ci[0]
 
 
 @pytest.mark.timeout(30)
-def test_modules_with_a_slow_test_are_collected_first_and_kept_whole():
+def test_modules_with_a_slow_or_multiprocess_test_are_collected_first_and_kept_whole():
   import types
 
   import conftest
 
   class Item:
-    def __init__(self, module, name, slow=False):
-      self.module, self.name, self.slow = types.SimpleNamespace(__name__=module), name, slow
+    def __init__(self, module, name, mark=None):
+      self.module, self.name, self.mark = types.SimpleNamespace(__name__=module), name, mark
 
     def get_closest_marker(self, name):
-      return object() if name == "slow" and self.slow else None
+      return object() if name == self.mark else None
 
-  items = [Item("test_a", "a1"), Item("test_b", "b1"), Item("test_b", "b2", slow=True),
-           Item("test_c", "c1", slow=True), Item("test_a", "a2"), Item("test_b", "b3")]
+  items = [Item("test_a", "a1"), Item("test_b", "b1"), Item("test_b", "b2", "slow"),
+           Item("test_c", "c1", "slow"), Item("test_a", "a2"), Item("test_d", "d1"),
+           Item("test_b", "b3"), Item("test_e", "e1", "multiprocess"), Item("test_e", "e2")]
   conftest.pytest_collection_modifyitems(None, items)
-  assert [i.name for i in items] == ["b1", "b2", "c1", "b3", "a1", "a2"]
+  assert [i.name for i in items] == ["b1", "b2", "c1", "b3", "e1", "e2", "a1", "a2", "d1"]
+
+
+@pytest.mark.timeout(30)
+def test_the_avx2_variant_caps_every_process_it_starts():
+  from distflow_jax import launcher
+
+  import isa
+
+  base = {"XLA_FLAGS": "--xla_cpu_max_isa=AVX512 --xla_dump_to=/tmp/x", "PATH": "/bin"}
+  for which, want in (("native", None), ("avx2", "--xla_cpu_max_isa=AVX2")):
+    env = launcher.child_env(isa.isa_env(which, base), coordinator="127.0.0.1:1",
+                             num_processes=2, process_id=1, devices_per_process=2)
+    flags = env["XLA_FLAGS"].split()
+    assert [f for f in flags if f.startswith("--xla_cpu_max_isa")] == ([want] if want else [])
+    assert "--xla_dump_to=/tmp/x" in flags and "--xla_force_host_platform_device_count=2" in flags

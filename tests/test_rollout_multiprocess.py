@@ -5,14 +5,16 @@ import sys
 import pytest
 
 from distflow_jax import launcher
+from isa import ISAS, isa_env
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.reduction_order]
 
 
 @pytest.mark.timeout(300)
-def test_each_host_generates_its_own_prompts_2x2():
+@pytest.mark.parametrize("isa", ISAS)
+def test_each_host_generates_its_own_prompts_2x2(isa):
   result = launcher.launch(2, 2, [sys.executable, "tests/mp/rollout_hosts.py"], timeout_s=280,
-                           out=None)
+                           env=isa_env(isa), out=None)
   assert result.ok, result.describe() + "\n" + "\n".join(sum(result.outputs, []))
   assert "OK process 0/2 generated 3 prompts" in result.outputs[0]
   assert "OK process 1/2 generated 2 prompts" in result.outputs[1]

@@ -21,6 +21,7 @@ import pytest
 from distflow_jax import launcher
 from distflow_jax.config import loading
 from distflow_jax.run import trainer
+from isa import ISAS, isa_env
 from workflow_util import params_digest, smoke_overrides, use_tape
 
 pytestmark = pytest.mark.multiprocess
@@ -41,11 +42,11 @@ CASES = {
 # reduces both inside a process and across processes; the packed and LoRA tests below
 # replay on it too), PPO, actor and critic, on 4 x 1 (every reduction across processes).
 # Deterministic mode claims bitwise equality, which a reduction order could break: it runs
-# on both layouts and again capped at AVX2 (.ci/run's last pass, `reduction_order`), there
-# on 2 x 2 alone (4 x 1 is four processes on CI's two cores, over half of its time).
-AVX2_CAPPED = "--xla_cpu_max_isa=AVX2" in os.environ.get("XLA_FLAGS", "")
+# on both layouts natively and again with XLA's CPU code capped at AVX2 (`isa`, the
+# processes' XLA_FLAGS; tests/isa.py), there on 2 x 2 alone (4 x 1 is four processes on
+# CI's two cores, over half of the test's time).
 DEFAULT_MODE_LAYOUTS = {"grpo": ((2, 2),), "ppo": ((4, 1),)}
-DETERMINISTIC_LAYOUTS = ((2, 2),) if AVX2_CAPPED else ((2, 2), (4, 1))
+DETERMINISTIC_LAYOUTS = {"native": ((2, 2), (4, 1)), "avx2": ((2, 2),)}
 
 
 def _single(tmp_path, name, extra, tape=None, mode=None):
@@ -80,12 +81,12 @@ def recorded(tmp_path_factory):
   return run
 
 
-def _multi(tmp_path, name, extra, procs, devs, tape=None, mode="replay"):
+def _multi(tmp_path, name, extra, procs, devs, tape=None, mode="replay", isa="native"):
   out = tmp_path / f"multi_{procs}x{devs}.json"
   overrides = smoke_overrides(tmp_path / f"run_{procs}x{devs}",
                               f"cluster.devices_per_process={devs}",
                               f"cluster.num_processes={procs}", *extra)
-  env = dict(os.environ)
+  env = isa_env(isa)
   if tape is not None:
     env.update(DISTFLOW_TEST_TAPE=str(tape), DISTFLOW_TEST_TAPE_MODE=mode)
   result = launcher.launch(procs, devs, [sys.executable, "tests/mp/workflow_train.py", str(out),
@@ -156,18 +157,22 @@ def test_packed_on_2x2_agrees_with_padded_on_1x8(share, tmp_path, recorded):
 
 @pytest.mark.timeout(1500)
 @pytest.mark.reduction_order
-def test_deterministic_mode_is_bitwise_equal_across_layouts(tmp_path):
+@pytest.mark.parametrize("isa", ISAS)
+def test_deterministic_mode_is_bitwise_equal_across_layouts(isa, tmp_path):
   name, extra = CASES["grpo"]
   # The entropy term gives a non-zero gradient from step 1 (the KL and policy terms are 0
   # there: the policy is the reference and grpo:tiny's first rewards tie); without it the
   # summed gradient was 0 and the sum's order went untested (it differed: a process's rows
   # come as a block, so the batch's row order was the layout's; nodes/training.py).
   extra = [*extra, "trainer.deterministic=True", "actor.entropy_coef=0.01"]
-  single = _single(tmp_path, name, extra, tmp_path / "tape_1x8", "record")
+  if isa == "native":
+    single = _single(tmp_path, name, extra, tmp_path / "tape_1x8", "record")
+  else:  # every side under the same cap: the 1 x 8 run is a process of its own too
+    single = _multi(tmp_path, name, extra, 1, 8, tmp_path / "tape_1x8", "record", isa)
   want = _read_tape(tmp_path / "tape_1x8")
-  for procs, devs in DETERMINISTIC_LAYOUTS:
+  for procs, devs in DETERMINISTIC_LAYOUTS[isa]:
     tape = tmp_path / f"tape_{procs}x{devs}"
-    multi = _multi(tmp_path, name, extra, procs, devs, tape, "record")
+    multi = _multi(tmp_path, name, extra, procs, devs, tape, "record", isa)
     got = _read_tape(tape)
     assert sorted(got) == sorted(want)
     for key, fields in want.items():  # every sample of every step: tokens and log-probs

@@ -1,0 +1,24 @@
+"""The instruction sets a bitwise claim across layouts or processes is checked on.
+
+XLA's CPU code may sum in another order on another instruction set (AVX-512 or not), so a
+result that is bitwise equal across layouts on one CPU kind could differ on another.  The
+tests that claim such equality (marked ``reduction_order``) take ``isa`` as a parameter and
+run their processes once on the CPU's own instruction set and once with XLA's CPU code
+capped at AVX2 (every side of the comparison under the same cap: the flag is read when a
+process starts jax, so each side is a process of its own).  One pytest run holds both; the
+cap has its own compilation-cache entries (XLA flags are part of the key)."""
+
+from __future__ import annotations
+
+import os
+
+ISAS = ("native", "avx2")
+_FLAGS = {"native": "", "avx2": "--xla_cpu_max_isa=AVX2"}
+
+
+def isa_env(isa: str, base: dict[str, str] | None = None) -> dict[str, str]:
+  """The environment for a test's processes on ``isa`` (the launcher adds the device count)."""
+  env = dict(os.environ if base is None else base)
+  flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_cpu_max_isa")]
+  env["XLA_FLAGS"] = " ".join(flags + ([_FLAGS[isa]] if _FLAGS[isa] else []))
+  return env
