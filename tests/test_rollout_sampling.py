@@ -34,6 +34,42 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
   np.testing.assert_array_equal(np.isfinite(got[0]), [False, True, False, False])
 
 
+def _np_top_p_keep(x, top_p):
+  """The rule in float64: keep a token when the mass strictly above it is below top_p."""
+  p = np.exp(x - x.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  above = np.array([[p[b][x[b] > x[b, j]].sum() for j in range(x.shape[1])]
+                    for b in range(x.shape[0])])
+  return above < top_p, above
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.3, 0.9, 0.999])
+def test_top_p_by_bisection_is_the_sort_rule_with_ties_and_masked_tokens(top_p):
+  rs = np.random.RandomState(int(top_p * 1000))
+  x = (rs.randn(16, 300) * rs.uniform(0.3, 4.0, (16, 1))).astype(np.float32)
+  x[:, 5:40] = np.round(x[:, 5:40], 1)  # ties, some at the cut
+  x[3, :] = x[3, 0]  # a row of one value: all tied, all kept
+  x[4, 100:] = -np.inf  # top-k's masked tokens
+  x[5, 7], x[5, 8] = 0.0, -0.0  # +0 and -0 are one logit
+  got = np.isfinite(np.asarray(jax.jit(sampling_logits, static_argnums=1)(
+      jnp.asarray(x), SamplingParams(top_p=top_p))))
+  want, above = _np_top_p_keep(x.astype(np.float64), top_p)
+  near = np.abs(above - top_p) < 1e-5  # float32 rounding may put these on either side
+  assert near.mean() < 0.01
+  np.testing.assert_array_equal(got[~near], want[~near])
+  assert got[3].all() and not got[4, 100:].any() and got[5, 7] == got[5, 8]
+  # Ties are kept together: every kept logit's equals are kept.
+  for b in range(16):
+    cut = x[b][got[b]].min()
+    np.testing.assert_array_equal(got[b], x[b] >= cut)
+
+
+def test_top_p_sorts_nothing():
+  hlo = jax.jit(sampling_logits, static_argnums=1).lower(
+      jnp.zeros((4, 1000), jnp.float32), SamplingParams(top_p=0.9)).as_text()
+  assert "sort" not in hlo
+
+
 def test_greedy_picks_argmax_and_returns_model_logprob():
   rs = np.random.RandomState(0)
   x = rs.randn(5, 11).astype(np.float32)

@@ -62,14 +62,40 @@ def sampling_logits(logits_BxV: jax.Array, sp: SamplingParams) -> jax.Array:
     kth_Bx1 = jax.lax.top_k(x, sp.top_k)[0][:, -1:]
     x = jnp.where(x >= kth_Bx1, x, _NEG_INF)
   if sp.top_p < 1.0:
-    sorted_BxV = jnp.flip(jnp.sort(x, axis=-1), axis=-1)
-    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
-    mass_before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
-    keep_BxV = mass_before_BxV < sp.top_p
-    # The smallest logit still kept; the first token is always kept.
-    cut_Bx1 = jnp.min(jnp.where(keep_BxV, sorted_BxV, jnp.inf), axis=-1, keepdims=True)
-    x = jnp.where(x >= cut_Bx1, x, _NEG_INF)
+    x = jnp.where(_order_keys(x) >= top_p_cut(x, sp.top_p), x, _NEG_INF)
   return x
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+  """int32 keys in the order of the float32 values ``x`` (-0 taken as +0; no NaN)."""
+  i = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x).astype(jnp.float32), jnp.int32)
+  return jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
+
+
+def top_p_cut(x_BxV: jax.Array, top_p: float) -> jax.Array:
+  """The order key (`_order_keys`) of the smallest logit top-p keeps, ``[B, 1]``.
+
+  A token is kept when the probability mass of the tokens strictly above it is below
+  `top_p`: the smallest descending prefix that reaches `top_p`, ties at the cut all kept.
+  That mass falls as the cut rises, so the cut is found by bisection over the 2^32 order
+  keys: 32 masked sums over the vocabulary, where a sort would take O(V log^2 V) passes on
+  an accelerator (issue 32).  It is the sort's cut but where a token's mass above lies
+  within float32 rounding of `top_p` (summed in another order)."""
+  probs_BxV = jax.nn.softmax(x_BxV, axis=-1)
+  keys_BxV = _order_keys(x_BxV)
+
+  def above(t_Bx1):  # the mass strictly above each row's key t
+    return jnp.sum(jnp.where(keys_BxV > t_Bx1, probs_BxV, 0.0), axis=-1, keepdims=True)
+
+  def halve(_, lo_hi):
+    lo, hi = lo_hi  # above(hi) < top_p; above(lo) >= top_p unless lo is below every key
+    mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+    below = above(mid) < top_p
+    return jnp.where(below, lo, mid), jnp.where(below, mid, hi)
+
+  lo = jnp.min(keys_BxV, axis=-1, keepdims=True) - 1
+  hi = jnp.max(keys_BxV, axis=-1, keepdims=True)
+  return jax.lax.fori_loop(0, 32, halve, (lo, hi))[1]
 
 
 def request_keys(base_key: jax.Array, request_ids_B: jax.Array) -> jax.Array:
