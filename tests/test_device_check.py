@@ -13,22 +13,27 @@ import time
 import psutil
 import pytest
 
+from conftest import SHARED_CACHE_VARS
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SCRIPT = os.path.join(ROOT, "tools", "device_check.py")
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import device_check  # noqa: E402
 
 
-def _popen(args):
+def _popen(args, cold=False):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
+  if cold:  # without the suite's shared compilation cache: every section compiles
+    for name in SHARED_CACHE_VARS:
+      env.pop(name, None)
   return subprocess.Popen([sys.executable, SCRIPT, *args], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
                           stdin=subprocess.DEVNULL, start_new_session=True)
 
 
-def _run(args, deadline_s):
+def _run(args, deadline_s, cold=False):
   """The script in its own process group, SIGKILLed with its children at the deadline."""
-  p = _popen(args)
+  p = _popen(args, cold)
   try:
     out, err = p.communicate(timeout=deadline_s)
   except subprocess.TimeoutExpired:
@@ -109,12 +114,15 @@ def test_tiny_shape_on_cpu(tmp_path):
 
 @pytest.mark.timeout(150)
 def test_section_killed_at_its_limit_keeps_the_finished_rows(tmp_path):
-  """train gets 2 s (jax's import alone takes longer): its child is SIGKILLed, its row says
-  so, the rows before it stay on stdout and in --out, and the next section still runs."""
+  """train gets 2 s (importing jax and flax and compiling the step take longer; the run
+  goes without the suite's shared compilation cache, where an earlier test's step could
+  load in a second): its child is SIGKILLed, its row says so, the rows before it stay on
+  stdout and in --out, and the next section still runs."""
   out_json = tmp_path / "check.jsonl"
   t0 = time.monotonic()
   rc, out, err = _run(["--shape", "tiny", "--skip", "decode,grpo", "--limit", "train=2",
-                       "--out", str(out_json), "--workdir", str(tmp_path / "work")], 120)
+                       "--out", str(out_json), "--workdir", str(tmp_path / "work")], 120,
+                      cold=True)
   assert rc == 1, f"stdout:\n{out}\nstderr:\n{err[-3000:]}"
   labels = _labels(out)
   for start in ("versions", "bfloat16 matmul", "copy x + 1"):
