@@ -47,6 +47,11 @@ SHARED_CACHE_VARS = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMP
                      "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
 
 
+def without_shared_cache(env) -> dict:
+  """A copy of ``env`` without the suite's shared compilation cache: its processes compile."""
+  return {k: v for k, v in env.items() if k not in SHARED_CACHE_VARS}
+
+
 def pytest_unconfigure(config):
   if _OWNS_CACHE and not hasattr(config, "workerinput"):
     import shutil

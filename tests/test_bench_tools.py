@@ -346,14 +346,3 @@ def test_bench_rollout_against_tunix_sampler(capsys):
   assert rc == 0, out
   assert "Tunix sampler vs engine, token for token: 1.000 of tokens, 2/2 rows equal" in out
   assert "engine vs Tunix sampler: " in out
-
-
-@pytest.mark.timeout(120)
-def test_bench_top_p_prints_both_contenders_and_their_agreement(capsys):
-  import bench_top_p
-
-  assert bench_top_p.main(["--vocab", "512", "--batch", "2", "--rounds", "2"]) == 0
-  out = capsys.readouterr().out
-  (row,) = [l for l in out.splitlines() if l.strip().startswith("2 ")]
-  assert row.split()[1] == "512" and row.split()[-1] == "1.000000", out
-  assert out.count("load average") == 2

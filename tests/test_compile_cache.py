@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import SHARED_CACHE_VARS
+from conftest import SHARED_CACHE_VARS, without_shared_cache
 from workflow_util import smoke_overrides
 
 from distflow_jax.run import compile_cache
@@ -105,7 +105,7 @@ def test_gpu_autotune_results_are_kept_beside_the_compile_cache(tmp_path):
   cache into it: a second run on a GPU skips autotuning its kernels as it skips their
   compiles.  A JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES the user set ("" = jax's companion
   caches off) is respected.  (jax's default already names this cache; the test pins it.)"""
-  env = {k: v for k, v in os.environ.items() if k not in SHARED_CACHE_VARS}
+  env = without_shared_cache(os.environ)
   env.pop(compile_cache.ENV, None)
   for setting, want in ((None, str(tmp_path / "c" / "xla_gpu_per_fusion_autotune_cache_dir")),
                         ("", "")):

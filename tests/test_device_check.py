@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from conftest import SHARED_CACHE_VARS
+from conftest import without_shared_cache
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SCRIPT = os.path.join(ROOT, "tools", "device_check.py")
@@ -23,9 +23,8 @@ import device_check  # noqa: E402
 
 def _popen(args, cold=False):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  if cold:  # without the suite's shared compilation cache: every section compiles
-    for name in SHARED_CACHE_VARS:
-      env.pop(name, None)
+  if cold:  # every section compiles
+    env = without_shared_cache(env)
   return subprocess.Popen([sys.executable, SCRIPT, *args], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
                           stdin=subprocess.DEVNULL, start_new_session=True)

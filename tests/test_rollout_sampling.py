@@ -1,6 +1,9 @@
 """Sampling maths against numpy: top-k / top-p masks, temperature, greedy, logprobs, PRNG
 streams."""
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,3 +126,16 @@ def test_stream_depends_on_request_and_step_only():
 def test_bad_params_name_the_field(kw, word):
   with pytest.raises(ValueError, match=word):
     SamplingParams(**kw)
+
+
+@pytest.mark.timeout(120)
+def test_bench_top_p_prints_both_contenders_and_their_agreement(capsys):
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                  "tools"))
+  import bench_top_p
+
+  assert bench_top_p.main(["--vocab", "512", "--batch", "2", "--rounds", "2"]) == 0
+  out = capsys.readouterr().out
+  (row,) = [l for l in out.splitlines() if l.strip().startswith("2 ")]
+  assert row.split()[1] == "512" and row.split()[-1] == "1.000000", out
+  assert out.count("load average") == 2

@@ -68,7 +68,7 @@ def sampling_logits(logits_BxV: jax.Array, sp: SamplingParams) -> jax.Array:
 
 def _order_keys(x: jax.Array) -> jax.Array:
   """int32 keys in the order of the float32 values ``x`` (-0 taken as +0; no NaN)."""
-  i = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x).astype(jnp.float32), jnp.int32)
+  i = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.int32)  # x: float32
   return jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
 
 
