@@ -68,3 +68,27 @@ def _gatherer(group: tuple[int, ...]):
       firsts[d.process_index] = d
   mesh = Mesh(np.array([firsts[p] for p in group]), ("p",))
   return mesh, jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, P()))
+
+
+def leader() -> int:
+  """The calling thread's group's first process (0 outside ``within``): the one that
+  writes a group's shared files (a checkpoint's record, its tokenizer, metrics)."""
+  group = current()
+  return 0 if group is None else group[0]
+
+
+def is_leader() -> bool:
+  import jax
+  return jax.process_index() == leader()
+
+
+def orbax_options():
+  """Orbax's multiprocessing options for the calling thread's group: its saves and
+  restores synchronise among the group alone (outside ``within``: every process)."""
+  import orbax.checkpoint as ocp
+  group = current()
+  if group is None:
+    return ocp.options.MultiprocessingOptions()
+  return ocp.options.MultiprocessingOptions(
+      primary_host=group[0], active_processes=set(group),
+      barrier_sync_key_prefix="group-" + "-".join(map(str, group)))

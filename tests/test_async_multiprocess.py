@@ -20,9 +20,11 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from distflow_jax import launcher
+from distflow_jax.persist import checkpoint as ck
 from workflow_util import smoke_overrides
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -86,27 +88,43 @@ def test_two_rollout_processes_and_two_training_processes(tmp_path):
       assert abs(a[key] - b[key]) <= 2e-4 * abs(b[key]) + 1e-6, (a["step"], key)
 
 
-# Which process trains, which generates (devices 0:1 are process 0's).
+# Which process trains, which generates (devices 0:1 are process 0's).  The training
+# processes of a run that checkpoints (the train command) include process 0, where orbax
+# writes a checkpoint's shared files; a killed training process 1 is seen through the
+# test child, which saves nothing (process 0 hosts the coordination service: when it dies
+# JAX itself ends the others, README "Launching").
 GROUPS = {"rollout_killed": ("1:2", "0:1"), "training_killed": ("0:1", "1:2")}
+TRAIN_FIRST = ["placement.rollout.devices=1:2", "placement.actor.devices=0:1",
+               "placement.reference.devices=0:1", *SPLIT[3:]]
 
 
-def _start(tmp_path, rollout, training):
-  """``distflow-jax train`` on 2 processes x 1 device, its output in files."""
+def _overrides(run_dir, *extra):
+  return smoke_overrides(run_dir, "cluster.devices_per_process=1", "cluster.num_processes=2",
+                         *extra)
+
+
+def _start(tmp_path, rollout, training, steps=10000, env=None, *extra):
+  """2 processes x 1 device started by hand, their output in files: ``distflow-jax train``
+  when the training holds process 0, else the test child (it saves no checkpoint)."""
   coord = f"127.0.0.1:{launcher.free_port()}"
-  overrides = [f"--config.{o}" for o in smoke_overrides(
-      tmp_path / "run", "cluster.devices_per_process=1", "cluster.num_processes=2",
-      "trainer.max_staleness=1", "trainer.total_steps=10000", *SPLIT,
-      f"placement.rollout.devices={rollout}", f"placement.actor.devices={training}",
-      f"placement.reference.devices={training}")]
+  overrides = _overrides(tmp_path / "run", "trainer.max_staleness=1",
+                         f"trainer.total_steps={steps}", *SPLIT,
+                         f"placement.rollout.devices={rollout}",
+                         f"placement.actor.devices={training}",
+                         f"placement.reference.devices={training}", *extra)
+  if training.startswith("0:"):
+    cmd = ["-m", "distflow_jax.cli", "train", *[f"--config.{o}" for o in overrides]]
+  else:
+    cmd = ["tests/mp/async_train.py", str(tmp_path / "out.json"), "grpo:tiny", *overrides]
   procs, logs = [], []
   for i in range(2):
-    env = launcher.child_env(dict(os.environ), coordinator=coord, num_processes=2,
-                             process_id=i, devices_per_process=1)
+    child = launcher.child_env(dict(env or os.environ), coordinator=coord, num_processes=2,
+                               process_id=i, devices_per_process=1)
     logs.append(tmp_path / f"out{i}.txt")
     with open(logs[-1], "w") as f:
       procs.append(subprocess.Popen(
-          [sys.executable, "-m", "distflow_jax.cli", "train", *overrides], env=env, stdout=f,
-          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+          [sys.executable, *cmd], env=child, stdout=f, stderr=subprocess.STDOUT,
+          stdin=subprocess.DEVNULL, start_new_session=True))
   return procs, logs
 
 
@@ -117,15 +135,22 @@ def _kill(procs):
     p.wait()
 
 
+def _steps_done(tmp_path, logs, training) -> int:
+  if training.startswith("0:"):
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+  return logs[1].read_text().count("\nstep ") if logs[1].exists() else 0
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", sorted(GROUPS))
 def test_a_killed_peer_in_either_group_stops_the_other_in_one_line(tmp_path, case):
-  procs, logs = _start(tmp_path, *GROUPS[case])
+  rollout, training = GROUPS[case]
+  procs, logs = _start(tmp_path, rollout, training)
   victim, survivor = procs[1], procs[0]
-  metrics = tmp_path / "run" / "metrics.jsonl"
   try:
     deadline = time.monotonic() + 200
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+    while _steps_done(tmp_path, logs, training) < 2:
       assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (
           logs[0].read_text()[-3000:], logs[1].read_text()[-3000:])
       time.sleep(0.2)
@@ -150,9 +175,8 @@ def test_the_rollout_process_waits_for_the_trainer_at_the_end(tmp_path):
   """With K = 1 and 2 steps the rollout process makes both batches from version 0 and is
   done while the trainer still compiles its first step; jax's shutdown barrier (1 s here)
   must not be where it waits."""
-  overrides = [f"--config.{o}" for o in smoke_overrides(
-      tmp_path / "run", "cluster.devices_per_process=1", "cluster.num_processes=2",
-      "trainer.max_staleness=1", "trainer.total_steps=2", *SPLIT)]
+  overrides = [f"--config.{o}" for o in _overrides(
+      tmp_path / "run", "trainer.max_staleness=1", "trainer.total_steps=2", *TRAIN_FIRST)]
   env = dict(os.environ, DISTFLOW_SHUTDOWN_TIMEOUT_S="1")
   result = launcher.launch(2, 1, [sys.executable, "-m", "distflow_jax.cli", "train",
                                   *overrides], timeout_s=300, env=env, out=None)
@@ -162,18 +186,83 @@ def test_the_rollout_process_waits_for_the_trainer_at_the_end(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_run_dir_with_checkpoints_is_refused_in_one_line(tmp_path):
-  """No checkpoint is saved or restored on disjoint processes yet: a run dir that holds
-  checkpoints would otherwise be started over in silence (its metrics mixed)."""
-  (tmp_path / "run" / "checkpoints" / "1").mkdir(parents=True)  # a committed step's name
-  overrides = [f"--config.{o}" for o in smoke_overrides(
-      tmp_path / "run", "cluster.devices_per_process=1", "cluster.num_processes=2",
-      "trainer.max_staleness=1", *SPLIT)]
+def test_training_without_process_0_is_refused_in_one_line(tmp_path):
+  """The train command checkpoints; with the rollout on process 0 it cannot (orbax writes
+  a checkpoint's shared files from process 0): one line before any step, on both sides."""
+  overrides = [f"--config.{o}" for o in _overrides(tmp_path / "run", "trainer.max_staleness=1",
+                                                     *SPLIT)]
   result = launcher.launch(2, 1, [sys.executable, "-m", "distflow_jax.cli", "train",
                                   *overrides], timeout_s=200, env=dict(os.environ), out=None)
   assert result.first_failure is not None and result.first_failure[1] == 2, result.describe()
   out = result.outputs[result.first_failure[0]]  # the others are stopped by the launcher
   errors = [l for l in out if l.startswith("distflow-jax train: error:")]
-  assert len(errors) == 1 and "cannot resume yet" in errors[0] and (
-      "holds checkpoints of steps [1]; choose another --config.run_dir" in errors[0]), out
+  assert len(errors) == 1 and "must include process 0" in errors[0] and (
+      "--config.placement.rollout.devices=1:2" in errors[0]), out
   assert not any("Traceback" in l for l in out), out[-20:]
+  assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+RESUME_STEPS, RESUME_K = 5, 2
+
+
+def _metrics(run_dir):
+  rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+  return {r["step"]: {k: v for k, v in r.items()
+                      if not k.startswith(("time/", "tokens_per_s", "compile/"))}
+          for r in rows}
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_run_resumed_equals_the_uninterrupted_one(tmp_path):
+  """K = 2, a checkpoint after every step: both processes are SIGKILLed while step 2's
+  checkpoint is written; ``--resume`` starts from the last committed step with its two
+  batches in flight (saved by the training process, the rollout process's prompt position
+  with them) and ends bitwise where the uninterrupted run ends, every step's metrics
+  equal: no sample lost, none trained twice, none generated by another version."""
+  cache = tmp_path / "jax_cache"
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  common = [f"trainer.max_staleness={RESUME_K}", f"trainer.total_steps={RESUME_STEPS}",
+            "trainer.save_every=1", "trainer.keep=0", "actor.entropy_coef=0.01",
+            *TRAIN_FIRST]
+  whole = tmp_path / "whole"
+
+  def train(run_dir, *flags):
+    overrides = [f"--config.{o}" for o in _overrides(run_dir, *common)]
+    result = launcher.launch(2, 1, [sys.executable, "-m", "distflow_jax.cli", "train",
+                                    *overrides, *flags], timeout_s=400, env=env, out=None)
+    assert result.ok, result.describe() + "\n" + "\n".join(sum(result.outputs, [])[-40:])
+    return result
+
+  train(whole)
+  cut = tmp_path / "cut"
+  saving = ck.checkpoint_dir(str(cut / "run"))
+  cut.mkdir()
+  procs, logs = _start(cut, "1:2", "0:1", RESUME_STEPS, env, *common)
+  try:
+    deadline = time.monotonic() + 300
+    while not (os.path.exists(os.path.join(saving, "2.orbax-checkpoint-tmp"))
+               or os.path.isdir(os.path.join(saving, "2"))):
+      assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (
+          logs[0].read_text()[-3000:], logs[1].read_text()[-3000:])
+      time.sleep(0.005)
+  finally:
+    _kill(procs)
+  held = ck.Checkpointer(saving, save_every=1, keep=0, log=lambda m: None).steps()
+  assert held and held[-1] < RESUME_STEPS, held  # killed mid-run, a step saved
+  resumed = train(cut / "run", "--resume")
+  log = "\n".join(resumed.outputs[0])
+  assert f"(step {held[-1]})" in log, log[-3000:]
+  want, got = _metrics(whole), _metrics(cut / "run")
+  assert sorted(got) == sorted(want) == list(range(1, RESUME_STEPS + 1))
+  for step in want:
+    assert got[step] == want[step], (step, got[step], want[step])
+  assert [want[s]["async/staleness_max"] for s in sorted(want)] == [0, 1, 2, 2, 2]
+  _, a, _ = ck.read_arrays(ck.checkpoint_dir(str(whole)))
+  _, b, _ = ck.read_arrays(saving)
+  assert sorted(a) == sorted(b)
+  for name in a:
+    np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+  _, first, _ = ck.read_arrays(saving, 1)
+  assert any(not np.array_equal(first[n], a[n]) for n in a if ".params." in n)  # it trained

@@ -36,3 +36,17 @@ def test_every_batch_follows_the_version_that_makes_it(k, start, total):
       assert Transfer(Kind.WEIGHTS, version) in steps[:i]
       later = [s.index for s in steps[:i] if s.kind is Kind.WEIGHTS]
       assert max(later) == version  # no newer version was sent before it: it is fresh
+
+
+@pytest.mark.parametrize("k,start,total,restored", [(1, 3, 7, 1), (2, 1, 9, 2), (2, 0, 2, 2),
+                                                    (3, 4, 6, 2)])
+def test_a_resumed_run_moves_none_of_its_restored_batches(k, start, total, restored):
+  """A resume from step ``start`` with ``restored`` batches in flight from the checkpoint
+  (run/disjoint_state.py): the rest of the uninterrupted run's order, nothing before."""
+  steps = schedule(k, start, total, restored)
+  assert [t.index for t in steps if t.kind is Kind.BATCH] == list(range(start + restored,
+                                                                           total))
+  for i, t in enumerate(steps):
+    if t.kind is Kind.BATCH:
+      version = max(start, t.index - k)
+      assert [s.index for s in steps[:i] if s.kind is Kind.WEIGHTS][-1] == version

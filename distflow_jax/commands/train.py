@@ -63,18 +63,20 @@ def run(argv: Sequence[str]) -> int:
     split = disjoint.process_role(ctx)[0]
     if split is not None:
       # An asynchronous run on disjoint processes: the first training process shows the
-      # steps (the rollout processes have none); a save would wait for the rollout
-      # processes, which hold the loader (not built yet).
+      # steps (the rollout processes have none); the training processes checkpoint among
+      # themselves and tell the rollout processes where the run starts (disjoint_state).
       log.enabled = info.process_index == split.training[0]
-      held = run_config.committed_steps(cfg.run_dir)
-      if fv.resume or held:
-        raise loading.ConfigError(
-            "a run with the rollout on processes of its own cannot resume yet (it saves no "
-            "checkpoint): " + (f"{cfg.run_dir} holds checkpoints of steps {held}; choose "
-                               f"another --config.run_dir" if held else "drop --resume"))
-      log("checkpoint: none (an asynchronous run with the rollout on processes of its own "
-          "saves no checkpoint yet); it starts at step 0")
       ckpt, start = None, 0
+      if info.process_index in split.training:
+        from distflow_jax import groups
+        from distflow_jax.run import disjoint_state
+        try:
+          with groups.within(split.training):
+            ckpt, start = checkpoint.open_run(cfg, ctx.roles, loaders.train,
+                                              resume=fv.resume, log=log, ctx=ctx)
+        except Exception as e:  # pylint: disable=broad-except
+          disjoint_state.announce_failure(split, str(e) or type(e).__name__)
+          raise
     else:
       ckpt, start = checkpoint.open_run(cfg, ctx.roles, loaders.train, resume=fv.resume,
                                         log=log, ctx=ctx)

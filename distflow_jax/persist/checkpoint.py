@@ -9,12 +9,13 @@ Layout under ``<run_dir>/checkpoints`` (an orbax ``CheckpointManager`` root)::
     static/reference  the frozen reference model, written once
     static/tokenizer  the tokenizer, written once (for ``distflow-jax export``)
 
-Saves are asynchronous: ``save`` returns once the arrays are copied off the
-devices; the files are written in the background and committed atomically
-(orbax writes ``<step>.orbax-checkpoint-tmp`` and renames it when every
-process has finished), so a save killed half-way leaves the previous
-checkpoint intact and the half-written one is ignored with a message.
-Every process writes its own shards.
+Saves are asynchronous: ``save`` returns once the arrays are copied off the devices; the
+files are written in the background and committed atomically (orbax writes
+``<step>.orbax-checkpoint-tmp`` and renames it when every process has finished), so a save
+killed half-way leaves the previous checkpoint intact and the half-written one is ignored
+with a message.  Every process writes its own shards.  The processes that save are the
+group the checkpointer was made in (``groups.within``; an asynchronous run's training
+processes on disjoint processes, which must include process 0), else every process.
 
 Integrity: a save stores a checksum of every array in its ``meta``
 (``checksums``) and, once committed, the size of every file
@@ -24,29 +25,29 @@ back to the one before, or under ``--resume`` refuses.  The processes agree on
 the verdict, but a read error inside orbax on only some of them still stalls
 the others in orbax's own barrier until its timeout.
 
-RNG: every random draw of a step is derived from (seed, step, node,
-process), see ``RunContext.step_rng``, so (seed, step) is the whole RNG
-state; a resumed run repeats the uninterrupted one exactly.  State an
-algorithm carries from step to step (``RunContext.algo_state``) is saved in
-``meta`` when ``open_run`` is given the run's context; a checkpoint without it
-(an older version's) restores the config's defaults, or is refused when the
-run adapts its KL coefficient (it would silently restart).  What is checked
-against the run, part by part, is in ``checkpoint_contents``.
+RNG: every random draw of a step is derived from (seed, step, node, process), see
+``RunContext.step_rng``, so (seed, step) is the whole RNG state; a resumed run repeats the
+uninterrupted one exactly.  State an algorithm carries from step to step
+(``RunContext.algo_state``) is saved in ``meta`` when ``open_run`` is given the run's
+context; a checkpoint without it (an older version's) restores the config's defaults, or
+is refused when the run adapts its KL coefficient (it would silently restart).  What is
+checked against the run, part by part, is in ``checkpoint_contents``.
 
-Restores go straight into the shardings of the current run (abstract
-targets built from the live state), so a checkpoint written on one mesh or
-process count restores on another: orbax reshards.  Supported: any mesh and
-any process count for the model and optimizer states.  The data position is
-exact when the process count is unchanged; with a different count the
-loaders cannot continue mid-epoch (each process's shard of an epoch depends on the count),
-so they start the epoch after the furthest saved one.  Refused with an error that names
-what differs: another model shape, another set of trained roles, another seed, a missing
-item.  On a cluster the run directory must be one shared filesystem.
+Restores go straight into the shardings of the current run (abstract targets built from
+the live state), so a checkpoint written on one mesh or process count restores on
+another: orbax reshards.  Supported: any mesh and any process count for the model and
+optimizer states.  The data position is exact when the process count is unchanged; with
+a different count the loaders cannot continue mid-epoch (each process's shard of an epoch
+depends on the count), so they start the epoch after the furthest saved one.  Refused
+with an error that names what differs: another model shape, another set of trained
+roles, another seed, a missing item.  On a cluster the run directory must be one shared
+filesystem.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -57,21 +58,32 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
+from distflow_jax import groups
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.loader import PromptLoader
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.persist import checksums, orbax_quiet
 from distflow_jax.persist import checkpoint_files as files
 from distflow_jax.state.algo_state import AlgoState
+from distflow_jax.state.metrics import trim_metrics  # noqa: F401 (re-exported)
 from distflow_jax.persist.checkpoint_contents import (  # noqa: F401 (re-exported)
     FORMAT, ITEMS, LOADER, META, STATE, STATIC, CheckpointDamaged, CheckpointError, abstract,
-    base_fingerprint, check_base, compare_shapes, flat_shapes, put_restored, restore_algo_state,
-    restore_loader, save_sums, trained_state)
+    base_fingerprint, check_base, check_group, compare_shapes, flat_shapes, put_restored,
+    restore_algo_state, restore_loader, savable, save_sums, trained_state)
 from distflow_jax.persist.checkpoint_files import read_arrays, resolve  # noqa: F401 (export's)
 from distflow_jax.persist.checksums import agree, gather_json
 from distflow_jax.state.roles import ModelState
 
 _TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
+
+
+def _in_group(method: Callable) -> Callable:
+  """Runs a ``Checkpointer`` method among its process group (its collectives, its files)."""
+  @functools.wraps(method)
+  def run(self, *args, **kwargs):
+    with groups.within(self.group):
+      return method(self, *args, **kwargs)
+  return run
 
 
 class HasAlgoState(Protocol):
@@ -94,19 +106,29 @@ class Checkpointer:
     self.save_every = save_every
     self.log = log
     self.ctx = ctx  # saves its algo_state; restores set it (None: saved without one)
+    # The processes that save and restore (the calling thread's group: the training
+    # processes of an asynchronous run on disjoint processes; None: every process).
+    self.group = groups.current()
+    check_group(self.group)
+    self._leader = self.group[0] if self.group else 0  # writes the group's shared files
     self._pending: int | None = None  # a save whose file record is not written yet
     orbax_quiet.install()  # a failed save is raised once, in wait(), not logged per thread
     # Orbax deletes never-committed saves when the manager opens; say so first.
     for name in self.incomplete():
       log(f"checkpoint: ignoring the incomplete save {os.path.join(self.directory, name)} "
           f"(its run stopped before the save committed)")
+    if self.group is not None:  # orbax creates the root only when every process saves
+      os.makedirs(self.directory, exist_ok=True)
+    group = groups.orbax_options()
     self._manager = ocp.CheckpointManager(
         self.directory,
-        item_handlers={STATE: ocp.StandardCheckpointHandler(),
-                       LOADER: ocp.JsonCheckpointHandler(), META: ocp.JsonCheckpointHandler()},
+        item_handlers={STATE: ocp.StandardCheckpointHandler(multiprocessing_options=group),
+                       LOADER: ocp.JsonCheckpointHandler(multiprocessing_options=group),
+                       META: ocp.JsonCheckpointHandler(multiprocessing_options=group)},
         options=ocp.CheckpointManagerOptions(
             max_to_keep=keep if keep > 0 else None, enable_async_checkpointing=async_save,
-            create=True, cleanup_tmp_directories=True))
+            create=self.group is None, cleanup_tmp_directories=True,
+            multiprocessing_options=group))
 
   # -- discovery --
 
@@ -130,10 +152,11 @@ class Checkpointer:
 
   # -- saving --
 
+  @_in_group
   def save(self, step: int, roles: dict[Role, ModelState], loader: PromptLoader,
            cfg: ml_collections.ConfigDict, model_cfg: ModelConfig, tokenizer: Any = None
            ) -> None:
-    """Starts an asynchronous save of ``step`` (every process must call it)."""
+    """Starts an asynchronous save of ``step`` (every process of the group must call it)."""
     self.wait()  # orbax would wait here anyway; the previous save's file record follows
     sums = save_sums(roles)  # one program per mesh: the state, reference and LoRA base
     self._save_static(roles, tokenizer, sums.reference)
@@ -141,14 +164,13 @@ class Checkpointer:
     state = trained_state(roles)
     meta = {"format": FORMAT, "step": step, "seed": cfg.seed,
             "process_count": jax.process_count(), "device_count": jax.device_count(),
-            "roles": sorted(state),
-            "model_config": dataclasses.asdict(model_cfg),
+            "roles": sorted(state), "model_config": dataclasses.asdict(model_cfg),
             "config": json.loads(cfg.to_json_best_effort()),
             "checksums": sums.state, "lora_base": sums.lora_base}
     if self.ctx is not None:
       meta["algo_state"] = self.ctx.algo_state.to_dict()
     if self._manager.save(step, args=ocp.args.Composite(**{
-        STATE: ocp.args.StandardSave(state),
+        STATE: ocp.args.StandardSave(savable(state)),
         LOADER: ocp.args.JsonSave({"processes": loaders}),
         META: ocp.args.JsonSave(meta)})):
       self._pending = step
@@ -158,17 +180,13 @@ class Checkpointer:
     compile now, not mid-run (trainer.compile_ahead)."""
     save_sums(roles)
 
-  def _reference_to_save(self, roles: dict[Role, ModelState]) -> str | None:
-    ref = os.path.join(self.directory, STATIC, "reference")  # written once per run dir
-    return ref if Role.REFERENCE in roles and not os.path.isdir(ref) else None
-
   def _save_static(self, roles: dict[Role, ModelState], tokenizer: Any,
                    ref_sums: dict[str, str] | None) -> None:
-    ref = self._reference_to_save(roles)
-    if ref is not None:
+    ref = os.path.join(self.directory, STATIC, "reference")  # written once per run dir
+    if Role.REFERENCE in roles and not os.path.isdir(ref):
       files.save_reference(ref, roles[Role.REFERENCE].params, ref_sums)
     tok = os.path.join(self.directory, STATIC, "tokenizer")
-    if tokenizer is not None and jax.process_index() == 0 and not os.path.isdir(tok):
+    if tokenizer is not None and groups.is_leader() and not os.path.isdir(tok):
       tokenizer.save(tok + ".tmp")
       os.replace(tok + ".tmp", tok)
 
@@ -177,7 +195,7 @@ class Checkpointer:
     self._manager.wait_until_finished()
     step, self._pending = self._pending, None
     path = os.path.join(self.directory, str(step))
-    if step is not None and jax.process_index() == 0 and os.path.isdir(path):
+    if step is not None and jax.process_index() == self._leader and os.path.isdir(path):
       files.write_record(path)
 
   def close(self) -> None:
@@ -186,6 +204,7 @@ class Checkpointer:
 
   # -- restoring --
 
+  @_in_group
   def read_meta(self, step: int) -> dict[str, Any]:
     """The step's meta, once its files pass ``checkpoint_files.file_problem``."""
     path = os.path.join(self.directory, str(step))
@@ -208,6 +227,7 @@ class Checkpointer:
                             f"version reads format {FORMAT}")
     return meta
 
+  @_in_group
   def restore(self, step: int, roles: dict[Role, ModelState], loader: PromptLoader,
               cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     """Loads ``step`` into ``roles`` (resharded to their meshes), ``loader`` and the
@@ -246,15 +266,16 @@ class Checkpointer:
     self._restore_reference(roles)
     return meta
 
+  @_in_group
   def set_aside(self, step: int) -> str:
     """Renames a damaged step to ``<step>.damaged`` (kept for a look, out of orbax's way)."""
     path = os.path.join(self.directory, str(step))
     dest, n = path + ".damaged", 1
     while os.path.exists(dest):
       dest, n = f"{path}.damaged{n}", n + 1
-    if jax.process_index() == 0:
+    if jax.process_index() == self._leader:
       os.rename(path, dest)
-    dest = gather_json(dest)[0]  # process 0's; every process waits for the rename
+    dest = gather_json(dest)[0]  # the leader's; every process waits for the rename
     self._manager.reload()
     return dest
 
@@ -302,7 +323,7 @@ def open_run(cfg: ml_collections.ConfigDict, roles: dict[Role, ModelState],
                           f"them with --resume or choose another --config.run_dir")
   latest = restore_latest(ck, roles, train_loader, cfg, strict=bool(resume))
   log(f"checkpoint: resumed from {os.path.join(ck.directory, str(latest))} (step {latest})")
-  if jax.process_index() == 0:
+  if groups.is_leader():
     trim_metrics(os.path.join(cfg.run_dir, "metrics.jsonl"), latest)
   return ck, latest
 
@@ -326,23 +347,3 @@ def restore_latest(ck: Checkpointer, roles: dict[Role, ModelState], loader: Prom
       what = str(e).removeprefix("checkpoint ")
       ck.log(f"checkpoint: {what}; moved it to {ck.set_aside(step)}; falling back to step "
              f"{steps[-1]}")
-
-
-def trim_metrics(path: str, step: int) -> None:
-  """Drops records of steps after ``step`` (written before a crash, about to be redone)."""
-  if not os.path.isfile(path):
-    return
-  with open(path) as f:
-    lines = f.readlines()
-  keep = []
-  for line in lines:
-    try:
-      if json.loads(line).get("step", 0) > step:
-        continue
-    except json.JSONDecodeError:
-      continue  # a line cut short by the crash
-    keep.append(line)
-  if len(keep) != len(lines):
-    with open(path + ".tmp", "w") as f:
-      f.writelines(keep)
-    os.replace(path + ".tmp", path)

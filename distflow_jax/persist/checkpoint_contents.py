@@ -54,6 +54,31 @@ def trained_state(roles: dict[Role, ModelState]) -> dict[str, dict[str, Any]]:
   return out
 
 
+def check_group(group: tuple[int, ...] | None) -> None:
+  """Refuses to checkpoint from a process group without process 0 (orbax writes a
+  checkpoint's shared files, and a one-process group's numpy arrays, from process 0)."""
+  if group is not None and 0 not in group:
+    raise CheckpointError(
+        f"the processes that save this run's checkpoints ({list(group)}: the training "
+        f"processes of an asynchronous run with the rollout on processes of its own) must "
+        f"include process 0, where orbax writes a checkpoint's shared files; put the "
+        f"training on process 0's devices and the rollout on the last processes' (e.g. "
+        f"--config.placement.rollout.devices=1:2 --config.placement.actor.devices=0:1 on "
+        f"2 processes x 1 device, every role like the actor)")
+
+
+def savable(tree: Any) -> Any:
+  """``tree`` as orbax saves it.  Orbax refuses a fully addressable ``jax.Array`` when
+  several processes run (it takes it for a host-local pmap array), and a group of one
+  process (the training process of an asynchronous run on disjoint processes) holds only
+  such arrays: those go as numpy, the same values (a restore reads them into the live
+  shardings either way)."""
+  if jax.process_count() == 1:
+    return tree
+  return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array)
+                      and x.is_fully_addressable else x, tree)
+
+
 def put_restored(roles: dict[Role, ModelState], state: dict[str, dict[str, Any]]) -> None:
   """``trained_state``'s tree read back into ``roles`` (a LoRA actor keeps its live base)."""
   for name, tree in state.items():
@@ -158,7 +183,17 @@ def compare_shapes(saved: dict, live: dict, where: str) -> None:
 
 
 def restore_loader(loader: PromptLoader, states: list[dict], log: Callable[[str], None]) -> None:
-  """This process's saved position; a fresh epoch if the process count changed."""
+  """This process's saved position; a fresh epoch if the process count changed.  A loader
+  with its own ``restore_states`` (an asynchronous run's training processes on disjoint
+  processes) takes every process's states itself."""
+  own = getattr(loader, "restore_states", None)
+  if own is not None:
+    own(states)
+    return
+  if any("rollout_loaders" in s for s in states):
+    raise CheckpointError("this checkpoint was saved by an asynchronous run with the rollout "
+                          "on processes of its own (its batches in flight are held there); "
+                          "resume it with that placement (placement.rollout.devices)")
   if len(states) == loader.process_count:
     loader.set_state(states[loader.process_index])
     return

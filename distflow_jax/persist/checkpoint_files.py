@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from distflow_jax import groups
 from distflow_jax.persist import checkpoint_contents as ck, checksums
 
 FILES = "_FILES.json"
@@ -149,11 +150,11 @@ def save_reference(path: str, params: Any, sums: dict[str, str] | None = None) -
   """Saves it (every process), then its record with its array checksums (``sums``, the
   save's own where it computed them: ``checkpoint_contents.save_sums``)."""
   sums = checksums.checksums(params) if sums is None else sums
-  ckptr = ocp.StandardCheckpointer()
-  ckptr.save(path, params)
+  ckptr = ocp.StandardCheckpointer(multiprocessing_options=groups.orbax_options())
+  ckptr.save(path, ck.savable(params))
   ckptr.wait_until_finished()
   ckptr.close()
-  if jax.process_index() == 0:
+  if groups.is_leader():
     write_record(path, checksums=sums)
 
 
@@ -162,7 +163,7 @@ def restore_reference(path: str, live: Any, log: Callable[[str], None]) -> Any:
   it, so there is no earlier checkpoint to fall back to."""
   where = f"the saved reference model {path}"
   problem = checksums.agree(step_problem(path, (), ck.STATE))
-  params, ckptr = None, ocp.StandardCheckpointer()
+  params, ckptr = None, ocp.StandardCheckpointer(multiprocessing_options=groups.orbax_options())
   try:
     if problem is None:
       ck.compare_shapes(ck.flat_shapes(ckptr.metadata(path).item_metadata),

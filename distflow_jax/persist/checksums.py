@@ -32,6 +32,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from distflow_jax import groups
+
 _SEEDS = (0x9E3779B9, 0x7F4A7C15)  # one per 32-bit lane
 _CHUNK = 1 << 22  # host checksums work through this many elements at a time
 
@@ -167,7 +169,7 @@ def array_figures(tree: Any) -> dict[str, list[int]]:
   named: dict[str, jax.Array] = {}
   for name, x in flatten(tree).items():
     if not isinstance(x, jax.Array):
-      if jax.process_index() == 0:
+      if groups.is_leader():
         parts[name] = [host_figures(np.asarray(x))]
     elif isinstance(x.sharding, NamedSharding):
       if x.sharding.addressable_devices:
@@ -192,23 +194,23 @@ def checksum(figures: list[int]) -> str:
 
 
 def gather_json(obj: Any) -> list[Any]:
-  """Every process's JSON-able ``obj``, in process order (a collective)."""
-  if jax.process_count() == 1:
+  """Every process's JSON-able ``obj``, in process order (a collective among the calling
+  thread's process group, ``groups.within``; every process outside one)."""
+  from distflow_jax import groups
+  group = groups.current()
+  if jax.process_count() == 1 or (group is not None and len(group) == 1):
     return [obj]
-  from jax.experimental import multihost_utils
   data = np.frombuffer(json.dumps(obj, sort_keys=True).encode(), np.uint8)
-  sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32)))
+  sizes = groups.allgather(np.array([data.size], np.int32))
   # Padded to a power of two: the gather compiles once per size, so a few sizes in a run.
   padded = np.zeros(1 << max(10, (int(sizes.max()) - 1).bit_length()), np.uint8)
   padded[:data.size] = data
-  rows = np.asarray(multihost_utils.process_allgather(padded))
+  rows = groups.allgather(padded)
   return [json.loads(bytes(rows[i, :int(sizes[i, 0])])) for i in range(rows.shape[0])]
 
 
 def agree(problem: str | None) -> str | None:
-  """The first process's problem, on every process (a collective)."""
-  if jax.process_count() == 1:
-    return problem
+  """The first process's problem, on every process (a collective, as ``gather_json``)."""
   return next((p for p in gather_json(problem) if p), None)
 
 

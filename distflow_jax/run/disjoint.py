@@ -24,9 +24,10 @@ result is the single-process run's on the same device split, bitwise.  The rollo
 metrics for batch i join the trainer's step i (the first training process adds them,
 the others add zeros under the same names, so the reduction's vectors agree).
 
-Not built here yet: checkpoints (the training processes' save would wait for the rollout
-processes) and so resume, evaluation (refused by async_checks), host-side fields after
-the rollout stage (the training chain gets none).
+Checkpoints are the training processes' (run/disjoint_state.py: the batches in flight
+and the rollout processes' prompt positions are saved with them); a resume tells the
+rollout processes where to start.  Not built here yet: evaluation (refused by
+async_checks), host-side fields after the rollout stage (the training chain gets none).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from distflow_jax import groups
 from distflow_jax.config import async_checks
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, to_local
-from distflow_jax.run import executor, transfer
+from distflow_jax.run import disjoint_state, executor, transfer
 from distflow_jax.run.async_rollout import VERSION, add_staleness
 from distflow_jax.state import roles as roles_lib
 from distflow_jax.state.context import RunContext, put_local
@@ -95,11 +96,13 @@ def _merged(metas: list[dict], real: bool) -> Metrics:
   return out
 
 
-def run_rollout(ctx: RunContext, loader: Any, k: int, start: int, total: int,
+def run_rollout(ctx: RunContext, loader: Any, k: int, total: int,
                 split: async_checks.ProcessSplit) -> None:
-  """A rollout process's whole run: every batch's rollout stage, in order."""
+  """A rollout process's whole run: every batch's rollout stage, in order, from where the
+  training processes say it starts (``disjoint_state.await_start``)."""
   stage = async_checks.rollout_stage(ctx.plan)
   links, run = Links.of(ctx, stage), next(_RUNS)
+  start, restored = disjoint_state.await_start(split, loader)
   versions, outgoing = transfer.Mailbox(), transfer.Mailbox()
   actor = ctx.roles[Role.ACTOR]
 
@@ -111,12 +114,12 @@ def run_rollout(ctx: RunContext, loader: Any, k: int, start: int, total: int,
     keys = sorted(data)
     transfer.copy([data[key] for key in keys], [links.batch_dst] * len(keys))
 
-  threads = transfer.Transfers(transfer.schedule(k, start, total),
+  threads = transfer.Transfers(transfer.schedule(k, start, total, restored),
                                {transfer.Kind.WEIGHTS: receive, transfer.Kind.BATCH: send})
   versions.transfers = outgoing.transfers = threads
   prefix, held, params = ctx.plan.steps[:stage], None, None
   with groups.within(split.rollout):
-    for j in range(start, total):
+    for j in range(start + restored, total):
       version = max(start, j - k)
       if held != version:
         params, held = versions.take(version), version
@@ -135,9 +138,10 @@ def run_rollout(ctx: RunContext, loader: Any, k: int, start: int, total: int,
       bad_rows = float(sum(v for n, v in getattr(loader, "counts", {}).items() if n != "ok"))
       transfer.publish(str(run), j, {**transfer.batch_meta(data),
                                      "metrics": _metrics_json(mine.metrics),
-                                     "bad_rows": bad_rows})
+                                     "bad_rows": bad_rows,
+                                     "loader": disjoint_state.prompt_state(loader)})
       outgoing.put(j, data)
-      if j - k - 1 >= start:  # version j - k came after every trainer read that batch's
+      if j - k - 1 >= start + restored:  # every trainer read it before version j - k came
         transfer.forget(str(run), j - k - 1)
   threads.join()
   transfer.meet(str(run))  # the trainer trains the last K batches yet
@@ -147,14 +151,23 @@ class TrainerSide:
   """A training process's pipeline: ``step(i)`` as ``AsyncRollout.step`` (the trainer's
   loop calls it), fed by the transfer thread."""
 
-  def __init__(self, ctx: RunContext, k: int, start: int, total: int,
-               split: async_checks.ProcessSplit):
-    self.ctx, self.k, self.split = ctx, k, split
+  def __init__(self, ctx: RunContext, loader: disjoint_state.TrainingLoader, k: int,
+               start: int, total: int, split: async_checks.ProcessSplit):
+    self.ctx, self.k, self.split, self.start, self.total = ctx, k, split, start, total
     self.stage = async_checks.rollout_stage(ctx.plan)
     self.links, self.run = Links.of(ctx, self.stage), str(next(_RUNS))
     run = self.run
     self.snapshots, self.batches = transfer.Mailbox(), transfer.Mailbox()
-    steps = transfer.schedule(k, start, total)
+    restored = loader.restored or {}
+    records = disjoint_state.restored_batches(restored, start, k)
+    for record in records:
+      j, metas, data = disjoint_state.decode(record, self.links.train_layout)
+      self.batches.put(j, (metas, data))
+    self._last_metas: list[dict] | None = None
+    disjoint_state.announce(split, start, len(records),
+                            restored.get(disjoint_state.ROLLOUT_LOADERS))
+    loader.pipeline, loader.restored = self, None
+    steps = transfer.schedule(k, start, total, len(records))
     self.versions = {t.index for t in steps if t.kind is transfer.Kind.WEIGHTS}
     self.bad_rows = 0.0
     self._place = jax.jit(lambda d: d, out_shardings=self.links.train_layout.sharding)
@@ -180,6 +193,7 @@ class TrainerSide:
       self.snapshots.put(step, _copy(ctx.roles[Role.ACTOR].params))  # for the thread
     t0 = time.perf_counter()
     metas, data = self.batches.take(step)
+    self._last_metas = metas
     lay = self.links.train_layout
     data = self._place(data)  # rows in order, onto the first training node's layout
     metrics = _merged(metas, real=ctx.process_index == self.split.training[0])
@@ -192,6 +206,19 @@ class TrainerSide:
 
   def wait_all(self) -> None:
     self.threads.check()
+
+  def state(self) -> dict[str, Any]:
+    """What a checkpoint after the step just trained (``ctx.step``) holds of the pipeline:
+    the batches in flight (this process's rows; waits for them: they need no newer
+    version) and the rollout processes' prompt positions after the newest of them."""
+    step, records, last = self.ctx.step, [], self._last_metas
+    for j in range(step + 1, min(step + self.k, self.total - 1) + 1):
+      metas, data = self.batches.peek(j)
+      rows = to_local(Batch(self._place(data)))
+      records.append(disjoint_state.encode(j, max(self.start, j - self.k), rows, metas))
+      last = metas
+    return {disjoint_state.IN_FLIGHT: records,
+            disjoint_state.ROLLOUT_LOADERS: [m["loader"] for m in last]}
 
   def end(self) -> None:
     """After the last step: the rollout processes wait for it (``transfer.meet``)."""

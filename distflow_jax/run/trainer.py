@@ -26,7 +26,7 @@ from distflow_jax.tasks import registry as tasks
 from distflow_jax.nodes import rollout as rollout_nodes
 from distflow_jax.persist import checkpoint
 from distflow_jax import groups
-from distflow_jax.run import async_rollout, compile_cache, disjoint
+from distflow_jax.run import async_rollout, compile_cache, disjoint, disjoint_state
 from distflow_jax.state import warm_shapes
 from distflow_jax.run import evaluate as eval_lib
 from distflow_jax.run import executor
@@ -113,6 +113,8 @@ def setup(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print
                        seed=cfg.data.shuffle_seed, process_index=rank, process_count=nproc,
                        **common)
   train = async_rollout.wrap_loader(cfg, train)  # its state holds the batches in flight
+  if split is not None and jax.process_index() not in split.rollout:
+    train = disjoint_state.TrainingLoader(split, jax.process_index())  # draws no prompts
   ev = None
   if cfg.trainer.eval_every and eval_path is not None:
     ev = PromptLoader(eval_path, batch_size=max(cfg.data.eval_size // nproc, 1), shuffle=False,
@@ -151,7 +153,7 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
   """
   split, rollout_side = disjoint.process_role(ctx)
   if rollout_side:  # a rollout process of a run on disjoint processes: no rows to yield
-    disjoint.run_rollout(ctx, loaders.train, async_rollout.max_staleness(cfg), start_step,
+    disjoint.run_rollout(ctx, loaders.train, async_rollout.max_staleness(cfg),
                          cfg.trainer.total_steps, split)
     return
   monitor = health_monitor(cfg)
@@ -213,8 +215,9 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
     writer.write(first)
     yield first
   split, _ = disjoint.process_role(ctx)
-  pipeline = (disjoint.TrainerSide(ctx, async_rollout.max_staleness(cfg), start_step,
-                                   cfg.trainer.total_steps, split) if split is not None
+  pipeline = (disjoint.TrainerSide(ctx, loaders.train, async_rollout.max_staleness(cfg),
+                                   start_step, cfg.trainer.total_steps, split)
+              if split is not None
               else async_rollout.start(cfg, ctx, loaders.train, start_step))  # None: sync
   try:
     yield from _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer,

@@ -98,3 +98,23 @@ class Writers:
   def write(self, record: dict[str, Any]) -> None:
     for w in self.writers:
       w.write(record)
+
+
+def trim_metrics(path: str, step: int) -> None:
+  """Drops records of steps after ``step`` (written before a crash, about to be redone)."""
+  if not os.path.isfile(path):
+    return
+  with open(path) as f:
+    lines = f.readlines()
+  keep = []
+  for line in lines:
+    try:
+      if json.loads(line).get("step", 0) > step:
+        continue
+    except json.JSONDecodeError:
+      continue  # a line cut short by the crash
+    keep.append(line)
+  if len(keep) != len(lines):
+    with open(path + ".tmp", "w") as f:
+      f.writelines(keep)
+    os.replace(path + ".tmp", path)

@@ -51,5 +51,17 @@ def main() -> int:
   return 0
 
 
+def guarded() -> int:
+  """``main``, a lost peer said in one line as the train command says it."""
+  try:
+    return main()
+  except Exception as e:  # pylint: disable=broad-except
+    from distflow_jax import peers
+    if not peers.looks_like_peer_failure(e):
+      raise
+    print(f"distflow-jax: {peers.describe(e)}", flush=True)
+    return 1
+
+
 if __name__ == "__main__":
-  distributed.run_main(main)
+  distributed.run_main(guarded)
