@@ -3,7 +3,8 @@ training process, real jax.distributed processes with SIGKILL deadlines.
 
 * K = 0, 1 and 2 end with weights bitwise equal to the single-process run at the same K
   on the same device split (1 process x 2 devices: rollout on device 0, training on
-  device 1, against 2 processes x 1 device), and the same metrics;
+  device 1, against 2 processes x 1 device), and the same metrics, the held-out
+  evaluation's included (the rollout process evaluates);
 * the staleness bound holds: no trained sample is older than K versions;
 * two rollout processes + two training processes (each group's collectives among itself)
   generate the same samples as 1 process x 4 devices on the same split, and train to the
@@ -32,16 +33,17 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 SPLIT = ["placement.rollout.devices=0:1", "placement.actor.devices=1:2",
          "placement.reference.devices=1:2", "data.prompts_per_step=8", "rollout.n=2",
          "actor.micro_batch_size=4"]
+EVAL = ("eval/accuracy", "eval/response_length", "eval/formatted")
 SAME = ("reward", "actor/loss", "actor/grad_norm", "tokens", "response_length",
         "async/staleness", "async/staleness_max", "async/dropped")
 
 
-def _run(tmp_path, procs, devs, k, steps, split=SPLIT):
+def _run(tmp_path, procs, devs, k, steps, split=SPLIT, *extra):
   out = tmp_path / f"{procs}x{devs}_k{k}.json"
   overrides = smoke_overrides(tmp_path / f"run_{procs}x{devs}_k{k}",
                               f"cluster.devices_per_process={devs}",
                               f"cluster.num_processes={procs}", f"trainer.max_staleness={k}",
-                              f"trainer.total_steps={steps}", *split)
+                              f"trainer.total_steps={steps}", *split, *extra)
   env = dict(os.environ, DISTFLOW_TEST_DIGITS="1")
   result = launcher.launch(procs, devs, [sys.executable, "tests/mp/async_train.py", str(out),
                                          "grpo:tiny", *overrides],
@@ -60,8 +62,15 @@ def _run(tmp_path, procs, devs, k, steps, split=SPLIT):
 @pytest.mark.parametrize("k", [0, 1, 2])  # 0: the synchronous loop, through the transfers
 def test_one_rollout_process_and_one_training_process_equal_one_process(tmp_path, k):
   steps = k + 2
-  single = _run(tmp_path, 1, 2, k, steps)
-  split = _run(tmp_path, 2, 1, k, steps)
+  # K = 1 evaluates at steps 0, 2 and 3: on disjoint processes the rollout process
+  # evaluates each version as it arrives (the last one makes no batch).
+  extra = ["trainer.eval_every=2"] if k == 1 else []
+  single = _run(tmp_path, 1, 2, k, steps, SPLIT, *extra)
+  split = _run(tmp_path, 2, 1, k, steps, SPLIT, *extra)
+  evals = [[m.get(n) for n in EVAL] for m in split if "eval/accuracy" in m]
+  assert evals == [[m.get(n) for n in EVAL] for m in single if "eval/accuracy" in m]
+  assert [m["step"] for m in split if "eval/accuracy" in m] == ([0, 2, 3] if k == 1 else [])
+  split, single = [m for m in split if m["step"]], [m for m in single if m["step"]]
   assert [m["step"] for m in split] == [m["step"] for m in single] == list(range(1, steps + 1))
   assert split[-1]["params_sha256"] == single[-1]["params_sha256"]
   for a, b in zip(split, single):

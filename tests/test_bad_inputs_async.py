@@ -34,8 +34,6 @@ CASES = {
                                  "--config.placement.actor.devices=4:8",
                                  "--config.placement.reference.devices=4:8"],
                             "placement.rollout.devices holds 2 devices but the actor"),
-    "split_eval": ("", [K1, *SPLIT, *TWO, "--config.trainer.eval_every=5"],
-                   "does not evaluate yet (trainer.eval_every=5)"),
     "split_idle_process": ("", [K1, *SPLIT, "--num_processes=3", "--devices_per_process=4"],
                            "processes [2] run neither the rollout nor the training"),
     "dynamic_sampling": ("", [K1, *SPLIT, *EIGHT, "--config.algo.dynamic_sampling_tries=2"],

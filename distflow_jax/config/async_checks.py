@@ -11,7 +11,7 @@
   does both would run the rollout thread's collectives (the weight sync) beside the
   trainer's across processes, in no fixed order (a deadlock).  On disjoint processes each
   transfer is a device-to-device copy, so the rollout, the actor and the first training
-  node hold as many devices each; nothing but the training runs there (no evaluation).
+  node hold as many devices each; the rollout processes evaluate (run/disjoint.py).
   K = 0 there is the synchronous loop through the same transfers (version j makes batch j);
 * no dynamic sampling (its refills run the rollout stage again inside a step);
 * no multi-turn episodes (``rollout.env``): not built with it yet.
@@ -79,10 +79,6 @@ def _check_split(cfg: ml_collections.ConfigDict, plan: Plan, split: ProcessSplit
           f"{name} on disjoint processes: placement.rollout.devices holds {rollout} devices "
           f"but {what} {count}; batches and weights move device to device, so give them "
           f"as many devices each")
-  if cfg.trainer.eval_every:
-    raise ConfigError(f"{name} with the rollout on processes of its own does not evaluate "
-                      f"yet (trainer.eval_every={cfg.trainer.eval_every}); set "
-                      f"trainer.eval_every=0")
 
 
 def check(cfg: ml_collections.ConfigDict, plan: Plan) -> None:

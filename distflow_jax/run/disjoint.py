@@ -45,6 +45,7 @@ from distflow_jax.config import async_checks
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, to_local
 from distflow_jax.run import disjoint_state, executor, transfer
+from distflow_jax.run import evaluate as eval_lib
 from distflow_jax.run.async_rollout import VERSION, add_staleness
 from distflow_jax.state import roles as roles_lib
 from distflow_jax.state.context import RunContext, put_local
@@ -96,13 +97,31 @@ def _merged(metas: list[dict], real: bool) -> Metrics:
   return out
 
 
+def eval_versions(cfg: Any, start: int, total: int, has_eval: bool) -> tuple[int, ...]:
+  """The versions the rollout processes evaluate, the synchronous loop's evaluation steps:
+  0 when the run starts fresh, then every ``trainer.eval_every`` and the last."""
+  if not has_eval:
+    return ()
+  every = cfg.trainer.eval_every
+  return tuple(([0] if start == 0 else []) + [
+      v for v in range(start + 1, total + 1) if v % every == 0 or v == total])
+
+
+def _eval_key(run: Any, version: int) -> str:
+  return f"distflow/async/{run}/eval/{version}"
+
+
 def run_rollout(ctx: RunContext, loader: Any, k: int, total: int,
-                split: async_checks.ProcessSplit) -> None:
+                split: async_checks.ProcessSplit, eval_batch: Batch | None = None,
+                num_samples: int = 0) -> None:
   """A rollout process's whole run: every batch's rollout stage, in order, from where the
-  training processes say it starts (``disjoint_state.await_start``)."""
+  training processes say it starts (``disjoint_state.await_start``); each evaluated
+  version (``eval_versions``) is evaluated on ``eval_batch`` as it arrives, its metrics
+  (and the first rollout process's ``num_samples`` samples) published for the trainer."""
   stage = async_checks.rollout_stage(ctx.plan)
   links, run = Links.of(ctx, stage), next(_RUNS)
   start, restored = disjoint_state.await_start(split, loader)
+  evals = eval_versions(ctx.cfg, start, total, eval_batch is not None)
   versions, outgoing = transfer.Mailbox(), transfer.Mailbox()
   actor = ctx.roles[Role.ACTOR]
 
@@ -114,18 +133,30 @@ def run_rollout(ctx: RunContext, loader: Any, k: int, total: int,
     keys = sorted(data)
     transfer.copy([data[key] for key in keys], [links.batch_dst] * len(keys))
 
-  threads = transfer.Transfers(transfer.schedule(k, start, total, restored),
+  threads = transfer.Transfers(transfer.schedule(k, start, total, restored, evals),
                                {transfer.Kind.WEIGHTS: receive, transfer.Kind.BATCH: send})
   versions.transfers = outgoing.transfers = threads
   prefix, held, params = ctx.plan.steps[:stage], None, None
+
+  def at(step: int, params: Any) -> RunContext:  # the context with this version's actor
+    return dataclasses.replace(ctx, step=step, metrics=Metrics(), roles={
+        **ctx.roles, Role.ACTOR: dataclasses.replace(actor, mesh=links.actor_mesh,
+                                                     params=params)})
+
+  def evaluate(v: int, params: Any) -> None:
+    kept: list = []
+    out = eval_lib.evaluate(at(v, params), eval_batch, samples=kept, num_samples=num_samples)
+    if ctx.process_index == split.rollout[0]:
+      transfer.put_json(_eval_key(run, v), {"metrics": out, "samples": kept})
+
   with groups.within(split.rollout):
     for j in range(start + restored, total):
       version = max(start, j - k)
       if held != version:
         params, held = versions.take(version), version
-      mine = dataclasses.replace(ctx, step=j, metrics=Metrics(), roles={
-          **ctx.roles, Role.ACTOR: dataclasses.replace(actor, mesh=links.actor_mesh,
-                                                       params=params)})
+        if version in evals:
+          evaluate(version, params)
+      mine = at(j, params)
       batch, lay = executor.run_steps(mine, prefix, next(loader), None)
       rows = to_local(Batch({n: batch.data[n] for n in (SAMPLE_ID, GROUP_ID)})).num_samples
       batch = put_local(batch, lay, **{VERSION: np.full(rows, version, np.int32)})
@@ -143,6 +174,9 @@ def run_rollout(ctx: RunContext, loader: Any, k: int, total: int,
       outgoing.put(j, data)
       if j - k - 1 >= start + restored:  # every trainer read it before version j - k came
         transfer.forget(str(run), j - k - 1)
+    for v in evals:  # versions that make no batch (the last steps'): after every batch
+      if held is None or v > held:
+        evaluate(v, versions.take(v))
   threads.join()
   transfer.meet(str(run))  # the trainer trains the last K batches yet
 
@@ -152,7 +186,8 @@ class TrainerSide:
   loop calls it), fed by the transfer thread."""
 
   def __init__(self, ctx: RunContext, loader: disjoint_state.TrainingLoader, k: int,
-               start: int, total: int, split: async_checks.ProcessSplit):
+               start: int, total: int, split: async_checks.ProcessSplit,
+               has_eval: bool = False):
     self.ctx, self.k, self.split, self.start, self.total = ctx, k, split, start, total
     self.stage = async_checks.rollout_stage(ctx.plan)
     self.links, self.run = Links.of(ctx, self.stage), str(next(_RUNS))
@@ -167,8 +202,10 @@ class TrainerSide:
     disjoint_state.announce(split, start, len(records),
                             restored.get(disjoint_state.ROLLOUT_LOADERS))
     loader.pipeline, loader.restored = self, None
-    steps = transfer.schedule(k, start, total, len(records))
+    steps = transfer.schedule(k, start, total, len(records),
+                              eval_versions(ctx.cfg, start, total, has_eval))
     self.versions = {t.index for t in steps if t.kind is transfer.Kind.WEIGHTS}
+    self._snapped: set[int] = set()
     self.bad_rows = 0.0
     self._place = jax.jit(lambda d: d, out_shardings=self.links.train_layout.sharding)
 
@@ -189,8 +226,7 @@ class TrainerSide:
 
   def step(self, step: int) -> dict[str, float]:
     start, ctx = time.perf_counter(), self.ctx
-    if step in self.versions:  # version `step`, a copy (the train step donates its own)
-      self.snapshots.put(step, _copy(ctx.roles[Role.ACTOR].params))  # for the thread
+    self._snapshot(step)
     t0 = time.perf_counter()
     metas, data = self.batches.take(step)
     self._last_metas = metas
@@ -203,6 +239,21 @@ class TrainerSide:
     add_staleness(metrics, step, data, self.k)
     ctx.metrics = metrics
     return executor.run_rest(ctx, batch, lay, self.stage, start)
+
+  def _snapshot(self, version: int) -> None:
+    """Version ``version`` (the actor now), a copy for the thread to send when the
+    schedule names it (the train step donates the actor's own buffers); once."""
+    if version in self.versions and version not in self._snapped:
+      self.snapshots.put(version, _copy(self.ctx.roles[Role.ACTOR].params))
+      self._snapped.add(version)
+
+  def evaluate(self, version: int) -> tuple[dict[str, float], list[dict]]:
+    """The rollout processes' evaluation of ``version`` (the actor now, after that many
+    train steps): its metrics and the first rollout process's samples."""
+    self._snapshot(version)
+    self.threads.check()
+    got = transfer.get_json(_eval_key(self.run, version))
+    return got["metrics"], got["samples"]
 
   def wait_all(self) -> None:
     self.threads.check()

@@ -118,7 +118,7 @@ def setup(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print
   ev = None
   if cfg.trainer.eval_every and eval_path is not None:
     ev = PromptLoader(eval_path, batch_size=max(cfg.data.eval_size // nproc, 1), shuffle=False,
-                      num_epochs=1, **common)
+                      num_epochs=1, process_index=rank, process_count=nproc, **common)
   return ctx, Loaders(train, ev)
 
 
@@ -154,7 +154,10 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
   split, rollout_side = disjoint.process_role(ctx)
   if rollout_side:  # a rollout process of a run on disjoint processes: no rows to yield
     disjoint.run_rollout(ctx, loaders.train, async_rollout.max_staleness(cfg),
-                         cfg.trainer.total_steps, split)
+                         cfg.trainer.total_steps, split,
+                         next(iter(loaders.eval)) if loaders.eval is not None else None,
+                         cfg.trainer.log_samples if ctx.process_index == split.rollout[0]
+                         else 0)
     return
   monitor = health_monitor(cfg)
   is_writer = ctx.process_index == (split.training[0] if split is not None else 0)
@@ -198,28 +201,33 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
     since = counter.snapshot()  # after the gather: its own first compile is not counted
     return {n: float(v) for n, v in zip(names, most)}
 
+  split, _ = disjoint.process_role(ctx)
+  pipeline = (disjoint.TrainerSide(ctx, loaders.train, async_rollout.max_staleness(cfg),
+                                   start_step, cfg.trainer.total_steps, split,
+                                   has_eval=eval_batch is not None)
+              if split is not None
+              else async_rollout.start(cfg, ctx, loaders.train, start_step))  # None: sync
+
   def run_eval(step: int) -> dict[str, float]:
     phase(log, "evaluation")
-    # Only process 0 keeps samples: the others skip decoding prompts they would not write.
-    kept: list = []
-    out = eval_lib.evaluate(ctx, eval_batch, samples=kept,
-                            num_samples=sample_writer.num_samples)
+    if split is not None:  # the rollout processes evaluate version `step` (disjoint.py)
+      out, kept = pipeline.evaluate(step)
+    else:  # only process 0 keeps samples: the others skip decoding prompts never written
+      kept = []
+      out = eval_lib.evaluate(ctx, eval_batch, samples=kept,
+                              num_samples=sample_writer.num_samples)
     sample_writer.write(step, kept)
     return out
 
   after_step = compile_ahead(cfg, ctx, checkpointer)
-  if eval_batch is not None and start_step == 0:
-    with heartbeat(log, "evaluation at step 0 (compiling the rollout)", heartbeat_interval(cfg)):
-      first = {"step": 0, **run_eval(0)}
-    first.update(compiles())
-    writer.write(first)
-    yield first
-  split, _ = disjoint.process_role(ctx)
-  pipeline = (disjoint.TrainerSide(ctx, loaders.train, async_rollout.max_staleness(cfg),
-                                   start_step, cfg.trainer.total_steps, split)
-              if split is not None
-              else async_rollout.start(cfg, ctx, loaders.train, start_step))  # None: sync
   try:
+    if eval_batch is not None and start_step == 0:
+      with heartbeat(log, "evaluation at step 0 (compiling the rollout)",
+                     heartbeat_interval(cfg)):
+        first = {"step": 0, **run_eval(0)}
+      first.update(compiles())
+      writer.write(first)
+      yield first
     yield from _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer,
                      pipeline, run_eval, after_step, compiles, eval_batch)
     if pipeline is not None:
