@@ -72,18 +72,13 @@ def _recorder(ctx: RunContext, dst, mode: str):
   return on_plan
 
 
-def run_steps(ctx: RunContext, steps, batch: Batch, current,
-              before_training: Callable[[], None] | None = None):
-  """Runs ``steps`` of the chain; returns the batch and its layout.  ``before_training``
-  runs once, before the first step off the rollout layout (run/compile_overlap.py)."""
+def run_steps(ctx: RunContext, steps, batch: Batch, current):
+  """Runs ``steps`` of the chain; returns the batch and its layout."""
   for step in steps:
     node = step.node
     lay = ctx.layout(step.layout)
-    to_rollout = step.layout.kind is LayoutKind.ROLLOUT
-    if before_training is not None and not to_rollout:
-      before_training()
-      before_training = None
     t0 = time.perf_counter()
+    to_rollout = step.layout.kind is LayoutKind.ROLLOUT
     if current is not None and step.move_in is Move.REPARTITION:
       lengths = _token_lengths(ctx, batch)
       group = move_group(ctx, to_rollout, batch.num_samples, lay)
@@ -112,26 +107,24 @@ def run_steps(ctx: RunContext, steps, batch: Batch, current,
 
 
 def run_step(ctx: RunContext, prompts: Batch,
-             more_prompts: Callable[[], Batch] | None = None,
-             before_training: Callable[[], None] | None = None) -> dict[str, float]:
+             more_prompts: Callable[[], Batch] | None = None) -> dict[str, float]:
   """One step of the workflow on this process; returns metrics reduced over hosts.
 
-  ``more_prompts`` feeds DAPO's dynamic sampling (``algo.dynamic_sampling_tries``);
-  ``before_training`` as ``run_steps``'.
+  ``more_prompts`` feeds DAPO's dynamic sampling (``algo.dynamic_sampling_tries``).
   """
   ctx.metrics = type(ctx.metrics)()
   start = time.perf_counter()
   batch, current, done = dynamic_sampling.sample_prefix(
       ctx, prompts, more_prompts, lambda part, b, lay: run_steps(ctx, part, b, lay))
-  return run_rest(ctx, batch, current, done, start, before_training)
+  return run_rest(ctx, batch, current, done, start)
 
 
-def run_rest(ctx: RunContext, batch: Batch, current, done: int, start: float,
-             before_training: Callable[[], None] | None = None) -> dict[str, float]:
+def run_rest(ctx: RunContext, batch: Batch, current, done: int, start: float
+             ) -> dict[str, float]:
   """The chain's steps from ``done`` on (``batch`` laid out as ``current``), then the
   step's metrics (``ctx.metrics``, reduced over hosts; ``time/step`` since ``start``)."""
   steps = ctx.plan.steps
-  batch, _ = run_steps(ctx, steps[done:], batch, current, before_training)
+  batch, _ = run_steps(ctx, steps[done:], batch, current)
   tokens = float(_token_lengths(ctx, batch).sum())
   ctx.metrics.set_max("time/step", time.perf_counter() - start)
   out = ctx.metrics.reduce()

@@ -26,8 +26,7 @@ from distflow_jax.tasks import registry as tasks
 from distflow_jax.nodes import rollout as rollout_nodes
 from distflow_jax.persist import checkpoint
 from distflow_jax import groups
-from distflow_jax.run import async_rollout, compile_cache, compile_overlap, disjoint
-from distflow_jax.run import disjoint_state
+from distflow_jax.run import async_rollout, compile_cache, disjoint, disjoint_state
 from distflow_jax.state import warm_shapes
 from distflow_jax.run import evaluate as eval_lib
 from distflow_jax.run import executor
@@ -249,13 +248,8 @@ def _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, pip
     with heartbeat(log if step == start_step else None, "compile and first step",
                    heartbeat_interval(cfg)):
       if pipeline is None:
-        prompts = next(loaders.train)
-        overlap = compile_overlap.start(ctx, prompts) if step == start_step else None
-        metrics = executor.run_step(ctx, prompts, more_prompts=lambda: next(loaders.train),
-                                    before_training=overlap and overlap.wait)
-        if overlap is not None:
-          overlap.wait()  # a chain that never left the rollout layout
-          metrics.update(overlap.metrics())
+        metrics = executor.run_step(ctx, next(loaders.train),
+                                    more_prompts=lambda: next(loaders.train))
       else:
         metrics = pipeline.step(step)
     metrics["step"] = step + 1
