@@ -14,7 +14,7 @@ import bench_long_context as blc  # noqa: E402
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_packing_and_memory_parts_at_toy_lengths(tmp_path, capsys):
   out = tmp_path / "blc.json"
   rc = blc.main(["--part", "packing", "--max-lengths", "64,128", "--repeats", "1",

@@ -115,7 +115,7 @@ def test_compile_ahead_is_validated():
 @pytest.mark.timeout(600)
 def test_run_with_several_prompt_widths_compiles_nothing_after_step_1(tmp_path):
   from distflow_jax.config.loading import load
-  from distflow_jax.persist import checkpoint, checksums
+  from distflow_jax.persist import checkpoint
   from distflow_jax.run import trainer
   cfg = load("grpo:tiny", [o for o in smoke_overrides(str(tmp_path / "run")) if "buckets" not in o] + [
       "rollout.prefill_buckets=(16,20,40)", "data.train=builtin:arithmetic",
@@ -129,11 +129,10 @@ def test_run_with_several_prompt_widths_compiles_nothing_after_step_1(tmp_path):
     rows.append(row)
     if row["step"] == 5:
       break  # before the end-of-run save: no save has run
-  # The checksums a save computes were compiled at the end of step 1: a first save
-  # mid-run compiles none of them (orbax's own per-device slices of replicated leaves
-  # still compile there, a fraction of a second; not covered).
-  state = checkpoint.trained_state(ctx.roles)
-  assert _compiles(lambda: checksums.checksums(state) and 0) == 0
+  # The checksums a save computes (save_sums: one program per mesh) were compiled at the
+  # end of step 1: a first save mid-run compiles none of them (orbax's own per-device
+  # slices of replicated leaves still compile there, a fraction of a second; not covered).
+  assert _compiles(lambda: checkpoint.save_sums(ctx.roles) and 0) == 0
   widths = [r["prompt_width"] for r in rows]
   assert len(set(widths)) == 2, widths  # both widths met (the seed makes it so)
   later = {r["step"]: r["compile/count"] for r in rows if r["step"] >= 2}
