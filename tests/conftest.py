@@ -17,17 +17,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ.get("DISTFLOW_TEST_XLA_DEFAULTS") != "1" and (
     "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]):
   os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
-# LLVM compiles the suite's CPU code at its lowest optimization level: the HLO programs (and
-# so every sharding, collective and reduction XLA plans) are the same, LLVM spends about half
-# the CPU seconds on them, and tiny models run no slower for it (README "Tests").  The tests
-# whose claim is bitwise equality across layouts and instruction sets (marked
-# reduction_order) run every side of the comparison in processes of their own at XLA's
-# default level, as users run (tests/isa.py): the claim does not hold at level 0.
-# DISTFLOW_TEST_XLA_DEFAULTS=1 keeps the default level everywhere.
-OPT_LEVEL_FLAG = "--xla_backend_optimization_level"
-if os.environ.get("DISTFLOW_TEST_XLA_DEFAULTS") != "1" and (
-    OPT_LEVEL_FLAG not in os.environ["XLA_FLAGS"]):
-  os.environ["XLA_FLAGS"] += f" {OPT_LEVEL_FLAG}=0"
 
 # No persistent compile cache in the suite (trainer.compile_cache_dir defaults to a folder in
 # the home directory): runs compile as they always did and nothing is written outside

@@ -6,12 +6,7 @@ tests that claim such equality (marked ``reduction_order``) take ``isa`` as a pa
 run their processes once on the CPU's own instruction set and once with XLA's CPU code
 capped at AVX2 (every side of the comparison under the same cap: the flag is read when a
 process starts jax, so each side is a process of its own).  One pytest run holds both; the
-cap has its own compilation-cache entries (XLA flags are part of the key).
-
-These processes also compile at XLA's default LLVM optimization level, as users run, where
-the rest of the suite compiles at level 0 (tests/conftest.py): the bitwise claims hold at the
-default level and not at level 0, where 2 x 2 differed from 1 x 8 by one float32 ulp
-(4.8e-7) in deterministic mode."""
+cap has its own compilation-cache entries (XLA flags are part of the key)."""
 
 from __future__ import annotations
 
@@ -24,7 +19,6 @@ _FLAGS = {"native": "", "avx2": "--xla_cpu_max_isa=AVX2"}
 def isa_env(isa: str, base: dict[str, str] | None = None) -> dict[str, str]:
   """The environment for a test's processes on ``isa`` (the launcher adds the device count)."""
   env = dict(os.environ if base is None else base)
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith(("--xla_cpu_max_isa", "--xla_backend_optimization_level"))]
+  flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_cpu_max_isa")]
   env["XLA_FLAGS"] = " ".join(flags + ([_FLAGS[isa]] if _FLAGS[isa] else []))
   return env
