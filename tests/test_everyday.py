@@ -78,6 +78,8 @@ def test_diff_and_which_keys_pass():
   assert set(changes) == {"actor.optimizer.lr", "trainer.total_steps", "dag", "extra"}
   assert changes["extra"][0] is run_config.MISSING
   assert run_config.passes("trainer.total_steps") and run_config.passes("trainer.health.kl_max")
+  # When programs compile changes no result: a resume may switch compile_ahead.
+  assert run_config.passes("trainer.compile_ahead")
   assert not run_config.passes("actor.optimizer.lr") and not run_config.passes("dag")
   assert not run_config.passes("seed") and not run_config.passes("trainer.deterministic")
   assert "dag (changed)" in run_config.describe({"dag": changes["dag"]})

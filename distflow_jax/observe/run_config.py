@@ -39,7 +39,8 @@ HISTORY_FILE = "config_history.jsonl"
 # process count (persist/checkpoint.py); trainer.deterministic is not.
 PASSING = ("name", "run_dir", "trainer.total_steps", "trainer.eval_every", "trainer.save_every",
            "trainer.keep", "trainer.async_save", "trainer.health.", "trainer.stop_on_collapse",
-           "trainer.log_samples", "trainer.compile_cache_dir", "cluster.", "placement.",
+           "trainer.log_samples", "trainer.compile_cache_dir", "trainer.compile_ahead",
+           "cluster.", "placement.",
            "logging.",
            "sft.")  # sft.*: `distflow-jax sft` only
 # Keys a resume can never change, not even with --allow_config_change: every random draw of
