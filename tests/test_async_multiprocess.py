@@ -70,6 +70,8 @@ def test_one_rollout_process_and_one_training_process_equal_one_process(tmp_path
   evals = [[m.get(n) for n in EVAL] for m in split if "eval/accuracy" in m]
   assert evals == [[m.get(n) for n in EVAL] for m in single if "eval/accuracy" in m]
   assert [m["step"] for m in split if "eval/accuracy" in m] == ([0, 2, 3] if k == 1 else [])
+  if k == 1:  # one process evaluates its own held-out batch; a training process draws none
+    assert single[-1]["eval_rows_drawn"] > 0 and split[-1]["eval_rows_drawn"] == 0
   split, single = [m for m in split if m["step"]], [m for m in single if m["step"]]
   assert [m["step"] for m in split] == [m["step"] for m in single] == list(range(1, steps + 1))
   assert split[-1]["params_sha256"] == single[-1]["params_sha256"]

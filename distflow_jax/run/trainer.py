@@ -186,7 +186,11 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
            ) -> Iterator[dict[str, float]]:
   counter = compile_cache.CompileCounter()
   since = counter.snapshot()
-  eval_batch = next(iter(loaders.eval)) if loaders.eval is not None else None
+  split, _ = disjoint.process_role(ctx)
+  has_eval = loaders.eval is not None
+  # On disjoint processes the rollout processes evaluate (disjoint.run_rollout): a training
+  # process draws no held-out batch (no rows parsed, no images decoded for nothing).
+  eval_batch = next(iter(loaders.eval)) if has_eval and split is None else None
 
   def compiles(first: bool = False) -> dict[str, float]:
     """The compiles since the previous row (checkpoint saves and the eval included); on
@@ -201,10 +205,9 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
     since = counter.snapshot()  # after the gather: its own first compile is not counted
     return {n: float(v) for n, v in zip(names, most)}
 
-  split, _ = disjoint.process_role(ctx)
   pipeline = (disjoint.TrainerSide(ctx, loaders.train, async_rollout.max_staleness(cfg),
                                    start_step, cfg.trainer.total_steps, split,
-                                   has_eval=eval_batch is not None)
+                                   has_eval=has_eval)
               if split is not None
               else async_rollout.start(cfg, ctx, loaders.train, start_step))  # None: sync
 
@@ -221,7 +224,7 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
 
   after_step = compile_ahead(cfg, ctx, checkpointer)
   try:
-    if eval_batch is not None and start_step == 0:
+    if has_eval and start_step == 0:
       with heartbeat(log, "evaluation at step 0 (compiling the rollout)",
                      heartbeat_interval(cfg)):
         first = {"step": 0, **run_eval(0)}
@@ -229,7 +232,7 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
       writer.write(first)
       yield first
     yield from _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer,
-                     pipeline, run_eval, after_step, compiles, eval_batch)
+                     pipeline, run_eval, after_step, compiles, has_eval)
     if pipeline is not None:
       pipeline.end()
   finally:
@@ -240,7 +243,7 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
 
 
 def _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, pipeline,
-          run_eval, after_step, compiles, eval_batch) -> Iterator[dict[str, float]]:
+          run_eval, after_step, compiles, has_eval) -> Iterator[dict[str, float]]:
   for step in range(start_step, cfg.trainer.total_steps):
     ctx.step = step
     if step == start_step:
@@ -255,7 +258,7 @@ def _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, pip
     metrics["step"] = step + 1
     metrics["data/bad_rows"] = float(getattr(pipeline, "bad_rows", None) or sum(
         v for k, v in loaders.train.counts.items() if k != "ok"))  # the rollout's own
-    if eval_batch is not None and ((step + 1) % cfg.trainer.eval_every == 0
+    if has_eval and ((step + 1) % cfg.trainer.eval_every == 0
                                    or step + 1 == cfg.trainer.total_steps):
       metrics.update(run_eval(step + 1))
     t0 = time.perf_counter()

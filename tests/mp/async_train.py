@@ -45,6 +45,8 @@ def main() -> int:
       h.update(np.asarray(x if x.is_fully_addressable else
                           multihost_utils.process_allgather(x, tiled=True)).tobytes())
     metrics[-1]["params_sha256"] = h.hexdigest()
+    # Held-out rows this process parsed (on disjoint processes the rollout side evaluates).
+    metrics[-1]["eval_rows_drawn"] = loaders.eval.counts["ok"] if loaders.eval else None
     with open(f"{out}.{info.process_index}", "w") as f:
       json.dump(metrics, f)
   print(f"OK process {info.process_index}: {len(metrics)} steps")
