@@ -259,7 +259,7 @@ def _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, pip
     metrics["data/bad_rows"] = float(getattr(pipeline, "bad_rows", None) or sum(
         v for k, v in loaders.train.counts.items() if k != "ok"))  # the rollout's own
     if has_eval and ((step + 1) % cfg.trainer.eval_every == 0
-                                   or step + 1 == cfg.trainer.total_steps):
+                     or step + 1 == cfg.trainer.total_steps):
       metrics.update(run_eval(step + 1))
     t0 = time.perf_counter()
     if pipeline is not None and step == start_step:
