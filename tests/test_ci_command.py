@@ -51,10 +51,13 @@ def test_the_avx2_variant_caps_every_process_it_starts():
 
   import isa
 
-  base = {"XLA_FLAGS": "--xla_cpu_max_isa=AVX512 --xla_dump_to=/tmp/x", "PATH": "/bin"}
+  base = {"XLA_FLAGS": "--xla_cpu_max_isa=AVX512 --xla_dump_to=/tmp/x "
+                       "--xla_backend_optimization_level=1", "PATH": "/bin"}
   for which, want in (("native", None), ("avx2", "--xla_cpu_max_isa=AVX2")):
     env = launcher.child_env(isa.isa_env(which, base), coordinator="127.0.0.1:1",
                              num_processes=2, process_id=1, devices_per_process=2)
     flags = env["XLA_FLAGS"].split()
     assert [f for f in flags if f.startswith("--xla_cpu_max_isa")] == ([want] if want else [])
     assert "--xla_dump_to=/tmp/x" in flags and "--xla_force_host_platform_device_count=2" in flags
+    # both sides of a bitwise claim compile at XLA's default level, not the suite's level 1
+    assert not [f for f in flags if f.startswith("--xla_backend_optimization_level")]
