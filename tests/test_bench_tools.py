@@ -1,6 +1,6 @@
 """The benchmark tools: the shared harness (timing, tables, JSON, children with a deadline),
 FLOP counts by hand and against XLA's own count, and bench_e2e / bench_rollout end to end
-without Tunix (one check against Tunix where its venv exists)."""
+without Tunix (one check against Tunix where its venv exists); the Tunix side they share."""
 
 import json
 import os
@@ -306,14 +306,48 @@ def test_bench_e2e_smoke_no_tunix(tmp_path, capsys):
   assert "Tunix not run (--no-tunix)" in out
 
 
-def test_bench_rollout_agreement():
-  import bench_rollout
+def test_tunix_side_agreement_and_ids_tokenizer():
+  """The pieces bench_rollout and bench_decode share to set Tunix's sampler beside the
+  engine: token-for-token agreement, and the tokenizer that hands Tunix our exact ids."""
+  import _tunix_side as ts
   a = np.array([[1, 2, 3], [4, 5, 6]])
-  assert bench_rollout.agreement(a, a) == (1.0, 2)
-  assert bench_rollout.agreement(a, np.array([[1, 2, 3], [4, 5, 0]])) == (5 / 6, 1)
-  assert bench_rollout.agreement(a, a[:, :2]) == (0.0, 0)
-  tok = bench_rollout._IdsTokenizer(512)
-  assert tok.encode(tok.decode([5, 0, 511])) == [5, 0, 511] and tok.eos_id() == 512
+  assert ts.agreement(a, a) == (1.0, 2)
+  assert ts.agreement(a, np.array([[1, 2, 3], [4, 5, 0]])) == (5 / 6, 1)
+  assert ts.agreement(a, a[:, :2]) == (0.0, 0)
+  tok = ts.IdsTokenizer(512)
+  assert tok.decode(np.array([5, 0, 511])) == "5 0 511"
+  assert tok.encode(tok.decode([5, 0, 511])) == [5, 0, 511] and tok.encode("") == []
+  assert tok.eos_id() == 512 and tok.bos_id() is None and tok.pad_id() == 0
+
+
+@pytest.mark.timeout(120)
+def test_tunix_side_notes_are_one_line(tmp_path):
+  """Why Tunix's sampler is skipped comes in one line: --no-tunix, a venv that cannot be
+  made (a real failed `python -m venv`), a shape its qwen2 model does not take, a worker
+  that dies before it is ready (here: this venv's python, which has no tunix)."""
+  import _tunix_side as ts
+  assert ts.tunix_python(True, str(tmp_path / "v")) == (None,
+                                                        "Tunix's sampler skipped (--no-tunix)")
+  (tmp_path / "file").write_text("")
+  py, note = ts.tunix_python(False, str(tmp_path / "file" / "venv"))
+  assert py is None and note.startswith("Tunix's sampler skipped: ") and "\n" not in note, note
+  assert ts.one_line(RuntimeError("pip failed:\n\n  ...\nERROR: no such version\n")) == (
+      "pip failed: ... ERROR: no such version")
+  assert ts.one_line(ValueError()) == "ValueError"
+  cfg = ModelConfig(**bc.BENCH_MODEL)
+  m = ts.model_dict(cfg)
+  assert m["rope_theta"] == cfg.rope_theta and m["dtype"] == "float32"
+  assert json.loads(json.dumps(m)) == m
+  with pytest.raises(ValueError, match="arch 'llama'"):
+    ts.model_dict(ModelConfig.tiny(arch="llama"))
+  sampler = ts.Sampler(sys.executable, str(tmp_path), m, {2: [[1, 2], [3, 4]]}, 4,
+                       str(tmp_path))
+  try:
+    with pytest.raises(RuntimeError, match="tunix worker exited"):
+      sampler.ready()
+  finally:
+    sampler.close()
+  assert "tunix" in (tmp_path / "tunix.log").read_text()
 
 
 @pytest.mark.timeout(600)

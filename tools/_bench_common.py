@@ -28,7 +28,8 @@ other venvs (Tunix, JetStream) import this module too.  What is here, by section
   deadline (``Finished(returncode, output, timed_out, wall_s)``); ``kill_children()`` for a
   signal handler.
 * Tunix in its own venv (``ensure_tunix``, ``tunix_env``, ``Worker``, ``CompileCount``,
-  ``TunixTokenizer``, ``tunix_qwen2``) and JetStream in its own venv (``INSIDE_VENV``,
+  ``TunixTokenizer``, ``tunix_qwen2``; Tunix's sampler as a contender is _tunix_side.py's)
+  and JetStream in its own venv (``INSIDE_VENV``,
   ``inside_venv``; the serving loop is ``jetstream_adapter.serve_streams``).
 """
 
@@ -410,11 +411,12 @@ def tagged(lines: Iterable[str]) -> list[dict]:
 
 
 def commands():
-  """A worker's loop: one iteration per 'go' line on stdin, until 'stop' or EOF."""
+  """A worker's loop: one iteration per 'go' line on stdin, until 'stop' or EOF; each
+  yields the rest of its line ('go 16' -> '16', 'go' -> '')."""
   for line in sys.stdin:
     if line.strip() == "stop":
       return
-    yield
+    yield line.strip()[len("go"):].strip()
 
 
 # ---------------------------------------------------------------- child processes
@@ -592,9 +594,10 @@ class Worker:
   def ready(self) -> dict:
     return self._read()
 
-  def step(self) -> dict:
+  def step(self, arg: str = "") -> dict:
+    """One 'go' (with ``arg`` on its line, for ``commands`` to yield) and its answer."""
     t0 = time.perf_counter()
-    self.proc.stdin.write("go\n")
+    self.proc.stdin.write(f"go {arg}".strip() + "\n")
     self.proc.stdin.flush()
     rec = self._read()
     rec["wall_s"] = time.perf_counter() - t0
@@ -657,18 +660,22 @@ class TunixTokenizer:
 
 def tunix_qwen2(model_dir: str, m: dict):
   """(Tunix's qwen2 model loaded from our exported model.safetensors, its 1x1 mesh);
-  ``m`` is the model's config dict (BENCH_MODEL's keys).  Runs in the Tunix venv."""
+  ``m`` is the model's config dict (BENCH_MODEL's keys; ``rope_theta``, ``rms_norm_eps`` and
+  ``dtype``, of parameters and compute, where given).  Runs in the Tunix venv."""
   import jax
+  import jax.numpy as jnp
   from tunix.models.qwen2 import model as qwen2_model
   from tunix.models.qwen2 import params as qwen2_params
+  dtype = jnp.dtype(m.get("dtype", "float32"))
   mcfg = qwen2_model.ModelConfig(
       num_layers=m["num_layers"], vocab_size=m["vocab_size"], embed_dim=m["hidden_size"],
       hidden_dim=m["intermediate_size"], num_heads=m["num_heads"], head_dim=m["head_dim"],
-      num_kv_heads=m["num_kv_heads"], rope_theta=10000, norm_eps=1e-6,
-      use_tied_embedding=m["tie_embeddings"])
+      num_kv_heads=m["num_kv_heads"], rope_theta=m.get("rope_theta", 10000),
+      norm_eps=m.get("rms_norm_eps", 1e-6), use_tied_embedding=m["tie_embeddings"],
+      dtype=dtype, param_dtype=dtype)
   mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1],
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  return qwen2_params.create_model_from_safe_tensors(model_dir, mcfg, mesh), mesh
+  return qwen2_params.create_model_from_safe_tensors(model_dir, mcfg, mesh, dtype=dtype), mesh
 
 
 # ---------------------------------------------------------------- JetStream in its own venv

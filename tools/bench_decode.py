@@ -2,14 +2,14 @@
 
     python tools/bench_decode.py [--shape tiny|qwen2.5-0.5b|HF_DIR] [--batch 16,64,128]
         [--prompt 128] [--new 128] [--decode-steps 16] [--rounds 3] [--dtype float32]
-        [--fuse none,gate_up,all] [--json out.json]
+        [--fuse none,gate_up,all] [--no-tunix] [--tunix-venv DIR] [--json out.json]
 
 For each batch size B (B slots, B prompts of --prompt random tokens, random weights, no
 stop token, so every row decodes --new tokens; the first comes from the prefill):
 
-* tokens/s: decoded tokens / wall time of the decode calls, prefill excluded; the median
-  of --rounds rounds, the batch sizes alternated within a round so that machine load hits
-  them alike (``bc.alternate``), each row printed as soon as it is had;
+* decode-only tokens/s (sampled at temperature 1): decoded tokens / wall time of the
+  decode calls, prefill excluded; the median of --rounds rounds, every contender alternated within a round so that machine
+  load hits them alike (``bc.alternate``), each row printed as soon as it is had;
 * bytes per step: the parameters plus the keys and values a step must read (the prompt
   and, on average, half the response); the engine itself reads its whole cache, masked
   (`kv whole`), which the roofline does not credit;
@@ -22,6 +22,18 @@ stop token, so every row decodes --new tokens; the first comes from the prefill)
 
 ``--fuse`` (comma-separated ``rollout.fuse_projections`` values): each batch size once per
 fusion of the engine's projections (models/fused.py), all alternated in one round.
+
+Equal work, side by side with Tunix's sampler (google-tunix 0.1.7 in its own venv, made on
+first use, about a minute and ~1.6 GB; tools/_tunix_side.py): both decode the batch's B
+prompts greedily, --new tokens a row, and are timed over the whole generate, prefill
+included: the engine's ``rollout.generate`` (an engine like the decode-only one, the first
+--fuse value, but greedy, on the same parameters) and Tunix's ``Sampler`` call inside its
+worker, on the same weights (exported with ``hf_io.save_pretrained``, loaded into Tunix's
+qwen2 model, same dtype), in the same rounds.  Printed per batch: both tokens/s, the ratio
+engine / Tunix, and their greedy tokens' agreement (1.000: the same work).  Tunix runs only
+where this process runs on the CPU (its venv has no accelerator) and for qwen2 shapes; it is
+skipped with a one-line note there, with --no-tunix, or when its venv cannot be made, and a
+batch it cannot run gets one line; the engine's rows come all the same.
 """
 
 from __future__ import annotations
@@ -29,14 +41,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_common as bc  # noqa: E402
+import _tunix_side as ts  # noqa: E402
 
 SHAPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model_shapes")
 
@@ -58,6 +73,8 @@ def _args(argv):
   p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the shape's)")
   p.add_argument("--fuse", default="none",
                  help="comma-separated rollout.fuse_projections values: none, gate_up, all")
+  p.add_argument("--no-tunix", action="store_true", help="skip Tunix's sampler")
+  p.add_argument("--tunix-venv", default=bc.DEFAULT_TUNIX_VENV)
   p.add_argument("--json", default=None, help="write the rows here")
   a = p.parse_args(argv)
   from distflow_jax.rollout.engine_config import FuseProjections
@@ -139,19 +156,25 @@ def program_counts(engine, params) -> dict:
               conditionals=conditionals, data_dependent_whiles=unknown)
 
 
+def make_engine(cfg, batch: int, a, fuse: str, temperature: float):
+  """A one-device engine of ``batch`` slots for --prompt + --new tokens."""
+  import jax
+
+  from distflow_jax.rollout import Engine, EngineConfig, SamplingParams, replica_mesh
+  return Engine(cfg, EngineConfig(
+      max_concurrent_decodes=batch, prefill_buckets=(a.prompt,), max_new_tokens=a.new,
+      sampling=SamplingParams(temperature), decode_steps=a.decode_steps,
+      fuse_projections=fuse), mesh=replica_mesh(1, jax.devices()[:1]))
+
+
 class Contender:
-  """One batch size: its engine, parameters and prompts, and one timed decode round."""
+  """One batch size: its engine (sampling at temperature 1), parameters (``model``'s, else
+  random from seed 0) and prompts, and one timed decode round."""
 
-  def __init__(self, cfg, batch: int, a, fuse: str = "none"):
-    import jax
-
-    from distflow_jax.rollout import Engine, EngineConfig, SamplingParams, replica_mesh
+  def __init__(self, cfg, batch: int, a, fuse: str = "none", model=None):
     self.batch, self.cfg = batch, cfg
-    self.engine = Engine(cfg, EngineConfig(
-        max_concurrent_decodes=batch, prefill_buckets=(a.prompt,), max_new_tokens=a.new,
-        sampling=SamplingParams(1.0), decode_steps=a.decode_steps, fuse_projections=fuse),
-        mesh=replica_mesh(1, jax.devices()[:1]))
-    self.params = self.engine.load_params(None, seed=0)
+    self.engine = make_engine(cfg, batch, a, fuse, 1.0)
+    self.params = self.engine.load_params(model, seed=0)
     self.prompts = np.random.RandomState(batch).randint(
         1, cfg.vocab_size, (batch, a.prompt)).tolist()
 
@@ -173,6 +196,19 @@ class Contender:
         return bc.Measured(tokens, time.perf_counter() - t0)
 
 
+class Generate:
+  """A contender's whole generate, greedy: its prompts and parameters on a greedy engine of
+  its shape; one call is prefill + decode of every row (timed whole, as Tunix's sampler)."""
+
+  def __init__(self, c: Contender, a):
+    self.batch, self.params, self.prompts = c.batch, c.params, c.prompts
+    self.engine = make_engine(c.cfg, c.batch, a, c.engine.config.fuse_projections.value, 0.0)
+
+  def round(self) -> np.ndarray:
+    from distflow_jax.rollout import generate
+    return np.asarray(generate(self.engine, self.params, self.prompts).tokens_RxN)
+
+
 def step_bytes(cfg, params, batch: int, prompt: int, new: int) -> dict:
   """Bytes a decode step reads at the least (parameters + the live keys and values, the
   response half written on average), and the whole cache the engine reads."""
@@ -184,6 +220,50 @@ def step_bytes(cfg, params, batch: int, prompt: int, new: int) -> dict:
               kv_whole_bytes=per_slot * batch * (prompt + new))
 
 
+def tunix_model(cfg, a):
+  """(Tunix's python, the model both sides load, "") where Tunix's sampler can run here,
+  else (None, None, the one-line note why not)."""
+  import jax
+  platform = jax.devices()[0].platform
+  if not a.no_tunix:  # checked before the venv is made: no 1.6 GB for nothing
+    if platform != "cpu":
+      return None, None, (f"Tunix's sampler skipped: its venv runs on the CPU, the engine "
+                          f"here on {platform}, not the same device")
+    try:
+      ts.model_dict(cfg)
+    except ValueError as e:
+      return None, None, f"Tunix's sampler skipped: {e}"
+  py, note = ts.tunix_python(a.no_tunix, a.tunix_venv)
+  if py is None:
+    return None, None, note
+  from flax import nnx
+
+  from distflow_jax.models import Transformer
+  return py, Transformer(cfg, rngs=nnx.Rngs(0)), ""
+
+
+class TunixRounds:
+  """Tunix's sampler over the batch sizes' prompt sets: a batch it cannot run (or every
+  batch, once its worker has died) is noted in one line and left out from then on."""
+
+  def __init__(self, sampler):
+    self.sampler, self.failed = sampler, {}
+
+  def call(self, b: int) -> bc.Measured:
+    try:
+      return self.sampler.run(b)
+    except ts.SamplerError as e:
+      self.fail([b], f"Tunix's sampler cannot run batch {b}: {e}")
+    except (RuntimeError, OSError) as e:  # the worker is gone: no batch runs any more
+      self.fail([k for k in self.sampler.keys if k not in self.failed],
+                f"Tunix's sampler stopped: {ts.one_line(e)}")
+    return bc.Measured(None, float("nan"))
+
+  def fail(self, batches, note: str) -> None:
+    print(f"# {note}", flush=True)
+    self.failed.update(dict.fromkeys(batches, note))
+
+
 def run(a) -> list[dict]:
   cfg = model_config(a.shape, a.dtype)
   bw, bw_note = measured_bandwidth()
@@ -191,9 +271,14 @@ def run(a) -> list[dict]:
   print(f"# shape {a.shape} ({cfg.dtype}), prompt {a.prompt}, new {a.new}, decode_steps "
         f"{a.decode_steps}, rounds {a.rounds}; bandwidth {bw / 1e9:.1f} GB/s ({bw_note})",
         flush=True)
+  tunix_py, model, tunix_note = tunix_model(cfg, a)
+  if tunix_note:
+    print(f"# {tunix_note}", flush=True)
   # One contender per batch size (and fusion, where --fuse names several): "16", "16/all".
   label = (lambda b, f: str(b)) if len(a.fusions) == 1 else (lambda b, f: f"{b}/{f}")
-  contenders = {label(b, f): Contender(cfg, b, a, f) for b in a.batches for f in a.fusions}
+  contenders = {label(b, f): Contender(cfg, b, a, f, model) for b in a.batches
+                for f in a.fusions}
+  gens = {b: Generate(contenders[label(b, a.fusions[0])], a) for b in a.batches}
   rows = {}
   table = bc.Table(bc.Col("batch", 11), bc.Col("compile s", 9), bc.Col("hlo ops", 7),
                    bc.Col("fusions", 7), bc.Col("cond", 4), bc.Col("dd while", 8),
@@ -207,33 +292,114 @@ def run(a) -> list[dict]:
               counts["conditionals"], counts["data_dependent_whiles"],
               f"{(sizes['param_bytes'] + sizes['kv_bytes']) / 1e6:.1f}",
               f"{sizes['kv_whole_bytes'] / 1e6:.1f}")
+  tunix, model_dir = None, None
+  if model is not None:
+    from distflow_jax.models import hf_io
+    tmp = tempfile.mkdtemp(prefix="bench_decode_")
+    model_dir = os.path.join(tmp, "model")
+    hf_io.save_pretrained(model_dir, model)
+    del model  # the engines hold their own placed copies
+    tunix = ts.Sampler(tunix_py, model_dir, ts.model_dict(cfg),
+                       {b: g.prompts for b, g in gens.items()}, a.new, tmp)
+  try:
+    return measure(a, cfg, bw, contenders, gens, rows, label, tunix, tunix_note)
+  finally:
+    if tunix is not None:
+      tunix.close()
+      shutil.rmtree(model_dir, ignore_errors=True)  # the worker's log stays
+
+
+def measure(a, cfg, bw, contenders, gens, rows, label, tunix, tunix_note) -> list[dict]:
+  """The rounds: decode-only per contender, then the equal-work side by side."""
+  tunix_rounds = None
+  if tunix is not None:
+    try:
+      tunix_note = tunix.ready()
+      print(f"# {tunix_note}", flush=True)
+      tunix_rounds = TunixRounds(tunix)
+    except RuntimeError as e:
+      tunix_note = f"Tunix's sampler skipped: {ts.one_line(e)}"
+      print(f"# {tunix_note}", flush=True)
   for c in contenders.values():
     c.round()  # compiles prefill and insert, warms the decode program
-  speed = bc.Table(bc.Col("round", 5), bc.Col("batch", 11), bc.Col("tok/s", 10),
-                   bc.Col("roofline tok/s", 14), bc.Col("share", 7))
-  tokens = {b: [] for b in contenders}
+  agree = {}
+  for b, g in gens.items():  # warm-up (compiles), and the tokens the two sides agree on
+    engine_tokens = g.round()
+    if tunix_rounds is not None and b not in tunix_rounds.failed:
+      tokens = tunix_rounds.call(b).value
+      if tokens is not None:
+        agree[b] = ts.agreement(tokens, engine_tokens)
+        print(f"# batch {b}: Tunix's sampler vs the engine's generate, greedy, token for "
+              f"token: {agree[b][0]:.3f} of tokens, {agree[b][1]}/{b} rows equal", flush=True)
+  runs = {(b, "engine decode-only"): c.round for b, c in contenders.items()}
+  for b, g in gens.items():
+    runs[(label(b, a.fusions[0]), "engine generate")] = g.round
+    if tunix_rounds is not None:
+      runs[(label(b, a.fusions[0]), "Tunix generate")] = (
+          lambda b=b: tunix_rounds.call(b))
+  first_label = {label(b, a.fusions[0]): b for b in a.batches}
+  speed = bc.Table(bc.Col("round", 5), bc.Col("batch", 11), bc.Col("what", 18, "<"),
+                   bc.Col("tok/s", 10), bc.Col("roofline tok/s", 14), bc.Col("share", 7))
+  tokens = {name: [] for name in runs}
 
-  def on_time(i, b, secs, n):
-    r = rows[b]
-    roof = r["batch"] * bw / (r["param_bytes"] + r["kv_bytes"])
-    tokens[b].append(n / secs)
-    speed.row(i, b, f"{n / secs:,.0f}", f"{roof:,.0f}", f"{n / secs / roof:.1%}")
-  bc.alternate({b: c.round for b, c in contenders.items()}, a.rounds, rotate=True,
-               on_time=on_time)
+  def on_time(i, name, secs, value):
+    b, what = name
+    if what == "engine decode-only":
+      r = rows[b]
+      roof = r["batch"] * bw / (r["param_bytes"] + r["kv_bytes"])
+      tokens[name].append(value / secs)
+      speed.row(i, b, what, f"{value / secs:,.0f}", f"{roof:,.0f}", f"{value / secs / roof:.1%}")
+    elif secs == secs:  # not NaN: a Tunix call that failed is left out
+      rate = first_label[b] * a.new / secs
+      tokens[name].append(rate)
+      speed.row(i, b, what, f"{rate:,.0f}")
+  failed = tunix_rounds.failed if tunix_rounds is not None else {}
+  bc.alternate(runs, a.rounds, rotate=True, on_time=on_time,
+               skip=lambda i, name: name[1] == "Tunix generate" and first_label[name[0]]
+               in failed)
   first = next(iter(contenders))
   print("# medians", flush=True)
-  summary = bc.Table(bc.Col("batch", 11), bc.Col("tok/s (median)", 14),
+  summary = bc.Table(bc.Col("batch", 11), bc.Col("decode-only tok/s", 17),
                      bc.Col(f"x batch {first}", 10), bc.Col("roofline share", 14))
-  base = statistics.median(tokens[first])
+  base = statistics.median(tokens[(first, "engine decode-only")])
   for b, r in rows.items():
-    r["tokens_per_s"] = statistics.median(tokens[b])
-    r["tokens_per_s_rounds"] = tokens[b]
+    r["tokens_per_s_rounds"] = tokens[(b, "engine decode-only")]
+    r["tokens_per_s"] = statistics.median(r["tokens_per_s_rounds"])
     r["roofline_tokens_per_s"] = r["batch"] * bw / (r["param_bytes"] + r["kv_bytes"])
     r["roofline_share"] = r["tokens_per_s"] / r["roofline_tokens_per_s"]
     summary.row(b, f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base:.2f}",
                 f"{r['roofline_share']:.1%}")
+  equal_work(a, rows, tokens, first_label, agree, failed, tunix_note)
   print(f"# {bc.load_line()}", flush=True)
   return list(rows.values())
+
+
+def equal_work(a, rows, tokens, first_label, agree, failed, tunix_note) -> None:
+  """The side-by-side table (and the rows' JSON fields): the engine's whole generate and
+  Tunix's sampler call, both prefill + decode of the same prompts and tokens."""
+  print(f"# equal work: B prompts of {a.prompt} tokens, {a.new} new tokens a row, greedy, the "
+        f"whole generate timed (prefill included); medians", flush=True)
+  table = bc.Table(bc.Col("batch", 11), bc.Col("engine tok/s", 12), bc.Col("Tunix tok/s", 11),
+                   bc.Col("engine/Tunix", 12), bc.Col("tokens equal", 12),
+                   bc.Col("rows equal", 10))
+  for lab, b in first_label.items():
+    r = rows[lab]
+    r["generate_tokens_per_s_rounds"] = tokens[(lab, "engine generate")]
+    r["generate_tokens_per_s"] = statistics.median(r["generate_tokens_per_s_rounds"])
+    tunix = tokens.get((lab, "Tunix generate"), [])
+    r["tunix_tokens_per_s_rounds"] = tunix
+    r["tunix_note"] = failed.get(b) or (tunix_note if not tunix else "")
+    if b in agree:
+      r["tunix_token_agreement"], r["tunix_rows_equal"] = agree[b]
+    if not tunix or b in failed:
+      table.row(lab, f"{r['generate_tokens_per_s']:,.0f}",
+                bc.Span(failed.get(b, "Tunix not run"), 4))
+      continue
+    r["tunix_tokens_per_s"] = statistics.median(tunix)
+    r["engine_over_tunix"] = r["generate_tokens_per_s"] / r["tunix_tokens_per_s"]
+    frac, equal = agree.get(b, (float("nan"), 0))
+    table.row(lab, f"{r['generate_tokens_per_s']:,.0f}", f"{r['tunix_tokens_per_s']:,.0f}",
+              f"{r['engine_over_tunix']:.2f}x", f"{frac:.3f}", f"{equal}/{b}")
 
 
 def main(argv=None) -> int:

@@ -19,28 +19,25 @@ extra is not installed (or with --no-hf).
 
 Tunix's `generate.sampler.Sampler` (google-tunix 0.1.7, temperature 0 = greedy, KV cache of
 prompt + new tokens) runs in a worker process in the venv tools/bench_e2e.py uses (created
-on first use, about a minute); its time is that of the sampler call inside the worker.  The
-prompts go to it as text of space-separated ids through a tokenizer that parses them back,
-so it sees exactly our token ids.  Skipped, with a note, with --no-tunix or when the venv
-cannot be made.  The report gives every runner's greedy-token agreement with the no-cache
-baseline and Tunix's with the engine.
+on first use, about a minute); its time is that of the sampler call inside the worker, and
+it sees exactly our token ids (tools/_tunix_side.py, shared with bench_decode).  Skipped,
+with a note, with --no-tunix or when the venv cannot be made.  The report gives every
+runner's greedy-token agreement with the no-cache baseline and Tunix's with the engine.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_common as bc  # noqa: E402
+import _tunix_side as ts  # noqa: E402
 
 
 def _args(argv):
@@ -53,31 +50,12 @@ def _args(argv):
   p.add_argument("--no-hf", action="store_true", help="skip transformers")
   p.add_argument("--no-tunix", action="store_true", help="skip Tunix's sampler")
   p.add_argument("--tunix-venv", default=bc.DEFAULT_TUNIX_VENV)
-  p.add_argument("--worker", choices=("tunix",), help=argparse.SUPPRESS)
-  p.add_argument("--inputs", help=argparse.SUPPRESS)
   return p.parse_args(argv)
-
-
-def agreement(a, b) -> tuple[float, int]:
-  """(Fraction of equal tokens, rows equal in full) of two [rows, new] token arrays."""
-  a, b = np.asarray(a), np.asarray(b)
-  if a.shape != b.shape:
-    return 0.0, 0
-  return float(np.mean(a == b)), int(np.all(a == b, axis=1).sum())
 
 
 def main(argv=None) -> int:
   args = _args(argv)
-  if args.worker == "tunix":
-    return tunix_worker(args.inputs)
-  tunix_py, tunix_note = None, ""
-  if args.no_tunix:
-    tunix_note = "Tunix's sampler skipped (--no-tunix)"
-  else:
-    try:
-      tunix_py = bc.ensure_tunix(args.tunix_venv)
-    except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
-      tunix_note = f"Tunix's sampler skipped: {e}"
+  tunix_py, tunix_note = ts.tunix_python(args.no_tunix, args.tunix_venv)
   bc.default_host_devices(1)
   bc.flush_lines()
   import jax
@@ -162,25 +140,14 @@ def main(argv=None) -> int:
 
   tunix = None
   if tunix_py:
-    path = os.path.join(tmp, "tunix_inputs.json")
-    with open(path, "w") as f:
-      json.dump(dict(model_dir=model_dir, model=bc.BENCH_MODEL, prompts=prompts.tolist(),
-                     new=tn), f)
-    tunix = bc.Worker("tunix", [tunix_py, os.path.abspath(__file__), "--worker", "tunix",
-                                "--inputs", path],
-                      os.path.join(tmp, "tunix.log"), bc.tunix_env())
-
-    def tunix_runner():  # the sampler call's own time, inside the worker
-      rec = tunix.step()
-      return bc.Measured(np.asarray(rec["tokens"]), rec["gen_s"])
-
+    tunix = ts.Sampler(tunix_py, model_dir, ts.model_dict(cfg), {"all": prompts}, tn, tmp)
   try:
     if tunix is not None:
       try:
-        tunix_note = tunix.ready()["about"]
-        runners["tunix sampler"] = tunix_runner
+        tunix_note = tunix.ready()
+        runners["tunix sampler"] = lambda: tunix.run("all")  # the sampler call's own time
       except RuntimeError as e:
-        tunix_note = f"Tunix's sampler skipped: {e}"
+        tunix_note = f"Tunix's sampler skipped: {ts.one_line(e)}"
     results, warm = {}, {}
     for name, fn in runners.items():  # warm-up / compile
       results[name], warm[name] = bc.timed(fn)
@@ -213,66 +180,13 @@ def main(argv=None) -> int:
       print(note)
   ref = results["no-cache"]
   for name, toks in results.items():
-    print(f"greedy tokens equal to no-cache: {name}: {agreement(toks, ref)[0]:.3f}")
+    print(f"greedy tokens equal to no-cache: {name}: {ts.agreement(toks, ref)[0]:.3f}")
   if "tunix sampler" in results:
-    frac, rows = agreement(results["tunix sampler"], results["engine"])
+    frac, rows = ts.agreement(results["tunix sampler"], results["engine"])
     print(f"Tunix sampler vs engine, token for token: {frac:.3f} of tokens, {rows}/{b} rows "
           f"equal")
   print(f"engine compiles: {engine.compile_counts()}")
   print(f"end: {bc.load_line()}")
-  return 0
-
-
-# ---------------------------------------------------------------- Tunix's side
-
-class _IdsTokenizer:
-  """Text of space-separated token ids <-> the ids: Tunix's sampler takes strings and we
-  want it to see our exact prompt ids.  No BOS; the EOS (one past the vocabulary) is never
-  generated, so every row runs the full --new tokens as ours do."""
-
-  def __init__(self, vocab_size: int):
-    self.vocab_size = vocab_size
-
-  def encode(self, text, **_):
-    return [int(t) for t in text.split()]
-
-  def decode(self, ids, **_):
-    return " ".join(str(int(i)) for i in ids)
-
-  def bos_id(self):
-    return None
-
-  def eos_id(self):
-    return self.vocab_size
-
-  def pad_id(self):
-    return 0
-
-
-def tunix_worker(inputs_path: str) -> int:
-  with open(inputs_path) as f:
-    inp = json.load(f)
-  import jax
-  from tunix.generate import sampler as sampler_lib
-
-  m, prompts, tn = inp["model"], inp["prompts"], inp["new"]
-  tp = len(prompts[0])
-  model, mesh = bc.tunix_qwen2(inp["model_dir"], m)
-  tok = _IdsTokenizer(m["vocab_size"])
-  sampler = sampler_lib.Sampler(
-      model, tok, sampler_lib.CacheConfig(cache_size=tp + tn, num_layers=m["num_layers"],
-                                          num_kv_heads=m["num_kv_heads"],
-                                          head_dim=m["head_dim"]))
-  texts = [tok.decode(p) for p in prompts]
-  bc.emit({"about": f"Tunix sampler (google-tunix {bc.TUNIX_SPEC.split('==')[1]}, greedy) on "
-                    f"{jax.devices()[0]}"})
-  for _ in bc.commands():
-    t0 = time.perf_counter()
-    with mesh:
-      out = sampler(texts, max_generation_steps=tn, max_prompt_length=tp,
-                    eos_tokens=[tok.eos_id()], temperature=0.0)
-    dt = time.perf_counter() - t0
-    bc.emit({"tokens": [[int(t) for t in row] for row in out.tokens], "gen_s": dt})
   return 0
 
 
