@@ -102,10 +102,12 @@ def tiny_qwen(tmp_path_factory):
   return tiny_hf.make_tiny_hf_dir(str(tmp_path_factory.mktemp("q") / "qwen"))
 
 
-def train_args(model, *extra):
+def train_args(model, run_dir, *extra):
+  """A run refused before step 1 (``run_dir`` a test's own: the run writes its config there
+  first, and one folder shared by tests on two workers would be locked by the other)."""
   return ["train", "--config=configs/grpo.py:qwen0.5b", f"--config.model.path={model}",
           f"--config.data.train={tiny_hf.GSM8K_TINY}", f"--config.data.eval={tiny_hf.GSM8K_TINY}",
-          "--config.run_dir=/tmp/distflow_never_written", *SHRINK, *extra]
+          f"--config.run_dir={run_dir}", *SHRINK, *extra]
 
 
 @pytest.mark.timeout(120)
@@ -116,8 +118,8 @@ def train_args(model, *extra):
     (["--config.placement.actor.mesh.fsdp=3"], "has 3 devices but the role has 2"),
     (["--config.cluster.devices_per_process=3"], "does not divide over the 3"),
 ])
-def test_train_first_errors_are_one_clean_line(tiny_qwen, extra, pattern):
-  r = run_cli(*train_args(tiny_qwen, *extra), timeout=120)
+def test_train_first_errors_are_one_clean_line(tiny_qwen, extra, pattern, tmp_path):
+  r = run_cli(*train_args(tiny_qwen, tmp_path / "run", *extra), timeout=120)
   assert r.returncode == 2, r.stdout[-1000:] + r.stderr[-2000:]
   assert pattern in r.stderr
   assert "Traceback" not in r.stderr
@@ -126,7 +128,7 @@ def test_train_first_errors_are_one_clean_line(tiny_qwen, extra, pattern):
 @pytest.mark.timeout(120)
 def test_train_model_path_without_config_json(tmp_path):
   (tmp_path / "weights.bin").write_bytes(b"x")
-  r = run_cli(*train_args(str(tmp_path)), timeout=120)
+  r = run_cli(*train_args(str(tmp_path), tmp_path / "run"), timeout=120)
   assert r.returncode == 2
   assert f"model.path='{tmp_path}' has no config.json" in r.stderr
   assert "Traceback" not in r.stderr
