@@ -50,3 +50,51 @@ def test_a_resumed_run_moves_none_of_its_restored_batches(k, start, total, resto
     if t.kind is Kind.BATCH:
       version = max(start, t.index - k)
       assert [s.index for s in steps[:i] if s.kind is Kind.WEIGHTS][-1] == version
+
+
+def _thread(steps, gates, log):
+  """A transfer thread whose copy ``t`` waits for ``gates[t]`` (a threading.Event)."""
+  from distflow_jax.run.transfer import Transfers
+
+  def handler(kind):
+    def run(i):
+      gates[Transfer(kind, i)].wait(10)
+      log.append(Transfer(kind, i))
+    return run
+  return Transfers(steps, {k: handler(k) for k in Kind})
+
+
+def test_wait_before_returns_once_every_earlier_copy_is_done():
+  import threading
+  steps = schedule(1, 0, 4)  # w0 b0 b1 w1 b2 w2 b3
+  gates = {t: threading.Event() for t in steps}
+  log = []
+  threads = _thread(steps, gates, log)
+  waited = threading.Event()
+
+  def main():
+    threads.wait_before(Transfer(Kind.BATCH, 2))  # after w0 b0 b1 w1
+    waited.set()
+  waiter = threading.Thread(target=main)
+  waiter.start()
+  for t in steps[:3]:
+    gates[t].set()
+  assert not waited.wait(0.3)  # w1 is not done: it still waits
+  gates[steps[3]].set()
+  assert waited.wait(5) and log == steps[:4]
+  threads.wait_before(Transfer(Kind.BATCH, 9))  # not in the schedule: no wait
+  for t in steps[4:]:
+    gates[t].set()
+  threads.join()
+  waiter.join()
+
+
+def test_wait_before_raises_the_threads_error_instead_of_hanging():
+  from distflow_jax.run.transfer import Transfers
+  steps = schedule(1, 0, 3)
+
+  def fail(i):
+    raise OSError(f"peer gone at {i}")
+  threads = Transfers(steps, {Kind.WEIGHTS: fail, Kind.BATCH: fail})
+  with pytest.raises(OSError, match="peer gone at 0"):
+    threads.wait_before(Transfer(Kind.BATCH, 2))

@@ -54,11 +54,14 @@ def overrides(args: argparse.Namespace, k: int, run_dir: str) -> list[str]:
       "model.warmstart.steps=0", "trainer.eval_every=0", "trainer.log_samples=0",
       f"trainer.total_steps={args.warmup + args.steps}", f"trainer.max_staleness={k}",
       f"data.prompts_per_step={args.prompts}", f"rollout.n={args.n}",
-      "data.max_prompt_len=32", "rollout.prefill_buckets=(32,)",
+      f"data.max_prompt_len={PROMPT}", f"rollout.prefill_buckets=({PROMPT},)",
       f"rollout.max_new_tokens={args.new}", f"actor.micro_batch_size={rows // half}",
       f"placement.rollout.devices=0:{half}", f"placement.actor.devices={half}:{args.devices}",
       f"placement.reference.devices={half}:{args.devices}",
-  ]
+  ] + ([f"model.max_seq_len={PROMPT + args.new}"] if PROMPT + args.new > TINY_SEQ else [])
+
+
+PROMPT, TINY_SEQ = 32, 80  # the padded prompt width; grpo:tiny's model.max_seq_len
 
 
 def child(args: argparse.Namespace) -> None:
@@ -96,7 +99,8 @@ def main() -> None:
   p.add_argument("--warmup", type=int, default=2, help="untimed first steps per run")
   p.add_argument("--prompts", type=int, default=8)
   p.add_argument("--n", type=int, default=4)
-  p.add_argument("--new", type=int, default=32, help="rollout.max_new_tokens")
+  p.add_argument("--new", type=int, default=32,
+                 help="rollout.max_new_tokens (over 48: model.max_seq_len raised to 32 + it)")
   p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (split in 2)")
   p.add_argument("--processes", type=int, default=1, choices=(1, 2),
                  help="2: the rollout half and the training half in processes of their own, "
@@ -117,7 +121,8 @@ def main() -> None:
   print(f"grpo:tiny, {args.prompts} prompts x {args.n}, <= 32 + {args.new} tokens, "
         f"{args.devices} simulated CPU devices: rollout on 0:{args.devices // 2}, training on "
         f"{args.devices // 2}:{args.devices}{where}; {args.steps} timed steps after "
-        f"{args.warmup}, {args.repeats} rounds")
+        f"{args.warmup}, {args.repeats} rounds" + (
+            f"; model.max_seq_len={PROMPT + args.new}" if PROMPT + args.new > TINY_SEQ else ""))
   steps: dict[int, list[dict]] = {k: [] for k in ks}
   base = [sys.executable, os.path.abspath(__file__)] + [
       f"--{a}={getattr(args, a)}" for a in ("steps", "warmup", "prompts", "n", "new",

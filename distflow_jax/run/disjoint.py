@@ -172,6 +172,8 @@ def run_rollout(ctx: RunContext, loader: Any, k: int, total: int,
                                      "bad_rows": bad_rows,
                                      "loader": disjoint_state.prompt_state(loader)})
       outgoing.put(j, data)
+      # batch j's copy before the next batch's programs, which it would queue behind
+      threads.wait_before(transfer.Transfer(transfer.Kind.BATCH, j + 1))
       if j - k - 1 >= start + restored:  # every trainer read it before version j - k came
         transfer.forget(str(run), j - k - 1)
     for v in evals:  # versions that make no batch (the last steps'): after every batch
@@ -229,6 +231,11 @@ class TrainerSide:
     self._snapshot(step)
     t0 = time.perf_counter()
     metas, data = self.batches.take(step)
+    # The versions the next batch needs sent before this step's programs, which a copy
+    # issued later would queue behind (the rollout would wait for the whole step).  At
+    # K = 0 the next batch needs the version this step makes: nothing to send yet.
+    if self.k:
+      self.threads.wait_before(transfer.Transfer(transfer.Kind.BATCH, step + 1))
     self._last_metas = metas
     lay = self.links.train_layout
     data = self._place(data)  # rows in order, onto the first training node's layout

@@ -154,7 +154,9 @@ class Transfers:
   def __init__(self, steps: list[Transfer],
                handlers: dict[Kind, Callable[[int], None]]):
     self.steps, self.handlers = steps, handlers
+    self.position = {t: n for n, t in enumerate(steps)}
     self.error: BaseException | None = None
+    self._done, self._cond = 0, threading.Condition()
     self._thread = threading.Thread(target=self._run, name="transfers", daemon=True)
     self._thread.start()
 
@@ -162,8 +164,28 @@ class Transfers:
     try:
       for t in self.steps:
         self.handlers[t.kind](t.index)
+        with self._cond:
+          self._done += 1
+          self._cond.notify_all()
     except BaseException as e:  # noqa: BLE001 - handed to the main thread
       self.error = e
+    with self._cond:
+      self._cond.notify_all()
+
+  def wait_before(self, t: Transfer) -> None:
+    """Waits until every transfer ahead of ``t`` in the schedule is done (none if ``t`` is
+    not in it).  A main thread calls it before it dispatches a long program onto its
+    devices: a copy issued later would run after that program on those devices (each
+    device runs its work in order), and the other group would wait for it that long."""
+    n = self.position.get(t)
+    if n is None:
+      return
+    with self._cond:
+      while self._done < n:
+        self.check()
+        if not self._thread.is_alive():
+          raise RuntimeError(f"the transfer thread ended before {t}")
+        self._cond.wait(0.2)
 
   def check(self) -> None:
     if self.error is not None:
