@@ -17,8 +17,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ.get("DISTFLOW_TEST_XLA_DEFAULTS") != "1" and (
     "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]):
   os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
-# LLVM at optimization level 1 instead of XLA's default: the same HLO programs, compiled in
-# about two thirds of the CPU seconds (README "Tests"); the code it emits may round
+# LLVM at optimization level 1 instead of XLA's default: the same HLO programs, the whole
+# suite in about three quarters of the CPU seconds (README "Tests"); the code it emits may round
 # differently in the last bit from the default level's, so the claims of bitwise equality
 # across layouts and processes (marked ``reduction_order``, tests/isa.py) run their
 # processes at XLA's default level, as users' runs do.  DISTFLOW_TEST_XLA_DEFAULTS=1 keeps
