@@ -184,6 +184,7 @@ class Transfers:
       while self._done < n:
         self.check()
         if not self._thread.is_alive():
+          self.check()  # its error, if it stopped on one since the check above
           raise RuntimeError(f"the transfer thread ended before {t}")
         self._cond.wait(0.2)
 
