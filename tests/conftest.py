@@ -52,9 +52,19 @@ if _SHARED_CACHE:
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _SHARED_CACHE)
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+  # With it, a multi-process run's programs are compiled once, by the process holding their
+  # first device, and handed to the others (tests/share_site/sitecustomize.py says how);
+  # without, each process of a run compiles every program itself.
+  # DISTFLOW_TEST_SHARE_BINARIES=0 turns the sharing off.
+  if os.environ.setdefault("DISTFLOW_TEST_SHARE_BINARIES", "1") == "1":
+    os.environ.setdefault("JAX_SHARE_BINARY_BETWEEN_HOSTS", "true")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [os.path.join(os.path.dirname(os.path.abspath(__file__)), "share_site")]
+        + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 SHARED_CACHE_VARS = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-                     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+                     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "DISTFLOW_TEST_SHARE_BINARIES",
+                     "JAX_SHARE_BINARY_BETWEEN_HOSTS")
 
 
 def without_shared_cache(env) -> dict:
