@@ -68,3 +68,26 @@ def test_bad_arguments():
     launcher.launch(1, -2, ["true"])
   with pytest.raises(ConfigError, match="command"):
     launcher.launch(1, 1, [])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("share", ["1", "0"])
+def test_the_suites_processes_compile_a_program_once_and_share_it(tmp_path, share):
+  """The suite's sharing (tests/share_site/sitecustomize.py): process 0 compiles the
+  cross-process program, process 1 waits for its binary and loads it, and the program's
+  result is still exact in both; with the sharing off both compile.  Its own cache
+  folder: a program already in the suite's cache would be loaded by both, shared by none."""
+  import os
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
+             DISTFLOW_TEST_SHARE_BINARIES=share, JAX_SHARE_BINARY_BETWEEN_HOSTS=share)
+  result = launcher.launch(2, 2, [sys.executable, "tests/mp/shared_compile.py"], timeout_s=200,
+                           env=env, out=None)
+  assert result.ok, result.describe() + "\n" + "\n".join(sum(result.outputs, []))
+  first, second = ("\n".join(o) for o in result.outputs)
+  for i, text in enumerate((first, second)):
+    assert f"OK process {i}/2 sum=20.0" in text
+  if share == "1":
+    assert "Process 0 compiling and sharing module" in first, first[-2000:]
+    assert "Waiting for module" in second and "compiling and sharing" not in second
+  else:
+    assert "Waiting for module" not in second and "compiling and sharing" not in first
