@@ -142,13 +142,48 @@ def _exited_normally(client, i: int) -> bool:
     return "NOT_FOUND" not in str(e).upper().replace(" ", "_")
 
 
+def _pid_waker(pids):
+  """``wait(timeout_s)``: returns when one of ``pids`` ends (once per process), or after
+  ``timeout_s`` (a plain sleep where pidfds are not available)."""
+  import select
+  fds = []
+  if hasattr(os, "pidfd_open") and hasattr(select, "poll"):
+    for pid in pids:
+      try:
+        fds.append(os.pidfd_open(pid))
+      except OSError:  # gone already, or not allowed: the poll still sees it
+        pass
+  if not fds:
+    return _stop.wait
+  poller = select.poll()
+  for fd in fds:
+    poller.register(fd, select.POLLIN)
+
+  def wait(timeout_s: float) -> None:
+    for fd, _ in poller.poll(int(timeout_s * 1000)):
+      poller.unregister(fd)  # it ended: woken once, then checked by pid like the rest
+      os.close(fd)
+  return wait
+
+
+def _marked_exited(client, i: int) -> bool:
+  """Whether process ``i`` has marked its exit as normal (False when it cannot be read)."""
+  try:
+    client.key_value_try_get(EXITED_KEY.format(i))
+    return True
+  except Exception:  # noqa: BLE001 - not marked, or the service is busy or gone
+    return False
+
+
 def start_watchdog(interval_s: float = 0.5, timeout_s: float = 10.0) -> bool:
   """Stops this process with one line as soon as a peer on this host dies.
 
   A survivor blocked in a barrier (an orbax save, a key-value wait) gets no collective
-  error, and JAX's client aborts it with a C++ stack trace once the heartbeat times out.
+  error, and JAX's client aborts it with a C++ stack trace once the heartbeat times out,
+  or at once when the dead peer is process 0, which hosts the coordination service.
   This thread checks the recorded pids of the peers on this host twice a second, and
-  leaves first, naming the lost process.  Peers on other hosts are still noticed only
+  leaves first, naming the lost process (process 0's exit mark is read while it lives:
+  the service goes with it).  Peers on other hosts are still noticed only
   through the heartbeat.  Returns whether a watchdog runs (several processes only).
   """
   client = _client()
@@ -168,16 +203,32 @@ def start_watchdog(interval_s: float = 0.5, timeout_s: float = 10.0) -> bool:
   if not local:
     return False
   _stop.clear()
+  # Process 0 hosts the coordination service, which goes with it: once its pid is gone
+  # nobody can say whether it had marked its exit, so its mark is read while it lives.
+  marked: set[int] = set()
+  # A pidfd per peer wakes this thread the moment that peer ends (Linux): jax's client
+  # aborts this process within milliseconds of process 0's death, faster than a poll.
+  waker = _pid_waker(local.values())
 
   def watch():
-    while not _stop.wait(interval_s):
+    while not _stop.is_set():
+      waker(interval_s)
+      if _stop.is_set():
+        break
       for i, pid in local.items():
-        if _gone(pid) and not _stop.is_set() and not _exited_normally(client, i):
-          import sys
-          print(f"distflow-jax: lost process {i} of {jax.process_count()}: it died "
-                f"(pid {pid} is gone); process {me} stops", file=sys.stderr, flush=True)
-          sys.stdout.flush()
-          os._exit(1)
+        gone = _gone(pid)
+        if i == 0 and not gone and 0 not in marked and _marked_exited(client, 0):
+          marked.add(0)
+        if not gone or _stop.is_set() or i in marked:
+          continue
+        if i != 0 and _exited_normally(client, i):
+          continue
+        import sys
+        hosted = "; it hosted the coordination service" if i == 0 else ""
+        print(f"distflow-jax: lost process {i} of {jax.process_count()}: it died "
+              f"(pid {pid} is gone{hosted}); process {me} stops", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
 
   threading.Thread(target=watch, name="distflow-peer-watchdog", daemon=True).start()
   return True

@@ -12,8 +12,8 @@ training process, real jax.distributed processes with SIGKILL deadlines.
 * a run killed while it saves, resumed, ends bitwise where the uninterrupted run ends,
   with one process a group and with two (2 + 2);
 * a peer killed in either group stops the other in one line (the victim is process 1
-  either way: process 0 hosts the coordination service, and when it dies JAX itself
-  ends the others, the launcher naming process 0; README "Launching").
+  either way; process 0's death, which takes the coordination service with it, is
+  tests/test_peer_watchdog.py's; README "Launching").
 """
 
 import json

@@ -72,3 +72,37 @@ def test_a_peer_that_leaves_normally_is_not_a_loss():
     _kill(procs)
   assert [p.returncode for p in procs] == [0, 0], outs
   assert "done 0" in outs[0] and "lost process" not in outs[0], outs[0]
+
+
+@pytest.mark.timeout(120)
+def test_process_0_killed_the_survivor_says_so_in_one_line():
+  """Process 0 hosts the coordination service: when it dies, jax's client ends the
+  survivor at once with a C++ fatal log and stack trace (SIGABRT) unless the watchdog,
+  which reads process 0's exit mark while it lives, names it first."""
+  procs = _start("lead")
+  try:
+    deadline = time.monotonic() + 60
+    _wait_ready(procs[0], deadline)
+    _wait_ready(procs[1], deadline)
+    time.sleep(1.0)  # the watchdog has read process 0's (absent) exit mark
+    os.killpg(procs[0].pid, signal.SIGKILL)
+    killed = time.monotonic()
+    out, _ = procs[1].communicate(timeout=60)
+    took = time.monotonic() - killed
+  finally:
+    _kill(procs)
+  assert procs[1].returncode == 1, out
+  assert took < 10, (took, out)
+  assert "lost process 0 of 2" in out and "coordination service" in out, out
+  assert "Check failure" not in out, out
+
+
+@pytest.mark.timeout(120)
+def test_process_0_leaving_normally_first_is_not_a_loss():
+  procs = _start("first")
+  try:
+    outs = [p.communicate(timeout=90)[0] for p in procs]
+  finally:
+    _kill(procs)
+  assert [p.returncode for p in procs] == [0, 0], outs
+  assert "done 1" in outs[1] and "lost process" not in outs[1], outs[1]
