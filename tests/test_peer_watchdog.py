@@ -43,35 +43,30 @@ def _wait_ready(p, deadline):
   raise AssertionError(lines)
 
 
-@pytest.mark.timeout(120)
-def test_survivor_blocked_in_a_barrier_names_the_dead_peer_at_once():
-  procs = _start("block")
+def _kill_after_ready(mode, dead, settle_s):
+  """Starts ``mode``, SIGKILLs process ``dead`` once both are ready (and ``settle_s`` later);
+  the survivor's code, output, and seconds from the kill to its end."""
+  procs = _start(mode)
   try:
     deadline = time.monotonic() + 60
     _wait_ready(procs[0], deadline)
     _wait_ready(procs[1], deadline)
-    time.sleep(0.5)  # process 0 is in the barrier now
-    os.killpg(procs[1].pid, signal.SIGKILL)
+    time.sleep(settle_s)
+    os.killpg(procs[dead].pid, signal.SIGKILL)
     killed = time.monotonic()
-    out, _ = procs[0].communicate(timeout=60)
-    took = time.monotonic() - killed
+    out, _ = procs[1 - dead].communicate(timeout=60)
+    return procs[1 - dead].returncode, out, time.monotonic() - killed
   finally:
     _kill(procs)
-  assert procs[0].returncode == 1, out
-  # JAX's own heartbeat would take 30 s and end in a C++ stack trace.
-  assert took < 10, (took, out)
-  assert "lost process 1 of 2" in out and "Check failure" not in out, out
 
 
 @pytest.mark.timeout(120)
-def test_a_peer_that_leaves_normally_is_not_a_loss():
-  procs = _start("finish")
-  try:
-    outs = [p.communicate(timeout=90)[0] for p in procs]
-  finally:
-    _kill(procs)
-  assert [p.returncode for p in procs] == [0, 0], outs
-  assert "done 0" in outs[0] and "lost process" not in outs[0], outs[0]
+def test_survivor_blocked_in_a_barrier_names_the_dead_peer_at_once():
+  code, out, took = _kill_after_ready("block", 1, 0.5)  # process 0 is in the barrier then
+  assert code == 1, out
+  # JAX's own heartbeat would take 30 s and end in a C++ stack trace.
+  assert took < 10, (took, out)
+  assert "lost process 1 of 2" in out and "Check failure" not in out, out
 
 
 @pytest.mark.timeout(120)
@@ -79,30 +74,22 @@ def test_process_0_killed_the_survivor_says_so_in_one_line():
   """Process 0 hosts the coordination service: when it dies, jax's client ends the
   survivor at once with a C++ fatal log and stack trace (SIGABRT) unless the watchdog,
   which reads process 0's exit mark while it lives, names it first."""
-  procs = _start("lead")
-  try:
-    deadline = time.monotonic() + 60
-    _wait_ready(procs[0], deadline)
-    _wait_ready(procs[1], deadline)
-    time.sleep(1.0)  # the watchdog has read process 0's (absent) exit mark
-    os.killpg(procs[0].pid, signal.SIGKILL)
-    killed = time.monotonic()
-    out, _ = procs[1].communicate(timeout=60)
-    took = time.monotonic() - killed
-  finally:
-    _kill(procs)
-  assert procs[1].returncode == 1, out
+  code, out, took = _kill_after_ready("lead", 0, 1.0)  # process 0's mark read (absent)
+  assert code == 1, out
   assert took < 10, (took, out)
   assert "lost process 0 of 2" in out and "coordination service" in out, out
   assert "Check failure" not in out, out
 
 
 @pytest.mark.timeout(120)
-def test_process_0_leaving_normally_first_is_not_a_loss():
-  procs = _start("first")
+@pytest.mark.parametrize("mode,stays", [("finish", 0), ("first", 1)])
+def test_a_peer_that_leaves_normally_is_not_a_loss(mode, stays):
+  """One process leaves normally at once (process 1, or process 0, which hosts the
+  coordination service), the other works on for a few seconds."""
+  procs = _start(mode)
   try:
     outs = [p.communicate(timeout=90)[0] for p in procs]
   finally:
     _kill(procs)
   assert [p.returncode for p in procs] == [0, 0], outs
-  assert "done 1" in outs[1] and "lost process" not in outs[1], outs[1]
+  assert f"done {stays}" in outs[stays] and "lost process" not in outs[stays], outs[stays]
