@@ -133,13 +133,14 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def _exited_normally(client, i: int) -> bool:
+def _exit_mark(client, i: int) -> bool | None:
+  """Whether process ``i`` marked its exit as normal; None when the service cannot say
+  (only "not found" means it has not)."""
   try:
     client.key_value_try_get(EXITED_KEY.format(i))
     return True
   except Exception as e:  # noqa: BLE001
-    # Only "not found" means it left without saying so; with the service gone we cannot tell.
-    return "NOT_FOUND" not in str(e).upper().replace(" ", "_")
+    return False if "NOT_FOUND" in str(e).upper().replace(" ", "_") else None
 
 
 def _pid_waker(pids):
@@ -164,15 +165,6 @@ def _pid_waker(pids):
       poller.unregister(fd)  # it ended: woken once, then checked by pid like the rest
       os.close(fd)
   return wait
-
-
-def _marked_exited(client, i: int) -> bool:
-  """Whether process ``i`` has marked its exit as normal (False when it cannot be read)."""
-  try:
-    client.key_value_try_get(EXITED_KEY.format(i))
-    return True
-  except Exception:  # noqa: BLE001 - not marked, or the service is busy or gone
-    return False
 
 
 def start_watchdog(interval_s: float = 0.5, timeout_s: float = 10.0) -> bool:
@@ -217,11 +209,11 @@ def start_watchdog(interval_s: float = 0.5, timeout_s: float = 10.0) -> bool:
         break
       for i, pid in local.items():
         gone = _gone(pid)
-        if i == 0 and not gone and 0 not in marked and _marked_exited(client, 0):
+        if i == 0 and not gone and 0 not in marked and _exit_mark(client, 0):
           marked.add(0)
         if not gone or _stop.is_set() or i in marked:
           continue
-        if i != 0 and _exited_normally(client, i):
+        if i != 0 and _exit_mark(client, i) is not False:  # marked, or cannot tell
           continue
         import sys
         hosted = "; it hosted the coordination service" if i == 0 else ""

@@ -1,5 +1,6 @@
 """The local launcher with real jax.distributed processes."""
 
+import os
 import subprocess
 import sys
 import time
@@ -77,7 +78,6 @@ def test_the_suites_processes_compile_a_program_once_and_share_it(tmp_path, shar
   cross-process program, process 1 loads its binary instead of compiling, and the program's
   result is still exact in both; with the sharing off both compile.  Its own cache
   folder: a program already in the suite's cache would be loaded by both, shared by none."""
-  import os
   env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
              DISTFLOW_TEST_SHARE_BINARIES=share, JAX_SHARE_BINARY_BETWEEN_HOSTS=share)
   result = launcher.launch(2, 2, [sys.executable, "tests/mp/shared_compile.py"], timeout_s=200,

@@ -2,7 +2,8 @@
 process 1 never reaches (it sleeps until killed); ``finish`` makes process 1 leave
 normally at once while process 0 works on for a few seconds; ``lead`` keeps both busy
 until the test kills process 0, which hosts the coordination service; ``first`` makes
-process 0 leave normally first while process 1 works on for a few seconds."""
+process 0 end its work normally first (it then waits in jax's shutdown barrier) while
+process 1 works on for a few seconds."""
 
 import sys
 import time
