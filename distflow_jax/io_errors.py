@@ -9,10 +9,17 @@ none), or, from orbax's background threads and TensorStore, a ``ValueError`` who
 says ``RESOURCE_EXHAUSTED: ... Failed writing: "<path>" ... No space left on device``.  The
 last one carries the word RESOURCE_EXHAUSTED that XLA uses for device memory, so this
 module is asked first: a full disk is never reported as running out of memory.
+
+Writers in Rust (``tokenizers``' ``save``, ``safetensors``' ``save_file``) raise a plain
+``Exception`` whose text is ``No space left on device (os error 28)``, with no path and no
+Python file object to find one in: a call to one is wrapped in ``writing(path)``, which
+names the path it was given.  A copy (``shutil.copy``) names its source first and its
+destination second: the destination is the file a full disk failed to write.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import io
@@ -99,10 +106,24 @@ def find(error: BaseException) -> DiskError | None:
   """The disk error ``error`` is (or was caused by), with its path; None for anything else."""
   for e in _chain(error):
     if isinstance(e, OSError) and e.errno in KINDS:
-      path = os.fsdecode(e.filename) if isinstance(e.filename, (str, bytes)) else None
+      name = e.filename2 if isinstance(e.filename2, (str, bytes)) else e.filename
+      path = os.fsdecode(name) if isinstance(name, (str, bytes)) else None
       return DiskError(e.errno, path or _open_file_path(e))
     text = str(e)
     code = next((c for t, c in _TEXTS.items() if t in text), None)
     if code is not None:
       return DiskError(code, _path_in(text) or _open_file_path(e))
   return None
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike):
+  """Names ``path`` on a disk error raised inside that names no path of its own (a Rust
+  writer's); any other error passes through unchanged."""
+  try:
+    yield
+  except Exception as e:  # pylint: disable=broad-except  - re-raised unless a disk error
+    disk = find(e)
+    if disk is None or disk.path is not None:
+      raise
+    raise OSError(disk.code, os.strerror(disk.code), os.fspath(path)) from e

@@ -4,6 +4,7 @@ Each ends in ONE line naming the culprit (exit 2 for a user mistake, 1 for a fai
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -392,6 +393,53 @@ def small_disk(tmp_path):
     pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()[:80]}")
   yield where
   subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+
+
+def _fill(disk) -> None:
+  """Leaves ``disk`` (a small tmpfs) with no free block."""
+  with open(disk / "filler", "wb", buffering=0) as f:  # unbuffered: close writes nothing
+    try:
+      while True:
+        f.write(b"x" * 4096)
+    except OSError as e:
+      assert e.errno == errno.ENOSPC, e
+
+
+@pytest.mark.timeout(60)
+def test_rust_writers_on_a_full_disk_name_their_file(small_disk):
+  """tokenizers' save and safetensors' save_file fail on a full disk with a plain
+  Exception, "No space left on device (os error 28)": no path of their own.  The CI run of
+  2026-11-29 failed on exactly this (the tokenizer of train's first checkpoint).  Each of
+  our calls to one names the file it was writing, and a copy names its destination."""
+  import numpy as np
+  import tokenizers
+
+  from distflow_jax import io_errors
+  from distflow_jax.models import hf_export, tokenizer as tokenizer_lib
+
+  src = small_disk.parent / "src"
+  src.mkdir()
+  word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+      {f"w{i}": i for i in range(400)}, unk_token="w0"))  # not byte-level BPE: Rust saves it
+  word_level.save(str(src / "tokenizer.json"))
+  (src / "tokenizer_config.json").write_text('{"eos_token": "w1"}')
+  tok = tokenizer_lib.Tokenizer(word_level, {"eos_token": "w1"})
+  (small_disk / "m").mkdir()
+  _fill(small_disk)
+  cases = {
+      "tokenizer.json": lambda: tok.save(small_disk / "tok"),
+      "model.safetensors": lambda: hf_export.write_safetensors(
+          small_disk / "m", {"w": np.zeros(50_000, np.float32)}),
+      "copied": lambda: tokenizer_lib.copy_tokenizer_files(src, small_disk),
+  }
+  for name, write in cases.items():
+    with pytest.raises(Exception) as caught:
+      write()
+    disk = io_errors.find(caught.value)
+    assert disk is not None and disk.code == errno.ENOSPC, (name, caught.value)
+    want = str(small_disk / "tokenizer.json") if name == "copied" else name
+    assert disk.path is not None and disk.path.startswith(str(small_disk)), (name, disk)
+    assert disk.path.endswith(want), (name, disk)
 
 
 @pytest.mark.timeout(300)

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
+from distflow_jax import io_errors
 from distflow_jax.models import stacking
 from distflow_jax.models.heads import RewardModel
 from distflow_jax.models.hf_names import hf_name, reward_hf_name
@@ -72,7 +73,14 @@ def save_pretrained(path: str | os.PathLike, model: Transformer, tokenizer: Any 
   hf_cfg = model.cfg.to_hf_dict(**ids)
   hf_cfg.update(extra_config or {})
   (path / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
-  save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+  write_safetensors(path, state)
+
+
+def write_safetensors(folder: Path, state: dict[str, np.ndarray]) -> None:
+  """``folder/model.safetensors``, tagged "pt" as transformers expects; a full disk names
+  that file (safetensors' own error, from Rust, names none)."""
+  with io_errors.writing(folder / "model.safetensors"):
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def save_reward_model(path: str | os.PathLike, model: RewardModel, tokenizer: Any = None) -> None:
@@ -92,4 +100,4 @@ def save_reward_model(path: str | os.PathLike, model: RewardModel, tokenizer: An
     hf_cfg.update(pad_token_id=tokenizer.pad_id, eos_token_id=tokenizer.eos_id,
                   bos_token_id=tokenizer.bos_id)
   (path / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
-  save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+  write_safetensors(path, state)

@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
+from distflow_jax import io_errors
 from distflow_jax.models.errors import ModelFileError, ModelFileNotFoundError, read_json_object
 from distflow_jax.models.hf_files import PICKLE_SUFFIXES, open_safetensors
 
@@ -167,7 +168,8 @@ def write_adapter(folder: str | os.PathLike, arrays: Mapping[str, tuple[np.ndarr
   config = adapter_config(rank=rank, alpha=alpha, dropout=dropout, target_modules=target_modules,
                           base_model_name_or_path=base_model_name_or_path)
   # Written beside, then renamed: a folder never holds half a file under the real name.
-  save_file(tensors, str(folder / f".{WEIGHTS}.tmp"), metadata={"format": "pt"})
+  with io_errors.writing(folder / f".{WEIGHTS}.tmp"):  # a Rust error names no path
+    save_file(tensors, str(folder / f".{WEIGHTS}.tmp"), metadata={"format": "pt"})
   os.replace(folder / f".{WEIGHTS}.tmp", folder / WEIGHTS)
   (folder / f".{CONFIG}.tmp").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
   os.replace(folder / f".{CONFIG}.tmp", folder / CONFIG)

@@ -39,6 +39,7 @@ from typing import Any, Sequence
 
 import tokenizers
 
+from distflow_jax import io_errors
 from distflow_jax.models.errors import ModelFileError, ModelFileNotFoundError, read_json_object
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -237,7 +238,8 @@ class Tokenizer:
     path.mkdir(parents=True, exist_ok=True)
     converted = byte_level_json(self.tok)
     if converted is None:
-      self.tok.save(str(path / TOKENIZER_FILE))
+      with io_errors.writing(path / TOKENIZER_FILE):  # a Rust error names no path
+        self.tok.save(str(path / TOKENIZER_FILE))
     else:
       (path / TOKENIZER_FILE).write_text(converted, encoding="utf-8")
     config = dict(self.config)

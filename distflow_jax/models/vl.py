@@ -46,9 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from safetensors.numpy import save_file
 
-from distflow_jax.models import hf_files, hf_io
+from distflow_jax.models import hf_export, hf_files, hf_io
 from distflow_jax.models.config import DTYPES, ModelConfig
 from distflow_jax.models.errors import ModelFileError
 from distflow_jax.models.kv_cache import positions_from_mask
@@ -329,4 +328,4 @@ def save_vl_pretrained(path: str | os.PathLike, model: VLModel,
   hf_cfg = model.cfg.to_hf_dict()
   hf_cfg.update(extra_config or {})
   (path / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
-  save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+  hf_export.write_safetensors(path, state)
