@@ -442,6 +442,32 @@ def test_rust_writers_on_a_full_disk_name_their_file(small_disk):
     assert disk.path.endswith(want), (name, disk)
 
 
+@pytest.mark.timeout(60)
+def test_tensorboard_on_a_full_disk_raises_here_naming_its_file(small_disk, capfd):
+  """The TensorBoard writer writes in the caller's thread: tensorboardX's SummaryWriter
+  wrote from a thread of its own, which on a full disk printed its own traceback beside
+  the command's line (seen in a sweep of disk sizes) and lost every later event."""
+  import threading
+
+  from distflow_jax import io_errors
+  from distflow_jax.observe import tensorboard
+
+  before = threading.active_count()
+  board = tensorboard.TensorBoardWriter(str(small_disk / "tb"), enabled=True)
+  assert threading.active_count() == before  # no writer thread
+  board.write({"step": 1, "loss": 0.5})
+  _fill(small_disk)
+  with pytest.raises(OSError) as caught:
+    for step in range(2, 200):  # a buffered write fails at its flush, each row flushes
+      board.write({"step": step, "loss": 0.5, "note": "x" * 2000})
+      board.add_text("sample", "y" * 4000, step)
+  disk = io_errors.find(caught.value)
+  assert disk is not None and disk.code == errno.ENOSPC
+  assert disk.path and os.path.basename(disk.path).startswith("events.out.tfevents."), disk
+  assert os.path.dirname(disk.path) == str(small_disk / "tb")
+  assert capfd.readouterr().err == ""
+
+
 @pytest.mark.timeout(300)
 def test_train_on_a_full_disk_is_one_line_naming_the_path(tmp_path, small_disk, capfd):
   from workflow_util import tiny_model_folder

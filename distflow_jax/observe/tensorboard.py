@@ -5,6 +5,11 @@ Only process 0 writes, in ``run_dir/tensorboard``; every numeric metric of a
 row becomes a scalar at that row's ``step``, and held-out samples
 (observe/samples.py) are text entries.  Where tensorboardX is not installed
 the run goes on with metrics.jsonl only, after one warning.
+
+Events are written in the calling thread (tensorboardX's ``EventsWriter``), not through
+``SummaryWriter``'s background thread: that thread, on a full disk, died with its own
+traceback on stderr beside the command's one line, and dropped every later event.  Here
+a failed write raises in the run's thread, where the command names the file.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -28,13 +34,20 @@ class TensorBoardWriter:
     if not enabled:
       return
     try:
-      from tensorboardX import SummaryWriter
+      from tensorboardX import summary
+      from tensorboardX.event_file_writer import EventsWriter
+      from tensorboardX.proto import event_pb2
     except ImportError:
       log.warning("tensorboardX is not installed: no TensorBoard event files (metrics.jsonl "
                   "is still written); `pip install tensorboardX` to get them")
       return
     os.makedirs(logdir, exist_ok=True)
-    self._writer = SummaryWriter(logdir=logdir, flush_secs=10)
+    self._summary, self._event = summary, event_pb2.Event
+    # "events" + ".out.tfevents.<time>.<host>": the file name SummaryWriter gives.
+    self._writer = EventsWriter(os.path.join(logdir, "events"))
+
+  def _add(self, value, step: int) -> None:
+    self._writer.write_event(self._event(summary=value, step=step, wall_time=time.time()))
 
   @property
   def enabled(self) -> bool:
@@ -48,14 +61,14 @@ class TensorBoardWriter:
       if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
         continue
       if math.isfinite(value):
-        self._writer.add_scalar(key, float(value), global_step=step)
+        self._add(self._summary.scalar(key, float(value)), step)
     self._writer.flush()
 
   def add_text(self, tag: str, text: str, step: int) -> None:
     """A markdown text entry at ``step`` (held-out samples, observe/samples.py)."""
     if self._writer is None:
       return
-    self._writer.add_text(tag, text, global_step=int(step))
+    self._add(self._summary.text(tag, text), int(step))
     self._writer.flush()
 
   def close(self) -> None:
