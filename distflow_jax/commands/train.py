@@ -81,7 +81,9 @@ def run(argv: Sequence[str]) -> int:
       ckpt, start = checkpoint.open_run(cfg, ctx.roles, loaders.train, resume=fv.resume,
                                         log=log, ctx=ctx)
     t0 = time.perf_counter()
-    for m in trainer.train(cfg, ctx, loaders, start, checkpointer=ckpt, log=log, wandb=wandb):
+    from distflow_jax.lowering import catalogue
+    for m in trainer.train(cfg, ctx, loaders, start, checkpointer=ckpt, log=log, wandb=wandb,
+                           programs_at=catalogue.late_programs):
       log.step(m, cfg.trainer.total_steps)
     last = None
     if ckpt is not None:

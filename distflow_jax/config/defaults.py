@@ -290,6 +290,9 @@ def base() -> ml_collections.ConfigDict:
       # with the compile cache on (paid once; later runs load them) | always | never
       # (each when first met: a stall mid-run).
       compile_ahead="auto",
+      # Compile the first step's training programs (passes, train steps) in background
+      # threads while its rollout runs (run/compile_overlap.py); the same programs, once.
+      compile_overlap=True,
   )
   # Where `train` logs besides metrics.jsonl and TensorBoard (always on).  wandb: Weights &
   # Biases (observe/wandb_log.py; needs pip install 'distflow-jax[wandb]'): process 0 logs

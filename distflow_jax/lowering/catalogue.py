@@ -62,15 +62,16 @@ def _dims(ctx: RunContext, rows: int, width: int) -> ab.Dims:
   return ab.Dims(rows, width, response_width(ctx.cfg.rollout), i, d)
 
 
-def pass_programs(ctx: RunContext, node, lay, rows: int) -> list[Program]:
-  """``logprob`` / ``ref_logprob`` / ``values`` at every prompt width."""
+def pass_programs(ctx: RunContext, node, lay, rows: int,
+                  widths: tuple[int, ...] | None = None) -> list[Program]:
+  """``logprob`` / ``ref_logprob`` / ``values`` at every prompt width (or at ``widths``)."""
   cfg = ctx.cfg
   if node.fn == "logprob" and passes.on_policy(ctx):
     return []
   role = {"logprob": Role.ACTOR, "ref_logprob": Role.REFERENCE, "values": Role.CRITIC}[node.fn]
   state = passes.pass_state(ctx, role)  # a LoRA run's reference: the actor's, adapters off
   out = []
-  for w in _widths(cfg):
+  for w in widths or _widths(cfg):
     data = _seq(_dims(ctx, rows, w), lay)
     if role is Role.CRITIC:
       gs, fn = 1, passes.values_pass(ctx, lay)
@@ -90,9 +91,10 @@ def pass_programs(ctx: RunContext, node, lay, rows: int) -> list[Program]:
   return out
 
 
-def train_programs(ctx: RunContext, node, lay, rows: int) -> list[Program]:
+def train_programs(ctx: RunContext, node, lay, rows: int,
+                   widths: tuple[int, ...] | None = None) -> list[Program]:
   """``train.actor`` / ``train.critic``: the train step (and the mini-batch split) at every
-  prompt width."""
+  prompt width (or at ``widths``)."""
   cfg = ctx.cfg
   role = Role.ACTOR if node.fn == "train.actor" else Role.CRITIC
   state = ctx.roles[role]
@@ -119,7 +121,7 @@ def train_programs(ctx: RunContext, node, lay, rows: int) -> list[Program]:
                              _dims(ctx, rows, _widths(cfg)[0]), lay.sharding)
     out.append(Program(node.id, "off_policy_stats",
                        training.off_policy_stats(ctx, lay, lc.tis_cap), tuple(fields.values())))
-  for w in _widths(cfg):
+  for w in widths or _widths(cfg):
     n = response_width(cfg.rollout)
     dims = _dims(ctx, rows, w)
     data = {**_seq(dims, lay), **ab.batch_fields(extra, dims, lay.sharding)}
@@ -317,3 +319,26 @@ def programs(cfg: ml_collections.ConfigDict, plan: Plan, ctx: RunContext) -> Cat
     notes.append("the built-in tiny VL model's warm start (warmstart/vl.py) is not "
                  "lowered: it runs once on a CPU-sized model and is cached")
   return Catalogue(out, notes)
+
+
+def late_programs(ctx: RunContext, width: int) -> list[Program]:
+  """The sequence passes and train steps of the nodes after the rollout stage, at prompt
+  ``width``: what a first step compiles once its rollout is done, built without the
+  rollout's output (run/compile_overlap.py compiles them during the rollout).  Only those
+  nodes' programs are built, on the layouts this process runs them on: no rollout replica
+  (a multi-process run's replicas live on other processes' devices), no initialisation."""
+  rows = ctx.cfg.data.prompts_per_step * ctx.cfg.rollout.n
+  out: list[Program] = []
+  after_rollout = False
+  for step in ctx.plan.steps:
+    if step.layout.kind is LayoutKind.ROLLOUT:
+      after_rollout = True
+      continue
+    if not after_rollout:
+      continue
+    node = step.node
+    if node.fn in ("logprob", "ref_logprob", "values"):
+      out += pass_programs(ctx, node, ctx.layout(step.layout), rows, (width,))
+    elif node.fn.startswith("train."):
+      out += train_programs(ctx, node, ctx.layout(step.layout), rows, (width,))
+  return out

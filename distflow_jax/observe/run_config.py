@@ -40,6 +40,7 @@ HISTORY_FILE = "config_history.jsonl"
 PASSING = ("name", "run_dir", "trainer.total_steps", "trainer.eval_every", "trainer.save_every",
            "trainer.keep", "trainer.async_save", "trainer.health.", "trainer.stop_on_collapse",
            "trainer.log_samples", "trainer.compile_cache_dir", "trainer.compile_ahead",
+           "trainer.compile_overlap",
            "cluster.", "placement.",
            "logging.",
            "sft.")  # sft.*: `distflow-jax sft` only

@@ -72,13 +72,18 @@ def _recorder(ctx: RunContext, dst, mode: str):
   return on_plan
 
 
-def run_steps(ctx: RunContext, steps, batch: Batch, current):
-  """Runs ``steps`` of the chain; returns the batch and its layout."""
+def run_steps(ctx: RunContext, steps, batch: Batch, current,
+              before_training: Callable[[], None] | None = None):
+  """Runs ``steps`` of the chain; returns the batch and its layout.  ``before_training``
+  runs once, before the first step off the rollout layout (run/compile_overlap.py)."""
   for step in steps:
     node = step.node
     lay = ctx.layout(step.layout)
-    t0 = time.perf_counter()
     to_rollout = step.layout.kind is LayoutKind.ROLLOUT
+    if before_training is not None and not to_rollout:
+      before_training()
+      before_training = None
+    t0 = time.perf_counter()
     if current is not None and step.move_in is Move.REPARTITION:
       lengths = _token_lengths(ctx, batch)
       group = move_group(ctx, to_rollout, batch.num_samples, lay)
@@ -107,24 +112,26 @@ def run_steps(ctx: RunContext, steps, batch: Batch, current):
 
 
 def run_step(ctx: RunContext, prompts: Batch,
-             more_prompts: Callable[[], Batch] | None = None) -> dict[str, float]:
+             more_prompts: Callable[[], Batch] | None = None,
+             before_training: Callable[[], None] | None = None) -> dict[str, float]:
   """One step of the workflow on this process; returns metrics reduced over hosts.
 
-  ``more_prompts`` feeds DAPO's dynamic sampling (``algo.dynamic_sampling_tries``).
+  ``more_prompts`` feeds DAPO's dynamic sampling (``algo.dynamic_sampling_tries``);
+  ``before_training`` as ``run_steps``'.
   """
   ctx.metrics = type(ctx.metrics)()
   start = time.perf_counter()
   batch, current, done = dynamic_sampling.sample_prefix(
       ctx, prompts, more_prompts, lambda part, b, lay: run_steps(ctx, part, b, lay))
-  return run_rest(ctx, batch, current, done, start)
+  return run_rest(ctx, batch, current, done, start, before_training)
 
 
-def run_rest(ctx: RunContext, batch: Batch, current, done: int, start: float
-             ) -> dict[str, float]:
+def run_rest(ctx: RunContext, batch: Batch, current, done: int, start: float,
+             before_training: Callable[[], None] | None = None) -> dict[str, float]:
   """The chain's steps from ``done`` on (``batch`` laid out as ``current``), then the
   step's metrics (``ctx.metrics``, reduced over hosts; ``time/step`` since ``start``)."""
   steps = ctx.plan.steps
-  batch, _ = run_steps(ctx, steps[done:], batch, current)
+  batch, _ = run_steps(ctx, steps[done:], batch, current, before_training)
   tokens = float(_token_lengths(ctx, batch).sum())
   ctx.metrics.set_max("time/step", time.perf_counter() - start)
   out = ctx.metrics.reduce()

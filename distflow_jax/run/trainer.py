@@ -26,7 +26,8 @@ from distflow_jax.tasks import registry as tasks
 from distflow_jax.nodes import rollout as rollout_nodes
 from distflow_jax.persist import checkpoint
 from distflow_jax import groups
-from distflow_jax.run import async_rollout, compile_cache, disjoint, disjoint_state
+from distflow_jax.run import async_rollout, compile_cache, compile_overlap, disjoint
+from distflow_jax.run import disjoint_state
 from distflow_jax.state import warm_shapes
 from distflow_jax.run import evaluate as eval_lib
 from distflow_jax.run import executor
@@ -134,7 +135,9 @@ def health_monitor(cfg: ml_collections.ConfigDict) -> health_lib.HealthMonitor:
 def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
           start_step: int = 0, checkpointer: "checkpoint.Checkpointer | None" = None,
           log: Callable[[str], None] | None = None,
-          wandb: wandb_log.WandbWriter | None = None) -> Iterator[dict[str, float]]:
+          wandb: wandb_log.WandbWriter | None = None,
+          programs_at: compile_overlap.ProgramsAt | None = None
+          ) -> Iterator[dict[str, float]]:
   """Yields each step's metrics (the same on every process).
 
   With a ``checkpointer`` (see ``checkpoint.open_run``) it saves when due,
@@ -149,7 +152,10 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
   Each row carries the backend compiles since the previous row (``compile/count``,
   ``time/compile`` seconds; persistent-cache loads apart: ``compile/cache_hits``,
   ``compile/cache_load_s``), the most over processes: after the first step it is 0 unless
-  something recompiled.
+  something recompiled.  ``programs_at`` (``lowering.catalogue.late_programs``, handed in by
+  the ``train`` command) lets the first step compile its training programs during its
+  rollout (``trainer.compile_overlap``, run/compile_overlap.py); without it they compile
+  when their nodes run.
   """
   split, rollout_side = disjoint.process_role(ctx)
   if rollout_side:  # a rollout process of a run on disjoint processes: no rows to yield
@@ -172,7 +178,7 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
   try:
     with groups.within(split.training if split is not None else None):
       yield from _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer,
-                        sample_writer)
+                        sample_writer, programs_at)
   except GeneratorExit:  # the caller stopped early: not a failure
     wandb.close()
     raise
@@ -182,8 +188,8 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
   wandb.close()
 
 
-def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sample_writer
-           ) -> Iterator[dict[str, float]]:
+def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sample_writer,
+           programs_at) -> Iterator[dict[str, float]]:
   counter = compile_cache.CompileCounter()
   since = counter.snapshot()
   split, _ = disjoint.process_role(ctx)
@@ -232,7 +238,7 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
       writer.write(first)
       yield first
     yield from _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer,
-                     pipeline, run_eval, after_step, compiles, has_eval)
+                     pipeline, run_eval, after_step, compiles, has_eval, programs_at)
     if pipeline is not None:
       pipeline.end()
   finally:
@@ -243,7 +249,7 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
 
 
 def _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, pipeline,
-          run_eval, after_step, compiles, has_eval) -> Iterator[dict[str, float]]:
+          run_eval, after_step, compiles, has_eval, programs_at) -> Iterator[dict[str, float]]:
   for step in range(start_step, cfg.trainer.total_steps):
     ctx.step = step
     if step == start_step:
@@ -251,8 +257,14 @@ def _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, pip
     with heartbeat(log if step == start_step else None, "compile and first step",
                    heartbeat_interval(cfg)):
       if pipeline is None:
-        metrics = executor.run_step(ctx, next(loaders.train),
-                                    more_prompts=lambda: next(loaders.train))
+        prompts = next(loaders.train)
+        overlap = (compile_overlap.start(ctx, prompts, programs_at) if step == start_step
+                   else None)
+        metrics = executor.run_step(ctx, prompts, more_prompts=lambda: next(loaders.train),
+                                    before_training=overlap and overlap.wait)
+        if overlap is not None:
+          overlap.wait()  # a chain that never left the rollout layout
+          metrics.update(overlap.metrics())
       else:
         metrics = pipeline.step(step)
     metrics["step"] = step + 1

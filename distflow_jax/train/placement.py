@@ -63,16 +63,24 @@ class PinnedStep:
   def __init__(self, step: Callable):
     self._step = step
     self._jitted = None
+    self._made: dict[Any, Callable] = {}  # jitted_for's, by the state's layout
 
   def jitted_for(self, params, opt_state):
     """The jitted step for state laid out like ``params`` / ``opt_state`` (arrays or
-    ``ShapeDtypeStruct``s with shardings: ``plan --memory`` lowers this same object)."""
-    mesh = params_mesh(params)
-    if mesh is None:  # unsharded parameters: nothing to pin
-      return jax.jit(self._step, donate_argnums=(0, 1))
-    sh = lambda tree: jax.tree.map(lambda x: _on_mesh(x, mesh), tree)  # noqa: E731
-    return jax.jit(rows_sharded_on(self._step, mesh), donate_argnums=(0, 1),
-                   out_shardings=(sh(params), sh(opt_state), None))
+    ``ShapeDtypeStruct``s with shardings: ``plan --memory`` lowers this same object).
+    One jitted function per layout of the state: a program compiled ahead through it
+    (``plan --lower``'s catalogue, run/compile_overlap.py) is the one the calls find."""
+    leaves, tree = jax.tree.flatten((params, opt_state))
+    key = (tree, tuple(getattr(x, "sharding", None) for x in leaves))
+    if key not in self._made:
+      mesh = params_mesh(params)
+      if mesh is None:  # unsharded parameters: nothing to pin
+        self._made[key] = jax.jit(self._step, donate_argnums=(0, 1))
+      else:
+        sh = lambda tree: jax.tree.map(lambda x: _on_mesh(x, mesh), tree)  # noqa: E731
+        self._made[key] = jax.jit(rows_sharded_on(self._step, mesh), donate_argnums=(0, 1),
+                                  out_shardings=(sh(params), sh(opt_state), None))
+    return self._made[key]
 
   def _get(self, params, opt_state):
     if self._jitted is None:

@@ -3,8 +3,10 @@
   python tests/mp/workflow_train.py OUT.json CONFIG [override ...]
 
 With DISTFLOW_TEST_TAPE / DISTFLOW_TEST_TAPE_MODE set, the generate node records or
-replays rollouts (tests/plugin_rollout_tape.py).  The last row also carries
-``params_sha256``, a digest of the trained actor's parameters.
+replays rollouts (tests/plugin_rollout_tape.py).  With DISTFLOW_TEST_OVERLAP=1 the run is
+handed the catalogue's late programs as the ``train`` command hands them
+(``trainer.compile_overlap``).  The last row also carries ``params_sha256``, a digest of
+the trained actor's parameters.
 """
 
 import json
@@ -26,7 +28,11 @@ def main() -> int:
   if os.environ.get("DISTFLOW_TEST_TAPE"):
     use_tape(cfg, os.environ["DISTFLOW_TEST_TAPE"], os.environ["DISTFLOW_TEST_TAPE_MODE"])
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
-  metrics = list(trainer.train(cfg, ctx, loaders))
+  programs_at = None
+  if os.environ.get("DISTFLOW_TEST_OVERLAP") == "1":
+    from distflow_jax.lowering import catalogue
+    programs_at = catalogue.late_programs
+  metrics = list(trainer.train(cfg, ctx, loaders, programs_at=programs_at))
   metrics[-1]["params_sha256"] = params_digest(ctx)
   if info.process_index == 0:
     with open(out, "w") as f:
