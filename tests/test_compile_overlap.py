@@ -55,7 +55,7 @@ def test_overlap_on_2x2_processes_compiles_in_each_and_changes_no_result(tmp_pat
     out = tmp_path / f"overlap{overlap}.json"
     overrides = smoke_overrides(tmp_path / f"run{overlap}", "cluster.devices_per_process=2",
                                 "cluster.num_processes=2", "actor.entropy_coef=0.01",
-                                "trainer.total_steps=2")
+                                "trainer.total_steps=1")
     result = launcher.launch(2, 2, [sys.executable, "tests/mp/workflow_train.py", str(out),
                                     "grpo:tiny", *overrides], timeout_s=600,
                              env={**os.environ, "DISTFLOW_TEST_OVERLAP": overlap}, out=None)
@@ -64,7 +64,7 @@ def test_overlap_on_2x2_processes_compiles_in_each_and_changes_no_result(tmp_pat
   off, on = rows["0"], rows["1"]
   assert "compile/overlap_programs" not in off[0]
   assert on[0]["compile/overlap_programs"] >= 3, on[0]  # ref pass, grouping, train step
-  assert [r["step"] for r in on] == [r["step"] for r in off] == [1, 2]
+  assert [r["step"] for r in on] == [r["step"] for r in off] == [1]
   for a, b in zip(off, on):
     for key in ("actor/loss", "actor/kl", "reward/mean", "actor/grad_norm"):
       if key in a:
