@@ -293,3 +293,24 @@ def test_a_killed_run_resumed_equals_the_uninterrupted_one(tmp_path, split):
     np.testing.assert_array_equal(b[name], a[name], err_msg=name)
   _, first, _ = ck.read_arrays(saving, 1)
   assert any(not np.array_equal(first[n], a[n]) for n in a if ".params." in n)  # it trained
+
+
+@pytest.mark.timeout(180)
+def test_a_sender_waits_until_its_copy_has_arrived_before_it_runs_on(tmp_path):
+  """A cross-process copy's bytes leave the sender's device only when that device gets to
+  them: behind any program its main thread dispatches after issuing the copy (a manual
+  run without the acknowledgement: the copy arrived 2.0 s after the sender's 0.6-0.75 s
+  program began, after it ended).  That made K = 1 on disjoint processes fall into
+  lock-step (the trainer's next train step went ahead of the weights it had just "sent",
+  so the rollout waited a whole train step).  Each copy is now acknowledged by its
+  receivers and the sender's transfer thread waits for that: the program starts only
+  after the copy arrived (process 1 sleeps 1 s before acknowledging, so a sender that did
+  not wait would start first)."""
+  out = tmp_path / "t"
+  result = launcher.launch(2, 1, [sys.executable, "tests/mp/transfer_ack.py", str(out), "ack"],
+                           timeout_s=120, out=None)
+  assert result.ok, result.describe() + "\n" + "\n".join(sum(result.outputs, [])[-40:])
+  sender = json.loads((tmp_path / "t.0").read_text())
+  receiver = json.loads((tmp_path / "t.1").read_text())
+  assert receiver["got"] < receiver["ack"] <= sender["dispatch"] < sender["end"], (sender,
+                                                                                  receiver)

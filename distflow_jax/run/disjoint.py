@@ -18,6 +18,12 @@ then version v before batch v + K), which a transfer thread on each process issu
   thread to send when the schedule reaches it, and waits for batch i from its thread;
   so it trains step i while the rollout generates batch i + K.
 
+Each main thread, before it gives its devices a step's programs, waits until the
+transfers the other group needs next are done (``Transfers.wait_before``), and a copy
+counts as done only once its receivers acknowledge it (``transfer.await_acks``): a
+copy's bytes leave the sender's devices when those get to it, so a copy merely issued
+would wait behind the step, and the other group with it (the K = 1 lock-step).
+
 The batch arrives as it was split over the rollout's devices, then moves onto the first
 training node's layout, where the chain's usual re-partition takes it on: the trained
 result is the single-process run's on the same device split, bitwise.  The rollout's
@@ -127,11 +133,13 @@ def run_rollout(ctx: RunContext, loader: Any, k: int, total: int,
 
   def receive(v: int) -> None:  # the actor's arrays hold no shard here: the placeholders
     versions.put(v, transfer.copy(actor.params, links.actor_dst))
+    transfer.acknowledge(str(run), transfer.Kind.WEIGHTS, v, split.training)
 
   def send(j: int) -> None:
     data = outgoing.take(j)
     keys = sorted(data)
     transfer.copy([data[key] for key in keys], [links.batch_dst] * len(keys))
+    transfer.await_acks(str(run), transfer.Kind.BATCH, j, split.training)
 
   threads = transfer.Transfers(transfer.schedule(k, start, total, restored, evals),
                                {transfer.Kind.WEIGHTS: receive, transfer.Kind.BATCH: send})
@@ -213,6 +221,7 @@ class TrainerSide:
 
     def send(v: int) -> None:
       transfer.copy(self.snapshots.take(v), self.links.actor_dst)
+      transfer.await_acks(run, transfer.Kind.WEIGHTS, v, split.rollout)
 
     def receive(j: int) -> None:
       metas = [transfer.read(run, j, p) for p in split.rollout]
@@ -220,6 +229,7 @@ class TrainerSide:
       held = [transfer.placeholder(s, d, self.links.batch_src)
               for s, d in zip(first["shapes"], first["dtypes"])]
       got = transfer.copy(held, [self.links.batch_dst] * len(held))
+      transfer.acknowledge(run, transfer.Kind.BATCH, j, split.rollout)
       self.batches.put(j, (metas, dict(zip(first["keys"], got))))
 
     self.threads = transfer.Transfers(steps, {transfer.Kind.WEIGHTS: send,

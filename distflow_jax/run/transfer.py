@@ -10,7 +10,8 @@ jax pairs such copies by call order, so both sides must issue them in one global
 order, known in advance (``schedule``), and a transfer thread on each process issues
 exactly that sequence (``Transfers``): no process ever waits for a copy the other side
 issues later.  A copy is point to point, no collective, so it may run beside the main
-thread's programs.
+thread's programs; its receivers acknowledge it through the key-value store
+(``acknowledge``), and the sender's thread counts it done only then (``await_acks``).
 
 A batch's shapes vary (the prompt width, the response width), so its metadata (field
 names, shapes, dtypes, and the rollout's metrics for it) goes first through the
@@ -89,10 +90,36 @@ def placeholder(shape, dtype, sharding: NamedSharding) -> jax.Array:
 
 def copy(tree: Any, shardings: Any) -> Any:
   """The cross-process copy of ``tree`` onto ``shardings`` (every process of both groups
-  calls it, in the schedule's order); blocks until this process's part is done."""
+  calls it, in the schedule's order); blocks until this process's part is done.  On the
+  sending side that is when the copy is issued, not when its bytes have left: they are
+  read off the sender's devices later, behind whatever those devices were given since
+  (``acknowledge`` / ``await_acks`` tell the sender when they arrived)."""
   out = jax.device_put(tree, shardings)
   jax.block_until_ready([x for x in jax.tree.leaves(out) if x.addressable_shards])
   return out
+
+
+def ack_key(run: str, kind: Kind, index: int, receiver: int, sender: int) -> str:
+  return f"distflow/async/{run}/ack/{kind.value}/{index}/{receiver}/{sender}"
+
+
+def acknowledge(run: str, kind: Kind, index: int, senders: list[int]) -> None:
+  """Tells each sending process that transfer ``kind`` ``index`` reached this process."""
+  for sender in senders:
+    _client().key_value_set(ack_key(run, kind, index, jax.process_index(), sender), "1")
+
+
+def await_acks(run: str, kind: Kind, index: int, receivers: list[int]) -> None:
+  """Waits until every receiving process has transfer ``kind`` ``index`` (their
+  ``acknowledge``).  Without it a sender's transfer thread counts a copy done when it is
+  issued, its main thread then gives its devices the next long program, and the copy's
+  bytes leave only after that program: the other group waits a whole step for them (the
+  asynchronous run's K = 1 lock-step, run/disjoint.py)."""
+  me = jax.process_index()
+  for receiver in receivers:
+    key = ack_key(run, kind, index, receiver, me)
+    _client().blocking_key_value_get(key, META_TIMEOUT_MS)
+    _client().key_value_delete(key)
 
 
 # -- batch metadata through the coordination service -----------------------------------
