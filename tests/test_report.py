@@ -148,6 +148,24 @@ def test_tensorboard_writer_writes_scalars_per_step(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_tensorboard_writer_does_not_import_torch_and_leaves_it_importable(tmp_path):
+  """tensorboardX's package imports torch where it is installed, only to accept torch
+  tensors: 1.5-3 s of every run's start.  The writer imports it with torch hidden, and
+  torch stays importable after (this venv has torch, from the ``hf`` extra)."""
+  pytest.importorskip("torch")
+  code = ("import sys\n"
+          "from distflow_jax.observe import tensorboard\n"
+          f"w = tensorboard.TensorBoardWriter({str(tmp_path / 'tb')!r}, enabled=True)\n"
+          "w.write({'step': 1, 'reward': 0.5}); w.close()\n"
+          "assert w is not None and 'torch' not in sys.modules, 'torch was imported'\n"
+          "import torch\n"
+          "print(torch.tensor([1.0, 2.0]).sum().item())\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+  assert out.returncode == 0 and out.stdout.strip() == "3.0", out.stderr[-2000:]
+  assert _read_events(str(tmp_path / "tb")) == [("reward", 1, 0.5)]
+
+
+@pytest.mark.timeout(120)
 def test_report_cli(tmp_path):
   write_rows(tmp_path / "metrics.jsonl", synthetic_rows(3))
   r = subprocess.run([sys.executable, "-m", "distflow_jax.cli", "report", str(tmp_path),

@@ -17,12 +17,34 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import time
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 SUBDIR = "tensorboard"
+
+
+def _import_tensorboardx():
+  """tensorboardX's modules for scalars, text and event files, imported with torch hidden.
+
+  Its package ``__init__`` imports its ``SummaryWriter``, which imports torch where torch is
+  installed (the ``hf`` extra), only to accept torch tensors, which no run passes: 1.5 s of
+  every run's start with torch's bytecode cached, about 3 s without.  ``None`` in
+  ``sys.modules`` makes that ``import torch`` fail as if torch were absent (tensorboardX
+  catches the ImportError); a process that has already loaded torch keeps it."""
+  hide = "torch" not in sys.modules
+  if hide:
+    sys.modules["torch"] = None  # type: ignore[assignment]
+  try:
+    from tensorboardX import summary
+    from tensorboardX.event_file_writer import EventsWriter
+    from tensorboardX.proto import event_pb2
+  finally:
+    if hide and sys.modules.get("torch", 0) is None:
+      del sys.modules["torch"]
+  return summary, EventsWriter, event_pb2
 
 
 class TensorBoardWriter:
@@ -34,9 +56,7 @@ class TensorBoardWriter:
     if not enabled:
       return
     try:
-      from tensorboardX import summary
-      from tensorboardX.event_file_writer import EventsWriter
-      from tensorboardX.proto import event_pb2
+      summary, EventsWriter, event_pb2 = _import_tensorboardx()
     except ImportError:
       log.warning("tensorboardX is not installed: no TensorBoard event files (metrics.jsonl "
                   "is still written); `pip install tensorboardX` to get them")
