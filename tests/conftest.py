@@ -79,6 +79,20 @@ SHARED_CACHE_VARS = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMP
                      "JAX_SHARE_BINARY_BETWEEN_HOSTS")
 
 
+def suite_flags(env, devices: int | None = None) -> dict:
+  """A copy of ``env`` whose XLA_FLAGS keep the suite's (level 1, legacy emitters: about a
+  quarter less CPU a compile) without its 8 simulated devices, or with ``devices`` of them:
+  for a process that sets its own count, as a user's run does."""
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  if devices:
+    flags.append(f"--xla_force_host_platform_device_count={devices}")
+  env = dict(env, XLA_FLAGS=" ".join(flags))
+  if not flags:
+    env.pop("XLA_FLAGS")
+  return env
+
+
 def without_shared_cache(env) -> dict:
   """A copy of ``env`` without the suite's shared compilation cache: its processes compile."""
   return {k: v for k, v in env.items() if k not in SHARED_CACHE_VARS}

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import SHARED_CACHE_VARS, without_shared_cache
+from conftest import SHARED_CACHE_VARS, suite_flags, without_shared_cache
 from workflow_util import smoke_overrides
 
 from distflow_jax.run import compile_cache
@@ -21,8 +21,7 @@ TIMEOUT_S = 840
 
 
 def _train(run_dir, cache: str, *extra: str) -> list[dict]:
-  env = dict(os.environ, DISTFLOW_JAX_COMPILE_CACHE=cache)
-  env.pop("XLA_FLAGS", None)  # the run's own device count (1), not the suite's 8
+  env = suite_flags(dict(os.environ, DISTFLOW_JAX_COMPILE_CACHE=cache))  # its own count (1)
   for key in SHARED_CACHE_VARS:  # the run's cache alone (tests/conftest.py's is jax's own)
     env.pop(key, None)
   keys = {e.split("=")[0] for e in extra}

@@ -19,6 +19,7 @@ from distflow_jax.dag import FUNCTIONS
 from distflow_jax.lowering import abstract, catalogue, gate
 from distflow_jax.memory import report
 from distflow_jax.models import target as target_lib
+from conftest import suite_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = os.path.join(REPO, "tools", "model_shapes")
@@ -151,8 +152,7 @@ def test_a_kernel_the_target_cannot_serve_is_refused_in_one_line():
 
 
 def _cli(args, timeout=300):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
-  env.pop("XLA_FLAGS", None)
+  env = suite_flags(dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO))
   return subprocess.run([sys.executable, "-m", "distflow_jax.cli", "plan", *args], cwd=REPO,
                         env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -247,9 +247,8 @@ def test_catalogue_holds_every_program_a_real_run_compiles(tmp_path, probe):
   ``plan --lower`` lowers, with the same input shapes and dtypes, and the number of
   programs it logged (``compile/programs``) is ``plan --programs``' count."""
   out = tmp_path / "probe.json"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", DISTFLOW_JAX_COMPILE_CACHE="",
-             PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
-  env.pop("XLA_FLAGS", None)
+  env = suite_flags(dict(os.environ, JAX_PLATFORMS="cpu", DISTFLOW_JAX_COMPILE_CACHE="",
+                         PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")])))
   args = [*PROBES[probe], "--config.trainer.total_steps=1",
           "--config.model.warmstart.steps=2", "--config.trainer.eval_every=0",
           f"--config.run_dir={tmp_path / 'run'}", "--config.cluster.num_processes=1",

@@ -13,12 +13,13 @@ from distflow_jax.config import loading
 from distflow_jax.models import ModelConfig, Transformer, hf_io
 from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.commands import generate as generate_cmd
+from conftest import suite_flags
 
 PROMPTS = ["12 + 7 =", "What is 3 * 4?", "hello"]
 
 
 def run_cli(*args):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = suite_flags(os.environ, devices=1)
   code = ("import sys; from distflow_jax.commands.generate import run; "
           "sys.exit(run(sys.argv[1:]))")
   return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
