@@ -70,3 +70,71 @@ def test_overlap_on_2x2_processes_compiles_in_each_and_changes_no_result(tmp_pat
       if key in a:
         assert a[key] == b[key], (key, a[key], b[key])
   assert off[-1]["params_sha256"] == on[-1]["params_sha256"]
+
+
+class _Fn:
+  """A jitted function's stand-in: ``lower(...).compile()`` raises ``error`` or succeeds."""
+
+  def __init__(self, error=None):
+    self.error, self.compiled = error, 0
+
+  def lower(self, *args, **kwargs):
+    return self
+
+  def compile(self):
+    if self.error is not None:
+      raise self.error
+    self.compiled += 1
+    return self
+
+
+def _ctx_and_prompts():
+  from types import SimpleNamespace
+
+  import ml_collections
+  import numpy as np
+
+  from distflow_jax.dag.planner import LayoutKind
+  cfg = ml_collections.ConfigDict({
+      "trainer": {"compile_overlap": True},
+      "rollout": {"prefill_buckets": (32,)}, "data": {"max_prompt_len": 32}})
+  plan = SimpleNamespace(steps=[SimpleNamespace(layout=SimpleNamespace(kind=LayoutKind.ROLLOUT))])
+  prompts = SimpleNamespace(data={"prompt_len": np.array([5, 9])})
+  return SimpleNamespace(cfg=cfg, plan=plan), prompts
+
+
+@pytest.mark.timeout(60)
+def test_a_catalogue_or_compile_failure_is_one_log_line_and_the_step_goes_on():
+  """The overlap never stops a run, but it does not fail silently either: a catalogue that
+  cannot build the programs, and a program that does not compile in the background, each
+  say so in one line naming the error, and the metrics count what failed."""
+  from types import SimpleNamespace
+
+  from distflow_jax.run import compile_overlap
+  ctx, prompts = _ctx_and_prompts()
+  lines = []
+
+  def broken_catalogue(ctx, width):
+    raise KeyError("CpuDevice(id=0)")
+
+  assert compile_overlap.start(ctx, prompts, broken_catalogue, lines.append) is None
+  assert len(lines) == 1 and "compile overlap off" in lines[0], lines
+  assert "KeyError: 'CpuDevice(id=0)'" in lines[0] and "\n" not in lines[0], lines
+
+  lines.clear()
+  good, bad = _Fn(), _Fn(ValueError("shapes do not match\nsecond line"))
+  widths = []
+  programs = [SimpleNamespace(fn=f, args=(), kwargs={}) for f in (good, bad)]
+  overlap = compile_overlap.start(ctx, prompts, lambda c, w: widths.append(w) or programs,
+                                  lines.append)
+  overlap.wait()
+  assert widths == [32] and good.compiled == 1
+  assert overlap.metrics()["compile/overlap_programs"] == 1.0
+  assert overlap.metrics()["compile/overlap_failed"] == 1.0
+  assert len(lines) == 1 and "1 of 2 training programs" in lines[0], lines
+  assert "ValueError: shapes do not match second line" in lines[0], lines
+
+  lines.clear()
+  ctx.cfg.trainer.compile_overlap = False
+  assert compile_overlap.start(ctx, prompts, lambda c, w: programs, lines.append) is None
+  assert lines == []

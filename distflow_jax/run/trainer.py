@@ -258,8 +258,8 @@ def _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, pip
                    heartbeat_interval(cfg)):
       if pipeline is None:
         prompts = next(loaders.train)
-        overlap = (compile_overlap.start(ctx, prompts, programs_at) if step == start_step
-                   else None)
+        overlap = (compile_overlap.start(ctx, prompts, programs_at, log)
+                   if step == start_step else None)
         metrics = executor.run_step(ctx, prompts, more_prompts=lambda: next(loaders.train),
                                     before_training=overlap and overlap.wait)
         if overlap is not None:
