@@ -17,14 +17,16 @@ import bench_long_context as blc  # noqa: E402
 @pytest.mark.timeout(600)
 def test_packing_and_memory_parts_at_toy_lengths(tmp_path, capsys):
   out = tmp_path / "blc.json"
-  rc = blc.main(["--part", "packing", "--max-lengths", "64,128", "--repeats", "1",
+  # One response maximum: a row's logic is the same at every length, and each costs two
+  # train-step and two pass compiles.
+  rc = blc.main(["--part", "packing", "--max-lengths", "64", "--repeats", "1",
                  "--samples", "4", "--prompt", "4", "--json", str(out)])
   assert rc == 0
   text = capsys.readouterr().out
   assert "start: " in text and "load average" in text and "end: " in text
   result = json.loads(out.read_text())
   rows = result["packing"]
-  assert [r["max_new_tokens"] for r in rows] == [64, 128]
+  assert [r["max_new_tokens"] for r in rows] == [64]
   for r in rows:
     assert len(r["lengths"]) == 4 and 1 <= min(r["lengths"]) <= max(r["lengths"]) <= r[
         "max_new_tokens"]

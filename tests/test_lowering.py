@@ -45,11 +45,23 @@ def _assert_all_lower(rows):
   assert not failed, failed[:5]
 
 
+# algorithms:grpo is grpo:tiny under another name (test_algorithm_variants_share_the_
+# default_run_s_rollout checks it), so grpo:tiny's lowering covers it.
 TINY = [("grpo:tiny", ()), ("ppo:tiny", ()), ("reinforce_pp_two_rewards:tiny", ()),
         ("grpo_vl:tiny", ()), ("grpo:tiny_lora", ("model.lora.dropout=0.05",)),
         ("grpo:tiny_lora", ("rollout.lora_sync=adapters",))] + [
-    (f"algorithms:{v}", ()) for v in ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp_baseline",
+    (f"algorithms:{v}", ()) for v in ("ppo", "drgrpo", "rloo", "reinforce_pp_baseline",
                                       "dapo", "gspo")]
+# The sections a run's set-up, warm start and rollout programs are built from: a variant
+# equal to grpo:tiny in all of them has grpo:tiny's programs there (lowered by its own case),
+# and only its later nodes' programs are its own.
+ROLLOUT_SECTIONS = ("model", "rollout", "data", "placement", "cluster", "seed")
+SHARED_NODES = ("setup", "warm start", "generate", "generate/eval")
+
+
+def _same_rollout_as_default(cfg) -> bool:
+  base, _ = _plan("grpo:tiny")
+  return all(cfg.get(k) == base.get(k) for k in ROLLOUT_SECTIONS)
 # The tiny model in bfloat16 (head dim 48: cuDNN serves it) under each lever that changes
 # the sequence passes' shapes.  Two prompt widths (shipped: 3) and 4 decode slots (prefill
 # rows 1 and 4; shipped: 1, 4, 16): each program kind at fewer shapes (the shipped shapes
@@ -73,12 +85,38 @@ LEVERS = {
 @pytest.mark.parametrize("spec,overrides", TINY,
                          ids=[t[0] + "".join(f"+{o}" for o in t[1]) for t in TINY])
 def test_shipped_tiny_configs_lower_for_h100(spec, overrides):
-  cat, rows = lower(spec, overrides)
+  cfg, plan = _plan(spec, overrides)
+  shared = spec.startswith("algorithms:") and _same_rollout_as_default(cfg)
+
+  def build():
+    cat = catalogue.programs(cfg, plan, abstract.abstract_context(cfg, plan,
+                                                                  abstract.model_shape(cfg)))
+    if shared:  # grpo:tiny's case lowers these very programs
+      cat.programs[:] = [p for p in cat.programs if p.node not in SHARED_NODES]
+    return cat
+
+  cat, rows = gate.lower_all(build, H100)
   _assert_all_lower(rows)
   names = {r.name.split("[")[0] for r in rows}
   rollout = ({"next_token", "vision_tower"} if spec.startswith("grpo_vl")
              else {"decode", "prefill_insert"})
-  assert rollout | {"train_step", "checksum"} <= names, names
+  assert (set() if shared else rollout) | {"train_step", "checksum"} <= names, names
+
+
+def test_algorithm_variants_share_the_default_run_s_rollout():
+  """What lets the case above skip a variant's set-up and rollout programs: every
+  algorithm variant but PPO has grpo:tiny's model, rollout, data and placement, and
+  algorithms:grpo is grpo:tiny in all but its name and run folder."""
+  base, _ = _plan("grpo:tiny")
+  variants = {v: _plan(f"algorithms:{v}")[0]
+              for v in ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "dapo", "gspo")}
+  assert all(_same_rollout_as_default(c) for c in variants.values())
+  grpo = variants["grpo"].to_dict()
+  want = base.to_dict()
+  for key in ("name", "run_dir"):
+    grpo.pop(key), want.pop(key)
+  assert grpo == want
+  assert not _same_rollout_as_default(_plan("algorithms:ppo")[0])  # 128 prompts x 1
 
 
 @pytest.mark.timeout(600)
