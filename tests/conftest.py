@@ -188,12 +188,17 @@ def pytest_pyfunc_call(pyfuncitem):
   child = subprocess.Popen(cmd, cwd=str(pyfuncitem.config.rootpath), env=_level1_env(),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            stdin=subprocess.DEVNULL, start_new_session=True)
-  try:
-    out, _ = child.communicate(timeout=limit)
+  try:  # a little under the test's own limit, so this deadline, not the parent's, ends it
+    out, _ = child.communicate(timeout=max(limit - 10, 1))
   except subprocess.TimeoutExpired:
     os.killpg(child.pid, signal.SIGKILL)
     out, _ = child.communicate()
-    pytest.fail(f"the level-1 run of {pyfuncitem.nodeid} ran past {limit:.0f} s:\n{out[-3000:]}")
+    pytest.fail(f"the level-1 run of {pyfuncitem.nodeid} ran past {limit - 10:.0f} s:\n"
+                f"{out[-3000:]}")
+  finally:  # interrupted (the parent's timeout, ^C): the child goes too
+    if child.poll() is None:
+      os.killpg(child.pid, signal.SIGKILL)
+      child.wait()
   last = out.strip().splitlines()[-1] if out.strip() else ""
   if child.returncode == 0 and " skipped" in last and " passed" not in last:
     pytest.skip(f"at LLVM level 1: {last}")

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -36,14 +37,23 @@ def test_a_marked_failure_at_level_1_fails_the_test_and_a_pass_passes(tmp_path):
       "def test_marked_fails():\n"
       "  assert _level() == 'never', 'LEVEL-' + _level()\n\n"
       "def test_unmarked_stays_at_0():\n"
-      "  assert _level() == '0'\n")
+      "  assert _level() == '0'\n\n"
+      "@pytest.mark.llvm_level1\n"
+      "@pytest.mark.timeout(15)\n"
+      "def test_marked_hangs():\n"
+      "  import time\n"
+      "  time.sleep(600)\n")
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("PYTEST_", "DISTFLOW_TEST_CPU_LOG"))}
   env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+  t0 = time.monotonic()
   out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
-                        "-p", "no:randomly", str(tmp_path)], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=180)
+                        str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=180)
   text = out.stdout + out.stderr
   assert out.returncode == 1, text[-3000:]
-  assert "1 failed, 2 passed" in text, text[-3000:]
+  assert "2 failed, 2 passed" in text, text[-3000:]
   assert "at LLVM level 1, in a pytest of its own" in text and "LEVEL-1" in text, text[-3000:]
+  # The hanging one: SIGKILLed at its deadline (its limit less 10 s), not after 600 s.
+  assert "the level-1 run of test_probe.py::test_marked_hangs ran past 5 s" in text, text[-3000:]
+  assert time.monotonic() - t0 < 120
