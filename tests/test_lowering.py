@@ -62,6 +62,8 @@ SHARED_NODES = ("setup", "warm start", "generate", "generate/eval")
 def _same_rollout_as_default(cfg) -> bool:
   base, _ = _plan("grpo:tiny")
   return all(cfg.get(k) == base.get(k) for k in ROLLOUT_SECTIONS)
+
+
 # The tiny model in bfloat16 (head dim 48: cuDNN serves it) under each lever that changes
 # the sequence passes' shapes.  Two prompt widths (shipped: 3) and 4 decode slots (prefill
 # rows 1 and 4; shipped: 1, 4, 16): each program kind at fewer shapes (the shipped shapes
@@ -114,7 +116,7 @@ def test_algorithm_variants_share_the_default_run_s_rollout():
   grpo = variants["grpo"].to_dict()
   want = base.to_dict()
   for key in ("name", "run_dir"):
-    grpo.pop(key), want.pop(key)
+    del grpo[key], want[key]
   assert grpo == want
   assert not _same_rollout_as_default(_plan("algorithms:ppo")[0])  # 128 prompts x 1
 

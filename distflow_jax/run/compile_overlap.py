@@ -17,8 +17,9 @@ has cores to spare: the first step costs about max(rollout, training compiles) i
 their sum.  On a CPU the two share the cores.  A program the catalogue cannot build, or
 whose compile fails here, is left to the node (which compiles it as before and reports any
 error itself); the run's log says so in one line, so an overlap that stopped working is
-seen, and ``compile/overlap_failed`` counts the programs it could not compile.  Off with ``trainer.compile_overlap=False``, and in the asynchronous
-pipelines (their rollout already runs beside the training).
+seen, and ``compile/overlap_failed`` counts the programs it could not compile.  Off with
+``trainer.compile_overlap=False``, and in the asynchronous pipelines (their rollout
+already runs beside the training).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def start(ctx: RunContext, prompts: Any, programs_at: ProgramsAt | None,
                                     cfg.rollout.prefill_buckets, cfg.data.max_prompt_len)
   try:
     programs = programs_at(ctx, width)
-  except Exception as e:  # pylint: disable=broad-except  - no overlap, the step compiles as before
+  except Exception as e:  # pylint: disable=broad-except  - no overlap: the nodes compile
     if log is not None:
       log(f"compile overlap off for this run: the catalogue could not build the training "
           f"programs ({_one_line(e)}); the first step compiles them in its nodes")
