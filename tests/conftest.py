@@ -156,9 +156,7 @@ _IN_CHILD = "DISTFLOW_TEST_LEVEL1_CHILD"
 
 
 def _level1_env() -> dict:
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_backend_optimization_level")]
-  env = dict(os.environ, XLA_FLAGS=" ".join(flags + ["--xla_backend_optimization_level=1"]))
+  env = suite_flags(os.environ, level=1)  # the child's conftest sets its 8 devices again
   env[_IN_CHILD] = "1"
   for key in ("DISTFLOW_TEST_CPU_LOG", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
               "PYTEST_ADDOPTS"):

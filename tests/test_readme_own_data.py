@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import suite_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## Your own task, end to end"
 
@@ -81,12 +83,7 @@ def user_env(folder: Path) -> dict:
                                 if p and os.path.realpath(p) != bin_dir)
   env.pop("VIRTUAL_ENV", None)
   assert shutil.which("distflow-jax", path=env["PATH"]) is None
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
-  env["XLA_FLAGS"] = " ".join(flags)
-  if not flags:
-    env.pop("XLA_FLAGS")
-  return env
+  return suite_flags(env)
 
 
 def is_shell_state(cmd: str) -> bool:

@@ -21,6 +21,7 @@ import sys
 
 import pytest
 
+from conftest import suite_flags
 from distflow_jax.config import loading
 
 pytestmark = pytest.mark.multiprocess  # its `launch` line starts 2 jax.distributed processes
@@ -82,10 +83,7 @@ def fresh_shell(tmp: str) -> dict[str, str]:
   interpreter's, which has the package)."""
   bin_dir = os.path.dirname(sys.executable)
   os.symlink(sys.prefix, os.path.join(tmp, ".venv"))
-  env = dict(os.environ)
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
-  env["XLA_FLAGS"] = " ".join(flags)
+  env = suite_flags(os.environ)
   env["JAX_PLATFORMS"] = "cpu"
   env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
                                 if p and os.path.realpath(p) != os.path.realpath(bin_dir))

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import suite_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # What a wheel build reads; everything else (.git, the test venv, runs, caches, build/
@@ -54,9 +56,7 @@ def _clean_env():
   env = {k: v for k, v in os.environ.items()
          if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")}
   # conftest simulates 8 devices for this process; a user's machine has its own count.
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
-  env["XLA_FLAGS"] = " ".join(flags)
+  env = suite_flags(env)
   env["JAX_PLATFORMS"] = "cpu"
   return env
 
