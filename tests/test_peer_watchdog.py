@@ -69,16 +69,33 @@ def test_survivor_blocked_in_a_barrier_names_the_dead_peer_at_once():
   assert "lost process 1 of 2" in out and "Check failure" not in out, out
 
 
-@pytest.mark.timeout(120)
+def _process_0_killed():
+  """Kills process 0 (the coordination service's host) and says who ended the survivor:
+  "watchdog" (our one line, code 1) or "jax" (its client's C++ abort, which names the
+  leader's death).  Either way the survivor ends within seconds."""
+  code, out, took = _kill_after_ready("lead", 0, 1.0)  # process 0's mark read (absent)
+  assert took < 10, (took, out)
+  if code == 1:
+    assert "lost process 0 of 2" in out and "coordination service" in out, out
+    assert "Check failure" not in out, out
+    return "watchdog"
+  assert code == -signal.SIGABRT and "leader task" in out, (code, out)
+  return "jax"
+
+
+@pytest.mark.timeout(240)
 def test_process_0_killed_the_survivor_says_so_in_one_line():
   """Process 0 hosts the coordination service: when it dies, jax's client ends the
   survivor at once with a C++ fatal log and stack trace (SIGABRT) unless the watchdog,
-  which reads process 0's exit mark while it lives, names it first."""
-  code, out, took = _kill_after_ready("lead", 0, 1.0)  # process 0's mark read (absent)
-  assert code == 1, out
-  assert took < 10, (took, out)
-  assert "lost process 0 of 2" in out and "coordination service" in out, out
-  assert "Check failure" not in out, out
+  which reads process 0's exit mark while it lives and is woken by its pidfd, names it
+  first.  Both threads wake on the same death, so this is a race the watchdog usually
+  wins (README "Launching": jax won 1 of 20 tries idle, 4 of 30 beside three busy loops on
+  2 cores; CI once lost the single try this test used to make): up to three tries, each
+  ending one of the two ways, the watchdog winning one."""
+  outcomes = []
+  while len(outcomes) < 3 and "watchdog" not in outcomes:
+    outcomes.append(_process_0_killed())
+  assert outcomes[-1] == "watchdog", outcomes
 
 
 @pytest.mark.timeout(120)
