@@ -155,15 +155,15 @@ def _steps_done(tmp_path, logs, training) -> int:
   return logs[1].read_text().count("\nstep ") if logs[1].exists() else 0
 
 
-# The killed training process 0 takes the coordination service with it (jax's client
-# would abort the rollout process at once; the watchdog names it first).
+# The killed training process 0 takes the coordination service with it: jax's client
+# aborts the rollout process at once, and the watchdog usually names it first, but it is
+# a race (README "Launching"), so that case tries up to three times.
 KILLS = {**{case: (*groups, 1) for case, groups in GROUPS.items()},
          "training_process_0_killed": (*GROUPS["rollout_killed"], 0)}
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", sorted(KILLS))
-def test_a_killed_peer_in_either_group_stops_the_other_in_one_line(tmp_path, case):
+def _kill_mid_run(tmp_path, case):
+  """Kills one process after two steps; the survivor's code, seconds to its end, output."""
   rollout, training, dead = KILLS[case]
   procs, logs = _start(tmp_path, rollout, training)
   victim, survivor = procs[dead], procs[1 - dead]
@@ -179,8 +179,19 @@ def test_a_killed_peer_in_either_group_stops_the_other_in_one_line(tmp_path, cas
     took = time.monotonic() - killed
   finally:
     _kill(procs)
-  out = logs[1 - dead].read_text()
-  assert survivor.returncode == 1, out[-3000:]
+  return survivor.returncode, took, logs[1 - dead].read_text()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", sorted(KILLS))
+def test_a_killed_peer_in_either_group_stops_the_other_in_one_line(tmp_path, case):
+  dead = KILLS[case][2]
+  for attempt in range(3 if dead == 0 else 1):
+    (tmp_path / str(attempt)).mkdir()
+    code, took, out = _kill_mid_run(tmp_path / str(attempt), case)
+    if not (dead == 0 and code == -signal.SIGABRT and "leader task" in out):
+      break  # not jax's abort on process 0's death, which may win the race
+  assert code == 1, out[-3000:]
   assert took < 30, (took, out[-3000:])
   lines = [l for l in out.splitlines() if "lost process" in l]
   # The watchdog's line or the command's (whichever notices first), one of them.
