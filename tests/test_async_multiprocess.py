@@ -9,6 +9,9 @@ training process, real jax.distributed processes with SIGKILL deadlines.
 * two rollout processes + two training processes (each group's collectives among itself)
   generate the same samples as 1 process x 4 devices on the same split, and train to the
   same figures up to float32 reassociation (the training reduces across processes there);
+* groups of unequal device counts (run/links.py): one rollout device against a two-device
+  actor, two against one, on 2 processes x 2 devices against 1 process x 4 devices on the
+  same split: the same samples, figures and weights, bitwise;
 * a run killed while it saves, resumed, ends bitwise where the uninterrupted run ends,
   with one process a group and with two (2 + 2);
 * a peer killed in either group stops the other in one line (the victim is process 1
@@ -99,6 +102,29 @@ def test_two_rollout_processes_and_two_training_processes(tmp_path):
       assert a[key] == b[key], (a["step"], key)
     for key in ("actor/loss", "actor/grad_norm"):  # as test_workflow_multiprocess's REL, ABS
       assert abs(a[key] - b[key]) <= 2e-4 * abs(b[key]) + 1e-6, (a["step"], key)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("rollout,training", [("3:4", "0:2"), ("2:4", "0:1")],
+                         ids=["1_rollout_device_2_training", "2_rollout_devices_1_training"])
+def test_groups_of_unequal_device_counts(tmp_path, rollout, training):
+  """Weights and batches move in blocks of the smaller group's size (run/links.py), on 2
+  processes x 2 devices: one rollout device and a two-device actor (the actor cut into
+  two blocks on the training side, block 0 copied; each half of a batch to its training
+  device), or two rollout devices and a one-device actor (the actor copied onto each
+  rollout device, the halves of each batch concatenated).  Against one process of four
+  devices on the same split: the same samples, staleness, figures and weights, bitwise."""
+  split = [f"placement.rollout.devices={rollout}", f"placement.actor.devices={training}",
+           f"placement.reference.devices={training}", *SPLIT[3:]]
+  single = _run(tmp_path, 1, 4, 1, 3, split)
+  multi = _run(tmp_path, 2, 2, 1, 3, split)
+  assert [m["async/staleness_max"] for m in multi] == [0.0, 1.0, 1.0]
+  # The training is one process's either way: the same figures and weights, bitwise.
+  assert multi[-1]["params_sha256"] == single[-1]["params_sha256"]
+  for a, b in zip(multi, single):
+    for key in SAME:
+      assert a[key] == b[key], (a["step"], key, a[key], b[key])
+  assert any(m["actor/grad_norm"] > 0 for m in multi)
 
 
 # Which process trains, which generates (devices 0:1 are process 0's).  The training

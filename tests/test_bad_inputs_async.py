@@ -30,10 +30,18 @@ CASES = {
                                     "--config.algo.dynamic_sampling_tries=2"],
                                "a rollout on processes of its own (placement.rollout.devices) "
                                "does not work with algo.dynamic_sampling_tries=2"),
-    "split_device_counts": ("", [K1, *TWO, "--config.placement.rollout.devices=0:2",
+    "split_device_counts": ("", [K1, *TWO, "--config.placement.rollout.devices=0:3",
                                  "--config.placement.actor.devices=4:8",
                                  "--config.placement.reference.devices=4:8"],
-                            "placement.rollout.devices holds 2 devices but the actor"),
+                            "placement.rollout.devices holds 3 devices but the actor "
+                            "(placement.actor.devices) 4; weights and batches move in blocks "
+                            "of the smaller count, so one must be a multiple of the other"),
+    "split_rows": ("", [K1, *TWO, "--config.placement.rollout.devices=0:4",
+                        "--config.placement.actor.devices=4:6",
+                        "--config.placement.reference.devices=4:6",
+                        "--config.data.prompts_per_step=2", "--config.rollout.n=1"],
+                   "a batch's 2 rows (data.prompts_per_step x rollout.n) do not split over 4 "
+                   "devices"),
     "split_idle_process": ("", [K1, *SPLIT, "--num_processes=3", "--devices_per_process=4"],
                            "processes [2] run neither the rollout nor the training"),
     "dynamic_sampling": ("", [K1, *SPLIT, *EIGHT, "--config.algo.dynamic_sampling_tries=2"],
@@ -80,6 +88,23 @@ def test_plan_prints_the_process_groups_and_the_weight_sync(tmp_path, capsys, k)
   line = next(l for l in out.splitlines() if l.startswith("async on disjoint processes"))
   assert "rollout on processes [0], training on processes [1]" in line
   assert "each of the 4 rollout replica(s)" in line and " MB " in line
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rollout,actor,needle", [
+    ("0:4", "4:6", "5.0 MB across 2 times (9.9 MB), once onto each block of 2 of the 4 rollout"),
+    ("0:2", "4:8", "across once, from 2 of the actor's 4 devices")])
+def test_plan_prints_how_unequal_groups_copy_the_weights(tmp_path, capsys, rollout, actor,
+                                                         needle):
+  code = cli.main(["plan", f"--config={config_file(tmp_path, '')}", K1, *TWO,
+                   f"--config.placement.rollout.devices={rollout}",
+                   f"--config.placement.actor.devices={actor}",
+                   f"--config.placement.reference.devices={actor}",
+                   "--config.trainer.eval_every=0", "--config.actor.micro_batch_size=1"])
+  out, err = capsys.readouterr()
+  assert code == 0, err
+  line = next(l for l in out.splitlines() if l.startswith("async on disjoint processes"))
+  assert needle in line, line
 
 
 @pytest.mark.timeout(300)

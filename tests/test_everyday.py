@@ -284,3 +284,28 @@ def test_fit_drops_the_least_useful_fields_first():
   line = progress.fit(parts, 80)
   assert line == "step 1/9 " + "y" * 30 + " !alarm"
   assert progress.clock(59) == "0:59" and progress.clock(3725) == "1:02:05"
+
+
+@pytest.mark.timeout(120)
+def test_warm_start_over_a_device_count_the_model_does_not_divide_is_one_line(tmp_path):
+  """With the rollout on a process of its own, the built-in model's warm start shards it
+  over every device of the run (warmstart/text.py); 3 devices do not divide its sizes:
+  refused in one line naming the way out, not a traceback from the sharding rules."""
+  from distflow_jax.config import checks, loading
+  from distflow_jax.config.loading import ConfigError
+  from distflow_jax.dag import FUNCTIONS, Topology
+  from distflow_jax.models.tokenizer import Tokenizer
+  from distflow_jax.warmstart import text as warmstart
+  cfg = loading.load("grpo:tiny", [f"run_dir={tmp_path}", "model.warmstart.steps=0",
+                                   "model.preset=micro",
+                                   "trainer.max_staleness=1", "cluster.num_processes=3",
+                                   "cluster.devices_per_process=1",
+                                   "placement.rollout.devices=2:3", "placement.actor.devices=0:2",
+                                   "placement.reference.devices=0:2", "trainer.eval_every=0",
+                                   "data.prompts_per_step=4", "actor.micro_batch_size=1"])
+  plan = checks.plan_from_config(cfg, Topology(3, 1), FUNCTIONS)
+  with pytest.raises(ConfigError) as e:
+    warmstart.ensure_model(cfg, plan, Tokenizer.builtin(), lambda m: None)
+  line = str(e.value)
+  assert "\n" not in line and "{'data': 1, 'fsdp': 3, 'tensor': 1}" in line, line
+  assert "model.path" in line and "device count that divides" in line, line

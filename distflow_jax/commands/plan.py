@@ -104,11 +104,22 @@ def _print_process_split(cfg, plan) -> None:
     return
   whole = analytic.param_bytes(report.model_shape(cfg))
   replicas = plan.steps[0].layout.dp_size
+  r = len(plan.steps[0].layout.devices)
+  a = len(next(m for m in plan.meshes if m.role.value.lower() == "actor").devices)
+  if r > a:  # run/links.py: one copy onto each block of a rollout devices
+    how = (f"{r // a} times ({analytic.fmt(whole * (r // a))}), once onto each block of {a} "
+           f"of the {r} rollout devices")
+  elif a > r:
+    how = (f"once, from {r} of the actor's {a} devices (the actor gathered into blocks of {r} "
+           f"devices on the training side first)")
+  else:
+    how = ("once (each training device's shards to its rollout device; a parameter the "
+           "actor replicates, once per copy)")
   print(f"async on disjoint processes: rollout on processes {list(split.rollout)}, training "
         f"on processes {list(split.training)}; each weight sync copies the actor's "
-        f"{analytic.fmt(whole)} across once (each training device's shards to its rollout "
-        f"device; a parameter the actor replicates, once per copy), then each of the {replicas} rollout replica(s) gathers its whole copy "
-        f"({analytic.fmt(whole)} per replica) inside the rollout processes")
+        f"{analytic.fmt(whole)} across {how}, then each of the {replicas} rollout replica(s) "
+        f"gathers its whole copy ({analytic.fmt(whole)} per replica) inside the rollout "
+        f"processes")
 
 
 def _count(cfg, plan) -> None:

@@ -10,8 +10,10 @@
   stages then talk through transfers in a fixed order, run/disjoint.py).  A process that
   does both would run the rollout thread's collectives (the weight sync) beside the
   trainer's across processes, in no fixed order (a deadlock).  On disjoint processes each
-  transfer is a device-to-device copy, so the rollout, the actor and the first training
-  node hold as many devices each; the rollout processes evaluate (run/disjoint.py).
+  transfer is a device-to-device copy in blocks of the smaller group's size, so of the
+  rollout's, the actor's and the first training node's device counts, each pair is a
+  multiple one of the other (run/links.py); the rollout processes evaluate
+  (run/disjoint.py).
   K = 0 there is the synchronous loop through the same transfers (version j makes batch j);
 * no dynamic sampling (its refills run the rollout stage again inside a step);
 * no multi-turn episodes (``rollout.env``): not built with it yet.
@@ -22,6 +24,7 @@ Each refusal is one line naming the setting to change.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import ml_collections
 
@@ -61,6 +64,25 @@ def process_split(plan: Plan) -> ProcessSplit | None:
   return ProcessSplit(tuple(sorted(rollout)), tuple(sorted(training)))
 
 
+def ratio(a: int, b: int) -> int | None:
+  """``max / min`` of two device counts when one is a multiple of the other, else None."""
+  big, small = max(a, b), min(a, b)
+  return big // small if small and big % small == 0 else None
+
+
+def block_counts(shape: tuple[int, ...], c: int) -> tuple[int, ...] | None:
+  """Blocks per mesh axis: ``g[i]`` divides ``shape[i]`` and their product is ``c``, the
+  first axes taking what they can first (run/links.py cuts the actor's mesh so for a
+  rollout of fewer devices); None when ``c`` does not divide the mesh's size (taken
+  greedily, each prime factor of ``c`` is absorbed whenever it divides the size)."""
+  out = []
+  for n in shape:
+    g = math.gcd(n, c)
+    out.append(g)
+    c //= g
+  return tuple(out) if c == 1 else None
+
+
 def _check_split(cfg: ml_collections.ConfigDict, plan: Plan, split: ProcessSplit,
                  name: str) -> None:
   topo = plan.topology
@@ -72,13 +94,23 @@ def _check_split(cfg: ml_collections.ConfigDict, plan: Plan, split: ProcessSplit
   rollout = len(plan.steps[0].layout.devices)
   actor = next(m for m in plan.meshes if m.role.value.lower() == "actor")
   first = plan.steps[n]
+  # Batches and weights move in blocks of the smaller group's size (run/links.py).
   for what, count in (("the actor (placement.actor.devices)", len(actor.devices)),
                       (f"node {first.node.id!r}", len(first.layout.devices))):
-    if count != rollout:
+    if ratio(rollout, count) is None:
       raise ConfigError(
           f"{name} on disjoint processes: placement.rollout.devices holds {rollout} devices "
-          f"but {what} {count}; batches and weights move device to device, so give them "
-          f"as many devices each")
+          f"but {what} {count}; weights and batches move in blocks of the smaller count, so "
+          f"one must be a multiple of the other (e.g. {rollout} and {rollout * 2})")
+  t = len(first.layout.devices)
+  rows = cfg.data.prompts_per_step * cfg.rollout.n
+  step = max(rollout, t) // math.gcd(max(rollout, t), cfg.rollout.n)
+  if t != rollout and rows % max(rollout, t):
+    raise ConfigError(
+        f"{name} on disjoint processes: a batch's {rows} rows (data.prompts_per_step x "
+        f"rollout.n) do not split over {max(rollout, t)} devices, which the move from the "
+        f"rollout's {rollout} devices to node {first.node.id!r}'s {t} needs; make "
+        f"data.prompts_per_step a multiple of {step}")
 
 
 def check(cfg: ml_collections.ConfigDict, plan: Plan) -> None:

@@ -24,11 +24,14 @@ counts as done only once its receivers acknowledge it (``transfer.await_acks``):
 copy's bytes leave the sender's devices when those get to it, so a copy merely issued
 would wait behind the step, and the other group with it (the K = 1 lock-step).
 
-The batch arrives as it was split over the rollout's devices, then moves onto the first
-training node's layout, where the chain's usual re-partition takes it on: the trained
-result is the single-process run's on the same device split, bitwise.  The rollout's
-metrics for batch i join the trainer's step i (the first training process adds them,
-the others add zeros under the same names, so the reduction's vectors agree).
+The batch arrives as it was split over the rollout's devices (in blocks of the smaller
+group's size when the two groups' device counts differ: run/links.py), then moves onto
+the first training node's layout, where the chain's usual re-partition takes it on: the
+trained result is the single-process run's on the same device split (bitwise with one
+process a group; up to float32 reassociation where the training reduces across
+processes).  The rollout's metrics for batch i join the trainer's step i (the first
+training process adds them, the others add zeros under the same names, so the
+reduction's vectors agree).
 
 Checkpoints are the training processes' (run/disjoint_state.py: the batches in flight
 and the rollout processes' prompt positions are saved with them); a resume tells the
@@ -50,7 +53,7 @@ from distflow_jax import groups
 from distflow_jax.config import async_checks
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, to_local
-from distflow_jax.run import disjoint_state, executor, transfer
+from distflow_jax.run import disjoint_state, executor, links, transfer
 from distflow_jax.run import evaluate as eval_lib
 from distflow_jax.run.async_rollout import VERSION, add_staleness
 from distflow_jax.state import roles as roles_lib
@@ -64,26 +67,22 @@ _copy = jax.jit(lambda tree: jax.tree.map(lambda x: x.copy(), tree))
 
 @dataclasses.dataclass
 class Links:
-  """The shardings both sides of each copy name, computed alike on every process."""
-  actor_src: Any   # the actor's parameters' shardings (training devices)
-  actor_dst: Any   # their mirror over the rollout devices
-  batch_src: Any   # the rollout layout's row sharding
-  batch_dst: Any   # its mirror over the first training node's devices
-  train_layout: Any  # the first training node's layout (the batch ends there)
-  actor_mesh: Any  # the mirror of the actor's mesh over the rollout devices
+  """The shardings both sides of each copy name (run/links.py), computed alike on every
+  process, and the first training node's layout (the batch ends there)."""
+  weights: links.WeightLinks
+  batch: links.BatchLinks
+  train_layout: Any
 
   @classmethod
   def of(cls, ctx: RunContext, stage: int) -> "Links":
     devs = roles_lib.ordered_devices()
     rollout = [devs[i] for i in ctx.plan.steps[0].layout.devices]
     actor = ctx.roles[Role.ACTOR]
-    actor_dst = jax.tree.map(lambda x: transfer.mirror(x.sharding, rollout), actor.params)
-    mesh = transfer.mirror(jax.sharding.NamedSharding(actor.mesh, jax.sharding.PartitionSpec()),
-                           rollout).mesh
+    shardings = jax.tree.map(lambda x: x.sharding, actor.params)
     train = ctx.layout(ctx.plan.steps[stage].layout)
     src = ctx.layout(ctx.plan.steps[0].layout).sharding
-    return cls(jax.tree.map(lambda x: x.sharding, actor.params), actor_dst, src,
-               transfer.mirror(src, list(train.mesh.devices.flat)), train, mesh)
+    return cls(links.WeightLinks.of(shardings, actor.mesh, rollout),
+               links.BatchLinks.of(src, list(train.mesh.devices.flat)), train)
 
 
 def _metrics_json(m: Metrics) -> dict:
@@ -125,20 +124,21 @@ def run_rollout(ctx: RunContext, loader: Any, k: int, total: int,
   version (``eval_versions``) is evaluated on ``eval_batch`` as it arrives, its metrics
   (and the first rollout process's ``num_samples`` samples) published for the trainer."""
   stage = async_checks.rollout_stage(ctx.plan)
-  links, run = Links.of(ctx, stage), next(_RUNS)
+  link, run = Links.of(ctx, stage), next(_RUNS)
   start, restored = disjoint_state.await_start(split, loader)
   evals = eval_versions(ctx.cfg, start, total, eval_batch is not None)
   versions, outgoing = transfer.Mailbox(), transfer.Mailbox()
   actor = ctx.roles[Role.ACTOR]
 
   def receive(v: int) -> None:  # the actor's arrays hold no shard here: the placeholders
-    versions.put(v, transfer.copy(actor.params, links.actor_dst))
+    versions.put(v, link.weights.receive(actor.params))
     transfer.acknowledge(str(run), transfer.Kind.WEIGHTS, v, split.training)
 
   def send(j: int) -> None:
-    data = outgoing.take(j)
-    keys = sorted(data)
-    transfer.copy([data[key] for key in keys], [links.batch_dst] * len(keys))
+    parts = outgoing.take(j)
+    keys = sorted(parts[0])
+    for part, dst in zip(parts, link.batch.dst):
+      transfer.copy([part[key] for key in keys], [dst] * len(keys))
     transfer.await_acks(str(run), transfer.Kind.BATCH, j, split.training)
 
   threads = transfer.Transfers(transfer.schedule(k, start, total, restored, evals),
@@ -148,7 +148,7 @@ def run_rollout(ctx: RunContext, loader: Any, k: int, total: int,
 
   def at(step: int, params: Any) -> RunContext:  # the context with this version's actor
     return dataclasses.replace(ctx, step=step, metrics=Metrics(), roles={
-        **ctx.roles, Role.ACTOR: dataclasses.replace(actor, mesh=links.actor_mesh,
+        **ctx.roles, Role.ACTOR: dataclasses.replace(actor, mesh=link.weights.mesh,
                                                      params=params)})
 
   def evaluate(v: int, params: Any) -> None:
@@ -179,7 +179,7 @@ def run_rollout(ctx: RunContext, loader: Any, k: int, total: int,
                                      "metrics": _metrics_json(mine.metrics),
                                      "bad_rows": bad_rows,
                                      "loader": disjoint_state.prompt_state(loader)})
-      outgoing.put(j, data)
+      outgoing.put(j, link.batch.make_parts(data))  # a program over the rollout's devices
       # batch j's copy before the next batch's programs, which it would queue behind
       threads.wait_before(transfer.Transfer(transfer.Kind.BATCH, j + 1))
       if j - k - 1 >= start + restored:  # every trainer read it before version j - k came
@@ -205,9 +205,9 @@ class TrainerSide:
     self.snapshots, self.batches = transfer.Mailbox(), transfer.Mailbox()
     restored = loader.restored or {}
     records = disjoint_state.restored_batches(restored, start, k)
-    for record in records:
+    for record in records:  # each field as its list of parts (one), as ``receive`` puts it
       j, metas, data = disjoint_state.decode(record, self.links.train_layout)
-      self.batches.put(j, (metas, data))
+      self.batches.put(j, (metas, {k: [v] for k, v in data.items()}))
     self._last_metas: list[dict] | None = None
     disjoint_state.announce(split, start, len(records),
                             restored.get(disjoint_state.ROLLOUT_LOADERS))
@@ -217,20 +217,28 @@ class TrainerSide:
     self.versions = {t.index for t in steps if t.kind is transfer.Kind.WEIGHTS}
     self._snapped: set[int] = set()
     self.bad_rows = 0.0
-    self._place = jax.jit(lambda d: d, out_shardings=self.links.train_layout.sharding)
+    self._place = links.place_program(self.links.train_layout.sharding)
+    snap = self.links.weights.snap  # the actor cut into blocks (a rollout of fewer devices)
+    self._snap = _copy if snap is None else jax.jit(
+        lambda tree: jax.tree.map(lambda x: x.copy(), tree), out_shardings=snap)
 
     def send(v: int) -> None:
-      transfer.copy(self.snapshots.take(v), self.links.actor_dst)
+      weights = self.links.weights
+      for tree, dst in zip(weights.blocks(self.snapshots.take(v)), weights.dst):
+        transfer.copy(tree, dst)
       transfer.await_acks(run, transfer.Kind.WEIGHTS, v, split.rollout)
 
     def receive(j: int) -> None:
       metas = [transfer.read(run, j, p) for p in split.rollout]
-      first = metas[0]
-      held = [transfer.placeholder(s, d, self.links.batch_src)
-              for s, d in zip(first["shapes"], first["dtypes"])]
-      got = transfer.copy(held, [self.links.batch_dst] * len(held))
+      first, batch = metas[0], self.links.batch
+      parts = []
+      for src, dst in zip(batch.src, batch.dst):
+        held = [transfer.placeholder(batch.part_shape(s), d, src)
+                for s, d in zip(first["shapes"], first["dtypes"])]
+        parts.append(transfer.copy(held, [dst] * len(held)))
       transfer.acknowledge(run, transfer.Kind.BATCH, j, split.rollout)
-      self.batches.put(j, (metas, dict(zip(first["keys"], got))))
+      fields = batch.joined(parts, first["shapes"])
+      self.batches.put(j, (metas, dict(zip(first["keys"], fields))))
 
     self.threads = transfer.Transfers(steps, {transfer.Kind.WEIGHTS: send,
                                               transfer.Kind.BATCH: receive})
@@ -261,7 +269,7 @@ class TrainerSide:
     """Version ``version`` (the actor now), a copy for the thread to send when the
     schedule names it (the train step donates the actor's own buffers); once."""
     if version in self.versions and version not in self._snapped:
-      self.snapshots.put(version, _copy(self.ctx.roles[Role.ACTOR].params))
+      self.snapshots.put(version, self._snap(self.ctx.roles[Role.ACTOR].params))
       self._snapped.add(version)
 
   def evaluate(self, version: int) -> tuple[dict[str, float], list[dict]]:

@@ -203,8 +203,18 @@ def ensure_model(cfg: ml_collections.ConfigDict, plan: Plan, tokenizer: Tokenize
   from distflow_jax.observe import progress
   progress.phase(log, "warm start")
   model_cfg = roles_lib.model_config(cfg, tokenizer, "").replace(lora=None)  # full SFT
-  actor_mesh = roles_lib.jax_mesh(_warm_start_mesh(plan))
-  model = roles_lib.build_actor(model_cfg, actor_mesh, "", cfg.seed)
+  mesh = _warm_start_mesh(plan)
+  actor_mesh = roles_lib.jax_mesh(mesh)
+  try:
+    model = roles_lib.build_actor(model_cfg, actor_mesh, "", cfg.seed)
+  except ValueError as e:
+    if "is not divisible by mesh axes" not in str(e):
+      raise
+    raise ConfigError(f"the warm start of the built-in {cfg.model.preset!r} model shards it "
+                      f"over {dict(mesh.axes)}, which it does not divide ({e}); with the "
+                      f"rollout on processes of its own every device of the run takes part, "
+                      f"so use a device count that divides the model's sizes, or set "
+                      f"model.path") from None
   from flax import nnx
   graphdef, params = nnx.split(model)
   state = ModelState(Role.ACTOR, actor_mesh, graphdef, params)
