@@ -23,6 +23,7 @@ from distflow_jax.config import vision_checks
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.data.loader import PromptLoader
 from distflow_jax.tasks import registry as tasks
+from distflow_jax.tasks import split_cache
 from distflow_jax.nodes import rollout as rollout_nodes
 from distflow_jax.persist import checkpoint
 from distflow_jax import groups
@@ -71,8 +72,8 @@ def dataset_paths(cfg: ml_collections.ConfigDict) -> tuple[str, str | None]:
       if not os.path.exists(path):
         # Every process writes identical bytes atomically; no coordination needed.
         # Train questions may repeat (small question spaces); eval questions never do.
-        tasks.write_jsonl(task.generate_split(level, split, count, seed=cfg.seed,
-                                              unique=split == "eval"), path)
+        split_cache.write_split(task, level, split, count, seed=cfg.seed,
+                                unique=split == "eval", path=path)
       out.append(path)
     else:
       if not os.path.exists(spec):
