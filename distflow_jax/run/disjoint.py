@@ -207,7 +207,7 @@ class TrainerSide:
     records = disjoint_state.restored_batches(restored, start, k)
     for record in records:  # each field as its list of parts (one), as ``receive`` puts it
       j, metas, data = disjoint_state.decode(record, self.links.train_layout)
-      self.batches.put(j, (metas, {k: [v] for k, v in data.items()}))
+      self.batches.put(j, (metas, {name: [v] for name, v in data.items()}))
     self._last_metas: list[dict] | None = None
     disjoint_state.announce(split, start, len(records),
                             restored.get(disjoint_state.ROLLOUT_LOADERS))
