@@ -9,9 +9,8 @@ training process, real jax.distributed processes with SIGKILL deadlines.
 * two rollout processes + two training processes (each group's collectives among itself)
   generate the same samples as 1 process x 4 devices on the same split, and train to the
   same figures up to float32 reassociation (the training reduces across processes there);
-* groups of unequal device counts (run/links.py): one rollout device against a two-device
-  actor, two against one, on 2 processes x 2 devices against 1 process x 4 devices on the
-  same split: the same samples, figures and weights, bitwise;
+* unequal groups (run/links.py): 1 rollout device against a 2-device actor, and 2 against
+  1, on 2 x 2 processes equal 1 process x 4 devices on the same split, bitwise;
 * a run killed while it saves, resumed, ends bitwise where the uninterrupted run ends,
   with one process a group and with two (2 + 2);
 * a peer killed in either group stops the other in one line (the victim is process 1
@@ -108,12 +107,10 @@ def test_two_rollout_processes_and_two_training_processes(tmp_path):
 @pytest.mark.parametrize("rollout,training", [("3:4", "0:2"), ("2:4", "0:1")],
                          ids=["1_rollout_device_2_training", "2_rollout_devices_1_training"])
 def test_groups_of_unequal_device_counts(tmp_path, rollout, training):
-  """Weights and batches move in blocks of the smaller group's size (run/links.py), on 2
-  processes x 2 devices: one rollout device and a two-device actor (the actor cut into
-  two blocks on the training side, block 0 copied; each half of a batch to its training
-  device), or two rollout devices and a one-device actor (the actor copied onto each
-  rollout device, the halves of each batch concatenated).  Against one process of four
-  devices on the same split: the same samples, staleness, figures and weights, bitwise."""
+  """Weights and batches move in blocks of the smaller group's size (run/links.py): the
+  actor cut into two blocks, block 0 copied, each half of a batch to its training device;
+  or the actor copied onto each rollout device, a batch's halves concatenated.  Against
+  one process of four devices: the same samples, staleness, figures and weights."""
   split = [f"placement.rollout.devices={rollout}", f"placement.actor.devices={training}",
            f"placement.reference.devices={training}", *SPLIT[3:]]
   single = _run(tmp_path, 1, 4, 1, 3, split)

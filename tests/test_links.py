@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from distflow_jax.config.async_checks import block_counts, ratio
+from distflow_jax.config.async_checks import ratio
 from distflow_jax.models import sharding
 from distflow_jax.run import links, transfer
 
@@ -30,10 +30,10 @@ def _shardings(tree):
 def test_counts_and_blocks():
   assert ratio(2, 8) == ratio(8, 2) == 4 and ratio(3, 3) == 1
   assert ratio(3, 4) is None and ratio(0, 4) is None
-  assert block_counts((2, 2, 1), 4) == (2, 2, 1)
-  assert block_counts((1, 4, 2), 4) == (1, 4, 1)
-  assert block_counts((1, 6, 2), 4) == (1, 2, 2)
-  assert block_counts((1, 3, 1), 2) is None  # 2 does not divide the mesh's 3 devices
+  assert links.block_counts((2, 2, 1), 4) == (2, 2, 1)
+  assert links.block_counts((1, 4, 2), 4) == (1, 4, 1)
+  assert links.block_counts((1, 6, 2), 4) == (1, 2, 2)
+  assert links.block_counts((1, 3, 1), 2) is None  # 2 does not divide the mesh's 3 devices
 
 
 @pytest.mark.timeout(60)

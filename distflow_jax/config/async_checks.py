@@ -70,19 +70,6 @@ def ratio(a: int, b: int) -> int | None:
   return big // small if small and big % small == 0 else None
 
 
-def block_counts(shape: tuple[int, ...], c: int) -> tuple[int, ...] | None:
-  """Blocks per mesh axis: ``g[i]`` divides ``shape[i]`` and their product is ``c``, the
-  first axes taking what they can first (run/links.py cuts the actor's mesh so for a
-  rollout of fewer devices); None when ``c`` does not divide the mesh's size (taken
-  greedily, each prime factor of ``c`` is absorbed whenever it divides the size)."""
-  out = []
-  for n in shape:
-    g = math.gcd(n, c)
-    out.append(g)
-    c //= g
-  return tuple(out) if c == 1 else None
-
-
 def _check_split(cfg: ml_collections.ConfigDict, plan: Plan, split: ProcessSplit,
                  name: str) -> None:
   topo = plan.topology

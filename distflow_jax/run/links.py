@@ -32,6 +32,7 @@ otherwise (``plan`` prints the bytes).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -39,10 +40,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from distflow_jax.config.async_checks import block_counts, ratio
+from distflow_jax.config.async_checks import ratio
 from distflow_jax.run import transfer
 
 ROWS = "rows"  # the axis of the one-dimensional meshes a batch's parts travel on
+
+
+def block_counts(shape: tuple[int, ...], c: int) -> tuple[int, ...] | None:
+  """Blocks per mesh axis: ``g[i]`` divides ``shape[i]`` and their product is ``c``, the
+  first axes taking what they can first (the actor's mesh cut for a rollout of fewer
+  devices); None when ``c`` does not divide the mesh's size (taken
+  greedily, each prime factor of ``c`` is absorbed whenever it divides the size)."""
+  out = []
+  for n in shape:
+    g = math.gcd(n, c)
+    out.append(g)
+    c //= g
+  return tuple(out) if c == 1 else None
 
 
 def _spec_axes(sharding: NamedSharding) -> set[str]:

@@ -24,6 +24,8 @@ import shutil
 import sys
 from typing import Any
 
+from distflow_jax.tasks import arithmetic
+
 ENV = "DISTFLOW_JAX_DATA_CACHE"
 DEFAULT = "~/.cache/distflow-jax/data"
 
@@ -93,7 +95,6 @@ def _cached(base: str) -> bool:
 def write_split(task: Any, level: str, split: str, count: int, *, seed: int, unique: bool,
                 path: str) -> bool:
   """Writes the split to ``path``; returns whether it came from the cache."""
-  from distflow_jax.tasks import registry as tasks
   where = folder()
   name = key(task, level, split, count, seed, unique) if where else None
   base = os.path.join(where, name) if name else ""
@@ -103,7 +104,7 @@ def write_split(task: Any, level: str, split: str, count: int, *, seed: int, uni
       return True
     except OSError:
       pass
-  tasks.write_jsonl(task.generate_split(level, split, count, seed=seed, unique=unique), path)
+  arithmetic.write_jsonl(task.generate_split(level, split, count, seed=seed, unique=unique), path)
   if base:
     try:  # the data first, its sha256 last: a copy without a matching sum is never read
       digest = _sha256(path)
