@@ -6,9 +6,9 @@ training process, real jax.distributed processes with SIGKILL deadlines.
   device 1, against 2 processes x 1 device), and the same metrics, the held-out
   evaluation's included (the rollout process evaluates);
 * the staleness bound holds: no trained sample is older than K versions;
-* two rollout processes + two training processes (each group's collectives among itself)
-  generate the same samples as 1 process x 4 devices on the same split, and train to the
-  same figures up to float32 reassociation (the training reduces across processes there);
+* two rollout processes driving one tensor-parallel replica (spanning both) + two training
+  processes generate the same samples as 1 process x 4 devices on the same split, and
+  train to the same figures up to float32 reassociation;
 * unequal groups (run/links.py): 1 rollout device against a 2-device actor, and 2 against
   1, on 2 x 2 processes equal 1 process x 4 devices on the same split, bitwise;
 * a run killed while it saves, resumed, ends bitwise where the uninterrupted run ends,
@@ -53,7 +53,7 @@ def _run(tmp_path, procs, devs, k, steps, split=SPLIT, *extra):
                                          "grpo:tiny", *overrides],
                            timeout_s=400, env=env, out=None)
   assert result.ok, result.describe() + "\n" + "\n".join(sum(result.outputs, [])[-40:])
-  trained = sorted(out.parent.glob(out.name + ".*"))  # the training processes'
+  trained = sorted(out.parent.glob(out.name + ".[0-9]*"))  # the training processes'
   rows = [json.loads(f.read_text()) for f in trained]
   assert rows and all([[m.get(k) for k in SAME] for m in r]
                       == [[m.get(k) for k in SAME] for m in rows[0]]
@@ -92,9 +92,11 @@ def test_one_rollout_process_and_one_training_process_equal_one_process(tmp_path
 @pytest.mark.timeout(900)
 def test_two_rollout_processes_and_two_training_processes(tmp_path):
   split = ["placement.rollout.devices=0:2", "placement.actor.devices=2:4",
-           "placement.reference.devices=2:4", *SPLIT[3:]]
+           "placement.reference.devices=2:4", "rollout.tensor_parallel=2", *SPLIT[3:]]
   single = _run(tmp_path, 1, 4, 1, 3, split)
   multi = _run(tmp_path, 4, 1, 1, 3, split)
+  for p in (0, 1):  # one replica over both rollout processes (dag/replicas.py)
+    assert json.loads((tmp_path / f"4x1_k1.json.replicas.{p}").read_text()) == [[0, 1]]
   assert [m["async/staleness_max"] for m in multi] == [0.0, 1.0, 1.0]
   for a, b in zip(multi, single):
     for key in ("reward", "tokens", "response_length", "async/staleness"):

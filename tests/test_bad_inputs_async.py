@@ -54,7 +54,8 @@ CASES = {
                              "placement.rollout: devices '4:99'"),
     "rollout_tp_split": ("", [*EIGHT, "--config.placement.rollout.devices=0:3",
                               "--config.rollout.tensor_parallel=2"],
-                         "rollout.tensor_parallel=2 does not divide the 3 placement.rollout"),
+                         "rollout.tensor_parallel=2 does not fit the placement.rollout "
+                         "devices (process 0: 3)"),
 }
 
 

@@ -78,7 +78,8 @@ def plan(overrides, topo=Topology(1, 8), name="grpo:tiny"):
     (["placement.actor.mesh.tensor=3"], r"8 devices do not divide by 3"),
     (["placement.actor.devices=6:12"], r"placement.actor: devices '6:12'"),
     (["data.prompts_per_step=6"], r"prompts_per_step=6 does not divide over the 8 rollout"),
-    (["rollout.tensor_parallel=3"], r"tensor_parallel=3 does not divide the 8 actor devices"),
+    (["rollout.tensor_parallel=3"], r"tensor_parallel=3 does not fit the actor devices "
+                                    r"\(process 0: 8\)"),
     (["actor.micro_batch_size=3"], r"micro_batch_size=3 does not divide the 16 samples"),
     (["rollout.n=1"], r"'advantage' .* needs prompt groups, but rollout.n=1"),
     (["rollout.max_new_tokens=250"], r"exceeds model.max_seq_len=80"),

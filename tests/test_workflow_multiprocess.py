@@ -164,7 +164,11 @@ def test_deterministic_mode_is_bitwise_equal_across_layouts(isa, tmp_path):
   # there: the policy is the reference and grpo:tiny's first rewards tie); without it the
   # summed gradient was 0 and the sum's order went untested (it differed: a process's rows
   # come as a block, so the batch's row order was the layout's; nodes/training.py).
-  extra = [*extra, "trainer.deterministic=True", "actor.entropy_coef=0.01"]
+  # Rollout replicas of 2 devices, tensor-parallel: one on 1 x 8 (deterministic mode keeps
+  # one replica a host), one a host on 2 x 2, and on 4 x 1 two replicas each spanning two
+  # processes, which pool their prompts (dag/replicas.py, rollout/spanning.py).
+  extra = [*extra, "trainer.deterministic=True", "actor.entropy_coef=0.01",
+           "rollout.tensor_parallel=2"]
   # Every side a process of its own, under the same cap and at XLA's default LLVM level
   # (tests/isa.py), not the suite's level 1: the 1 x 8 run too.
   single = _multi(tmp_path, name, extra, 1, 8, tmp_path / "tape_1x8", "record", isa)
@@ -178,6 +182,8 @@ def test_deterministic_mode_is_bitwise_equal_across_layouts(isa, tmp_path):
       for f, x in fields.items():
         np.testing.assert_array_equal(got[key][f], x, err_msg=f"{procs}x{devs} {key} {f}")
     assert single[-1]["params_sha256"] == multi[-1]["params_sha256"], f"{procs}x{devs}"
+    # Process 0's replica: its own host's, or processes 0 and 1 together on 4 x 1.
+    assert multi[-1]["replica_processes"] == [[0, 1] if devs == 1 else [0]], procs
     for s, m in zip(single, multi):
       for key in COMPARE:
         # Weights and samples are bitwise equal (above); metrics are held to 1e-6.

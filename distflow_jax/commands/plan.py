@@ -103,7 +103,7 @@ def _print_process_split(cfg, plan) -> None:
   if split is None:
     return
   whole = analytic.param_bytes(report.model_shape(cfg))
-  replicas = plan.steps[0].layout.dp_size
+  replicas = len(plan.steps[0].layout.devices) // plan.rollout_tensor_parallel
   r = len(plan.steps[0].layout.devices)
   a = len(next(m for m in plan.meshes if m.role.value.lower() == "actor").devices)
   if r > a:  # run/links.py: one copy onto each block of a rollout devices

@@ -93,7 +93,29 @@ def plan_from_config(cfg: ml_collections.ConfigDict, topo: planner_lib.Topology,
   from distflow_jax.dag.rules import check_off_policy_logprobs  # after the values' checks
   check_off_policy_logprobs(plan.steps, registry, cfg.actor.off_policy.correction)
   _check_batches(cfg, plan, dag, registry)
+  _check_spanning_replicas(cfg, plan)
   return plan
+
+
+def _check_spanning_replicas(cfg: ml_collections.ConfigDict, plan: planner_lib.Plan) -> None:
+  """A rollout replica across hosts (dag/replicas.py) pools its processes' prompts; what
+  cannot be pooled yet is refused, naming the key to change (images need the reference
+  backend: refused here too)."""
+  from distflow_jax.dag import replicas
+  lay = next((s.layout for s in plan.steps
+              if s.layout.kind is planner_lib.LayoutKind.ROLLOUT), None)
+  if lay is None or not replicas.spans_hosts(replicas.replica_groups(
+      lay.devices, plan.rollout_tensor_parallel, plan.topology.process_of)):
+    return
+  tp = plan.rollout_tensor_parallel
+  blocked = (("rollout.backend", cfg.rollout.backend != "engine",
+              f"{cfg.rollout.backend!r}: only the engine backend pools prompts; set it to engine"),
+             ("rollout.env", bool(cfg.rollout.get("env", "")),
+              "multi-turn episodes are not pooled yet; unset it"))
+  for key, hit, why in blocked:
+    if hit:
+      raise ConfigError(f"rollout.tensor_parallel={tp} makes a replica span hosts, which {key} "
+                        f"does not take: {why}, or keep tensor_parallel inside a host")
 
 
 def _placement_dict(cfg) -> dict:

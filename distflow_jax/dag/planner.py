@@ -17,7 +17,8 @@ Layouts.  A layout is the ordered device list plus the data-parallel size
 over it; the batch is split into ``dp_size`` equal parts in device order.
 Two layouts with the same devices and DP size need no data movement (the
 fast path).  ``generate`` runs on per-host rollout replicas over the actor's
-devices (``tensor_parallel`` devices each, inside one host); model nodes run
+devices (``tensor_parallel`` devices each, inside one host or across whole hosts:
+``replicas.py``); model nodes run
 on their role's mesh (DP = data x fsdp); host-side COMPUTE nodes run where the
 batch is, except that a node needing whole prompt groups after a
 re-partition moves the batch back to the rollout layout.
@@ -35,6 +36,7 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from distflow_jax.dag import replicas
 from distflow_jax.dag.order import ReadyQueue
 from distflow_jax.dag.registry import Placement, Registry
 from distflow_jax.dag.spec import DagError, Node, Role
@@ -256,14 +258,12 @@ def rollout_layout(actor: RoleMesh, tp: int, topo: Topology, spec: Any = None) -
     raise DagError(f"rollout.tensor_parallel must be an int >= 1, got {tp!r}")
   devices = rollout_devices(spec, actor, topo)
   on = "actor" if devices == actor.devices else "placement.rollout"
-  for p in range(topo.num_processes):
-    local = [d for d in devices if topo.process_of(d) == p]
-    if len(local) % tp:
-      raise DagError(f"rollout.tensor_parallel={tp} does not divide the {len(local)} {on} "
-                     f"devices of process {p}: a rollout replica must stay inside one host")
+  groups = replicas.replica_groups(devices, tp, topo.process_of, on)  # or refused
   name = f"rollout({'actor' if on == 'actor' else 'own'}, tp={tp})"
-  return NodeLayout(name=name, kind=LayoutKind.ROLLOUT, devices=devices,
-                    dp_size=len(devices) // tp)
+  # The batch's rows: split over the replicas' data axes, or per process where a replica
+  # spans hosts (each of its processes keeps its own rows: rollout/spanning.py).
+  dp = sum(map(len, groups)) if replicas.spans_hosts(groups) else len(devices) // tp
+  return NodeLayout(name=name, kind=LayoutKind.ROLLOUT, devices=devices, dp_size=dp)
 
 
 def make_plan(dag: Dag, registry: Registry, topo: Topology,

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 def render(plan: Plan, process: int | None = None) -> str:
   """Deterministic text form of the plan, for all processes or one."""
+  from distflow_jax.dag import replicas
   from distflow_jax.dag.planner import LayoutKind
   from distflow_jax.dag.spec import Role
   t = plan.topology
@@ -28,8 +29,14 @@ def render(plan: Plan, process: int | None = None) -> str:
   actor = next((m.devices for m in plan.meshes if m.role is Role.ACTOR), None)
   where = ("actor" if roll is None or roll.devices == actor
            else f"placement.rollout (devices {_span(roll.devices)})")
-  lines.append(f"rollout: one replica per {plan.rollout_tensor_parallel} local {where} "
-               f"device(s), inside each host")
+  tp = plan.rollout_tensor_parallel
+  groups = replicas.replica_groups(roll.devices, tp, t.process_of) if roll is not None else ()
+  if replicas.spans_hosts(groups):
+    lines.append(f"rollout: one replica per {len(groups[0])} processes ({tp} {where} devices, "
+                 f"tensor-parallel across hosts): " + ", ".join(
+                     "processes " + "+".join(map(str, g)) for g in groups))
+  else:
+    lines.append(f"rollout: one replica per {tp} local {where} device(s), inside each host")
   lines.append("chain:")
   w_node = max(len(s.node.describe()) for s in plan.steps)
   w_deps = max(len(",".join(s.node.deps) or "-") for s in plan.steps)

@@ -1,5 +1,5 @@
 """The rollout's programs for ``plan --lower``: process 0's replica (the backend the config
-names, built by ``RunContext.backend`` on that host's devices): the weight sync's steps,
+names, built by ``RunContext.backend`` on that host's devices, or its group's): the weight sync's steps,
 the engine's init / decode / grow / prefill / insert (``Engine.programs``) or the
 reference sampler's one program, and the frozen vision tower of a vision-language run.
 """
@@ -30,7 +30,9 @@ def rollout_programs(ctx: RunContext, node, devices, greedy: bool = False) -> li
   """Process 0's rollout replica: its weight sync and every generate program."""
   rollout = ctx.section(node, "rollout")
   ordered = roles_lib.ordered_devices()
-  host0 = [ordered[i] for i in devices if ctx.topo.process_of(i) == 0]
+  # Process 0's replica: its own devices, or its group's where a replica spans hosts.
+  group0 = ctx.replica_processes(rollout.tensor_parallel, 0)
+  host0 = [ordered[i] for i in devices if ctx.topo.process_of(i) in group0]
   backend = ctx.backend(rollout, greedy=greedy, devices=host0)
   tag = node.id + ("/eval" if greedy else "")
   process = {d: ctx.topo.process_of(i) for i, d in enumerate(ordered)}

@@ -56,8 +56,9 @@ def _advice(cfg: ml_collections.ConfigDict, fsdp: int, per_host: int) -> dict[st
     rollout_w = (f"raise rollout.tensor_parallel to {' or '.join(map(str, wider))} (now {tp}; "
                  f"each device holds the model / tensor_parallel)")
   else:
-    rollout_w = (f"rollout.tensor_parallel is already every device of a host ({per_host}; a "
-                 f"replica stays inside one host): make room beside it instead: fewer KV "
+    rollout_w = (f"rollout.tensor_parallel is already every device of a host ({per_host}): "
+                 f"span two hosts with rollout.tensor_parallel={2 * per_host} (each decode "
+                 f"step then crosses the hosts' network), or make room beside it: fewer KV "
                  f"slots (rollout.max_concurrent_decodes, now {r.max_concurrent_decodes}), or "
                  f"more hosts (--num_processes) to thin the actor's resident state")
   act = (f"lower actor.micro_batch_size (now {a.micro_batch_size})" if a.micro_batch_size > 1

@@ -33,6 +33,7 @@ def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelC
   With LoRA every figure is the merged base's; under ``rollout.lora_sync=adapters`` the
   engine also keeps its own base copy for the run (rollout/lora_sync.py), unless the
   rollout layout is the training one (one device, loop layers: aliased)."""
+  from distflow_jax.dag import replicas
   from distflow_jax.memory import compiled as cp
   from distflow_jax.models import sharding
   from distflow_jax.rollout import cache_growth
@@ -47,14 +48,15 @@ def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelC
   src = "compiled" if comp else "analytic"
   sync = f"{node_id}/weight_sync"  # one word: the peak line reads "while <phase> runs"
   tp = cfg.rollout.tensor_parallel
-  per_host = len(devs) // topo.num_processes
-  data = max(per_host // tp, 1)
+  # The first replica's devices: a host's, or its processes' where it spans hosts.
+  first = replicas.replica_groups(devs, tp, topo.process_of)[0]
+  replica = [d for d in devs if topo.process_of(d) in first]
+  data = max(len(replica) // tp, 1)
   slots = cfg.rollout.max_concurrent_decodes
   cache_len = max(cfg.rollout.prefill_buckets) + response_width(cfg.rollout)
   if comp:
     rdevs = roles_lib.ordered_devices()
-    host0 = [rdevs[i] for i in devs[:per_host]]
-    rmesh = sharding.make_mesh({"data": data, "tensor": tp}, host0)
+    rmesh = sharding.make_mesh({"data": data, "tensor": tp}, [rdevs[i] for i in replica])
     wb, kvb = cp.rollout_state_bytes(model_cfg, rmesh, slots, cache_len)
     actor = next(m for m in plan.meshes if m.role is Role.ACTOR)
     t0 = time.time()
@@ -67,7 +69,7 @@ def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelC
     gathered = max(sm.output - wb, 0.0)
   else:
     wb = an.param_bytes(model_cfg, tp)
-    kvb = an.kv_cache_bytes(model_cfg, slots, cache_len) / per_host
+    kvb = an.kv_cache_bytes(model_cfg, slots, cache_len) / len(replica)
     temp, direct, steps, gathered = an.sync_step_bytes(model_cfg, tp), True, None, 0.0
   out = [Item(node_id, "rollout weights (synced copy)", wb, devs, node_id, src,
               adv["rollout_w"], also=(sync,)),

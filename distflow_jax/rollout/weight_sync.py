@@ -6,7 +6,8 @@ rollout layout, with no whole-model gather on any device:
 
 1. The training mesh's devices, in its own order, are cut into blocks of one replica's
    size, each block inside one process (a host holds one block per replica it could
-   run).  A *global* sharding over the training devices places, on each block, exactly
+   run), or, for replicas spanning processes, blocks that share no process (each
+   process then wraps its own part of its block).  A *global* sharding over the training devices places, on each block, exactly
    the shards of the rollout layout (the rollout's PartitionSpec on a mesh ``(blocks,
    *replica axes)``: split over ``tensor`` inside a block, replicated across blocks).
 2. One jitted identity (a collective: every process of the training mesh runs it, in
@@ -63,6 +64,12 @@ def _replicated(sh: jax.sharding.Sharding) -> jax.sharding.Sharding:
     return sh
   raise ValueError(f"weight sync: cannot replicate a parameter with sharding {sh}; "
                    "use NamedSharding (mesh + PartitionSpec) for the training layout")
+
+
+def _own_devices(sh: NamedSharding) -> list[jax.Device]:
+  """The devices of ``sh``'s mesh that this process holds, in the mesh's order."""
+  me = jax.process_index()
+  return [d for d in sh.mesh.devices.flat if d.process_index == me]
 
 
 def _identity(xs):
@@ -141,15 +148,19 @@ class WeightSync:
 
   def _blocks(self, train_mesh: Mesh) -> list[list[jax.Device]] | None:
     """The training mesh's devices, in its order, cut into replica-sized blocks that each
-    stay in one process; None when they do not cut so."""
+    stay in one process, or (a replica spanning processes) that share no process with
+    another block; None when they do not cut so."""
     devices = list(train_mesh.devices.flat)
     size = self._replica.size
     if len(devices) % size:
       return None
     blocks = [devices[i:i + size] for i in range(0, len(devices), size)]
-    if any(len({self._process_of(d) for d in b}) != 1 for b in blocks):
-      return None
-    return blocks
+    owners = [{self._process_of(d) for d in b} for b in blocks]
+    if all(len(o) == 1 for o in owners):
+      return blocks
+    if sum(map(len, owners)) == len(set().union(*owners)):  # no process in two blocks
+      return blocks
+    return None
 
   def _step(self, leaves: list[Any], mids: list[Any], outs: list[Any]) -> Any:
     sig = tuple((tuple(x.shape), str(x.dtype), x.sharding, m, o)
@@ -230,12 +241,12 @@ class WeightSync:
           result[i] = self._from_block(x, shards, self._dst_leaves[i], route.blocks)
           continue
         rep = self._local[i]
-        devices = list(rep.mesh.devices.flat)
-        if all(d in shards for d in devices):
+        mine = _own_devices(rep)  # the replica's devices on this process (all, or its part)
+        if shards and mine:
+          one = next(iter(shards.values()))
           rest[i] = jax.make_array_from_single_device_arrays(
-              x.shape, rep, [shards[d] for d in devices])
-        elif shards:
-          rest[i] = jax.device_put(next(iter(shards.values())), rep)
+              x.shape, rep, [shards[d] if d in shards else jax.device_put(one, d)
+                             for d in mine])
         else:
           raise ValueError("weight sync: this process holds no copy of the actor's "
                            "parameters; the training mesh must include a device of every "
@@ -255,9 +266,9 @@ class WeightSync:
     each destination device already holds its own shard, else one local move."""
     want = dst.devices_indices_map(x.shape)
     have = x.sharding.devices_indices_map(x.shape)
-    if all(d in shards and _index_key(have[d], x.shape) == _index_key(idx, x.shape)
-           for d, idx in want.items()):
-      mine = [d for d in dst.mesh.devices.flat if d in shards]
+    mine = _own_devices(dst)  # a replica spanning processes: this process's part of it
+    if all(d in shards and _index_key(have[d], x.shape) == _index_key(want[d], x.shape)
+           for d in mine):
       return jax.make_array_from_single_device_arrays(x.shape, dst, [shards[d] for d in mine])
     block = next((b for b in blocks if set(b) == set(want)), None)
     block = block or next((b for b in blocks if all(d in shards for d in b)), None)
@@ -267,7 +278,8 @@ class WeightSync:
     mesh = Mesh(np.asarray(block, dtype=object).reshape(dst.mesh.devices.shape),
                 dst.mesh.axis_names, axis_types=dst.mesh.axis_types)
     arr = jax.make_array_from_single_device_arrays(
-        x.shape, NamedSharding(mesh, dst.spec), [shards[d] for d in block])
+        x.shape, NamedSharding(mesh, dst.spec),
+        [shards[d] for d in mesh.devices.flat if d.process_index == jax.process_index()])
     return jax.device_put(arr, dst)
 
   # ---- for plan --memory ---------------------------------------------------------------

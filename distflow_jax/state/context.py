@@ -17,6 +17,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from distflow_jax.dag import replicas
 from distflow_jax.dag.planner import LayoutKind, NodeLayout, Plan, Topology
 from distflow_jax.dag.spec import Node, Role
 from distflow_jax.data import layout as dlayout
@@ -29,6 +30,7 @@ from distflow_jax.rollout.backend import RolloutBackend, backend_factory
 from distflow_jax.rollout.engine import EngineConfig, replica_mesh
 from distflow_jax.rollout.engine_config import LoraSync
 from distflow_jax.rollout.sampling import SamplingParams
+from distflow_jax.rollout.spanning import SpanningReplica
 from distflow_jax.state import roles as roles_lib, vision as vision_lib, warm_shapes
 from distflow_jax.state.algo_state import AlgoState
 from distflow_jax.state.metrics import Metrics
@@ -124,15 +126,39 @@ class RunContext:
     key = (name, conf, rollout.tensor_parallel)
     if key not in self._backends:
       mine = set(self.rollout_devices())
-      # `devices`: another host's (plan --lower builds process 0's replica anywhere).
-      local = [d for d in (devices or jax.local_devices()) if d in mine]
+      group = self.replica_processes(rollout.tensor_parallel)
+      if devices is None and len(group) > 1:  # one replica over whole hosts (dag/replicas.py)
+        local = [d for d in self.rollout_devices() if d.process_index in group]
+      else:  # `devices`: another's (plan --lower builds process 0's replica anywhere)
+        local = [d for d in (devices or jax.local_devices()) if d in mine]
       if self.cfg.trainer.deterministic:
         # One tensor-parallel group per host (no data-parallel split of the slots), so
         # the replica has the same shape whatever the host's device count.
         local = local[:rollout.tensor_parallel]
-      self._backends[key] = make(self.model_cfg, conf,
-                                replica_mesh(rollout.tensor_parallel, local))
+      backend = make(self.model_cfg, conf, replica_mesh(rollout.tensor_parallel, local))
+      if devices is None and len(group) > 1:  # its processes pool their prompts
+        backend = SpanningReplica(backend, group)
+      self._backends[key] = backend
     return self._backends[key]
+
+  def built_replicas(self) -> list[tuple[int, ...]]:
+    """The processes each rollout replica built so far runs on (its mesh's devices')."""
+    meshes = [getattr(b, "mesh", None) or getattr(getattr(b, "engine", None), "mesh", None)
+              for b in self._backends.values()]
+    return [tuple(sorted({d.process_index for d in m.devices.flat})) for m in meshes if m]
+
+  def replica_processes(self, tensor_parallel: int, process: int | None = None
+                        ) -> tuple[int, ...]:
+    """The processes that drive ``process``'s (default this one's) rollout replica:
+    itself alone unless the replica spans hosts (dag/replicas.py)."""
+    process = jax.process_index() if process is None else process
+    plan = getattr(self, "plan", None)
+    lay = next((s.layout for s in (plan.steps if plan is not None else ())
+                if s.layout.kind is LayoutKind.ROLLOUT), None)
+    if lay is None:
+      return (process,)
+    groups = replicas.replica_groups(lay.devices, tensor_parallel, self.topo.process_of)
+    return replicas.group_of(groups, process) or (process,)
 
   def rollout_devices(self) -> list[jax.Device]:
     """The rollout replicas' devices: the plan's rollout layout's (placement.rollout),

@@ -34,6 +34,7 @@ def main() -> int:
     programs_at = catalogue.late_programs
   metrics = list(trainer.train(cfg, ctx, loaders, programs_at=programs_at))
   metrics[-1]["params_sha256"] = params_digest(ctx)
+  metrics[-1]["replica_processes"] = ctx.built_replicas()
   if info.process_index == 0:
     with open(out, "w") as f:
       json.dump(metrics, f)
