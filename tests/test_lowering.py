@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections import Counter
 
+import jax
 import pytest
 from absl import flags
 
@@ -139,6 +140,24 @@ def test_two_hosts_with_tensor_parallel_rollout_lower():
                     devices=4)
   _assert_all_lower(rows)
   assert any(r.name.startswith("move") for r in rows)
+
+
+@pytest.mark.timeout(600)
+def test_rollout_replicas_spanning_hosts_lower():
+  """4 processes x 1 device, rollout.tensor_parallel=2: two replicas, each over two
+  processes (dag/replicas.py); process 0's replica (processes 0 and 1) lowers its weight
+  sync and its engine's programs, and no batch moves (a process keeps its own rows)."""
+  cat, rows = lower("grpo:tiny", BF16 + ("rollout.tensor_parallel=2",), processes=4,
+                    devices=1)
+  _assert_all_lower(rows)
+  names = [r.name for r in rows if r.node == "generate"]
+  assert any(n.startswith("sync/reshard") for n in names), names
+  assert any(n.startswith("decode") for n in names), names
+  assert not any(r.name.startswith("move") for r in rows)
+  # The decode program's weights lie on the replica's 2 devices, one of each process.
+  decode = next(p for p in cat.programs if p.node == "generate" and p.name.startswith("decode"))
+  mesh = jax.tree.leaves(decode.args[0])[0].sharding.mesh
+  assert [d.id for d in mesh.devices.flat] == [0, 1], mesh
 
 
 # grpo:qwen0.5b lowers as shipped (every prefill row count and width); the others lower

@@ -7,9 +7,10 @@ rollout layout, with no whole-model gather on any device:
 1. The training mesh's devices, in its own order, are cut into blocks of one replica's
    size, each block inside one process (a host holds one block per replica it could
    run), or, for replicas spanning processes, blocks that share no process (each
-   process then wraps its own part of its block).  A *global* sharding over the training devices places, on each block, exactly
-   the shards of the rollout layout (the rollout's PartitionSpec on a mesh ``(blocks,
-   *replica axes)``: split over ``tensor`` inside a block, replicated across blocks).
+   process then wraps its own part of its block).  A *global* sharding over the training
+   devices places, on each block, exactly the shards of the rollout layout (the
+   rollout's PartitionSpec on a mesh ``(blocks, *replica axes)``: split over ``tensor``
+   inside a block, replicated across blocks).
 2. One jitted identity (a collective: every process of the training mesh runs it, in
    the same order) reshards each parameter into that global sharding.  It is written on
    the common refinement of both meshes (rollout/mesh_refinement.py), moving each axis

@@ -152,9 +152,7 @@ class RunContext:
     """The processes that drive ``process``'s (default this one's) rollout replica:
     itself alone unless the replica spans hosts (dag/replicas.py)."""
     process = jax.process_index() if process is None else process
-    plan = getattr(self, "plan", None)
-    lay = next((s.layout for s in (plan.steps if plan is not None else ())
-                if s.layout.kind is LayoutKind.ROLLOUT), None)
+    lay = self._rollout_layout()
     if lay is None:
       return (process,)
     groups = replicas.replica_groups(lay.devices, tensor_parallel, self.topo.process_of)
@@ -163,13 +161,16 @@ class RunContext:
   def rollout_devices(self) -> list[jax.Device]:
     """The rollout replicas' devices: the plan's rollout layout's (placement.rollout),
     else the actor's."""
-    plan = getattr(self, "plan", None)  # hand-made contexts (tests) may have none
-    lay = next((s.layout for s in (plan.steps if plan is not None else ())
-                if s.layout.kind is LayoutKind.ROLLOUT), None)
+    lay = self._rollout_layout()
     if lay is None:
       return list(self.roles[Role.ACTOR].mesh.devices.flat)
     devs = roles_lib.ordered_devices()
     return [devs[i] for i in lay.devices]
+
+  def _rollout_layout(self) -> NodeLayout | None:
+    plan = getattr(self, "plan", None)  # hand-made contexts (tests) may have none
+    return next((s.layout for s in (plan.steps if plan is not None else ())
+                 if s.layout.kind is LayoutKind.ROLLOUT), None)
 
   def precompile_rollouts(self) -> None:
     """Every rollout replica built so far compiles the shapes a later step may meet."""
