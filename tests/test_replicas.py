@@ -117,3 +117,18 @@ def test_a_spanning_replica_passes_its_pool_to_the_backend_and_refuses_extras():
     rep.generate(None, [[1, 2], [3]], 2, request_ids=[4, 5, 6])
   with pytest.raises(ValueError, match="images"):
     rep.generate(None, [[1]], 1, images=object())
+
+
+def test_a_rollout_node_s_own_tensor_parallel_is_checked_as_it_will_run():
+  cfg = loading.load("grpo:tiny", ["data.prompts_per_step=8", "actor.micro_batch_size=2"])
+  cfg.dag = [dict(d, config=dict(tensor_parallel=3)) if d["fn"] == "generate" else d
+             for d in cfg.dag]
+  with pytest.raises(DagError) as e:
+    plan_from_config(cfg, Topology(2, 2), FUNCTIONS)
+  assert str(e.value).startswith("DAG node 'generate': rollout.tensor_parallel=3 does not "
+                                 "fit the actor devices (process 0: 2, process 1: 2)"), e.value
+  cfg.dag = [dict(d, config=dict(tensor_parallel=4, backend="reference"))
+             if d["fn"] == "generate" else d for d in cfg.dag]
+  with pytest.raises(loading.ConfigError, match="DAG node 'generate': rollout.tensor_parallel=4 "
+                     "makes a replica span hosts, which rollout.backend"):
+    plan_from_config(cfg, Topology(2, 2), FUNCTIONS)

@@ -17,7 +17,7 @@ from distflow_jax.config import values
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag import planner as planner_lib
 from distflow_jax.dag.registry import Placement, Registry, unknown_name_message
-from distflow_jax.dag.spec import DagError, NodeType
+from distflow_jax.dag.spec import DagError, NodeType, Role
 from distflow_jax.dag.validate import Dag, build_dag
 from distflow_jax.config.defaults import response_width, response_width_key
 
@@ -93,29 +93,40 @@ def plan_from_config(cfg: ml_collections.ConfigDict, topo: planner_lib.Topology,
   from distflow_jax.dag.rules import check_off_policy_logprobs  # after the values' checks
   check_off_policy_logprobs(plan.steps, registry, cfg.actor.off_policy.correction)
   _check_batches(cfg, plan, dag, registry)
-  _check_spanning_replicas(cfg, plan)
+  _check_spanning_replicas(cfg, plan, registry)
   return plan
 
 
-def _check_spanning_replicas(cfg: ml_collections.ConfigDict, plan: planner_lib.Plan) -> None:
+def _check_spanning_replicas(cfg: ml_collections.ConfigDict, plan: planner_lib.Plan,
+                             registry: Registry) -> None:
   """A rollout replica across hosts (dag/replicas.py) pools its processes' prompts; what
   cannot be pooled yet is refused, naming the key to change (images need the reference
-  backend: refused here too)."""
+  backend: refused here too).  Each rollout node with its own overrides is checked as it
+  will run, its ``tensor_parallel`` too (the plan checked the global one)."""
   from distflow_jax.dag import replicas
-  lay = next((s.layout for s in plan.steps
-              if s.layout.kind is planner_lib.LayoutKind.ROLLOUT), None)
-  if lay is None or not replicas.spans_hosts(replicas.replica_groups(
-      lay.devices, plan.rollout_tensor_parallel, plan.topology.process_of)):
-    return
-  tp = plan.rollout_tensor_parallel
-  blocked = (("rollout.backend", cfg.rollout.backend != "engine",
-              f"{cfg.rollout.backend!r}: only the engine backend pools prompts; set it to engine"),
-             ("rollout.env", bool(cfg.rollout.get("env", "")),
-              "multi-turn episodes are not pooled yet; unset it"))
-  for key, hit, why in blocked:
-    if hit:
-      raise ConfigError(f"rollout.tensor_parallel={tp} makes a replica span hosts, which {key} "
-                        f"does not take: {why}, or keep tensor_parallel inside a host")
+  actor = next((m.devices for m in plan.meshes if m.role is Role.ACTOR), None)
+  for step in plan.steps:
+    if registry.spec(step.node.fn).placement is not Placement.ROLLOUT:
+      continue
+    r = node_section(cfg, step.node, registry)  # the rollout section as the node runs it
+    where = f"DAG node {step.node.id!r}: " if step.node.overrides else ""
+    tp = r.tensor_parallel
+    try:
+      on = "actor" if step.layout.devices == actor else "placement.rollout"
+      groups = replicas.replica_groups(step.layout.devices, tp, plan.topology.process_of, on)
+    except DagError as e:
+      raise DagError(where + str(e)) from None
+    if not replicas.spans_hosts(groups):
+      continue
+    blocked = (("rollout.backend", r.backend != "engine",
+                f"{r.backend!r}: only the engine backend pools prompts; set it to engine"),
+               ("rollout.env", bool(r.get("env", "")),
+                "multi-turn episodes are not pooled yet; unset it"))
+    for key, hit, why in blocked:
+      if hit:
+        raise ConfigError(f"{where}rollout.tensor_parallel={tp} makes a replica span hosts, "
+                          f"which {key} does not take: {why}, or keep tensor_parallel inside "
+                          f"a host")
 
 
 def _placement_dict(cfg) -> dict:
