@@ -132,3 +132,14 @@ def test_a_rollout_node_s_own_tensor_parallel_is_checked_as_it_will_run():
   with pytest.raises(loading.ConfigError, match="DAG node 'generate': rollout.tensor_parallel=4 "
                      "makes a replica span hosts, which rollout.backend"):
     plan_from_config(cfg, Topology(2, 2), FUNCTIONS)
+
+
+@pytest.mark.parametrize("tp, hosts, want", [
+    (8, 8, "every device of a host (8): span two hosts with rollout.tensor_parallel=16"),
+    (8, 1, "every device of a host (8): make room beside it"),
+    (16, 8, "rollout.tensor_parallel=16 already spans 2 hosts (dag/replicas.py): make room"),
+])
+def test_plan_memory_advice_on_the_rollout_weights(tp, hosts, want):
+  from distflow_jax.memory.report import _advice
+  cfg = loading.load("grpo:tiny", [f"rollout.tensor_parallel={tp}"])
+  assert want in _advice(cfg, fsdp=8, per_host=8, hosts=hosts)["rollout_w"]

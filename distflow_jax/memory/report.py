@@ -42,7 +42,8 @@ def _prompt_len(cfg: ml_collections.ConfigDict) -> int:
   return min(fits) if fits else cfg.data.max_prompt_len
 
 
-def _advice(cfg: ml_collections.ConfigDict, fsdp: int, per_host: int) -> dict[str, str]:
+def _advice(cfg: ml_collections.ConfigDict, fsdp: int, per_host: int,
+            hosts: int = 1) -> dict[str, str]:
   """What to change for each consumer; never a value that is already set (each names
   the setting's current value as "now")."""
   r, a = cfg.rollout, cfg.actor
@@ -56,9 +57,13 @@ def _advice(cfg: ml_collections.ConfigDict, fsdp: int, per_host: int) -> dict[st
     rollout_w = (f"raise rollout.tensor_parallel to {' or '.join(map(str, wider))} (now {tp}; "
                  f"each device holds the model / tensor_parallel)")
   else:
-    rollout_w = (f"rollout.tensor_parallel is already every device of a host ({per_host}): "
-                 f"span two hosts with rollout.tensor_parallel={2 * per_host} (each decode "
-                 f"step then crosses the hosts' network), or make room beside it: fewer KV "
+    span = (f"span two hosts with rollout.tensor_parallel={2 * per_host} (each decode step "
+            f"then crosses the hosts' network), or " if hosts % 2 == 0 and tp == per_host
+            else "")
+    now = (f"rollout.tensor_parallel is already every device of a host ({per_host})"
+           if tp <= per_host else f"rollout.tensor_parallel={tp} already spans "
+           f"{tp // per_host} hosts (dag/replicas.py)")
+    rollout_w = (f"{now}: {span}make room beside it: fewer KV "
                  f"slots (rollout.max_concurrent_decodes, now {r.max_concurrent_decodes}), or "
                  f"more hosts (--num_processes) to thin the actor's resident state")
   act = (f"lower actor.micro_batch_size (now {a.micro_batch_size})" if a.micro_batch_size > 1
@@ -110,7 +115,7 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
   actor = meshes[Role.ACTOR]
   fsdp, tp = actor.shape.get("fsdp", 1), actor.shape.get("tensor", 1)
   shards = fsdp * tp
-  adv = _advice(cfg, fsdp, len(actor.devices) // topo.num_processes)
+  adv = _advice(cfg, fsdp, len(actor.devices) // topo.num_processes, topo.num_processes)
   items: list[Item] = []
   notes = [f"figures: {src}" + (" (memory_analysis of the real jitted steps on "
                                 f"{topo.num_devices} simulated devices)" if comp else
