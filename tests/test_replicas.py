@@ -77,6 +77,14 @@ def test_what_a_spanning_replica_cannot_pool_is_refused_in_one_line(overrides, k
   _plan(Topology(2, 2), "rollout.tensor_parallel=2", *overrides)  # inside a host: fine
 
 
+def test_a_vision_language_run_with_a_spanning_replica_is_one_line():
+  cfg = loading.load("grpo_vl:tiny", ["rollout.tensor_parallel=2"])
+  with pytest.raises(loading.ConfigError) as e:
+    plan_from_config(cfg, Topology(2, 1), FUNCTIONS)
+  assert "\n" not in str(e.value) and ("which a vision-language run does not take: images "
+                                       "('image') take the reference backend") in str(e.value)
+
+
 def test_pooled_prompts_and_own_rows_in_one_process():
   mine = [[5, 6, 7], [8]]
   ids = np.array([10, 11, 12, 13], np.uint32)

@@ -100,9 +100,9 @@ def plan_from_config(cfg: ml_collections.ConfigDict, topo: planner_lib.Topology,
 def _check_spanning_replicas(cfg: ml_collections.ConfigDict, plan: planner_lib.Plan,
                              registry: Registry) -> None:
   """A rollout replica across hosts (dag/replicas.py) pools its processes' prompts; what
-  cannot be pooled yet is refused, naming the key to change (images need the reference
-  backend: refused here too).  Each rollout node with its own overrides is checked as it
+  cannot be pooled yet is refused, naming the key to change.  Each rollout node with its own overrides is checked as it
   will run, its ``tensor_parallel`` too (the plan checked the global one)."""
+  from distflow_jax.config import vision_checks
   from distflow_jax.dag import replicas
   actor = next((m.devices for m in plan.meshes if m.role is Role.ACTOR), None)
   for step in plan.steps:
@@ -118,7 +118,10 @@ def _check_spanning_replicas(cfg: ml_collections.ConfigDict, plan: planner_lib.P
       raise DagError(where + str(e)) from None
     if not replicas.spans_hosts(groups):
       continue
-    blocked = (("rollout.backend", r.backend != "engine",
+    images = vision_checks.run_image_key(cfg)
+    blocked = (("a vision-language run", bool(images),
+                f"images ({images!r}) take the reference backend, which does not pool prompts"),
+               ("rollout.backend", r.backend != "engine",
                 f"{r.backend!r}: only the engine backend pools prompts; set it to engine"),
                ("rollout.env", bool(r.get("env", "")),
                 "multi-turn episodes are not pooled yet; unset it"))

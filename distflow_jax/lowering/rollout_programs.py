@@ -1,7 +1,8 @@
 """The rollout's programs for ``plan --lower``: process 0's replica (the backend the config
-names, built by ``RunContext.backend`` on that host's devices, or its group's): the weight sync's steps,
-the engine's init / decode / grow / prefill / insert (``Engine.programs``) or the
-reference sampler's one program, and the frozen vision tower of a vision-language run.
+names, built by ``RunContext.backend`` on that host's devices, or on its group's where a
+replica spans hosts): the weight sync's steps, the engine's init / decode / grow / prefill
+/ insert (``Engine.programs``) or the reference sampler's one program, and the frozen
+vision tower of a vision-language run.
 """
 
 from __future__ import annotations
