@@ -123,3 +123,31 @@ def test_model_folder_without_a_tokenizer_is_one_line_exit_2(tmp_path):
   assert r.returncode == 2, r.stderr
   lines = r.stderr.strip().splitlines()
   assert len(lines) == 1 and "has no tokenizer.json" in lines[0], r.stderr
+
+
+def _launched(tmp_path, procs, devs, *flags):
+  from distflow_jax import launcher
+  out = tmp_path / f"out_{procs}x{devs}.jsonl"
+  result = launcher.launch(procs, devs, [
+      sys.executable, "-m", "distflow_jax.cli", "generate", "--random_init",
+      f"--prompts={write_prompts(tmp_path)}", f"--out={out}", *flags],
+      timeout_s=200, env=suite_flags(os.environ, devices=devs), out=None)
+  assert result.ok, result.describe() + "\n" + "\n".join(sum(result.outputs, [])[-20:])
+  files = [out] if procs == 1 else [f"{out}.{p}" for p in range(procs)]
+  rows = [json.loads(l) for f in files for l in open(f).read().splitlines()]
+  return sorted((r["index"], r["sample"], r["tokens"]) for r in rows), result.outputs
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.multiprocess
+def test_generate_on_a_replica_spanning_two_processes_equals_one_process(tmp_path):
+  """rollout.tensor_parallel=2 on 2 processes x 1 device: one replica over both, their
+  prompts pooled (rollout/spanning.py); sampled, n=2, the same completions as 1 process x 2
+  devices (request i * n + s draws alike wherever line i lands)."""
+  flags = ["--n=2", "--max_new_tokens=6", "--config.rollout.temperature=1.0",
+           "--config.rollout.tensor_parallel=2"]
+  spanning, _ = _launched(tmp_path, 2, 1, *flags)
+  single, _ = _launched(tmp_path, 1, 2, *flags)
+  assert [(i, s) for i, s, _ in spanning] == [(i, s) for i in range(3) for s in range(2)]
+  assert spanning == single
+  assert len({tuple(t) for _, _, t in single}) > 1  # sampled: not one answer everywhere

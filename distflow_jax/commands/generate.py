@@ -21,7 +21,10 @@ Sampling, slots and prefill buckets come from ``rollout.*``, and
 ``rollout.backend`` picks the generator; the devices are this machine's
 unless ``--config.cluster.*`` says otherwise.  Under several
 processes each host generates lines ``process_index::process_count`` on its
-own replica and writes ``<out>.<process_index>``.
+own replica (or on the one it shares where ``rollout.tensor_parallel`` makes
+replicas span hosts) and writes ``<out>.<process_index>``.  Sample s of line i
+draws with request id ``i * n + s`` and the seed's key on every process, so the
+completions do not depend on how the lines are spread.
 """
 
 from __future__ import annotations
@@ -170,18 +173,24 @@ def run(argv: Sequence[str]) -> int:
   except ValueError as e:
     raise loading.ConfigError(f"rollout config: {e}") from None
   params = backend.update_weights(ctx.roles[Role.ACTOR].params)
-  rng = jax.random.fold_in(jax.random.key(cfg.seed), info.process_index)
+  # One key for every process and global request ids (prompt i's sample s is request
+  # i * n + s): the completions do not depend on how the prompts are spread over
+  # processes, and the processes of a replica spanning hosts draw alike.
+  rng = jax.random.key(cfg.seed)
+  request_ids = [i * n + s for i in mine for s in range(n)]
   start = time.perf_counter()
   from distflow_jax.observe.heartbeat import heartbeat, interval
   # One call compiles the rollout and decodes every prompt: say it is alive meanwhile.
   with heartbeat(_log, f"generate: compiling the rollout and decoding {len(ids)} prompt(s)",
                  interval(cfg)):
-    out = backend.generate(params, ids, n=n, rng=rng, pad_id=tok.pad_id) if ids else None
+    # A process with no prompt still calls: a replica spanning hosts pools every process's.
+    out = backend.generate(params, ids, n=n, rng=rng, pad_id=tok.pad_id,
+                           request_ids=request_ids)
   elapsed = time.perf_counter() - start
 
   f = sys.stdout if path == "-" else open(path, "w")
   try:
-    for r in range(0 if out is None else len(out.lengths_R)):
+    for r in range(len(out.lengths_R)):
       k = int(out.lengths_R[r])
       toks = out.tokens_RxN[r, :k].tolist()
       i = mine[r // n]
@@ -192,7 +201,7 @@ def run(argv: Sequence[str]) -> int:
   finally:
     if f is not sys.stdout:
       f.close()
-  total = 0 if out is None else out.num_tokens
+  total = out.num_tokens
   print(f"generate: {len(ids) * n} completions, {total} tokens in {elapsed:.2f}s "
         f"({total / max(elapsed, 1e-9):.0f} tok/s, compiles included) -> {path}", file=sys.stderr)
   return 0

@@ -32,14 +32,28 @@ from distflow_jax import groups
 from distflow_jax.rollout import driver
 
 
-def pooled(mine: Sequence[Sequence[int]], ids: np.ndarray, n: int, processes: Sequence[int]
-           ) -> tuple[list[list[int]], np.ndarray, int]:
+def _key_bits(rng: jax.Array | None) -> np.ndarray:
+  """``rng`` as 3 int32 (a flag, then its 2 words; all 0 for None: the engine's seed)."""
+  if rng is None:
+    return np.zeros(3, np.int32)
+  raw = np.asarray(rng if rng.dtype == np.uint32 else jax.random.key_data(rng), np.uint32)
+  return np.concatenate([[1], raw.reshape(-1)[:2].view(np.int32)]).astype(np.int32)
+
+
+def pooled(mine: Sequence[Sequence[int]], ids: np.ndarray, n: int, processes: Sequence[int],
+           rng: jax.Array | None = None) -> tuple[list[list[int]], np.ndarray, int]:
   """Every prompt and request id (``n`` a prompt) of ``processes``, in process order, and
   the offset of this process's first prompt among them (one gather of sizes, one of the
-  data)."""
+  data).  The processes must draw with the same ``rng`` (else each would sample its own
+  tokens and their decisions would part): refused on every one of them otherwise."""
   group = groups.current() or tuple(range(jax.process_count()))
-  size = np.array([len(mine), max((len(p) for p in mine), default=0), n], np.int32)
+  size = np.concatenate([[len(mine), max((len(p) for p in mine), default=0), n],
+                         _key_bits(rng)]).astype(np.int32)
   sizes = groups.allgather(size)
+  members = [g for g, proc in enumerate(group) if proc in processes]
+  if any((sizes[g, 3:] != sizes[members[0], 3:]).any() for g in members):
+    raise ValueError("generate: the processes of a rollout replica spanning hosts were "
+                     "given different rng keys; they must draw with the same one")
   rows, width, per = (int(sizes[:, i].max()) for i in range(3))
   data = np.zeros((rows, 1 + width + per), np.int32)  # length, tokens, request ids
   for i, p in enumerate(mine):
@@ -92,7 +106,7 @@ class SpanningReplica:
     if ids.shape != (len(mine) * n,):
       raise ValueError(f"generate: {ids.size} request_ids for {len(mine) * n} requests "
                        f"({len(mine)} prompts x n={n})")
-    every, every_ids, offset = pooled(mine, ids, n, self.processes)
+    every, every_ids, offset = pooled(mine, ids, n, self.processes, rng)
     ro = self.inner.generate(params, every, n, rng=rng, request_ids=every_ids,
                              pad_id=pad_id, max_new_tokens=max_new_tokens)
     return own_rows(ro, offset, len(mine), n)
