@@ -44,16 +44,20 @@ def pooled(mine: Sequence[Sequence[int]], ids: np.ndarray, n: int, processes: Se
            rng: jax.Array | None = None) -> tuple[list[list[int]], np.ndarray, int]:
   """Every prompt and request id (``n`` a prompt) of ``processes``, in process order, and
   the offset of this process's first prompt among them (one gather of sizes, one of the
-  data).  The processes must draw with the same ``rng`` (else each would sample its own
-  tokens and their decisions would part): refused on every one of them otherwise."""
+  data).  Every process of the group must draw with the same ``rng`` (else a replica's
+  processes would sample tokens of their own and their decisions would part) and ask the
+  same ``n``: refused on every one of them otherwise, so none waits for the others."""
   group = groups.current() or tuple(range(jax.process_count()))
   size = np.concatenate([[len(mine), max((len(p) for p in mine), default=0), n],
                          _key_bits(rng)]).astype(np.int32)
   sizes = groups.allgather(size)
-  members = [g for g, proc in enumerate(group) if proc in processes]
-  if any((sizes[g, 3:] != sizes[members[0], 3:]).any() for g in members):
+  if (sizes[:, 3:] != sizes[0, 3:]).any():
     raise ValueError("generate: the processes of a rollout replica spanning hosts were "
                      "given different rng keys; they must draw with the same one")
+  asks = sorted({int(k) for c, k in sizes[:, :3:2] if c})  # n of each process with prompts
+  if len(asks) > 1:
+    raise ValueError(f"generate: the processes of a rollout replica spanning hosts ask "
+                     f"{' and '.join(map(str, asks))} samples per prompt; they must ask alike")
   rows, width, per = (int(sizes[:, i].max()) for i in range(3))
   data = np.zeros((rows, 1 + width + per), np.int32)  # length, tokens, request ids
   for i, p in enumerate(mine):
@@ -67,8 +71,6 @@ def pooled(mine: Sequence[Sequence[int]], ids: np.ndarray, n: int, processes: Se
     if proc == jax.process_index():
       offset = len(prompts)
     count, k = int(sizes[g, 0]), int(sizes[g, 2])
-    if k != n and count:
-      raise ValueError(f"generate: process {proc} asks {k} samples per prompt, this one {n}")
     for row in every[g, :count]:
       prompts.append(row[1:1 + row[0]].tolist())
       out_ids.append(row[1 + width:1 + width + k].view(np.uint32))
