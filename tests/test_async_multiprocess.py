@@ -6,9 +6,9 @@ training process, real jax.distributed processes with SIGKILL deadlines.
   device 1, against 2 processes x 1 device), and the same metrics, the held-out
   evaluation's included (the rollout process evaluates);
 * the staleness bound holds: no trained sample is older than K versions;
-* two rollout processes driving one tensor-parallel replica (spanning both) + two training
-  processes generate the same samples as 1 process x 4 devices on the same split, and
-  train to the same figures up to float32 reassociation;
+* two rollout processes driving one tensor-parallel replica + two training processes
+  generate the same samples as 1 process x 4 devices, train to the same figures up to
+  float32 reassociation;
 * unequal groups (run/links.py): 1 rollout device against a 2-device actor, and 2 against
   1, on 2 x 2 processes equal 1 process x 4 devices on the same split, bitwise;
 * a run killed while it saves, resumed, ends bitwise where the uninterrupted run ends,
@@ -141,6 +141,11 @@ def _overrides(run_dir, *extra, procs=2, devs=1):
                          f"cluster.num_processes={procs}", *extra)
 
 
+def _train(overrides, *flags):  # the train command with these config overrides
+  return [sys.executable, "-m", "distflow_jax.cli", "train",
+          *[f"--config.{o}" for o in overrides], *flags]
+
+
 def _start(tmp_path, rollout, training, steps=10000, env=None, *extra, n=2, devs=1):
   """``n`` processes x ``devs`` devices started by hand, their output in files: ``distflow-jax
   train`` when the training holds process 0, else the test child (it saves no checkpoint)."""
@@ -150,10 +155,9 @@ def _start(tmp_path, rollout, training, steps=10000, env=None, *extra, n=2, devs
                          f"placement.rollout.devices={rollout}",
                          f"placement.actor.devices={training}",
                          f"placement.reference.devices={training}", *extra, procs=n, devs=devs)
-  if training.startswith("0:"):
-    cmd = ["-m", "distflow_jax.cli", "train", *[f"--config.{o}" for o in overrides]]
-  else:
-    cmd = ["tests/mp/async_train.py", str(tmp_path / "out.json"), "grpo:tiny", *overrides]
+  cmd = _train(overrides) if training.startswith("0:") else [
+      sys.executable, "tests/mp/async_train.py", str(tmp_path / "out.json"), "grpo:tiny",
+      *overrides]
   procs, logs = [], []
   for i in range(n):
     child = launcher.child_env(dict(env or os.environ), coordinator=coord, num_processes=n,
@@ -161,7 +165,7 @@ def _start(tmp_path, rollout, training, steps=10000, env=None, *extra, n=2, devs
     logs.append(tmp_path / f"out{i}.txt")
     with open(logs[-1], "w") as f:
       procs.append(subprocess.Popen(
-          [sys.executable, *cmd], env=child, stdout=f, stderr=subprocess.STDOUT,
+          cmd, env=child, stdout=f, stderr=subprocess.STDOUT,
           stdin=subprocess.DEVNULL, start_new_session=True))
   return procs, logs
 
@@ -230,11 +234,10 @@ def test_the_rollout_process_waits_for_the_trainer_at_the_end(tmp_path):
   """With K = 1 and 2 steps the rollout process makes both batches from version 0 and is
   done while the trainer still compiles its first step; jax's shutdown barrier (1 s here)
   must not be where it waits."""
-  overrides = [f"--config.{o}" for o in _overrides(
-      tmp_path / "run", "trainer.max_staleness=1", "trainer.total_steps=2", *TRAIN_FIRST)]
+  overrides = _overrides(tmp_path / "run", "trainer.max_staleness=1", "trainer.total_steps=2",
+                         *TRAIN_FIRST)
   env = dict(os.environ, DISTFLOW_SHUTDOWN_TIMEOUT_S="1")
-  result = launcher.launch(2, 1, [sys.executable, "-m", "distflow_jax.cli", "train",
-                                  *overrides], timeout_s=300, env=env, out=None)
+  result = launcher.launch(2, 1, _train(overrides), timeout_s=300, env=env, out=None)
   assert result.ok, result.describe() + "\n" + "\n".join(sum(result.outputs, [])[-30:])
   rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
   assert [json.loads(r)["step"] for r in rows] == [1, 2]
@@ -244,10 +247,9 @@ def test_the_rollout_process_waits_for_the_trainer_at_the_end(tmp_path):
 def test_training_without_process_0_is_refused_in_one_line(tmp_path):
   """The train command checkpoints; with the rollout on process 0 it cannot (orbax writes
   a checkpoint's shared files from process 0): one line before any step, on both sides."""
-  overrides = [f"--config.{o}" for o in _overrides(tmp_path / "run", "trainer.max_staleness=1",
-                                                     *SPLIT)]
-  result = launcher.launch(2, 1, [sys.executable, "-m", "distflow_jax.cli", "train",
-                                  *overrides], timeout_s=200, env=dict(os.environ), out=None)
+  overrides = _overrides(tmp_path / "run", "trainer.max_staleness=1", *SPLIT)
+  result = launcher.launch(2, 1, _train(overrides), timeout_s=200, env=dict(os.environ),
+                           out=None)
   assert result.first_failure is not None and result.first_failure[1] == 2, result.describe()
   out = result.outputs[result.first_failure[0]]  # the others are stopped by the launcher
   errors = [l for l in out if l.startswith("distflow-jax train: error:")]
@@ -267,9 +269,8 @@ def _metrics(run_dir):
           for r in rows}
 
 
-# (processes, devices each, rollout devices, training devices): one process per group, the
-# groups of unequal device counts (2 rollout devices, a 1-device actor: run/links.py), and
-# two processes per group.
+# (processes, devices each, rollout devices, training devices): a process a group with
+# unequal device counts (run/links.py), and two processes a group.
 RESUME_SPLITS = {"1+1_unequal": (2, 2, "2:4", "0:1"), "2+2": (4, 1, "2:4", "0:2")}
 
 
@@ -294,10 +295,9 @@ def test_a_killed_run_resumed_equals_the_uninterrupted_one(tmp_path, split):
   whole = tmp_path / "whole"
 
   def train(run_dir, *flags):
-    overrides = [f"--config.{o}" for o in _overrides(run_dir, *common, procs=procs_n,
-                                                     devs=devs)]
-    result = launcher.launch(procs_n, devs, [sys.executable, "-m", "distflow_jax.cli", "train",
-                                    *overrides, *flags], timeout_s=400, env=env, out=None)
+    result = launcher.launch(procs_n, devs, _train(_overrides(run_dir, *common, procs=procs_n,
+                                                              devs=devs), *flags),
+                             timeout_s=400, env=env, out=None)
     assert result.ok, result.describe() + "\n" + "\n".join(sum(result.outputs, [])[-40:])
     return result
 

@@ -1,6 +1,6 @@
 """Child program: an RL run (asynchronous on disjoint processes, say); each process that
-trained writes its metrics and the trained actor's digest to OUT.json.<process index>; each process that built a rollout replica
-writes the processes it spans to OUT.json.replicas.<process index>.
+trained writes its metrics and the trained actor's digest to OUT.json.<process index>;
+each that built a rollout replica, the processes it spans to OUT.json.replicas.<index>.
 
   python tests/mp/async_train.py OUT.json CONFIG [override ...]
 
@@ -50,9 +50,10 @@ def main() -> int:
     metrics[-1]["eval_rows_drawn"] = loaders.eval.counts["ok"] if loaders.eval else None
     with open(f"{out}.{info.process_index}", "w") as f:
       json.dump(metrics, f)
-  if ctx.built_replicas():  # a rollout process: the processes its replica spans
+  replicas = ctx.built_replicas()
+  if replicas:  # a rollout process: the processes its replica spans
     with open(f"{out}.replicas.{info.process_index}", "w") as f:
-      json.dump(ctx.built_replicas(), f)
+      json.dump(replicas, f)
   print(f"OK process {info.process_index}: {len(metrics)} steps")
   return 0
 
