@@ -6,6 +6,7 @@
   distflow-jax sft    --config.data.train=FILE.jsonl [--eval_data=FILE] [--resume]
   distflow-jax generate --model=RUN_DIR|HF_DIR --prompts=FILE.jsonl --out=OUT.jsonl
   distflow-jax export --checkpoint RUN_DIR --out HF_DIR [--step N]  (actor -> safetensors)
+  distflow-jax convert FILE.gguf --out HF_DIR     (a llama.cpp file -> an HF folder)
   distflow-jax report RUN_DIR [--out DIR]        (PNG plots + report.md of metrics.jsonl)
   distflow-jax eval   --model=RUN_DIR|HF_DIR --data=FILE.jsonl [--k=8] [--config=...]
   distflow-jax config --config=... [--config.x=y] [--diff]  (the resolved config)

@@ -12,6 +12,7 @@ simulated device count before anything imports jax, and report needs no jax.
     eval      accuracy / pass@k of a local model on a dataset
     generate  completions for a JSONL file of prompts
     export    a run checkpoint's actor as a Hugging Face directory
+    convert   a GGUF file (llama.cpp) as a Hugging Face directory
     report    PNG plots + report.md of a run's metrics
     config    the resolved config (file + overrides), or what differs from the defaults
 """
@@ -22,7 +23,8 @@ from collections.abc import Sequence
 
 import ml_collections
 
-NAMES = ("plan", "launch", "train", "sft", "generate", "export", "report", "eval", "config")
+NAMES = ("plan", "launch", "train", "sft", "generate", "export", "convert", "report", "eval",
+         "config")
 
 
 def define_run_flags(fv, what: str) -> None:
