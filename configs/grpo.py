@@ -5,7 +5,9 @@
 Variants: ``tiny`` (CPU, built-in task and model), ``tiny_lora`` (the same training LoRA
 adapters), ``qwen0.5b`` (a local
 Qwen2.5-0.5B-Instruct and GSM8K JSONL; set --config.model.path and
---config.data.train), ``llama1b`` (the same with a local Llama-3.2-1B-Instruct), ``calc``
+--config.data.train), ``llama1b`` (the same with a local Llama-3.2-1B-Instruct), ``smollm2``
+(the real SmolLM2-135M-Instruct, converted from its package by ``distflow-jax convert``, on
+two-step word problems; ``smollm2_lora`` trains LoRA adapters instead), ``calc``
 (multi-turn episodes with the built-in calculator tool on ``builtin:calc``) and
 ``calc_notool`` (the same run without the tool: its baseline).
 """
@@ -20,6 +22,42 @@ DAG = [
     dict(id="ref_logprob", fn="ref_logprob", deps=["generate"]),
     dict(id="train_actor", fn="train.actor", deps=["advantage", "old_logprob", "ref_logprob"]),
 ]
+
+
+# GRPO without a KL term (so no reference pass): the real-model recipe's DAG.
+DAG_NO_KL = [dict(d, deps=["advantage", "old_logprob"]) if d["id"] == "train_actor" else dict(d)
+             for d in DAG if d["id"] != "ref_logprob"]
+
+# Where the README's `distflow-jax convert` writes SmolLM2-135M-Instruct.
+SMOLLM2_PATH = "models/SmolLM2-135M-Instruct"
+
+
+def _smollm2(c) -> None:
+  """SmolLM2-135M-Instruct (float32) on builtin:arithmetic:words in its chat format: the
+  reward and the held-out accuracy read the final number leniently (it answers in prose),
+  the strict (####) accuracy is logged beside it (eval/accuracy_strict)."""
+  c.run_dir = "runs/grpo_smollm2"
+  c.model.path = SMOLLM2_PATH
+  c.data.train = c.data.eval = "builtin:arithmetic:words"
+  c.data.chat_template = True
+  c.data.max_prompt_len = 80  # its chat prompts of these rows are 63-70 tokens
+  c.data.eval_size = 200
+  c.rollout.prefill_buckets = (80,)
+  c.rollout.max_new_tokens = 96
+  c.rollout.temperature = 0.6
+  c.rollout.max_concurrent_decodes = 64
+  c.model.max_seq_len = 176
+  c.data.prompts_per_step = 8
+  c.rollout.n = 8
+  c.dag = [dict(d, fn="reward.math_lenient") if d["fn"] == "reward.math" else dict(d)
+           for d in DAG_NO_KL]
+  c.actor.kl.coef = 0.0
+  c.actor.optimizer.lr = 2e-5
+  c.actor.micro_batch_size = 16
+  c.trainer.eval_reward = "math_lenient"
+  c.trainer.total_steps = 30
+  c.trainer.eval_every = 10
+  c.trainer.save_every = 0
 
 
 def _real_model_gsm8k(c) -> None:
@@ -109,6 +147,15 @@ def get_config(arg: str = "tiny"):
     _real_model_gsm8k(c)
     c.rollout.max_concurrent_decodes = 64
     c.actor.micro_batch_size = 2
+  elif arg == "smollm2":
+    _smollm2(c)
+  elif arg == "smollm2_lora":
+    _smollm2(c)
+    c.run_dir = "runs/grpo_smollm2_lora"
+    c.model.lora.enabled = True
+    c.model.lora.rank = 16
+    c.model.lora.alpha = 32.0
+    c.actor.optimizer.lr = 2e-4
   elif arg == "tiny_lora":
     # The default run training rank-8 LoRA adapters on every projection instead of the
     # whole model (models/lora.py); the reference is the base, adapters off.  The adapters
@@ -122,5 +169,5 @@ def get_config(arg: str = "tiny"):
     c.actor.optimizer.lr = 1e-3
   else:
     raise ValueError(f"unknown variant {arg!r} of grpo.py; valid: tiny, tiny_lora, qwen0.5b, "
-                     f"llama1b, calc, calc_notool")
+                     f"llama1b, smollm2, smollm2_lora, calc, calc_notool")
   return c

@@ -252,6 +252,10 @@ def base() -> ml_collections.ConfigDict:
   c.trainer = dict(
       total_steps=20,
       eval_every=5,
+      # The rule verifier of the held-out evaluation (eval/accuracy): math | math_lenient
+      # (an answer without #### / \\boxed{} is its last number) | any registered reward;
+      # when it is not math, eval/accuracy_strict (math's score) is logged beside it.
+      eval_reward="math",
       # Held-out samples (prompt, response, reward, ground truth) logged at each evaluation
       # to run_dir/samples.jsonl and TensorBoard text (observe/samples.py); 0 = off.
       log_samples=4,

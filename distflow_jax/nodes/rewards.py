@@ -38,7 +38,7 @@ def _rule_reward(name: str, ctx: RunContext, node: Node, lay: dlayout.Layout,
                                        sample_ids=local.data[SAMPLE_ID].tolist())
   weight = ctx.section(node, "reward").weight
   ctx.metrics.add_mean(f"reward/{node.id}", scores)
-  if name == "math":  # the verifier's score is correctness, so it is also the accuracy
+  if name in ("math", "math_lenient"):  # the verifier's score is correctness: the accuracy
     ctx.metrics.add_mean("accuracy", scores > 0)
   with np.errstate(over="ignore", invalid="ignore"):
     rewards = np.float32(weight) * scores.astype(np.float32)
@@ -104,6 +104,7 @@ def env_reward(ctx: RunContext, node: Node, lay: dlayout.Layout, batch: Batch) -
 NODES: NodeTable = {
     "reward.env": env_reward,
     "reward.math": rule_reward_node("math"),
+    "reward.math_lenient": rule_reward_node("math_lenient"),
     "reward.format": rule_reward_node("format"),
     "reward.model": reward_model,
 }

@@ -153,7 +153,8 @@ def run_rollout(ctx: RunContext, loader: Any, k: int, total: int,
 
   def evaluate(v: int, params: Any) -> None:
     kept: list = []
-    out = eval_lib.evaluate(at(v, params), eval_batch, samples=kept, num_samples=num_samples)
+    out = eval_lib.evaluate(at(v, params), eval_batch, samples=kept, num_samples=num_samples,
+                            reward=ctx.cfg.trainer.eval_reward)
     if ctx.process_index == split.rollout[0]:
       transfer.put_json(_eval_key(run, v), {"metrics": out, "samples": kept})
 

@@ -90,6 +90,9 @@ def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1, reward: str = "math
   correct = (scores > 0).reshape(len(plist), k)
   if k == 1:
     m.add_mean("eval/accuracy", correct[:, 0])
+    if reward != "math":  # the strict verifier's accuracy beside a lenient one's
+      m.add_mean("eval/accuracy_strict", reward_registry.score_batch(
+          reward_registry.configured_reward("math", ctx.cfg.reward), texts, truths) > 0)
   else:
     m.add_mean(f"eval/pass@{k}", [pass_at_k(k, int(c.sum()), k) for c in correct])
     # One sample's accuracy, averaged over the k: not greedy accuracy, so not its key.

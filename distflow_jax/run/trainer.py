@@ -225,7 +225,8 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
     else:  # only process 0 keeps samples: the others skip decoding prompts never written
       kept = []
       out = eval_lib.evaluate(ctx, eval_batch, samples=kept,
-                              num_samples=sample_writer.num_samples)
+                              num_samples=sample_writer.num_samples,
+                              reward=cfg.trainer.eval_reward)
     sample_writer.write(step, kept)
     return out
 
