@@ -1,15 +1,14 @@
 """``distflow-jax convert``: a GGUF file (llama.cpp's format) as a Hugging Face folder.
 
-  distflow-jax convert SmolLM2-135M-Instruct.Q4_1.gguf --out models/smollm2 [--dtype float32]
-                       [--overwrite]
+  distflow-jax convert SmolLM2-135M-Instruct.Q4_1.gguf --out SmolLM2-135M-Instruct
+                       [--dtype float32] [--overwrite]
 
 Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json (with the
 file's chat template) and generation_config.json: the folder ``--config.model.path``,
 ``generate`` and ``eval`` read.  Quantized weights (Q4_0, Q4_1, Q5_*, Q8_0, k-quants) are
 dequantized with the gguf package's NumPy code (``pip install gguf``; no torch).  Llama,
 Qwen2 and Qwen3 files with a byte-level BPE tokenizer; anything else is one line naming the
-file and what is missing (models/gguf_import.py).  A non-empty ``--out`` needs
-``--overwrite``.
+file and what is missing.  A non-empty ``--out`` needs ``--overwrite``.
 """
 
 from __future__ import annotations

@@ -80,6 +80,8 @@ def plan_from_config(cfg: ml_collections.ConfigDict, topo: planner_lib.Topology,
   from distflow_jax.dag.rules import check_kl_reference  # KL > 0 needs ref_logprobs first
   check_kl_reference(plan.steps, registry, cfg.actor.kl.coef, cfg.actor.kl.in_reward)
   values.check_values(cfg)
+  from distflow_jax.rewards.registry import reward_names  # after the plugins: theirs count
+  values.one_of(cfg.trainer.eval_reward, reward_names(), "trainer.eval_reward")
   from distflow_jax.config import async_checks  # trainer.max_staleness > 0: overlap possible?
   async_checks.check(cfg, plan)
   from distflow_jax.config import env_checks  # rollout.env and its keys (after the plugins)

@@ -316,10 +316,6 @@ def _check_algo(a) -> None:
 
 def _check_trainer(t) -> None:
   positive(t.total_steps, "trainer.total_steps")
-  from distflow_jax.rewards import registry as rewards  # pylint: disable=import-outside-toplevel
-  if t.eval_reward not in rewards.reward_names():
-    raise ConfigError(f"trainer.eval_reward={t.eval_reward!r} is not a registered reward; "
-                      f"valid: {', '.join(rewards.reward_names())}")
   positive(t.eval_every, "trainer.eval_every", allow_zero=True, note=" (0 = no evaluation)")
   if isinstance(t.log_samples, bool) or not isinstance(t.log_samples, int):
     raise ConfigError(f"trainer.log_samples={t.log_samples!r} must be an integer >= 0 "

@@ -27,6 +27,11 @@ class ModelFileNotFoundError(ModelFileError, FileNotFoundError):
     return str(self.args[0]) if len(self.args) == 1 else super().__str__()
 
 
+class GGUFError(ModelFileError):
+  """A GGUF file that cannot be converted faithfully (models/gguf_import.py); the message
+  names the file."""
+
+
 def read_json_object(path: str | os.PathLike, what: str = "") -> dict[str, Any]:
   """``path``'s JSON object; `ModelFileError` naming the file when it cannot be read, is not
   JSON or is not an object (``what`` says what the file is for)."""
