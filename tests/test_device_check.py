@@ -271,3 +271,26 @@ def test_flop_count_is_the_documented_formula():
   assert f["blocks"] == 6 * n_nonemb * 16 * t
   assert f["unembed"] == 6 * 151936 * d * 16 * 256
   assert f["attention"] == 12 * 24 * 16 * t * t * q
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(330)
+def test_model_flag_runs_the_grpo_and_memory_rows_on_that_folder(tmp_path):
+  """--model: the folder's own shape and weights (a real model's, on a lent device); here a
+  tiny folder written as the check writes its own, kept as it was."""
+  import make_random_model as mrm  # pylint: disable=import-outside-toplevel
+  from pathlib import Path  # pylint: disable=import-outside-toplevel
+  folder = tmp_path / "real"
+  mrm.write(Path(folder), device_check._hf_config("tiny"))  # pylint: disable=protected-access
+  before = sorted(os.listdir(folder))
+  out_json = tmp_path / "check.jsonl"
+  rc, out, err = _run(["--model", str(folder), "--shape", "tiny", "--skip", "train,decode",
+                       "--repeats", "2", "--out", str(out_json)], 300)
+  assert rc == 0, f"stdout:\n{out}\nstderr:\n{err[-3000:]}"
+  res = device_check.read_out(str(out_json))
+  assert res["grpo"]["status"] == "ok" and res["memory"]["status"] == "ok"
+  assert f"--config.model.path={folder}" in res["grpo"]["command"]
+  assert f"--config.model.path={folder}" in res["memory"]["plan_command"]
+  assert sorted(os.listdir(folder)) == before  # the folder is read, never rewritten
+  rc, _, err = _run(["--model", str(tmp_path / "none"), "--skip", "grpo"], 60)
+  assert rc == 2 and "has no config.json" in err

@@ -2,7 +2,7 @@
 device may end at any moment, so every section's row is printed, and its JSON record appended
 to --out, the moment that section ends.
 
-    python tools/device_check.py [--shape tiny|small|qwen0.5b] [--out FILE.jsonl]
+    python tools/device_check.py [--shape tiny|small|qwen0.5b] [--model HF_DIR] [--out FILE.jsonl]
         [--limit SECTION=S,...] [--timeout S] [--skip train,decode,grpo,memory]
         [--train-batch B] [--prompt P] [--response R] [--decode-batch 16] [--decode-prompt P]
         [--decode-new N] [--grpo-prompts K] [--grpo-n N] [--grpo-new N] [--repeats R]
@@ -11,7 +11,10 @@ to --out, the moment that section ends.
 Runs on whatever backend JAX finds (one chip: `jax.devices()[0]`), with no network: the
 model is random-init of a real shape (`--shape qwen0.5b` is Qwen2.5-0.5B, tools/model_shapes;
 default on GPU/TPU) or a small one (`small` ~3 M params, default on CPU; `tiny` ~0.1 M), in
-bfloat16 parameters and activations, with the run config's defaults (configs/grpo.py and
+bfloat16 parameters and activations; `--model HF_DIR` (a real folder, such as the SmolLM2 that
+`distflow-jax convert` writes: docs/real_model.md) takes that folder's shape for every section
+and its real weights for the GRPO and memory sections, --shape then naming only the batch
+and length defaults.  Everything runs with the run config's defaults (configs/grpo.py and
 config/defaults.py: layers under scan, float32 master weights, adamw, grad clip 1).
 
 Sections, in this order, each in its own child process with its own time limit (`--limit`,
@@ -80,6 +83,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import math
 import os
 import re
@@ -194,6 +198,8 @@ def _args(argv):
   p = _Parser(description=__doc__.split("\n\n")[0])
   p.add_argument("--shape", choices=sorted(SHAPES),
                  help="model shape (default: qwen0.5b on GPU/TPU, small on CPU)")
+  p.add_argument("--model", help="a real Hugging Face folder (its shape; its weights in the "
+                                 "GRPO and memory sections) instead of a random one")
   p.add_argument("--out", help="also append every section's figures to this JSON-lines file "
                                "(emptied first)")
   for name, what in (("train-batch", "train step rows"), ("prompt", "train prompt tokens"),
@@ -240,7 +246,14 @@ def resolve(args, shape: str) -> dict:
   return out
 
 
+# --model: a real folder in place of the random one of the shape (set by main and child).
+MODEL_DIR = ""
+
+
 def _hf_config(shape: str) -> dict:
+  if MODEL_DIR:
+    with open(os.path.join(MODEL_DIR, "config.json")) as f:
+      return json.load(f)
   import make_random_model as mrm  # pylint: disable=import-outside-toplevel
   return mrm.hf_config("qwen2.5-0.5b", SHAPES[shape])
 
@@ -506,7 +519,7 @@ def grpo_record(s: dict, workdir: str) -> dict:
   metrics = sorted(bc.read_jsonl(os.path.join(run_dir, "metrics.jsonl")),
                    key=lambda m: m["step"])
   nodes = ("generate", "ref_logprob", "old_logprob", "train_actor")
-  flags = grpo_flags(s, os.path.join(workdir, "model"), run_dir)
+  flags = grpo_flags(s, MODEL_DIR or os.path.join(workdir, "model"), run_dir)
   return dict(prompts=s["grpo_prompts"], n=s["grpo_n"], prompt_len=GRPO_PROMPT_LEN,
               new=s["grpo_new"], step_s=[m["time/step"] for m in metrics],
               compiles=[m.get("compile/count") for m in metrics],
@@ -529,7 +542,10 @@ def run_grpo(s: dict, workdir: str, child_out: str) -> dict:
   with contextlib.suppress(FileNotFoundError):
     os.remove(os.path.join(workdir, MEMORY_FILE))
   t0 = time.perf_counter()
-  mrm.write(Path(model_dir), _hf_config(s["shape"]))
+  if MODEL_DIR:
+    model_dir = MODEL_DIR
+  else:
+    mrm.write(Path(model_dir), _hf_config(s["shape"]))
   write_s = time.perf_counter() - t0
   t0 = time.perf_counter()
 
@@ -563,8 +579,9 @@ def run_plan(s: dict, workdir: str, source: str) -> dict:
   """`distflow-jax plan --memory` (its entry point, in this CPU-only process) for the GRPO
   section's config, on a config-only folder of the shape; its peak per device."""
   import make_random_model as mrm  # pylint: disable=import-outside-toplevel
-  model_dir = os.path.join(workdir, "plan_model")
-  mrm.write(Path(model_dir), _hf_config(s["shape"]), config_only=True)
+  model_dir = MODEL_DIR or os.path.join(workdir, "plan_model")
+  if not MODEL_DIR:
+    mrm.write(Path(model_dir), _hf_config(s["shape"]), config_only=True)
   argv = ["plan", "--memory", f"--memory_source={source}", "--num_processes=1",
           "--devices_per_process=1",
           *grpo_flags(s, os.path.join(workdir, "model"), os.path.join(workdir, "run"))]
@@ -819,6 +836,11 @@ def read_out(path: str) -> dict[str, dict]:
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   args = _args(argv)
+  global MODEL_DIR  # pylint: disable=global-statement
+  MODEL_DIR = os.path.abspath(args.model) if args.model else ""
+  if MODEL_DIR and not os.path.isfile(os.path.join(MODEL_DIR, "config.json")):
+    print(f"device_check: --model {args.model} has no config.json", file=sys.stderr)
+    return 2
   if args.child:
     return child(args)
   t_start = time.perf_counter()
