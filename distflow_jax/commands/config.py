@@ -36,6 +36,8 @@ def resolved(argv: Sequence[str]) -> tuple[dict[str, Any], bool, bool]:
   rest = loading.parse(fv, with_default_config(argv, DEFAULT_CONFIG))
   if rest:
     raise loading.ConfigError(f"config takes no positional arguments, got {rest}")
+  from distflow_jax.config import values  # pylint: disable=import-outside-toplevel
+  values.check_values(fv.config)  # a config plan and train refuse is not printed as fine
   flat = run_config.flatten(run_config.as_plain(fv.config))
   if fv.diff:
     base = run_config.flatten(run_config.as_plain(defaults.base()))

@@ -5,7 +5,8 @@
       [--memory_source=analytic]]
       [--lower=h100|a100|tpu|...] [--programs]
 
-Plans for the config's cluster block, else the flags, else the running jax;
+Without ``--config`` it plans ``grpo:tiny``, as ``train`` runs it.  Plans for the
+config's cluster block, else the flags, else the running jax;
 ``--process`` prints only that process's portion.  ``--memory`` adds each role's and
 node's bytes per device and the traffic per step, compiled on
 simulated CPU devices of the target topology; it needs only the model's config.json.
@@ -56,7 +57,8 @@ def run(argv: Sequence[str]) -> int:
                        "by node (on abstract shapes)", flag_values=fv)
   flags.DEFINE_string("lower", None, "lower every program of a run for this device "
                       "(h100, a100, tpu, ...) on abstract shapes", flag_values=fv)
-  rest = loading.parse(fv, argv)
+  from distflow_jax.commands import with_default_config  # pylint: disable=import-outside-toplevel
+  rest = loading.parse(fv, with_default_config(argv, "grpo:tiny"))  # as train: grpo:tiny
   if rest:
     raise loading.ConfigError(f"plan takes no positional arguments, got {rest}")
   cfg = fv.config

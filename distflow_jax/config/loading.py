@@ -100,7 +100,29 @@ def parse(fv: flags.FlagValues, argv: Sequence[str]) -> list[str]:
     raise ConfigError(f"config file {_config_file(argv)} failed to load: "
                       f"{type(e).__name__}: {detail}") from None
   _check_loaded(cfg, _config_file(argv) if _config_spec(argv) else None)
+  _check_lora_keys_while_off(cfg, argv)
   return rest[1:]
+
+
+def _check_lora_keys_while_off(cfg, argv: Sequence[str]) -> None:
+  """A ``model.lora.*`` key given on the command line, or set by the file to other than the
+  default, while ``model.lora.enabled`` is False: the full model would train without a
+  word, so it is refused."""
+  lora = cfg.get("model", {}).get("lora") if hasattr(cfg, "get") else None
+  if lora is None or lora.get("enabled", False):
+    return
+  given = [a.split("=", 1)[0][len("--config."):] for a in argv
+           if a.startswith("--config.model.lora.") and not a.startswith(
+               "--config.model.lora.enabled")]
+  from distflow_jax.config import defaults  # pylint: disable=import-outside-toplevel
+  base = defaults.base().model.lora
+  changed = [f"model.lora.{k}" for k in sorted(lora.keys())
+             if k != "enabled" and k in base and lora[k] != base[k]]
+  keys = list(dict.fromkeys(given + changed))
+  if keys:
+    raise ConfigError(f"{keys[0]} is set but model.lora.enabled=False, so LoRA is off and the "
+                      f"full model would train; add --config.model.lora.enabled=True (or drop "
+                      f"{', '.join(keys)})")
 
 
 def _config_spec(argv: Sequence[str]) -> str | None:

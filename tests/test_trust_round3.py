@@ -1,0 +1,58 @@
+"""Silent cases of the trust issue (round three), each refused in one line or made right:
+LoRA keys set while LoRA is off, `plan` without --config, `config` printing what `plan` and
+`train` refuse, the README's example environment scoring "#### 56" right for 5."""
+
+import re
+
+import pytest
+
+from distflow_jax import cli
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("flag", ["--config.model.lora.rank=8", "--config.model.lora.alpha=4.0",
+                                  "--config.model.lora.targets=('q_proj',)"])
+def test_a_lora_key_while_lora_is_off_is_refused(flag, capsys):
+  assert cli.main(["plan", flag]) == 2
+  err = capsys.readouterr().err.strip()
+  key = flag.split("=", 1)[0][len("--config."):]
+  assert len(err.splitlines()) == 1 and f"{key} is set but model.lora.enabled=False" in err
+  assert cli.main(["plan", flag, "--config.model.lora.enabled=True"]) == 0, \
+      capsys.readouterr().err
+
+
+def test_a_config_file_setting_lora_without_enabling_it_is_refused(tmp_path, capsys):
+  path = tmp_path / "c.py"
+  path.write_text("from distflow_jax.config import loading\n\ndef get_config():\n"
+                  "  c = loading.load('grpo:tiny')\n  c.model.lora.rank = 4\n  return c\n")
+  assert cli.main(["plan", f"--config={path}"]) == 2
+  assert "model.lora.rank is set but model.lora.enabled=False" in capsys.readouterr().err
+  assert cli.main(["plan", "--config=grpo:tiny_lora"]) == 0  # enabled: as before
+
+
+def test_plan_without_config_plans_the_default_as_train_runs_it(capsys):
+  assert cli.main(["plan", "--config.rollout.n=4", "--num_processes=1",
+                   "--devices_per_process=1"]) == 0, capsys.readouterr().err
+  assert "config: grpo-tiny" in capsys.readouterr().out
+
+
+def test_config_refuses_what_plan_and_train_refuse(capsys):
+  assert cli.main(["config", "--config.trainer.total_steps=-1"]) == 2
+  assert "trainer.total_steps=-1 must be > 0" in capsys.readouterr().err
+  assert cli.main(["config", "--config=grpo:smollm2"]) == 0
+
+
+def test_readme_example_environment_scores_the_answer_exactly(monkeypatch):
+  from distflow_jax.envs import base  # pylint: disable=import-outside-toplevel
+  text = open(__file__.replace("tests/test_trust_round3.py", "README.md")).read()
+  section = text.split("## Multi-turn episodes (`rollout.env`)", 1)[1]
+  code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  made = {}
+  monkeypatch.setattr(base, "register_env", lambda name, cls: made.setdefault(name, cls))
+  exec(compile(code, "README.md", "exec"), {})  # pylint: disable=exec-used
+  env = made["adder"]()
+  env.reset({"prompt": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"})
+  assert env.step("So it is 5.\n#### 5") == ("", 1.0, True)
+  assert env.step("#### 56") == ("", 0.0, True)
+  assert env.step("5") == ("", 0.0, True)  # no final answer line
