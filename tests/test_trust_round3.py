@@ -56,3 +56,29 @@ def test_readme_example_environment_scores_the_answer_exactly(monkeypatch):
   assert env.step("So it is 5.\n#### 5") == ("", 1.0, True)
   assert env.step("#### 56") == ("", 0.0, True)
   assert env.step("5") == ("", 0.0, True)  # no final answer line
+
+
+@pytest.mark.parametrize("case", ["no_get_config", "folder", "export_file", "report_file"])
+def test_unclear_refusals_name_the_culprit(case, tmp_path, capsys):
+  f = tmp_path / "thing.py"
+  f.write_text("x = 1\n")
+  argv, needle = {
+      "no_get_config": (["plan", f"--config={f}"], "defines no get_config()"),
+      "folder": (["plan", f"--config={tmp_path}"], "is a folder: name a config file"),
+      "export_file": (["export", "--checkpoint", str(f), "--out", str(tmp_path / "o")],
+                      "is a file, not a folder"),
+      "report_file": (["report", str(f)], "is a file: give the run dir"),
+  }[case]
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and needle in err and "Recursion" not in err, err
+
+
+def test_every_shipped_config_has_get_config():
+  import glob  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  from distflow_jax.config import loading  # pylint: disable=import-outside-toplevel
+  files = glob.glob(os.path.join(loading.configs_dir(), "*.py"))
+  assert files
+  for path in files:
+    loading.resolve_config_path(path)  # no refusal

@@ -61,7 +61,29 @@ def resolve_config_path(spec: str) -> str:
     avail = sorted(f[:-3] for f in os.listdir(configs_dir()) if f.endswith(".py")
                    and not f.startswith("_")) if os.path.isdir(configs_dir()) else []
     raise ConfigError(f"config file {path!r} not found; built-in configs: {avail}")
+  if os.path.isdir(path):
+    raise ConfigError(f"--config={path} is a folder: name a config file (a .py defining "
+                      f"get_config(), e.g. configs/grpo.py:tiny)")
+  _check_has_get_config(path)
   return path + sep + arg
+
+
+def _check_has_get_config(path: str) -> None:
+  """A config file must define ``get_config`` (ml_collections calls it): read without
+  running the file, so a missing one is one line, not ml_collections' RecursionError."""
+  import ast  # pylint: disable=import-outside-toplevel
+  try:
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+  except (SyntaxError, UnicodeDecodeError, ValueError):
+    return  # loading it reports the problem with its line
+  names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+  names |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+            if isinstance(t, ast.Name)}
+  names |= {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom)
+            for a in n.names}
+  if "get_config" not in names:
+    raise ConfigError(f"config file {path} defines no get_config(): a config file is a .py "
+                      f"whose get_config(arg) returns the config (see configs/grpo.py)")
 
 
 def parse(fv: flags.FlagValues, argv: Sequence[str]) -> list[str]:

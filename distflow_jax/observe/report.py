@@ -78,6 +78,8 @@ def write_markdown(rows: Rows, images: Sequence[str], path: str, title: str = ""
 
 def report(run_dir: str, out_dir: str | None = None) -> list[str]:
   """Writes the PNGs and report.md for ``run_dir``; returns the written paths."""
+  if os.path.isfile(run_dir):
+    raise ValueError(f"{run_dir} is a file: give the run dir that holds {METRICS_FILE}")
   rows = read_metrics(run_dir)
   if not rows:
     raise ValueError(f"{os.path.join(run_dir, METRICS_FILE)} holds no rows yet")

@@ -212,7 +212,8 @@ def _read_arrays(directory: str, step: int | None
                  ) -> tuple[int, dict[str, np.ndarray], dict[str, Any]]:
   directory = os.path.abspath(directory)
   if not os.path.isdir(directory):  # orbax's manager would create it: a reader never does
-    raise ck.CheckpointError(f"{directory} does not exist (expected <run_dir>/checkpoints or "
+    what = "is a file, not a folder" if os.path.exists(directory) else "does not exist"
+    raise ck.CheckpointError(f"{directory} {what} (expected <run_dir>/checkpoints or "
                              f"one of its numbered step directories)")
   mgr = ocp.CheckpointManager(directory, item_handlers={
       ck.STATE: ocp.PyTreeCheckpointHandler(), ck.META: ocp.JsonCheckpointHandler()})
