@@ -82,3 +82,27 @@ def test_every_shipped_config_has_get_config():
   assert files
   for path in files:
     loading.resolve_config_path(path)  # no refusal
+
+
+def test_a_tokenizer_with_ids_past_the_embedding_is_refused(tmp_path, capsys):
+  import json  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from pathlib import Path  # pylint: disable=import-outside-toplevel
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+  import device_check  # pylint: disable=import-outside-toplevel
+  import make_random_model as mrm  # pylint: disable=import-outside-toplevel
+  folder = tmp_path / "m"
+  mrm.write(Path(folder), device_check._hf_config("tiny"))  # pylint: disable=protected-access
+  tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+  rows = json.loads((folder / "config.json").read_text())["vocab_size"]
+  tok.add_tokens([f"<extra{i}>" for i in range(20)])
+  tok.save(str(folder / "tokenizer.json"))
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text('{"prompt": "What is 2 + 3?"}\n')
+  code = cli.main(["generate", f"--model={folder}", f"--prompts={prompts}",
+                   f"--out={tmp_path / 'o.jsonl'}", "--n=1", "--max_new_tokens=4"])
+  err = capsys.readouterr().err.strip()
+  assert code == 2 and f"the tokenizer has {rows + 20} ids" in err, err
+  assert f"embedding has {rows} rows" in err and not (tmp_path / "o.jsonl").exists()

@@ -83,8 +83,14 @@ def model_config(cfg: ml_collections.ConfigDict, tokenizer: Tokenizer,
       raise ConfigError(f"model.path={path!r} has no config.json: point it at a local "
                         f"Hugging Face model directory (config.json + *.safetensors)")
     if vision.is_vl_checkpoint(path):  # the text decoder's shape; the tower: state/vision
-      return levers(cfg, read_vl_config(path, dtype=cfg.model.dtype).text)
-    return levers(cfg, hf_io.read_config(path, dtype=cfg.model.dtype))
+      out = levers(cfg, read_vl_config(path, dtype=cfg.model.dtype).text)
+    else:
+      out = levers(cfg, hf_io.read_config(path, dtype=cfg.model.dtype))
+    if tokenizer.vocab_size > out.vocab_size:  # its extra ids would index past the embedding
+      raise ConfigError(f"{path}: the tokenizer has {tokenizer.vocab_size} ids but the model's "
+                        f"embedding has {out.vocab_size} rows (config.json vocab_size): ids past "
+                        f"them have no embedding; use the tokenizer saved with this model")
+    return out
   if cfg.model.preset not in model_configs.PRESETS:
     raise ConfigError(f"model.preset={cfg.model.preset!r} is unknown; built-in: "
                       f"{model_configs.preset_names()} (or set model.path to a local Hugging "
