@@ -106,3 +106,29 @@ def test_a_tokenizer_with_ids_past_the_embedding_is_refused(tmp_path, capsys):
   err = capsys.readouterr().err.strip()
   assert code == 2 and f"the tokenizer has {rows + 20} ids" in err, err
   assert f"embedding has {rows} rows" in err and not (tmp_path / "o.jsonl").exists()
+
+
+def test_generate_out_in_an_unwritable_folder_is_refused_before_any_work(tmp_path, capsys,
+                                                                        monkeypatch):
+  import tempfile  # pylint: disable=import-outside-toplevel
+  real = tempfile.NamedTemporaryFile
+
+  def read_only(*a, dir=None, **kw):  # pylint: disable=redefined-builtin
+    if dir is not None and str(dir).startswith(str(tmp_path / "ro")):
+      raise OSError(30, "Read-only file system")
+    return real(*a, dir=dir, **kw)
+  monkeypatch.setattr(tempfile, "NamedTemporaryFile", read_only)
+  (tmp_path / "ro").mkdir()
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text('{"prompt": "What is 2 + 3?"}\n')
+  code = cli.main(["generate", "--random_init", f"--prompts={prompts}",
+                   f"--out={tmp_path / 'ro' / 'o.jsonl'}"])
+  err = capsys.readouterr().err.strip()
+  assert code == 2 and "cannot write in" in err and "Read-only file system" in err, err
+
+
+def test_report_says_it_left_out_an_unreadable_last_line(tmp_path, capsys):
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward": 0.1}\n'
+                                          '{"step": 2, "reward": 0.2}\ngarbage\n')
+  assert cli.main(["report", str(tmp_path)]) == 0
+  assert "the last line of" in capsys.readouterr().err

@@ -14,6 +14,21 @@ import sys
 from collections.abc import Sequence
 
 
+def _say_unread_tail(run_dir: str) -> None:
+  """The metrics file's last line, when it is not JSON, is left out (a run may be writing
+  it): say so, so a damaged file is not plotted without a word."""
+  import os  # pylint: disable=import-outside-toplevel
+  import json  # pylint: disable=import-outside-toplevel
+  path = os.path.join(run_dir, "metrics.jsonl") if os.path.isdir(run_dir) else run_dir
+  lines = [l for l in open(path, encoding="utf-8", errors="replace").read().splitlines()
+           if l.strip()]
+  try:
+    json.loads(lines[-1])
+  except (json.JSONDecodeError, IndexError):
+    print(f"distflow-jax report: note: the last line of {path} is not JSON and was left out "
+          f"(a run still writing it, or a damaged file): {lines[-1][:60]!r}", file=sys.stderr)
+
+
 def run(argv: Sequence[str]) -> int:
   """Entry point of ``distflow-jax report``; returns the exit code."""
   from distflow_jax.observe import report
@@ -32,6 +47,7 @@ def run(argv: Sequence[str]) -> int:
     print(f"distflow-jax report: error: {e}; plots need matplotlib (`pip install matplotlib`)",
           file=sys.stderr)
     return 2
+  _say_unread_tail(args.run_dir)
   s = report.summary(report.read_metrics(args.run_dir))
   for k, m in s["metrics"].items():
     print(f"{k:>16}: {report.fmt(m['first'])} -> {report.fmt(m['last'])} "

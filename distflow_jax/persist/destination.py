@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import tempfile
 
 from distflow_jax.config.loading import ConfigError
 
@@ -93,6 +94,15 @@ def check_file(path: str, *, overwrite: bool, flag: str = "--out") -> None:
   if os.path.lexists(path) and not overwrite:
     raise DestinationError(f"{flag}={path} exists; pass --overwrite to replace it, or give "
                            f"another path")
+  parent = os.path.dirname(os.path.abspath(path))
+  while not os.path.exists(parent):  # the nearest folder that exists is where it is made
+    parent = os.path.dirname(parent)
+  try:  # a file made and removed there: refused now, not after the work is done
+    with tempfile.NamedTemporaryFile(dir=parent, prefix=".distflow-write-probe-"):
+      pass
+  except OSError as e:
+    raise DestinationError(f"{flag}={path}: cannot write in {parent} "
+                           f"({e.strerror or type(e).__name__})") from None
 
 
 def clear_model_files(path: str) -> list[str]:
