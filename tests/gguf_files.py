@@ -17,15 +17,15 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from distflow_jax.models import gguf_import
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
                  "{% endif %}")
-_BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+# HF -> GGUF names: the converter's table read backwards (the tests check it against
+# transformers' own loader and against the source model's tensors).
+_BLOCK = {hf: g for g, hf in gguf_import.BLOCK_NAMES.items()}
+_TOP = {hf: g for g, hf in gguf_import.TOP_NAMES.items()}
 
 
 def gguf_name(hf: str) -> str:

@@ -146,12 +146,13 @@ def hf_config(path: Path, meta: dict[str, Any], tensor_names: set[str],
   return d
 
 
-_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+# GGUF tensor names -> HF module names: per block, and outside the blocks.
+BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
           "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
           "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
           "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
 def hf_name(path: Path, name: str) -> str:
@@ -159,10 +160,10 @@ def hf_name(path: Path, name: str) -> str:
   ``model.layers.3.self_attn.q_proj.weight``)."""
   base, _, kind = name.rpartition(".")
   parts = base.split(".")
-  if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK:
-    return f"model.layers.{parts[1]}.{_BLOCK[parts[2]]}.{kind}"
-  if base in _TOP:
-    return f"{_TOP[base]}.{kind}"
+  if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in BLOCK_NAMES:
+    return f"model.layers.{parts[1]}.{BLOCK_NAMES[parts[2]]}.{kind}"
+  if base in TOP_NAMES:
+    return f"{TOP_NAMES[base]}.{kind}"
   raise GGUFError(f"{path}: tensor {name!r} has no Hugging Face counterpart here (an "
                   f"architecture this converter does not know?)")
 
