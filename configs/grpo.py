@@ -47,8 +47,9 @@ def _smollm2(c) -> None:
   c.rollout.n = 8
   c.dag = [dict(d, fn="reward.math_lenient") if d["fn"] == "reward.math" else dict(d)
            for d in DAG]
-  # Without a KL term (lr 1e-5 and 2e-5) the answers grew until max_new_tokens cut them and
-  # held-out accuracy fell (11.5% -> 5.0% at step 10): docs/real_model.md.
+  # Not yet a recipe that learns (docs/real_model.md): without a KL term the answers grew
+  # until max_new_tokens cut them and held-out accuracy fell (11.5% -> 5.0% at step 10);
+  # with this one it fell too (11.5% -> 7.5% at step 8).
   c.actor.kl.coef = 0.05
   c.actor.optimizer.lr = 1e-5
   c.actor.micro_batch_size = 16

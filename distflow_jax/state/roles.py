@@ -86,7 +86,7 @@ def model_config(cfg: ml_collections.ConfigDict, tokenizer: Tokenizer,
       out = levers(cfg, read_vl_config(path, dtype=cfg.model.dtype).text)
     else:
       out = levers(cfg, hf_io.read_config(path, dtype=cfg.model.dtype))
-    if tokenizer.vocab_size > out.vocab_size:  # its extra ids would index past the embedding
+    if tokenizer is not None and tokenizer.vocab_size > out.vocab_size:  # ids past the rows
       raise ConfigError(f"{path}: the tokenizer has {tokenizer.vocab_size} ids but the model's "
                         f"embedding has {out.vocab_size} rows (config.json vocab_size): ids past "
                         f"them have no embedding; use the tokenizer saved with this model")
