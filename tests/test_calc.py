@@ -159,6 +159,8 @@ def test_the_readmes_example_environment_runs(tmp_path, monkeypatch):
     env = base.env_factory("adder")()
     env.reset({"prompt": "What is 2 + 3?", "answer": "5"})
     assert env.step("<tool>add(2, 3)</tool>") == (" = 5\n", 0.0, False)
-    assert env.step("it is 5") == ("", 1.0, True)
+    assert env.step("it is 5\n#### 5") == ("", 1.0, True)
+    assert env.step("#### 56") == ("", 0.0, True)  # exact: 5 is not in 56's place
+    assert env.step("it is 5") == ("", 0.0, True)  # no final answer line
   finally:
     base._REGISTRY.pop("adder", None)  # pylint: disable=protected-access

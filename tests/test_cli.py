@@ -75,6 +75,6 @@ def test_dispatcher_imports_commands_only_when_they_run():
           "assert 'jax' not in sys.modules and not any(m.startswith('distflow_jax.commands.') "
           "for m in sys.modules), sorted(sys.modules); "
           "assert list(cli.COMMANDS) == ['plan', 'launch', 'train', 'sft', 'generate', 'export', "
-          "'report', 'eval', 'config']")
+          "'convert', 'report', 'eval', 'config']")
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
   assert r.returncode == 0, r.stderr[-2000:]
