@@ -112,14 +112,21 @@ def ours_greedy(folder, tmp_path_factory):
 
 
 def _hf_greedy(hf, tok, questions):
+  """transformers' greedy tokens of each question (up to its first stop token) and the
+  logits of each step: one batched generate, prompts left-padded (masked)."""
+  rows = [chat_ids(tok, q) for q in questions]
+  width = max(map(len, rows))
+  ids = torch.tensor([[tok.pad_id] * (width - len(r)) + r for r in rows])
+  mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+  with torch.no_grad():
+    g = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                    eos_token_id=list(tok.eos_ids), pad_token_id=tok.pad_id,
+                    output_scores=True, return_dict_in_generate=True)
   out = []
-  for q in questions:
-    ids = torch.tensor([chat_ids(tok, q)])
-    with torch.no_grad():
-      g = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                      do_sample=False, eos_token_id=list(tok.eos_ids),
-                      pad_token_id=tok.pad_id, output_scores=True, return_dict_in_generate=True)
-    out.append((g.sequences[0, ids.shape[1]:].tolist(), [s[0].numpy() for s in g.scores]))
+  for i in range(len(rows)):
+    new = g.sequences[i, width:].tolist()
+    stop = next((t + 1 for t, x in enumerate(new) if x in tok.eos_ids), len(new))
+    out.append((new[:stop], [s[i].numpy() for s in g.scores[:stop]]))
   return out
 
 
