@@ -19,12 +19,15 @@ def _say_unread_tail(run_dir: str) -> None:
   it): say so, so a damaged file is not plotted without a word."""
   import os  # pylint: disable=import-outside-toplevel
   import json  # pylint: disable=import-outside-toplevel
-  path = os.path.join(run_dir, "metrics.jsonl") if os.path.isdir(run_dir) else run_dir
+  from distflow_jax.observe.metrics_file import METRICS_FILE  # pylint: disable=import-outside-toplevel
+  path = os.path.join(run_dir, METRICS_FILE) if os.path.isdir(run_dir) else run_dir
   lines = [l for l in open(path, encoding="utf-8", errors="replace").read().splitlines()
            if l.strip()]
+  if not lines:
+    return
   try:
     json.loads(lines[-1])
-  except (json.JSONDecodeError, IndexError):
+  except json.JSONDecodeError:
     print(f"distflow-jax report: note: the last line of {path} is not JSON and was left out "
           f"(a run still writing it, or a damaged file): {lines[-1][:60]!r}", file=sys.stderr)
 
