@@ -84,9 +84,99 @@ def test_state_round_trip_resumes_counters():
   assert [x.signal for x in b.update(4, dict(zero))] == [Signal.REWARD_ZERO]
 
 
+def _evals(points, every=4):
+  """A stream with a held-out evaluation every ``every`` steps: ``points`` are its
+  (accuracy, answers' length) from the start (step 0) on."""
+  stream = []
+  for i, (acc, length) in enumerate(points):
+    if i:
+      stream += [dict(HEALTHY)] * (every - 1)
+    stream.append(dict(HEALTHY, **{"eval/accuracy": acc, "eval/response_length": length}))
+  return stream
+
+
+def run_from_zero(stream, cfg=HealthConfig()):
+  mon = HealthMonitor(cfg)
+  fired, rows = [], []
+  for step, m in enumerate(stream):
+    m = dict(m, step=step)
+    fired += [(a.signal, a.step, a.message) for a in mon.update(step, m)]
+    rows.append(m)
+  return fired, rows, mon
+
+
+def test_eval_fall_fires_when_held_out_accuracy_falls_below_its_best():
+  """The shipped real-model recipe's try 2 (docs/real_model.md): 11.5% at the start,
+  5.0% at step 8 while the answers grew to the cap."""
+  fired, rows, _ = run_from_zero(_evals([(0.115, 81.0), (0.05, 95.0)], every=8))
+  assert [(s, step) for s, step, _ in fired] == [(Signal.EVAL_FALL, 8)]
+  msg = fired[0][2]
+  assert "held-out accuracy 0.050 is 0.065 below its best 0.115 (step 0)" in msg, msg
+  assert "held-out answers 81.0 -> 95.0 tokens" in msg, msg
+  assert Signal.EVAL_FALL.is_collapse  # trainer.stop_on_collapse stops on it
+  assert [r["health/eval_fall"] for r in rows] == [0.0] * 8 + [1.0]
+
+
+def test_eval_fall_holds_between_evaluations_and_clears_on_recovery():
+  points = [(0.20, 50.0), (0.30, 50.0), (0.24, 60.0), (0.22, 60.0), (0.29, 55.0)]
+  fired, rows, _ = run_from_zero(_evals(points, every=4))
+  assert [(s, step) for s, step, _ in fired] == [(Signal.EVAL_FALL, 8)]  # 0.30 -> 0.24: once
+  flags = [r["health/eval_fall"] for r in rows]
+  assert flags[:8] == [0.0] * 8 and flags[8:16] == [1.0] * 8  # steps 8-15, one alarm
+  assert flags[16] == 0.0  # 0.29 is within 0.05 of the best
+
+
+def test_eval_fall_small_dips_and_rises_are_quiet_and_can_be_disabled():
+  fired, _, _ = run_from_zero(_evals([(0.1, 40.0), (0.3, 40.0), (0.26, 41.0), (0.5, 40.0)]))
+  assert fired == []
+  fall = _evals([(0.5, 40.0), (0.1, 90.0)])
+  assert run_from_zero(fall, HealthConfig(eval_drop=0.0))[0] == []
+  assert len(run_from_zero(fall, HealthConfig(eval_drop=0.5))[0]) == 0
+  assert len(run_from_zero(fall, HealthConfig(eval_drop=0.3))[0]) == 1
+
+
+def test_eval_fall_state_round_trip_keeps_the_best():
+  a = HealthMonitor(HealthConfig())
+  a.update(0, {"step": 0, "eval/accuracy": 0.4, "eval/response_length": 30.0})
+  b = HealthMonitor(HealthConfig())
+  b.load_state_dict(a.state_dict())
+  alarms = b.update(4, {"step": 4, "eval/accuracy": 0.2, "eval/response_length": 70.0})
+  assert [x.signal for x in alarms] == [Signal.EVAL_FALL]
+  assert "best 0.400 (step 0)" in alarms[0].message
+
+
+@pytest.mark.timeout(300)
+def test_a_run_whose_held_out_accuracy_falls_raises_eval_fall(tmp_path, capsys):
+  """A real tiny run: the plugin's held-out reward accepts every answer of the start's
+  evaluation and none after, so eval/accuracy goes 1 -> 0 and the alarm names step 0."""
+  import json
+
+  import plugin_fading_reward
+  from distflow_jax import cli
+  from workflow_util import tiny_model_folder, tiny_train_argv
+
+  tiny_model_folder(tmp_path)
+  run_dir = tmp_path / "run"
+  plugin_fading_reward.SEEN.update(calls=0, first=4)
+  code = cli.main(tiny_train_argv(tmp_path, run_dir, "--config.data.eval_size=4",
+                                  "--config.trainer.eval_every=1",
+                                  "--config.trainer.total_steps=2",
+                                  "--config.plugins=('plugin_fading_reward',)",
+                                  "--config.trainer.eval_reward=fading"))
+  out, err = capsys.readouterr()
+  assert code == 0, err
+  rows = [json.loads(l) for l in open(run_dir / "metrics.jsonl")]
+  evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+  assert evals == [(0, 1.0), (1, 0.0), (2, 0.0)], evals
+  assert [r.get("health/eval_fall") for r in rows if r["step"] > 0] == [1.0, 1.0]
+  assert out.count("health collapse at step 1: eval_fall: held-out accuracy 0.000 is 1.000 "
+                   "below its best 1.000 (step 0)") == 1, out
+
+
 @pytest.mark.parametrize("kw", [dict(kl_max=-1.0), dict(kl_max=float("nan")),
                                 dict(length_fraction=1.5), dict(patience=0),
-                                dict(zero_reward_steps=-1)])
+                                dict(zero_reward_steps=-1), dict(eval_drop=-0.1),
+                                dict(eval_drop=float("inf"))])
 def test_bad_settings_are_refused(kw):
   with pytest.raises(ValueError, match="trainer.health"):
     HealthConfig(**kw)

@@ -281,6 +281,7 @@ def base() -> ml_collections.ConfigDict:
           zero_reward_steps=20,   # mean reward exactly 0 this many steps in a row
           min_entropy=0.02,       # policy entropy (or sampled tokens' NLL), nats per token
           clip_idle_steps=10,     # PPO clip fraction exactly 0 this many steps in a row
+          eval_drop=0.05,         # held-out accuracy this far below its best (step 0 too)
       ),
       # Stop on a collapse signal (not on idle clipping) with one line naming it and the
       # last checkpoint saved before it.

@@ -16,6 +16,11 @@ REWARD_ZERO         the mean reward is exactly 0 for ``zero_reward_steps`` steps
 ENTROPY_COLLAPSE    the policy entropy per token (``actor/entropy``, else the sampled
                     tokens' mean negative log-prob ``rollout_nll``) stays below
                     ``min_entropy`` for ``patience`` steps
+EVAL_FALL           the held-out accuracy (``eval/accuracy``) falls ``eval_drop`` or more
+                    below its best so far, the start (step 0) included; it holds until an
+                    evaluation is back within ``eval_drop`` of the best (the message gives
+                    the held-out answers' length then and now: answers growing until
+                    ``rollout.max_new_tokens`` cuts them is the usual way it falls)
 CLIP_IDLE           the PPO clip fraction is exactly 0 for ``clip_idle_steps`` steps in a
                     row although clipping is configured (a warning, not a collapse: with
                     one epoch over one mini-batch the ratio is 1 and clipping never acts)
@@ -40,6 +45,7 @@ class Signal(enum.Enum):
   REWARD_ZERO = "reward_zero"
   ENTROPY_COLLAPSE = "entropy_collapse"
   CLIP_IDLE = "clip_idle"
+  EVAL_FALL = "eval_fall"
 
   @property
   def is_collapse(self) -> bool:
@@ -55,6 +61,7 @@ class HealthConfig:
   zero_reward_steps: int = 20     # 0 disables
   min_entropy: float = 0.02       # nats per token; 0 disables
   clip_idle_steps: int = 10       # 0 disables
+  eval_drop: float = 0.05         # held-out accuracy below its best by this much; 0 disables
 
   @classmethod
   def from_config(cls, section: Mapping) -> "HealthConfig":
@@ -62,7 +69,7 @@ class HealthConfig:
                   if f.name in section})
 
   def __post_init__(self):
-    for name in ("kl_max", "length_fraction", "min_entropy"):
+    for name in ("kl_max", "length_fraction", "min_entropy", "eval_drop"):
       value = getattr(self, name)
       if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"trainer.health.{name}={value} must be a finite number >= 0")
@@ -97,6 +104,10 @@ class HealthMonitor:
     self._lengths: list[float] = []
     self._short = self._low_entropy = self._zero_reward = self._clip_idle = 0
     self._firing: set[Signal] = set()
+    # The best held-out accuracy so far: (accuracy, step, answers' length then); and the
+    # fall's message while the latest evaluation is below it by eval_drop or more.
+    self._eval_best: tuple[float, int, float | None] | None = None
+    self._eval_fall: str | None = None
 
   def update(self, step: int, m: Mapping[str, float]) -> list[Alarm]:
     """The alarms that START firing at this step; marks every firing signal in ``m``'s
@@ -141,6 +152,10 @@ class HealthMonitor:
         yield Signal.ENTROPY_COLLAPSE, (f"policy entropy {entropy:.3g} nats/token < "
                                         f"trainer.health.min_entropy={cfg.min_entropy:g} for "
                                         f"{self._low_entropy} steps")
+    if cfg.eval_drop:
+      self._note_eval(m)
+      if self._eval_fall is not None:
+        yield Signal.EVAL_FALL, self._eval_fall
     clip = m.get("actor/pg_clipfrac")
     if cfg.clip_idle_steps and self.clip_configured and clip is not None:
       self._clip_idle = self._clip_idle + 1 if clip == 0 else 0
@@ -150,10 +165,32 @@ class HealthMonitor:
                                  f"actor.mini_batches=1 the ratio is exactly 1; use more "
                                  f"mini-batches or epochs for clip settings to matter)")
 
+  def _note_eval(self, m: Mapping[str, float]) -> None:
+    acc = m.get("eval/accuracy")
+    if acc is None or not math.isfinite(acc):
+      return
+    step = int(m.get("step", 0))
+    length = m.get("eval/response_length")
+    if self._eval_best is None or acc > self._eval_best[0]:
+      self._eval_best = (float(acc), step, None if length is None else float(length))
+    best, best_step, best_len = self._eval_best
+    if best - acc < self.cfg.eval_drop - 1e-12:
+      self._eval_fall = None
+      return
+    lengths = ""
+    if best_len is not None and length is not None:
+      lengths = f"; held-out answers {best_len:.1f} -> {length:.1f} tokens"
+    self._eval_fall = (f"held-out accuracy {acc:.3f} is {best - acc:.3f} below its best "
+                       f"{best:.3f} (step {best_step}){lengths} (>= trainer.health.eval_drop="
+                       f"{self.cfg.eval_drop:g}; keep the step-{best_step} weights, lower the "
+                       f"learning rate or add a KL term)")
+
   def state_dict(self) -> dict:
     return {"lengths": list(self._lengths), "short": self._short,
             "low_entropy": self._low_entropy, "zero_reward": self._zero_reward,
-            "clip_idle": self._clip_idle, "firing": sorted(s.value for s in self._firing)}
+            "clip_idle": self._clip_idle, "firing": sorted(s.value for s in self._firing),
+            "eval_best": None if self._eval_best is None else list(self._eval_best),
+            "eval_fall": self._eval_fall}
 
   def load_state_dict(self, state: Mapping) -> None:
     self._lengths = [float(x) for x in state.get("lengths", [])]
@@ -162,6 +199,10 @@ class HealthMonitor:
     self._zero_reward = int(state.get("zero_reward", 0))
     self._clip_idle = int(state.get("clip_idle", 0))
     self._firing = {Signal(v) for v in state.get("firing", [])}
+    best = state.get("eval_best")
+    self._eval_best = None if best is None else (
+        float(best[0]), int(best[1]), None if best[2] is None else float(best[2]))
+    self._eval_fall = state.get("eval_fall")
 
 
 class CollapseError(RuntimeError):

@@ -237,6 +237,7 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
                      heartbeat_interval(cfg)):
         first = {"step": 0, **run_eval(0)}
       first.update(compiles())
+      monitor.update(0, first)  # the start is the first best held-out accuracy (eval_fall)
       writer.write(first)
       yield first
     yield from _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer,
