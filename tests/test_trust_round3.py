@@ -132,3 +132,40 @@ def test_report_says_it_left_out_an_unreadable_last_line(tmp_path, capsys):
                                           '{"step": 2, "reward": 0.2}\ngarbage\n')
   assert cli.main(["report", str(tmp_path)]) == 0
   assert "the last line of" in capsys.readouterr().err
+
+
+GREEDY_NODE = """from distflow_jax.config import loading
+
+def get_config():
+  c = loading.load("grpo:tiny")
+  c.dag = [dict(d, fn="advantage.rloo") if d["id"] == "advantage" else
+           dict(d, config=dict(temperature=0.0)) if d["id"] == "generate" else dict(d)
+           for d in c.dag]
+  return c
+"""
+
+
+@pytest.mark.parametrize("flags,culprit", [
+    (["--config.rollout.temperature=0"], "rollout.temperature=0 (greedy) on rollout node "
+                                          "'generate' gives every one of a prompt's "
+                                          "rollout.n=8 samples the same answer, so "
+                                          "'advantage.grpo'"),
+    (["--config.rollout.top_k=1"], "rollout.top_k=1 (greedy) on rollout node 'generate'"),
+    (["--config=FILE"], "rollout.temperature=0 (greedy) on rollout node 'generate' gives "
+                        "every one of a prompt's rollout.n=8 samples the same answer, so "
+                        "'advantage.rloo'"),
+])
+def test_a_group_estimator_with_greedy_sampling_is_refused(flags, culprit, tmp_path, capsys):
+  """Every sample of a prompt the same answer: every group advantage 0, nothing trains.
+  The third case sets it as the rollout node's own override."""
+  path = tmp_path / "greedy_node.py"
+  path.write_text(GREEDY_NODE)
+  flags = [f.replace("FILE", str(path)) for f in flags]
+  for cmd in (["plan"], ["train", f"--config.run_dir={tmp_path / 'run'}"]):
+    assert cli.main([cmd[0], *flags, *cmd[1:]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and culprit in err, err
+    assert "every advantage is 0 and nothing trains" in err
+  assert not (tmp_path / "run" / "checkpoints").exists()
+  # Sampling trains as before; greedy decoding to evaluate or generate stays allowed.
+  assert cli.main(["plan", "--config.rollout.temperature=0.5"]) == 0, capsys.readouterr().err

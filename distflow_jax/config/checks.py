@@ -199,6 +199,31 @@ def _check_node_values(dag: Dag, cfg: ml_collections.ConfigDict, registry: Regis
                         f"batches by; set --config.rollout.n={effective.rollout.n} instead")
 
 
+def check_group_sampling(cfg, plan: planner_lib.Plan, registry: Registry) -> None:
+  """For training (not eval / generate, which may decode greedily): a group estimator
+  compares the samples of one prompt, and greedy decoding (temperature 0, or top_k 1) makes
+  them one answer n times, every advantage 0 and every step a no-op.  An environment
+  (rollout.env) may still make them differ, so it is let through."""
+  nodes = [s.node for s in plan.steps]
+  group = next((nd for nd in nodes if registry.spec(nd.fn).needs_groups), None)
+  if group is None:
+    return
+  for node in nodes:
+    if registry.spec(node.fn).section != "rollout":
+      continue
+    r = node_section(cfg, node, registry)
+    if r.get("env", ""):
+      continue
+    greedy = ("rollout.temperature=0" if float(r.temperature) == 0
+              else "rollout.top_k=1" if int(r.top_k) == 1 else None)
+    if greedy is not None:
+      raise ConfigError(
+          f"{greedy} (greedy) on rollout node {node.id!r} gives every one of a prompt's "
+          f"rollout.n={cfg.rollout.n} samples the same answer, so {group.fn!r} (node "
+          f"{group.id!r}) compares equal rewards: every advantage is 0 and nothing trains; "
+          f"sample (e.g. rollout.temperature=1.0, rollout.top_k=0)")
+
+
 def _check_batches(cfg, plan: planner_lib.Plan, dag: Dag, registry: Registry) -> None:
   n = cfg.rollout.n
   prompts = cfg.data.prompts_per_step
