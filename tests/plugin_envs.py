@@ -27,6 +27,16 @@ class Scripted:
     return f" result {self.steps} ", reward, self.steps >= self.turns
 
 
+class ScoresCut(Scripted):
+  """Scripted, with a step that takes the ``truncated`` keyword: it logs what it was told
+  and scores a cut turn -1 (an environment's own choice)."""
+
+  def step(self, action_text, truncated=False):
+    Scripted.log.append(("truncated", truncated))
+    obs, reward, done = super().step(action_text)
+    return obs, -1.0 if truncated else reward, done
+
+
 class Raises(Scripted):
   def step(self, action_text):
     raise KeyError("no such tool")

@@ -261,17 +261,19 @@ def test_a_stop_sequence_ends_single_turn_requests_like_the_reference():
 
 def test_a_turn_cut_at_its_cap_truncates_the_episode():
   """An episode is truncated when a limit cuts it: its response full (the episode's width)
-  or a turn at the per-turn cap (rollout.max_new_tokens) with no tool call and no stop;
-  a turn that stops early, or whose environment says done, is not."""
+  or a turn at the per-turn cap (rollout.max_new_tokens) with no tool call and no stop,
+  even when the environment then says done (it took the cut text for an answer); a turn
+  that stops early or answers short of the cap is not.  An environment whose step takes
+  ``truncated`` is told which turns were cut; one that takes only the text is unchanged."""
   from distflow_jax.rollout import turns
   g = guard.EnvGuard("scripted", 10.0, guard.OnEnvError.END)
   stop = EngineConfig(stop_ids=(63,)).ends_on_stop
 
-  def play(toks, width=40, cap=8, done_after=3):
+  def play(toks, width=40, cap=8, done_after=3, env=plugin_envs.Scripted):
     plugin_envs.Scripted.turns = done_after
     try:
       ep = turns.Episode([5, 6])
-      ep.env = g.make(plugin_envs.Scripted, 0)
+      ep.env = g.make(env, 0)
       tc = turns.TurnContext(parsers.tool_parser("tag"), 4, g, ToyTokenizer(), width, stop,
                              cap)
       turns.finish_turn(ep, toks, [0.0] * len(toks), [0.0] * len(toks), tc, 0)
@@ -282,10 +284,22 @@ def test_a_turn_cut_at_its_cap_truncates_the_episode():
   assert not capped.live and capped.truncated
   assert not play([2, 3, 63]).truncated  # stopped
   assert not play([2, 3, 4]).truncated  # ended short of its cap (a turn that answered)
-  assert not play([2, 3, 4, 5, 6, 7, 10, 11], done_after=1).truncated  # the env is done
+  # the env is done on it: still a cut answer (issue 52: it used to count as finished)
+  assert play([2, 3, 4, 5, 6, 7, 10, 11], done_after=1).truncated
+  assert not play([2, 3, 4], done_after=1).truncated  # an answer short of the cap
   assert play([2, 3, 4, 5], width=4).truncated  # the response full
   called = play([8, 3, 9, 4])  # '<tool>' t3 '</tool>': a call, the episode goes on
   assert called.live and not called.truncated
+  plugin_envs.Scripted.log.clear()
+  told = play([2, 3, 4, 5, 6, 7, 10, 11], done_after=1, env=plugin_envs.ScoresCut)
+  assert told.truncated and told.reward == -1.0
+  assert ("truncated", True) in plugin_envs.Scripted.log
+  plugin_envs.Scripted.log.clear()
+  answered = play([2, 3, 4], done_after=1, env=plugin_envs.ScoresCut)
+  assert not answered.truncated and answered.reward == 0.0
+  assert ("truncated", False) in plugin_envs.Scripted.log
+  assert guard.takes_truncated(plugin_envs.ScoresCut)
+  assert not guard.takes_truncated(plugin_envs.Scripted)
 
 
 def test_episodes_wider_than_the_engine_cache_are_refused():

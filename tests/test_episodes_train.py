@@ -74,3 +74,29 @@ def test_max_episode_tokens_is_the_response_width_and_max_new_tokens_each_turns(
     runs = np.diff(np.flatnonzero(np.diff(np.r_[0, gen[r].astype(int), 0])))[::2]
     assert runs.size and runs.max() <= 6, gen[r]
   assert math.isfinite(m["env/truncated"]) and m["response_length"] <= 16
+
+
+def test_reset_gets_the_rows_own_fields(tmp_path):
+  """reset(row) sees the data row's own columns (per-row metadata), not only prompt and
+  answer: a JSONL with a number, a nested dict and a list beside them."""
+  import json
+
+  import plugin_envs
+  rows = [{"prompt": f"What is {i} + 2?", "answer": f"#### {i + 2}", "level": i % 3,
+           "meta": {"id": f"q{i}", "tags": ["add", "small"]}} for i in range(16)]
+  path = tmp_path / "rows.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  from workflow_util import tiny_model_folder
+  tiny_model_folder(tmp_path)
+  cfg = _cfg(tmp_path, f"data.train={path}", "data.eval=", "trainer.eval_every=0",
+             f"model.path={tmp_path / 'model'}")
+  plugin_envs.Scripted.log.clear()
+  ctx, loaders = trainer.setup(cfg, log=lambda m: None)
+  list(trainer.train(cfg, ctx, loaders))
+  seen = [row for kind, row in plugin_envs.Scripted.log if kind == "reset"]
+  assert len(seen) == 8 * 2
+  by_prompt = {r["prompt"]: r for r in rows}
+  for row in seen:
+    want = by_prompt[row["prompt"]]
+    assert row["level"] == want["level"] and row["meta"] == want["meta"], row
+    assert row["answer"] == want["answer"] and "record" in row

@@ -118,6 +118,27 @@ def parse_row(raw: dict[str, Any] | BadRow, record: int, *, tokenizer: Tokenizer
       rendered, str) else None, "answer": answer,
       "data_source": default_source if source is None else source,
       "record": record}
+  # The row's own other fields, for an environment's reset(row) and plugins (not the
+  # image field, which can be large; ours win a name clash): JSON-plain values, as an
+  # asynchronous run's checkpoint saves the fields of its in-flight samples.
+  skip = {prompt_key, answer_key, source_key, image_key}
+  for key, value in raw.items():
+    if isinstance(key, str) and key not in skip and key not in host:
+      host[key] = plain_value(value)
   if vision is not None:
     host["pixel_values"], host["image_grid_thw"] = vision
   return Example(record=record, prompt_ids=ids, host=host)
+
+
+def plain_value(value: Any) -> Any:
+  """``value`` with numpy scalars and arrays (parquet and grain rows) as Python numbers
+  and lists, nested through lists and dicts."""
+  if isinstance(value, np.generic):
+    return value.item()
+  if isinstance(value, np.ndarray):
+    return value.tolist()
+  if isinstance(value, dict):
+    return {k: plain_value(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [plain_value(v) for v in value]
+  return value

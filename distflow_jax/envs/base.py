@@ -8,7 +8,11 @@ that the rollout's episode loop drives on the host that generates the episode:
     observation, reward, done = env.step(action_text)
 
 ``row`` is the data row that stayed with the process that loaded the prompt (``prompt``,
-``answer`` and any other column).  ``action_text`` is the model's text of one turn: up to
+``answer``, ``data_source``, ``record`` and the row's own other columns, data/rows.py).
+``step`` may take a keyword ``truncated`` (``step(self, action_text, truncated=False)``):
+it is True for a turn a limit cut (``rollout.max_new_tokens`` or the episode's width) with
+no tool call and no stop; such an episode counts in ``env/truncated`` whatever ``step``
+returns.  ``action_text`` is the model's text of one turn: up to
 and including its first complete tool call (``parsers``), or the whole turn when it made
 none (its last).  ``observation`` is text that the loop tokenizes and appends to the
 episode (never trained on); ``reward`` a finite number, summed over the episode's turns;

@@ -3,6 +3,13 @@
     guard = EnvGuard("calc", timeout_s=5.0, on_error=OnEnvError.END)
     obs = guard.reset(env, row, sample_id)              # None: the episode failed
     step = guard.step(env, action_text, sample_id)      # None: the episode failed
+    step = guard.step(env, text, sample_id, truncated=True)  # a turn a limit cut
+
+``truncated=True`` (a turn cut at ``rollout.max_new_tokens`` or the episode's width, with
+no tool call and no stop) reaches an environment whose ``step`` takes a ``truncated``
+keyword (``def step(self, action_text, truncated=False)``) as that keyword, so it can
+score a cut answer as it means to; an environment whose ``step`` takes only the text gets
+the text, as before (the episode is counted in ``env/truncated`` either way).
 
 A call runs in a daemon worker thread and is waited for ``timeout_s`` seconds; one that
 raises, overruns its deadline (the thread is abandoned: a daemon thread never keeps the
@@ -16,6 +23,8 @@ sample and what went wrong (the command exits 2, as for a reward function).
 from __future__ import annotations
 
 import enum
+import functools
+import inspect
 import logging
 import math
 import numbers
@@ -25,6 +34,17 @@ from typing import Any, Callable, Mapping, NamedTuple
 from distflow_jax.envs.base import Environment
 
 log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def takes_truncated(cls: type) -> bool:
+  """Whether ``cls.step`` accepts a ``truncated`` keyword (or **kwargs)."""
+  try:
+    params = inspect.signature(cls.step).parameters.values()
+  except (TypeError, ValueError, AttributeError):
+    return False
+  return any(p.name == "truncated" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+             or p.kind is p.VAR_KEYWORD for p in params)
 
 
 class OnEnvError(enum.Enum):
@@ -108,8 +128,13 @@ class EnvGuard:
       return None
     return obs
 
-  def step(self, env: Environment, action_text: str, sample_id: Any) -> Step | None:
-    ok, out = self._call(lambda: env.step(action_text), "step", sample_id)
+  def step(self, env: Environment, action_text: str, sample_id: Any,
+           truncated: bool = False) -> Step | None:
+    if truncated and takes_truncated(type(env)):
+      call = lambda: env.step(action_text, truncated=True)  # noqa: E731
+    else:
+      call = lambda: env.step(action_text)  # noqa: E731
+    ok, out = self._call(call, "step", sample_id)
     if not ok:
       return None
     if not isinstance(out, tuple) or len(out) != 3:

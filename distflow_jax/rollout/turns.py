@@ -84,18 +84,21 @@ def finish_turn(ep: Episode, toks: list[int], lps, slps, tc: TurnContext,
   ep.add(toks[:k], True, lps[:k], slps[:k])
   ep.turns += 1
   ep.stopped = cut is None and tc.ends_on_stop(toks[:k])
-  step = tc.guard.step(ep.env, tc.tokenizer.decode(toks[:k]), sample_id)
+  full = len(ep.tokens) >= tc.width
+  # A turn a limit cut (the per-turn cap or the episode's width) before it made a call or
+  # stopped: not a finished answer, whatever the environment makes of it (it is told).
+  cut_short = cut is None and not ep.stopped and (0 < tc.turn_cap <= len(toks) or full)
+  step = tc.guard.step(ep.env, tc.tokenizer.decode(toks[:k]), sample_id,
+                       truncated=cut_short)
   if step is None:
     ep.live = False
     return
   ep.reward += step.reward
   if k:  # the turn's reward sits on its last generated token (GAE sees it there)
     ep.turn_rewards.append((len(ep.tokens) - 1, step.reward))
-  full = len(ep.tokens) >= tc.width
-  # a turn the per-turn cap cut before it made a call or stopped
-  capped = cut is None and not ep.stopped and 0 < tc.turn_cap <= len(toks)
   if step.done or cut is None or ep.turns >= tc.max_turns or full:
     ep.live = False
-    ep.truncated = (full or capped) and not step.done and not ep.stopped
+    # cut short, or full after a call the environment did not end the episode on
+    ep.truncated = cut_short or (full and not step.done and not ep.stopped)
     return
   observe(ep, step.observation, tc.tokenizer, tc.width)
