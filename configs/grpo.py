@@ -155,6 +155,14 @@ def get_config(arg: str = "tiny"):
     c.model.lora.rank = 16
     c.model.lora.alpha = 32.0
     c.actor.optimizer.lr = 2e-4
+  elif arg == "tiny_env":
+    # The default run with the environment's reward in place of the math verifier's, for
+    # multi-turn episodes: --config=grpo:tiny_env --config.rollout.env=NAME (your
+    # environment, from config.plugins or as module:Class).
+    c = get_config("tiny")
+    c.name = "grpo-tiny_env"
+    c.run_dir = "runs/grpo_tiny_env"
+    c.dag = [dict(d, fn="reward.env") if d["fn"] == "reward.math" else dict(d) for d in DAG]
   elif arg == "tiny_lora":
     # The default run training rank-8 LoRA adapters on every projection instead of the
     # whole model (models/lora.py); the reference is the base, adapters off.  The adapters
@@ -167,6 +175,6 @@ def get_config(arg: str = "tiny"):
     c.model.lora.alpha = 16.0
     c.actor.optimizer.lr = 1e-3
   else:
-    raise ValueError(f"unknown variant {arg!r} of grpo.py; valid: tiny, tiny_lora, qwen0.5b, "
+    raise ValueError(f"unknown variant {arg!r} of grpo.py; valid: tiny, tiny_lora, tiny_env, qwen0.5b, "
                      f"llama1b, smollm2, smollm2_lora, calc, calc_notool")
   return c

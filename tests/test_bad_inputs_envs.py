@@ -7,7 +7,8 @@ import pytest
 from test_bad_inputs_corpus import assert_one_line, config_file, run
 from workflow_util import SMOKE
 
-ENV = 'c.plugins = ("plugin_envs",)\nc.rollout.prefill_buckets = (64, 96)\n'
+ENV = ('c.plugins = ("plugin_envs",)\nc.rollout.prefill_buckets = (64, 96)\n'
+       'c.dag[1]["fn"] = "reward.env"\n')
 
 # (config-file body, what the line must name)
 PLAN_CASES = {

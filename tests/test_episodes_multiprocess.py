@@ -18,8 +18,8 @@ EXTRA = ["data.prompts_per_step=8", "rollout.n=2", "actor.micro_batch_size=1",
 @pytest.mark.timeout(1200)
 @pytest.mark.llvm_level1  # bitwise; at LLVM level 0 it differs by an ulp
 def test_episodes_on_2x2_equal_1x8_bitwise(tmp_path):
-  single = _single(tmp_path, "grpo:tiny", EXTRA)
-  multi = _multi(tmp_path, "grpo:tiny", EXTRA, 2, 2)
+  single = _single(tmp_path, "grpo:tiny_env", EXTRA)
+  multi = _multi(tmp_path, "grpo:tiny_env", EXTRA, 2, 2)
   assert [m["step"] for m in multi] == [s["step"] for s in single] == [1, 2]
   for s, m in zip(single, multi):
     for key in ("env/turns_mean", "env/errors", "response_length", "actor/token_count",

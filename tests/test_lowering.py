@@ -292,7 +292,7 @@ def _covered(compiled, cat):
 # 4 decode slots (prefill rows 1 and 4) in both.
 PROBES = {
     "ppo:tiny": ("--config=ppo:tiny",),
-    "grpo:tiny+tis+episodes": ("--config=grpo:tiny", "--config.actor.off_policy.correction=tis",
+    "grpo:tiny+tis+episodes": ("--config=grpo:tiny_env", "--config.actor.off_policy.correction=tis",
                                *EPISODES, "--config.rollout.prefill_buckets=(32,80)"),
 }
 
@@ -339,7 +339,7 @@ def test_episode_catalogue_holds_the_append_programs_and_the_loss_mask():
   one per appended-length bucket up to the episode's response, at the cache's capacity),
   plan --programs counts them, and the train step reads the episodes' loss mask."""
   from distflow_jax.lowering import count
-  cfg, plan = _plan("grpo:tiny", [o.removeprefix("--config.") for o in EPISODES])
+  cfg, plan = _plan("grpo:tiny_env", [o.removeprefix("--config.") for o in EPISODES])
   cat = catalogue.programs(cfg, plan, abstract.abstract_context(cfg, plan,
                                                                 abstract.model_shape(cfg)))
   progs = {p.name: p for p in cat.programs}

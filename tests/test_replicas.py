@@ -47,7 +47,8 @@ def test_replica_shapes_that_fit_no_way_are_one_line(topo, devices, tp):
 
 def _plan(topo, *overrides):
   overrides = ["data.prompts_per_step=8", "actor.micro_batch_size=2", *overrides]
-  return plan_from_config(loading.load("grpo:tiny", overrides), topo, FUNCTIONS)
+  name = "grpo:tiny_env" if any(o.startswith("rollout.env=") for o in overrides) else "grpo:tiny"
+  return plan_from_config(loading.load(name, overrides), topo, FUNCTIONS)
 
 
 def test_plan_says_a_replica_spans_hosts_and_splits_rows_per_process():

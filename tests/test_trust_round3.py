@@ -169,3 +169,17 @@ def test_a_group_estimator_with_greedy_sampling_is_refused(flags, culprit, tmp_p
   assert not (tmp_path / "run" / "checkpoints").exists()
   # Sampling trains as before; greedy decoding to evaluate or generate stays allowed.
   assert cli.main(["plan", "--config.rollout.temperature=0.5"]) == 0, capsys.readouterr().err
+
+
+def test_an_environment_without_a_reward_env_node_is_refused(capsys):
+  """Its rewards would be dropped: the DAG scores episodes with reward.math only."""
+  flags = ["--config.rollout.env=plugin_envs:Scripted", "--config.plugins=('plugin_envs',)",
+           "--config.rollout.prefill_buckets=(16,32,80)"]
+  assert cli.main(["plan", *flags]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1, err
+  assert ("rollout.env='plugin_envs:Scripted' plays episodes, but no DAG node reads the "
+          "environment's rewards (reward.env)") in err
+  assert "--config=grpo:tiny_env" in err and "fn='reward.env', deps=['generate']" in err
+  assert cli.main(["plan", "--config=grpo:tiny_env", *flags]) == 0, capsys.readouterr().err
+  assert "reward.env" in capsys.readouterr().out

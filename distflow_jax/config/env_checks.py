@@ -41,6 +41,14 @@ def check(cfg) -> None:
                         f"environment or use another reward")
     return
   env_base.env_factory(r.env)  # resolves the name / imports module:Class, or one line
+  nodes = [n for n in (cfg.dag or []) if hasattr(n, "get")]
+  if not any(n.get("fn") == "reward.env" for n in nodes):
+    gen = next((n.get("id") for n in nodes if n.get("fn") == "generate"), "generate")
+    raise ConfigError(
+        f"rollout.env={r.env!r} plays episodes, but no DAG node reads the environment's "
+        f"rewards (reward.env), so they would be dropped; use --config=grpo:tiny_env, or add "
+        f"dict(id='env_reward', fn='reward.env', deps=[{gen!r}]) to the DAG beside or "
+        f"instead of the other reward (configs/grpo.py:calc)")
   width = "rollout.max_episode_tokens" if episode else "rollout.max_new_tokens"
   context = cfg.data.max_prompt_len + response_width(r) - 1
   if max(r.prefill_buckets) < context:
