@@ -27,13 +27,22 @@ from distflow_jax.state.context import RunContext, shared_prompt_group
 from distflow_jax.state.roles import ModelState
 
 
+def train_temperature(ctx: RunContext) -> float:
+  """The temperature every training pass reads the policy at: the rollout's (1 for greedy;
+  config/temperature.py)."""
+  from distflow_jax.config import temperature  # pylint: disable=import-outside-toplevel
+  from distflow_jax.dag import FUNCTIONS  # pylint: disable=import-outside-toplevel
+  return temperature.train_temperature(ctx.cfg, [s.node for s in ctx.plan.steps], FUNCTIONS)
+
+
 def on_policy(ctx: RunContext) -> bool:
-  """One epoch over one mini-batch: the policy is still the one that sampled, so the
-  rollout's own log-probs (untruncated, temperature 1) are the old log-probs -- unless an
-  off-policy correction weighs the trainer's log-probs against them."""
+  """One epoch over one mini-batch at temperature 1: the policy is still the one that
+  sampled, so the rollout's own log-probs (untruncated, temperature 1) are the old
+  log-probs -- unless an off-policy correction weighs the trainer's log-probs against them.
+  At another temperature the passes read softmax(logits / T), which the rollout's are not."""
   actor = ctx.cfg.actor
   return (actor.ppo_epochs == 1 and actor.mini_batches == 1 and not actor.recompute_old_logprobs
-          and not corrects_off_policy(ctx))
+          and not corrects_off_policy(ctx) and train_temperature(ctx) == 1.0)
 
 
 def corrects_off_policy(ctx: RunContext) -> bool:
@@ -133,11 +142,12 @@ def pass_state(ctx: RunContext, role: Role) -> ModelState:
 def logprob_pass(ctx: RunContext, role: Role, lay: dlayout.Layout, gs: int) -> Callable:
   """The jitted log-prob pass of ``role``'s model (``logprob`` / ``ref_logprob``)."""
   off = adapters_off(ctx, role)
+  t = train_temperature(ctx)
 
   def response_logprobs(g, p, b):
     return steps_lib.response_logprobs(g, lora.base_only(p) if off else p, b,
-                                       group_size=gs)[0]
-  return ctx.jitted(("logprobs", role, lay, gs), lambda: pass_fn(
+                                       group_size=gs, temperature=t)[0]
+  return ctx.jitted(("logprobs", role, lay, gs, t), lambda: pass_fn(
       ctx, lay, response_logprobs, ctx.cfg.actor.micro_batch_size,
       pass_state(ctx, role).params))
 

@@ -21,7 +21,8 @@ from distflow_jax.dag.spec import DagError, Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import SAMPLE_ID, Batch
 from distflow_jax.nodes.common import NodeTable, seq
-from distflow_jax.nodes.passes import budget_plan, on_policy, pack_plan, prompt_group
+from distflow_jax.nodes.passes import (budget_plan, on_policy, pack_plan, prompt_group,
+                                      train_temperature)
 from distflow_jax.train import deterministic, micro_batches, steps as steps_lib
 from distflow_jax.train.loss_mask import LOSS_MASK
 from distflow_jax.state.context import RunContext
@@ -54,7 +55,8 @@ def loss_for(ctx: RunContext, role: Role, section, gs: int):
   """``(loss_fn, agg)`` of the role's train step (actor: the policy loss with the step's
   prompt group size; critic: value regression)."""
   if role is Role.ACTOR:
-    loss_cfg = steps_lib.ActorLoss.from_config(section, response_width(ctx.cfg.rollout), gs)
+    loss_cfg = steps_lib.ActorLoss.from_config(section, response_width(ctx.cfg.rollout), gs,
+                                               temperature=train_temperature(ctx))
     return functools.partial(_actor_loss, cfg=loss_cfg), loss_cfg.loss_agg
   # the train steps take the config's spelling
   return (functools.partial(_critic_loss, value_clip=section.value_clip),

@@ -104,7 +104,7 @@ def prepare_run(cfg: ml_collections.ConfigDict, *, roles: RoleSet = "all",
   plan = checks.plan_from_config(cfg, topo, FUNCTIONS)
   roles_lib.check_topology(topo)
   if roles == "all":
-    checks.check_group_sampling(cfg, plan, FUNCTIONS)
+    checks.check_training(cfg, plan, FUNCTIONS)
     check_plan_spans_hosts(plan, topo)
     nodes.bind_builtins()
   if cfg.model.path == vl_warmstart.BUILTIN:

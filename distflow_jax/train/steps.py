@@ -39,15 +39,18 @@ Batch = Mapping[str, jax.Array]
 
 
 def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *,
-                      chunk_size: int = 512, group_size: int = 1
+                      chunk_size: int = 512, group_size: int = 1, temperature: float = 1.0
                       ) -> tuple[jax.Array, jax.Array]:
-  """Float32 ``(logp, entropy)`` of every response token, ``[B, N]`` (0 on padding).
+  """Float32 ``(logp, entropy)`` of every response token under ``softmax(logits /
+  temperature)``, ``[B, N]`` (0 on padding); the training passes give the rollout's
+  temperature (config/temperature.py).
 
   ``group_size``: see "Shared prompts" in train/hidden.py."""
   hidden = hidden_lib.response_hidden(graphdef, params, batch, group_size)
   model = nnx.merge(graphdef, params)
   logp, ent = heads.token_logprobs_and_entropy(hidden, model.unembed_matrix(),
-                                               batch["response_tokens"], chunk_size=chunk_size)
+                                               batch["response_tokens"], chunk_size=chunk_size,
+                                               temperature=temperature)
   m = batch["response_mask"].astype(jnp.float32)
   return logp * m, ent * m
 
@@ -89,10 +92,11 @@ class ActorLoss:
   group_size: int = 1                # rows per shared prompt (train/hidden.py)
   off_policy: str = "none"           # correction (algos/off_policy.py); else reads
   tis_cap: float = 2.0               # the batch's 'rollout_logprobs'
+  temperature: float = 1.0           # the rollout's: log-probs of softmax(logits / T)
 
   @classmethod
   def from_config(cls, actor, max_new_tokens: int | None = None,
-                  group_size: int = 1) -> "ActorLoss":
+                  group_size: int = 1, temperature: float = 1.0) -> "ActorLoss":
     return cls(clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
                dual_clip=actor.dual_clip, ratio_level=actor.ratio_level,
                loss_agg=actor.loss_agg, entropy_coef=actor.entropy_coef,
@@ -100,7 +104,7 @@ class ActorLoss:
                kl_in_loss=not actor.kl.in_reward,
                norm_length=float(max_new_tokens) if max_new_tokens else None,
                group_size=group_size, off_policy=actor.off_policy.correction,
-               tis_cap=float(actor.off_policy.tis_cap))
+               tis_cap=float(actor.off_policy.tis_cap), temperature=float(temperature))
 
   @property
   def correction(self) -> off_policy.OffPolicyCorrection:
@@ -110,7 +114,7 @@ class ActorLoss:
 def actor_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, cfg: ActorLoss,
                chunk_size: int) -> losses.LossOutput:
   logp, ent = response_logprobs(graphdef, params, mb, chunk_size=chunk_size,
-                                group_size=cfg.group_size)
+                                group_size=cfg.group_size, temperature=cfg.temperature)
   use_kl = cfg.kl_in_loss and cfg.kl_coef > 0
   weights = None  # none: the loss is built exactly as without a correction
   if cfg.correction is not off_policy.OffPolicyCorrection.NONE:

@@ -1,0 +1,69 @@
+"""The temperature the training passes read the policy at: the rollout's.
+
+    t = train_temperature(cfg, nodes, registry)   # rollout.temperature; 1 for greedy
+    check(cfg, plan, registry)                    # what training at t != 1 needs
+
+The samples come from softmax(logits / T), so the policy gradient, the PPO ratio, the KL
+to the reference and the entropy are those of that distribution: every training pass
+(old log-probs, reference log-probs, the actor's loss) divides the logits by T, as verl
+and TRL do.  At T = 1 nothing changes.  At T != 1 the rollout's own log-probs (which are
+temperature 1) cannot stand in for the old ones, so the ``logprob`` node recomputes them
+(``nodes/passes.on_policy``), and an off-policy correction, whose behaviour policy is
+those temperature-1 log-probs, is refused.
+"""
+
+from __future__ import annotations
+
+from distflow_jax.config.loading import ConfigError
+
+
+def rollout_temperatures(cfg, nodes, registry) -> dict[str, float]:
+  """Each rollout node's effective temperature (its own override, else the global one)."""
+  from distflow_jax.config.checks import node_section  # pylint: disable=import-outside-toplevel
+  return {n.id: float(node_section(cfg, n, registry).temperature) for n in nodes
+          if registry.spec(n.fn).section == "rollout"}
+
+
+def train_temperature(cfg, nodes, registry) -> float:
+  """The rollout node's temperature (a DAG has one: two producers of its tokens are
+  refused), or the global one; 1 for greedy."""
+  temps = list(rollout_temperatures(cfg, nodes, registry).values())
+  t = temps[0] if temps else float(cfg.rollout.temperature)
+  return t if t > 0 else 1.0
+
+
+def check(cfg, plan, registry) -> None:
+  """For training at T != 1: an old-log-prob node before each actor trainer and no
+  off-policy correction."""
+  t = train_temperature(cfg, [s.node for s in plan.steps], registry)
+  if t == 1.0:
+    return
+  for s in plan.steps:
+    if s.node.fn != "train.actor":
+      continue
+    from distflow_jax.config.checks import node_section  # pylint: disable=import-outside-toplevel
+    correction = node_section(cfg, s.node, registry).off_policy.correction
+    if correction != "none":
+      raise ConfigError(
+          f"actor.off_policy.correction={correction!r} at rollout.temperature={t:g}: the "
+          f"rollout records temperature-1 log-probs, not those of the distribution it "
+          f"sampled from, so the correction's weights would be wrong; sample at "
+          f"temperature 1 or set actor.off_policy.correction=none")
+    ancestors = _ancestors(s.node.id, {st.node.id: st.node for st in plan.steps})
+    if not any(n.fn == "logprob" for n in ancestors):
+      raise ConfigError(
+          f"rollout.temperature={t:g}: node {s.node.id!r} (train.actor) needs the old "
+          f"log-probs at that temperature, and the rollout's are temperature 1; add "
+          f"dict(id='old_logprob', fn='logprob', deps=['generate']) to its deps")
+
+
+def _ancestors(node_id: str, by_id: dict) -> list:
+  seen, stack, out = set(), list(by_id[node_id].deps), []
+  while stack:
+    i = stack.pop()
+    if i in seen or i not in by_id:
+      continue
+    seen.add(i)
+    out.append(by_id[i])
+    stack.extend(by_id[i].deps)
+  return out
