@@ -183,3 +183,34 @@ def test_an_environment_without_a_reward_env_node_is_refused(capsys):
   assert "--config=grpo:tiny_env" in err and "fn='reward.env', deps=['generate']" in err
   assert cli.main(["plan", "--config=grpo:tiny_env", *flags]) == 0, capsys.readouterr().err
   assert "reward.env" in capsys.readouterr().out
+
+
+PLUGIN = """from distflow_jax.rewards import registry
+
+def {name}(completion, ground_truth):
+  return 1.0
+
+if "{name}" not in registry.reward_names():
+  registry.register_reward("{name}", {name})
+"""
+
+
+def test_plugins_import_from_the_working_directory_and_by_path(tmp_path, monkeypatch, capsys):
+  """A plugin beside the user's config is found by name from its folder (the console
+  script's folder, not the working directory, heads sys.path), and any .py by path."""
+  here = tmp_path / "work"
+  here.mkdir()
+  (here / "cwd_reward_plugin.py").write_text(PLUGIN.format(name="cwd_reward"))
+  (tmp_path / "elsewhere.py").write_text(PLUGIN.format(name="path_reward"))
+  monkeypatch.chdir(here)
+  monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", ".")])
+  assert cli.main(["plan", "--config.plugins=('cwd_reward_plugin',)",
+                   "--config.trainer.eval_reward=cwd_reward"]) == 0, capsys.readouterr().err
+  assert cli.main(["plan", f"--config.plugins=('{tmp_path / 'elsewhere.py'}',)",
+                   "--config.trainer.eval_reward=path_reward"]) == 0, capsys.readouterr().err
+  capsys.readouterr()
+  assert cli.main(["plan", "--config.plugins=('no_such_plugin_mod',)"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and "plugins: cannot import 'no_such_plugin_mod'" in err
+  assert cli.main(["plan", f"--config.plugins=('{tmp_path / 'missing.py'}',)"]) == 2
+  assert "no such file" in capsys.readouterr().err

@@ -8,12 +8,11 @@ group size and the lengths, and returns the plan.  Every failure is a
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 
 import ml_collections
 
-from distflow_jax.config import values
+from distflow_jax.config import user_modules, values
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag import planner as planner_lib
 from distflow_jax.dag.registry import Placement, Registry, unknown_name_message
@@ -62,9 +61,10 @@ def check_runtime_topology(cfg: ml_collections.ConfigDict, process_count: int,
 def load_plugins(cfg: ml_collections.ConfigDict) -> None:
   for mod in cfg.plugins:
     try:
-      importlib.import_module(mod)
+      user_modules.import_user_module(mod)
     except ImportError as e:
-      raise ConfigError(f"plugins: cannot import {mod!r}: {e}") from None
+      raise ConfigError(f"plugins: cannot import {mod!r}: {e} (a module name, importable or a "
+                        f".py file in the working directory, or a path to a .py file)") from None
 
 
 def plan_from_config(cfg: ml_collections.ConfigDict, topo: planner_lib.Topology,

@@ -26,9 +26,9 @@ reward functions are) or named directly as ``module:Class`` (the module is impor
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
+from distflow_jax.config import user_modules
 from distflow_jax.config.loading import ConfigError
 
 
@@ -80,7 +80,7 @@ def env_factory(name: str) -> EnvFactory:
     return _REGISTRY[name]
   module, _, attr = name.partition(":")
   try:
-    obj = importlib.import_module(module)
+    obj = user_modules.import_user_module(module)
   except Exception as e:  # pylint: disable=broad-except
     raise ConfigError(f"rollout.env={name!r}: cannot import {module!r}: "
                       f"{type(e).__name__}: {e}") from None
