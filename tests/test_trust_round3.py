@@ -214,3 +214,13 @@ def test_plugins_import_from_the_working_directory_and_by_path(tmp_path, monkeyp
   assert len(err.splitlines()) == 1 and "plugins: cannot import 'no_such_plugin_mod'" in err
   assert cli.main(["plan", f"--config.plugins=('{tmp_path / 'missing.py'}',)"]) == 2
   assert "no such file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--config.dag=[dict(id='generate', fn='generate')]",
+                                  "--config.dag.0.fn=generate"])
+def test_a_dag_on_the_command_line_says_to_write_a_config_file(flag, capsys):
+  assert cli.main(["plan", flag]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1, err
+  assert "the DAG (a list of node dicts) cannot be set on the command line" in err
+  assert "--config=FILE.py" in err and "not supported for overriding" not in err

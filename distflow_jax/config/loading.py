@@ -103,6 +103,15 @@ def parse(fv: flags.FlagValues, argv: Sequence[str]) -> list[str]:
   repeated = flag_checks.repeated_problem(fv, argv)
   if repeated:
     raise ConfigError(repeated)
+  dag_flag = next((a for a in argv if a.split("=", 1)[0] == "--config.dag"
+                   or a.startswith("--config.dag.")), None)
+  if dag_flag is not None:
+    raise ConfigError(
+        f"{dag_flag.split('=', 1)[0]}: the DAG (a list of node dicts) cannot be set on the "
+        f"command line; write a config file -- def get_config(): c = loading.load("
+        f"'grpo:tiny'); c.dag = [dict(id=..., fn=..., deps=[...]), ...]; return c (with "
+        f"from distflow_jax.config import loading) -- and pass --config=FILE.py (a node's "
+        f"own settings go in its config=dict(...); README 'Writing your own workflow')")
   full = ["distflow-jax"] + list(argv)
   config_flags.DEFINE_config_file("config", None, "ml_collections config file[:arg]",
                                   flag_values=fv, lock_config=True, sys_argv=full)
