@@ -8,8 +8,9 @@ Exits 0 when every process did; else with the first failing process's code
 On several plain hosts (no Slurm, no pod), run the same command on each host with:
   DISTFLOW_COORDINATOR=HOST0:PORT  (host 0's address, a free port on it)
   DISTFLOW_NUM_PROCESSES=N  DISTFLOW_PROCESS_ID=i  (0 on host 0, ..., N-1)
-  e.g. DISTFLOW_COORDINATOR=10.0.0.1:8476 DISTFLOW_NUM_PROCESSES=2 \
-       DISTFLOW_PROCESS_ID=0 distflow-jax train --config=...
+  e.g. on host 0 (10.0.0.1), and with DISTFLOW_PROCESS_ID=1 on host 1:
+  DISTFLOW_COORDINATOR=10.0.0.1:8476 DISTFLOW_NUM_PROCESSES=2 DISTFLOW_PROCESS_ID=0
+      distflow-jax train --config=...
 """
 
 from __future__ import annotations
