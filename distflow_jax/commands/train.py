@@ -30,6 +30,14 @@ DEFAULT_CONFIG = "grpo:tiny"
 
 
 def run(argv: Sequence[str]) -> int:
+  try:
+    return _run(argv)
+  finally:
+    while _restore_signals:
+      _restore_signals.pop()()
+
+
+def _run(argv: Sequence[str]) -> int:
   fv = flags.FlagValues()
   define_run_flags(fv, "checkpoint in the run dir")
   flags.DEFINE_boolean("allow_config_change", False, "resume even when the config changes "
@@ -42,6 +50,7 @@ def run(argv: Sequence[str]) -> int:
   from distflow_jax.observe import wandb_log
   wandb_log.check(cfg)  # logging.wandb without the wandb package: one line, before any work
   info, log = start_job(fv, "config", cfg.run_dir, job="train")
+  terminated = _on_sigterm_as_ctrl_c()
   from distflow_jax.persist import checkpoint
   from distflow_jax.observe import progress, run_config
   from distflow_jax.run import trainer
@@ -97,10 +106,12 @@ def run(argv: Sequence[str]) -> int:
         config_args=with_default_config(argv, DEFAULT_CONFIG)))
   except KeyboardInterrupt:
     log.end_line()
+    code = 143 if terminated else 130  # 128 + the signal, as the shell reports it
     if wandb is not None:
-      wandb.close(exit_code=130)
-    print(f"distflow-jax train: {_interrupted(ckpt, cfg)}", file=sys.stderr)
-    return 130
+      wandb.close(exit_code=code)
+    how = "terminated (SIGTERM)" if terminated else "interrupted (Ctrl-C)"
+    print(f"distflow-jax train: {_interrupted(ckpt, cfg, how)}", file=sys.stderr)
+    return code
   except Exception as e:  # pylint: disable=broad-except
     log.end_line()
     if wandb is not None:
@@ -122,7 +133,30 @@ def run(argv: Sequence[str]) -> int:
   return 0
 
 
-def _interrupted(ckpt, cfg) -> str:
+def _on_sigterm_as_ctrl_c() -> list:
+  """SIGTERM (a scheduler's preemption, ``kill``, ``docker stop``) stops the run as Ctrl-C
+  does: the step in progress is abandoned, a save in flight finishes, the run lock is
+  released and one line says which checkpoint is left (exit 143).  Returns a list that
+  is non-empty once SIGTERM came (the handler raises KeyboardInterrupt in the main
+  thread).  Not installed off the main thread (signal handlers cannot be)."""
+  import signal
+  import threading
+  came: list = []
+  if threading.current_thread() is not threading.main_thread():
+    return came
+
+  def handler(signum, frame):  # pylint: disable=unused-argument
+    came.append(signum)  # a second one abandons a save in flight, as a second Ctrl-C does
+    raise KeyboardInterrupt
+  previous = signal.signal(signal.SIGTERM, handler)
+  _restore_signals.append(lambda: signal.signal(signal.SIGTERM, previous))
+  return came
+
+
+_restore_signals: list = []  # run() puts the previous SIGTERM handler back when it returns
+
+
+def _interrupted(ckpt, cfg, how: str = "interrupted (Ctrl-C)") -> str:
   """What Ctrl-C leaves: a save in flight is let finish (a second Ctrl-C abandons it; the
   half-written step is ignored by the next run)."""
   from distflow_jax.persist import checkpoint
@@ -139,4 +173,4 @@ def _interrupted(ckpt, cfg) -> str:
     from distflow_jax.observe import run_config
     steps = run_config.committed_steps(cfg.run_dir)
     last = steps[-1] if steps else None
-  return progress.interrupted_line(last, directory)
+  return progress.interrupted_line(last, directory, how)

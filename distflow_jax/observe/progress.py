@@ -299,9 +299,10 @@ def eval_config_args(config_args: Sequence[str]) -> list[str]:
   return [a for a in joined if a.startswith("--config") and not a.startswith(drop)]
 
 
-def interrupted_line(last_checkpoint: int | None, checkpoint_dir: str) -> str:
-  """What Ctrl-C leaves behind, in one line."""
+def interrupted_line(last_checkpoint: int | None, checkpoint_dir: str,
+                     how: str = "interrupted (Ctrl-C)") -> str:
+  """What Ctrl-C (or SIGTERM: ``how``) leaves behind, in one line."""
   if last_checkpoint is None:
-    return "interrupted (Ctrl-C); no checkpoint was saved: the next run starts over"
-  return (f"interrupted (Ctrl-C); the last complete checkpoint is step {last_checkpoint} in "
+    return f"{how}; no checkpoint was saved: the next run starts over"
+  return (f"{how}; the last complete checkpoint is step {last_checkpoint} in "
           f"{checkpoint_dir}: run the same command to resume from it")
