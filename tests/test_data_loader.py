@@ -290,3 +290,16 @@ def test_finite_loader_still_stops_after_full_batches(tmp_path):
   path = _write_jsonl(tmp_path / "d.jsonl", _records(5))
   ld = _loader(path, batch_size=2, num_epochs=1)
   assert len(list(ld)) == 2  # the partial last batch is dropped, as before
+
+
+@pytest.mark.parametrize("n, count", [(10, 1), (9, 2)])
+def test_an_endless_loader_of_bad_rows_counts_each_row_once(tmp_path, n, count):
+  """A training loader (endless epochs) whose every row is bad stops after one whole pass
+  of its shard, and its counts are that shard's rows, not more (it said 12 of 10)."""
+  path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x" * 40, "answer": "1"}] * n)
+  shard = len(range(count - 1, n, count))
+  ld = _loader(path, batch_size=2, num_epochs=None, max_prompt_len=32,
+               process_count=count, process_index=count - 1)
+  with pytest.raises(TooFewRowsError, match=rf"has no valid rows; bad rows "
+                                            rf"\{{'too_long': {shard}\}}"):
+    next(iter(ld))

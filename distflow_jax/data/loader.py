@@ -194,7 +194,7 @@ class PromptLoader:
       if self._counts[item.reason] == 1:
         log.warning("skipping malformed row %s (further %s rows are counted, "
                     "see loader.counts)", where, item.reason)
-      if scanned > len(self.source) // self.process_count + 1:
+      if self.num_epochs is None and scanned >= len(self._dataset):  # a pass, all bad
         raise TooFewRowsError(f"shard {self.process_index}/{self.process_count} of "
                               f"{self.source.path!r} has no valid rows; "
                               f"{self._bad_summary()}")
