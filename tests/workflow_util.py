@@ -27,6 +27,18 @@ def use_tape(cfg, directory, mode):
   cfg.dag = [dict(d, fn="generate.tape") if d["fn"] == "generate" else dict(d) for d in cfg.dag]
 
 
+def params_sum_squares(ctx) -> float:
+  """The actor's parameters' sum of squares, in float64 (the same on every process)."""
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  from distflow_jax.dag.spec import Role
+  return float(sum(np.sum(np.asarray(multihost_utils.process_allgather(x, tiled=True),
+                                     np.float64) ** 2)
+                   for x in jax.tree.leaves(ctx.roles[Role.ACTOR].params)))
+
+
 def params_digest(ctx):
   """sha256 of the actor's parameters, gathered whole (the same on every process)."""
   import hashlib

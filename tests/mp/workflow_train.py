@@ -6,7 +6,7 @@ With DISTFLOW_TEST_TAPE / DISTFLOW_TEST_TAPE_MODE set, the generate node records
 replays rollouts (tests/plugin_rollout_tape.py).  With DISTFLOW_TEST_OVERLAP=1 the run is
 handed the catalogue's late programs as the ``train`` command hands them
 (``trainer.compile_overlap``).  The last row also carries ``params_sha256``, a digest of
-the trained actor's parameters.
+the trained actor's parameters, and ``params_sum_squares`` (float64).
 """
 
 import json
@@ -23,7 +23,7 @@ def main() -> int:
   info = distributed.initialize()
   from distflow_jax.config import loading
   from distflow_jax.run import trainer
-  from workflow_util import params_digest, use_tape
+  from workflow_util import params_digest, params_sum_squares, use_tape
   cfg = loading.load(name, overrides)
   if os.environ.get("DISTFLOW_TEST_TAPE"):
     use_tape(cfg, os.environ["DISTFLOW_TEST_TAPE"], os.environ["DISTFLOW_TEST_TAPE_MODE"])
@@ -34,6 +34,7 @@ def main() -> int:
     programs_at = catalogue.late_programs
   metrics = list(trainer.train(cfg, ctx, loaders, programs_at=programs_at))
   metrics[-1]["params_sha256"] = params_digest(ctx)
+  metrics[-1]["params_sum_squares"] = params_sum_squares(ctx)
   metrics[-1]["replica_processes"] = ctx.built_replicas()
   if info.process_index == 0:
     with open(out, "w") as f:
