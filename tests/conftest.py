@@ -24,7 +24,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # XLA's CPU backend emits each fusion straight to LLVM IR (its legacy emitters) instead of
 # through its MLIR fusion emitters: the same HLO programs, about 15-20% less CPU to compile
 # each (compiling is most of the suite's time), and a grpo:tiny run's metrics and samples
-# bitwise equal either way (README "Tests").  DISTFLOW_TEST_XLA_DEFAULTS=1 keeps XLA's own
+# bitwise equal either way (docs/development.md "Tests").  DISTFLOW_TEST_XLA_DEFAULTS=1 keeps XLA's own
 # emitters.  Every process a test starts inherits the flag.
 if os.environ.get("DISTFLOW_TEST_XLA_DEFAULTS") != "1" and (
     "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]):
@@ -32,7 +32,7 @@ if os.environ.get("DISTFLOW_TEST_XLA_DEFAULTS") != "1" and (
 # LLVM at optimization level 0 instead of XLA's default: the same HLO programs, compiled
 # without LLVM's optimization passes (the suite's tiny programs run in microseconds either
 # way): the whole suite in about 70% of the CPU seconds it took at level 1, and level 1
-# about 75% of the default level's (README "Tests").  The code it emits may round
+# about 75% of the default level's (docs/development.md "Tests").  The code it emits may round
 # differently in the last bit from the default level's, so the claims of bitwise equality
 # across layouts and processes (marked ``reduction_order``, tests/isa.py) run their
 # processes at XLA's default level, as users' runs do, and the in-process bitwise claims

@@ -15,7 +15,7 @@ training process, real jax.distributed processes with SIGKILL deadlines.
   with one process a group (2 rollout devices, a 1-device actor) and with two (2 + 2);
 * a peer killed in either group stops the other in one line (the victim is process 1
   either way; process 0's death, which takes the coordination service with it, is
-  tests/test_peer_watchdog.py's; README "Launching").
+  tests/test_peer_watchdog.py's; docs/launching.md).
 """
 
 import json
@@ -130,7 +130,7 @@ def test_groups_of_unequal_device_counts(tmp_path, rollout, training):
 # processes of a run that checkpoints (the train command) include process 0, where orbax
 # writes a checkpoint's shared files; a killed training process 1 is seen through the
 # test child, which saves nothing (process 0 hosts the coordination service: when it dies
-# JAX itself ends the others, README "Launching").
+# JAX itself ends the others, docs/launching.md).
 GROUPS = {"rollout_killed": ("1:2", "0:1"), "training_killed": ("0:1", "1:2")}
 TRAIN_FIRST = ["placement.rollout.devices=1:2", "placement.actor.devices=0:1",
                "placement.reference.devices=0:1", *SPLIT[3:]]
@@ -186,7 +186,7 @@ def _steps_done(tmp_path, logs, training) -> int:
 
 # The killed training process 0 takes the coordination service with it: jax's client
 # aborts the rollout process at once, and the watchdog usually names it first, but it is
-# a race (README "Launching"), so that case tries up to three times.
+# a race (docs/launching.md), so that case tries up to three times.
 KILLS = {**{case: (*groups, 1) for case, groups in GROUPS.items()},
          "training_process_0_killed": (*GROUPS["rollout_killed"], 0)}
 

@@ -145,11 +145,11 @@ def test_task_knobs_are_checked():
 
 
 def test_the_readmes_example_environment_runs(tmp_path, monkeypatch):
-  """README "Multi-turn episodes": its ~30-line plugin, as written there, registers and plays."""
+  """docs/multi_turn.md: its ~30-line plugin, as written there, registers and plays."""
   import pathlib
   import sys
-  text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-  section = text.split("## Multi-turn episodes", 1)[1]
+  text = (pathlib.Path(__file__).parent.parent / "docs" / "multi_turn.md").read_text()
+  section = text.split("# Multi-turn episodes", 1)[1]
   code = section.split("```python\n", 1)[1].split("```", 1)[0]
   (tmp_path / "my_envs.py").write_text(code)
   monkeypatch.syspath_prepend(str(tmp_path))

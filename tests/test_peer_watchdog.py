@@ -89,7 +89,7 @@ def test_process_0_killed_the_survivor_says_so_in_one_line():
   survivor at once with a C++ fatal log and stack trace (SIGABRT) unless the watchdog,
   which reads process 0's exit mark while it lives and is woken by its pidfd, names it
   first.  Both threads wake on the same death, so this is a race the watchdog usually
-  wins (README "Launching": jax won 1 of 20 tries idle, 4 of 30 beside three busy loops on
+  wins (docs/launching.md: jax won 1 of 20 tries idle, 4 of 30 beside three busy loops on
   2 cores; CI once lost the single try this test used to make): up to three tries, each
   ending one of the two ways, the watchdog winning one."""
   outcomes = []

@@ -1,4 +1,4 @@
-"""README "Your own task, end to end" runs as written (issue 17): its bash block(s), command
+"""docs/own_data.md "Your own task, end to end" runs as written (issue 17): its bash block(s), command
 by command, each in a subprocess as a user types it, with small step counts appended
 (sft, train and eval only get overrides; everything else runs verbatim), and the files
 each step promises are there: the SFT folder, the RL checkpoints, the eval results, and an
@@ -32,7 +32,7 @@ SMALL = {
 
 
 def section_text() -> str:
-  text = (ROOT / "README.md").read_text()
+  text = (ROOT / "docs" / "own_data.md").read_text()
   start = text.index(SECTION)
   end = text.find("\n## ", start + len(SECTION))
   return text[start:end if end >= 0 else len(text)]

@@ -45,8 +45,8 @@ def test_config_refuses_what_plan_and_train_refuse(capsys):
 
 def test_readme_example_environment_scores_the_answer_exactly(monkeypatch):
   from distflow_jax.envs import base  # pylint: disable=import-outside-toplevel
-  text = open(__file__.replace("tests/test_trust_round3.py", "README.md")).read()
-  section = text.split("## Multi-turn episodes (`rollout.env`)", 1)[1]
+  text = open(__file__.replace("tests/test_trust_round3.py", "docs/multi_turn.md")).read()
+  section = text.split("# Multi-turn episodes (`rollout.env`)", 1)[1]
   code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
   made = {}
   monkeypatch.setattr(base, "register_env", lambda name, cls: made.setdefault(name, cls))

@@ -1,4 +1,4 @@
-"""Two plain hosts, as README "Two plain hosts" tells a user to start them: the same
+"""Two plain hosts, as docs/launching.md "Two plain hosts" tells a user to start them: the same
 `distflow-jax train` on each with DISTFLOW_COORDINATOR (host 0's address and a free port),
 DISTFLOW_NUM_PROCESSES and DISTFLOW_PROCESS_ID set, nothing else.  Here the two "hosts"
 are two local processes of one device each, started by hand (not by `launch`)."""

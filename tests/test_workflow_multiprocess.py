@@ -1,4 +1,4 @@
-"""What is layout-independent, each part on its own (README, "Reproducible across layouts").
+"""What is layout-independent, each part on its own (docs/how_it_runs.md, "Reproducible across layouts").
 
 * Given the same samples (one run's rollouts replayed in the others), losses, gradient
   norms and metrics agree to float32 reassociation: GRPO on 1 x 8 and 2 x 2, PPO (actor

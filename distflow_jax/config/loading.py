@@ -111,7 +111,7 @@ def parse(fv: flags.FlagValues, argv: Sequence[str]) -> list[str]:
         f"command line; write a config file -- def get_config(): c = loading.load("
         f"'grpo:tiny'); c.dag = [dict(id=..., fn=..., deps=[...]), ...]; return c (with "
         f"from distflow_jax.config import loading) -- and pass --config=FILE.py (a node's "
-        f"own settings go in its config=dict(...); README 'Writing your own workflow')")
+        f"own settings go in its config=dict(...); docs/workflows.md)")
   full = ["distflow-jax"] + list(argv)
   config_flags.DEFINE_config_file("config", None, "ml_collections config file[:arg]",
                                   flag_values=fv, lock_config=True, sys_argv=full)

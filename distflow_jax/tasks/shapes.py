@@ -306,7 +306,7 @@ class ShapesTask:
     # names every shape: a caption-like target that depends on the picture alone, where
     # "how many red squares" needs the picture and the question together, a weak signal
     # through a random tower.  configs/grpo_vl.py:tiny without them stayed at the
-    # image-blind 42% held out (README, "Images in the RL loop").
+    # image-blind 42% held out (docs/algorithms.md, "Images in the RL loop").
     cfg = preset(level)
     demo_cfg = dataclasses.replace(cfg, asks=tuple(dict.fromkeys(cfg.asks + (Ask.ANY,))))
     records = make_examples(demo_cfg, "train", count, seed=seed + 1, unique=False)
