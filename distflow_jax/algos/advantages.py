@@ -24,7 +24,6 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from distflow_jax.algos.choice import Choice
 
 _STD_EPS = 1e-6
 _WHITEN_EPS = 1e-8
@@ -33,16 +32,6 @@ _WHITEN_EPS = 1e-8
 class AdvantageOutput(NamedTuple):
   advantages_BxT: jax.Array
   returns_BxT: jax.Array
-
-
-class AdvantageEstimator(Choice):
-  """advantage estimator"""
-  GAE = "gae"
-  GRPO = "grpo"
-  DR_GRPO = "dr_grpo"
-  RLOO = "rloo"
-  REINFORCE_PP = "reinforce_pp"
-  REINFORCE_PP_BASELINE = "reinforce_pp_baseline"
 
 
 # --------------------------------------------------------------------------
@@ -315,28 +304,3 @@ def _gae_scan(token_rewards_BxT: jax.Array, values_BxT: jax.Array,
   zeros = jnp.zeros(r.shape[:1])
   adv = _reverse_masked_scan(step, (zeros, zeros), (r.T, v.T, m.T))
   return adv, (adv + v) * m
-
-
-OUTCOME_ESTIMATORS = {
-    AdvantageEstimator.GRPO: grpo_advantages,
-    AdvantageEstimator.RLOO: rloo_advantages,
-    AdvantageEstimator.REINFORCE_PP_BASELINE: reinforce_pp_baseline_advantages,
-}
-
-
-def group_advantages(name: "str | AdvantageEstimator", rewards_B: jax.Array,
-                     response_mask_BxT: jax.Array, **kwargs) -> AdvantageOutput:
-  """Runs a group (outcome-reward) estimator chosen by name.
-
-  ``dr_grpo`` is GRPO without std normalisation.  GAE and REINFORCE++ need
-  token-level inputs and are called directly.
-  """
-  est = AdvantageEstimator.parse(name)
-  if est is AdvantageEstimator.DR_GRPO:
-    return grpo_advantages(rewards_B, response_mask_BxT,
-                           normalize_by_std=False, **kwargs)
-  if est not in OUTCOME_ESTIMATORS:
-    valid = ", ".join(e.value for e in OUTCOME_ESTIMATORS) + ", dr_grpo"
-    raise ValueError(f"{est.value!r} is not a group estimator of sequence "
-                     f"rewards; valid here: {valid}")
-  return OUTCOME_ESTIMATORS[est](rewards_B, response_mask_BxT, **kwargs)
