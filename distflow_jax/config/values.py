@@ -114,7 +114,7 @@ def check_values(cfg) -> None:
   """Every value check of ``cfg`` that needs no cluster; raises the first failure."""
   _check_rollout(cfg.rollout)
   _check_data(cfg.data)
-  vision_checks.check_images(cfg)  # which combinations take images (issue 20)
+  vision_checks.check_images(cfg)  # which combinations take images
   _check_model(cfg.model)
   lora_checks.check(cfg)
   r, d = cfg.rollout, cfg.data

@@ -1,4 +1,4 @@
-"""Config checks of vision-language runs (issue 20): which combinations take images.
+"""Config checks of vision-language runs: which combinations take images.
 
 A run has images when `data.image_key` is set or `data.train` is a built-in visual task
 (tasks/shapes.py).  This slice supports them with a Qwen2.5-VL checkpoint in `model.path`

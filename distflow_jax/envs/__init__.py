@@ -1,4 +1,4 @@
-"""Environments for multi-turn episodes (issue 35): the protocol, the registry, tool-call
+"""Environments for multi-turn episodes: the protocol, the registry, tool-call
 parsers and the guarded calls that turn an environment's failure into one line.
 
 * ``base``: ``Environment`` (``reset(row) -> str``, ``step(action_text) -> (observation,

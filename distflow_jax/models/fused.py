@@ -1,4 +1,4 @@
-"""Fused projections for the rollout engine (issue 32): each layer's q/k/v as one
+"""Fused projections for the rollout engine: each layer's q/k/v as one
 ``qkv_proj`` and gate/up as one ``gate_up_proj``, so a decode step runs one matmul for
 the three and one for the two instead of five.
 

@@ -1,8 +1,8 @@
 """Checkpoint integrity: a checksum of every saved array, the same on any mesh.
 
 Orbax and tensorstore keep no checksums of the values: bytes flipped inside an
-OCDBT data file decode to other numbers and a run resumed from them silently
-(issue 16).  So a save also stores a checksum of every array in the step's
+OCDBT data file decode to other numbers, and a run resumed from them would train on
+them without a word.  So a save also stores a checksum of every array in the step's
 ``meta`` (committed atomically with the arrays), and a restore compares.
 
 An array's checksum is two 32-bit sums, over its elements, of a hash of the
@@ -231,7 +231,7 @@ def checksums(tree: Any) -> dict[str, str]:
 def sections(trees: dict[str, Any]) -> dict[str, dict[str, str]]:
   """``{section: {name: checksum}}`` of several trees at once (a collective): one program
   per mesh over all of their arrays, so a save's trained state, reference and LoRA base
-  checksum in one program (issue 32), with the names each tree alone would give."""
+  checksum in one program, with the names each tree alone would give."""
   out: dict[str, dict[str, str]] = {k: {} for k in trees}
   for name, s in checksums(trees).items():
     head, _, rest = name.partition(".")

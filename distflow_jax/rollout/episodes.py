@@ -1,5 +1,5 @@
 """Multi-turn episodes over any rollout backend: generate a turn, cut it at its tool call,
-ask the environment, append the observation, go on (issue 35, first form).
+ask the environment, append the observation, go on.
 
     env = EnvSetup.from_config(cfg.rollout)             # rollout.env, tool_parser, limits
     ep = run_episodes(backend, params, prompts, rows, n, env=env, tokenizer=tok,

@@ -79,7 +79,7 @@ def top_p_cut(x_BxV: jax.Array, top_p: float) -> jax.Array:
   `top_p`: the smallest descending prefix that reaches `top_p`, ties at the cut all kept.
   That mass falls as the cut rises, so the cut is found by bisection over the 2^32 order
   keys: 32 masked sums over the vocabulary, where a sort would take O(V log^2 V) passes on
-  an accelerator (issue 32).  It is the sort's cut but where a token's mass above lies
+  an accelerator.  It is the sort's cut but where a token's mass above lies
   within float32 rounding of `top_p` (summed in another order)."""
   probs_BxV = jax.nn.softmax(x_BxV, axis=-1)
   keys_BxV = _order_keys(x_BxV)

@@ -93,7 +93,7 @@ def _chunk_key(path: tuple) -> tuple:
 def _joins(path: tuple, shape: tuple[int, ...], chunk_head: tuple) -> bool:
   """Whether a parameter syncs in the step of the chunk that ``chunk_head`` opened: the same
   layer, or a vector outside the layers (the final norm's scale) after another parameter
-  outside them: it adds a vector to that step's buffers and saves a program (issue 32)."""
+  outside them: it adds a vector to that step's buffers and saves a program."""
   key, head = _chunk_key(path), _chunk_key(chunk_head)
   if key == head:
     return True

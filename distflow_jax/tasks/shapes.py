@@ -1,6 +1,6 @@
 """Built-in visual task: count coloured shapes in a small generated image.
 
-For the vision-language work (issue 20): a verifiable task that needs the image to be
+For the vision-language work: a verifiable task that needs the image to be
 answered and is cheap on a CPU.  Each row is one small RGB picture of 1-N flat,
 non-overlapping shapes (squares, circles, triangles) in a few colours on white, and a
 question about it::
