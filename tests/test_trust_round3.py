@@ -224,3 +224,26 @@ def test_a_dag_on_the_command_line_says_to_write_a_config_file(flag, capsys):
   assert len(err.splitlines()) == 1, err
   assert "the DAG (a list of node dicts) cannot be set on the command line" in err
   assert "--config=FILE.py" in err and "not supported for overriding" not in err
+
+
+def test_prompts_with_unknown_tokens_are_counted_in_train_and_eval(tmp_path, capsys):
+  """The built-in character tokenizer has no NUL, emoji or CJK: such prompts become
+  <|unk|> tokens; they are kept, and counted (data/unk_prompts, eval/unk_prompts)."""
+  import json
+  from workflow_util import SMOKE, tiny_model_folder
+  tiny_model_folder(tmp_path)
+  rows = [{"prompt": p, "answer": "#### 5"} for p in
+          ["What is 2 + 3?", "What is \x00 2 + 3?", "2 + 3 = ? \U0001f600", "\u65e5\u672c 2 + 3"]] * 2
+  path = tmp_path / "rows.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  run_dir = tmp_path / "run"
+  code = cli.main(["train", *(f"--config.{o}" for o in SMOKE), f"--config.run_dir={run_dir}",
+                   f"--config.model.path={tmp_path / 'model'}", f"--config.data.train={path}",
+                   f"--config.data.eval={path}", "--config.data.eval_size=8",
+                   "--config.trainer.eval_every=1", "--config.trainer.total_steps=1",
+                   "--config.data.prompts_per_step=8", "--config.rollout.n=2",
+                   "--config.actor.micro_batch_size=2"])
+  assert code == 0, capsys.readouterr().err
+  m = [json.loads(l) for l in open(run_dir / "metrics.jsonl")]
+  assert m[0]["eval/unk_prompts"] == 0.75  # 6 of the 8 held-out prompts
+  assert m[-1]["data/unk_prompts"] == 6.0 and m[-1]["data/bad_rows"] == 0.0

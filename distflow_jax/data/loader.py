@@ -47,6 +47,9 @@ from distflow_jax.data.sources import RecordSource, open_source
 log = logging.getLogger(__name__)
 
 
+# Rows kept whose prompt holds the tokenizer's unknown token: counted, not bad.
+UNK_PROMPTS = "unk_prompts"
+
 class OnBadRow(enum.Enum):
   SKIP = "skip"
   ERROR = "error"
@@ -184,6 +187,13 @@ class PromptLoader:
       scanned += 1
       if isinstance(item, Example):
         self._counts["ok"] += 1
+        if item.host.get("unk_tokens"):  # kept, but counted and said once
+          self._counts[UNK_PROMPTS] = self._counts.get(UNK_PROMPTS, 0) + 1
+          if self._counts[UNK_PROMPTS] == 1:
+            log.warning("%s: %d of its prompt's tokens are the tokenizer's unknown token "
+                        "(characters its vocabulary lacks); such prompts are kept and counted "
+                        "(data/unk_prompts)", _where(self.source, record),
+                        item.host["unk_tokens"])
         return self._epoch, item
       self._counts[item.reason] += 1
       where = f"{_where(self.source, record)}: {item.reason}: {item.detail}"
@@ -200,7 +210,7 @@ class PromptLoader:
                               f"{self._bad_summary()}")
 
   def _bad_summary(self) -> str:
-    bad = {k: v for k, v in self.counts.items() if k != "ok" and v}
+    bad = {k: v for k, v in self.counts.items() if k not in ("ok", UNK_PROMPTS) and v}
     first = "".join(f"; first {r}: {w}" for r, w in self._first_bad.items())
     return (f"bad rows {bad}{first} (see data.max_prompt_len, data.prompt_key/answer_key, "
             f"data.image_key, data.on_bad_row)" if bad else "no bad rows")

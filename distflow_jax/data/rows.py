@@ -106,6 +106,8 @@ def parse_row(raw: dict[str, Any] | BadRow, record: int, *, tokenizer: Tokenizer
     messages = original_messages
   if ids.size == 0:
     return BadRow("empty_prompt", "the prompt tokenizes to nothing")
+  unk = getattr(tokenizer, "unk_id", None)
+  unknown = 0 if unk is None else int(np.sum(ids == unk))
   if ids.size > max_prompt_len:
     placeholders = "" if vision is None else (
         f", {sum(processor.num_image_tokens(g) for g in vision[1])} of them image "
@@ -118,6 +120,8 @@ def parse_row(raw: dict[str, Any] | BadRow, record: int, *, tokenizer: Tokenizer
       rendered, str) else None, "answer": answer,
       "data_source": default_source if source is None else source,
       "record": record}
+  if unknown:  # characters the vocabulary lacks (NUL, emoji, CJK for a small vocabulary)
+    host["unk_tokens"] = unknown
   # The row's own other fields, for an environment's reset(row) and plugins (not the
   # image field, which can be large; ours win a name clash): JSON-plain values, as an
   # asynchronous run's checkpoint saves the fields of its in-flight samples.

@@ -121,6 +121,9 @@ class Tokenizer:
                        " (named templates are not supported)")
     self.template_source: str | None = None  # the file the chat template came from
     self._compiled = None
+    # The id text the vocabulary cannot spell becomes (None: none, as in byte-level BPE).
+    unk = _token_str(self.config.get("unk_token")) or getattr(self.tok.model, "unk_token", None)
+    self.unk_id = None if not unk else self.tok.token_to_id(unk)
 
   def _id(self, token: str, what: str) -> int:
     i = self.tok.token_to_id(token)

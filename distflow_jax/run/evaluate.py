@@ -98,6 +98,9 @@ def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1, reward: str = "math
     # One sample's accuracy, averaged over the k: not greedy accuracy, so not its key.
     m.add_mean(f"eval/mean_accuracy@{k}", correct)
   m.add_mean("eval/response_length", ro.lengths_R)
+  # Prompts holding the tokenizer's unknown token (characters its vocabulary lacks): kept,
+  # counted (their answers are scored like any other).
+  m.add_mean("eval/unk_prompts", [bool((f or {}).get("unk_tokens")) for f in fields])
   # How many answers end in the verifier's "#### N" form: separates learning the answer
   # convention from getting the arithmetic right.
   m.add_mean("eval/formatted", reward_registry.score_batch(

@@ -21,7 +21,7 @@ import numpy as np
 
 from distflow_jax.config import vision_checks
 from distflow_jax.config.loading import ConfigError
-from distflow_jax.data.loader import PromptLoader
+from distflow_jax.data.loader import UNK_PROMPTS, PromptLoader
 from distflow_jax.tasks import registry as tasks
 from distflow_jax.tasks import split_cache
 from distflow_jax.nodes import rollout as rollout_nodes
@@ -272,7 +272,9 @@ def _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, pip
         metrics = pipeline.step(step)
     metrics["step"] = step + 1
     metrics["data/bad_rows"] = float(getattr(pipeline, "bad_rows", None) or sum(
-        v for k, v in loaders.train.counts.items() if k != "ok"))  # the rollout's own
+        v for k, v in loaders.train.counts.items()
+        if k not in ("ok", UNK_PROMPTS)))  # the rollout's own
+    metrics["data/unk_prompts"] = float(loaders.train.counts.get(UNK_PROMPTS, 0))
     if has_eval and ((step + 1) % cfg.trainer.eval_every == 0
                      or step + 1 == cfg.trainer.total_steps):
       metrics.update(run_eval(step + 1))
