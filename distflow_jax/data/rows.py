@@ -22,6 +22,7 @@ and its prompt ids hold each image's placeholder tokens (``<|image_pad|>`` repea
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Protocol, Sequence
 
 import numpy as np
@@ -128,10 +129,20 @@ def parse_row(raw: dict[str, Any] | BadRow, record: int, *, tokenizer: Tokenizer
   skip = {prompt_key, answer_key, source_key, image_key}
   for key, value in raw.items():
     if isinstance(key, str) and key not in skip and key not in host:
-      host[key] = plain_value(value)
+      value = plain_value(value)
+      if _json_plain(value):  # bytes, dates and the like stay behind
+        host[key] = value
   if vision is not None:
     host["pixel_values"], host["image_grid_thw"] = vision
   return Example(record=record, prompt_ids=ids, host=host)
+
+
+def _json_plain(value: Any) -> bool:
+  try:
+    json.dumps(value)
+  except (TypeError, ValueError):
+    return False
+  return True
 
 
 def plain_value(value: Any) -> Any:
