@@ -34,7 +34,7 @@ from distflow_jax.config import loading
 
 
 def run(argv: Sequence[str]) -> int:
-  from distflow_jax.config import checks
+  from distflow_jax.config import checks, temperature
   from distflow_jax.dag import FUNCTIONS, render
 
   fv = flags.FlagValues()
@@ -77,7 +77,7 @@ def run(argv: Sequence[str]) -> int:
       raise loading.ConfigError(f"--lower: {e}") from None
   topo = checks.topology(cfg, fv.num_processes, fv.devices_per_process)
   plan = checks.plan_from_config(cfg, topo, FUNCTIONS)
-  checks.check_training(cfg, plan, FUNCTIONS)
+  temperature.check_training(cfg, plan, FUNCTIONS)
   if fv.process is not None and not 0 <= fv.process < topo.num_processes:
     raise loading.ConfigError(f"--process={fv.process} is out of range: the plan has "
                               f"{topo.num_processes} process(es)")

@@ -199,15 +199,6 @@ def _check_node_values(dag: Dag, cfg: ml_collections.ConfigDict, registry: Regis
                         f"batches by; set --config.rollout.n={effective.rollout.n} instead")
 
 
-def check_training(cfg, plan: planner_lib.Plan, registry: Registry) -> None:
-  """What only training needs of the sampling (eval and generate may decode greedily or
-  at any temperature): sampled groups, and what the rollout's temperature asks of the
-  passes (config/temperature.py)."""
-  check_group_sampling(cfg, plan, registry)
-  from distflow_jax.config import temperature  # pylint: disable=import-outside-toplevel
-  temperature.check(cfg, plan, registry)
-
-
 def check_group_sampling(cfg, plan: planner_lib.Plan, registry: Registry) -> None:
   """For training (not eval / generate, which may decode greedily): a group estimator
   compares the samples of one prompt, and greedy decoding (temperature 0, or top_k 1) makes

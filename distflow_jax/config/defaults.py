@@ -29,6 +29,13 @@ def response_width(rollout: ml_collections.ConfigDict) -> int:
   return episode if rollout.get("env", "") and episode else int(rollout.max_new_tokens)
 
 
+def pass_temperature(rollout_temperature: float) -> float:
+  """The temperature the training passes read the policy at, for a rollout sampling at
+  ``rollout_temperature``: the same (config/temperature.py), 1 for greedy (0)."""
+  t = float(rollout_temperature)
+  return t if t > 0 else 1.0
+
+
 def response_width_key(rollout: ml_collections.ConfigDict) -> str:
   """The key ``response_width`` reads (for messages)."""
   episode = rollout.get("env", "") and rollout.get("max_episode_tokens", 0)

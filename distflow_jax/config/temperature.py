@@ -14,13 +14,22 @@ those temperature-1 log-probs, is refused.
 
 from __future__ import annotations
 
+from distflow_jax.config import checks
+from distflow_jax.config.defaults import pass_temperature
 from distflow_jax.config.loading import ConfigError
+
+
+def check_training(cfg, plan, registry) -> None:
+  """What only training needs of the sampling (eval and generate may decode greedily or at
+  any temperature): sampled groups (checks.check_group_sampling) and what the rollout's
+  temperature asks of the passes (``check``)."""
+  checks.check_group_sampling(cfg, plan, registry)
+  check(cfg, plan, registry)
 
 
 def rollout_temperatures(cfg, nodes, registry) -> dict[str, float]:
   """Each rollout node's effective temperature (its own override, else the global one)."""
-  from distflow_jax.config.checks import node_section  # pylint: disable=import-outside-toplevel
-  return {n.id: float(node_section(cfg, n, registry).temperature) for n in nodes
+  return {n.id: float(checks.node_section(cfg, n, registry).temperature) for n in nodes
           if registry.spec(n.fn).section == "rollout"}
 
 
@@ -28,8 +37,7 @@ def train_temperature(cfg, nodes, registry) -> float:
   """The rollout node's temperature (a DAG has one: two producers of its tokens are
   refused), or the global one; 1 for greedy."""
   temps = list(rollout_temperatures(cfg, nodes, registry).values())
-  t = temps[0] if temps else float(cfg.rollout.temperature)
-  return t if t > 0 else 1.0
+  return pass_temperature(temps[0] if temps else cfg.rollout.temperature)
 
 
 def check(cfg, plan, registry) -> None:
@@ -41,8 +49,7 @@ def check(cfg, plan, registry) -> None:
   for s in plan.steps:
     if s.node.fn != "train.actor":
       continue
-    from distflow_jax.config.checks import node_section  # pylint: disable=import-outside-toplevel
-    correction = node_section(cfg, s.node, registry).off_policy.correction
+    correction = checks.node_section(cfg, s.node, registry).off_policy.correction
     if correction != "none":
       raise ConfigError(
           f"actor.off_policy.correction={correction!r} at rollout.temperature={t:g}: the "

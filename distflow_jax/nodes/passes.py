@@ -15,6 +15,7 @@ from collections.abc import Callable
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from distflow_jax.config.defaults import pass_temperature
 from distflow_jax.algos.off_policy import OffPolicyCorrection
 from distflow_jax.dag.spec import Node, Role
 from distflow_jax.data import layout as dlayout
@@ -30,9 +31,10 @@ from distflow_jax.state.roles import ModelState
 def train_temperature(ctx: RunContext) -> float:
   """The temperature every training pass reads the policy at: the rollout's (1 for greedy;
   config/temperature.py)."""
-  from distflow_jax.config import temperature  # pylint: disable=import-outside-toplevel
   from distflow_jax.dag import FUNCTIONS  # pylint: disable=import-outside-toplevel
-  return temperature.train_temperature(ctx.cfg, [s.node for s in ctx.plan.steps], FUNCTIONS)
+  temps = [ctx.section(s.node, "rollout").temperature for s in ctx.plan.steps
+           if FUNCTIONS.spec(s.node.fn).section == "rollout"]
+  return pass_temperature(temps[0] if temps else ctx.cfg.rollout.temperature)
 
 
 def on_policy(ctx: RunContext) -> bool:

@@ -32,7 +32,7 @@ from typing import Any, Literal
 import jax
 import ml_collections
 
-from distflow_jax.config import checks
+from distflow_jax.config import checks, temperature
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag import FUNCTIONS
 from distflow_jax.dag.planner import Plan, Topology
@@ -104,7 +104,7 @@ def prepare_run(cfg: ml_collections.ConfigDict, *, roles: RoleSet = "all",
   plan = checks.plan_from_config(cfg, topo, FUNCTIONS)
   roles_lib.check_topology(topo)
   if roles == "all":
-    checks.check_training(cfg, plan, FUNCTIONS)
+    temperature.check_training(cfg, plan, FUNCTIONS)
     check_plan_spans_hosts(plan, topo)
     nodes.bind_builtins()
   if cfg.model.path == vl_warmstart.BUILTIN:
