@@ -17,6 +17,7 @@ from __future__ import annotations
 from distflow_jax.config import checks
 from distflow_jax.config.defaults import pass_temperature
 from distflow_jax.config.loading import ConfigError
+from distflow_jax.dag.graph import Dag
 
 
 def check_training(cfg, plan, registry) -> None:
@@ -43,9 +44,11 @@ def train_temperature(cfg, nodes, registry) -> float:
 def check(cfg, plan, registry) -> None:
   """For training at T != 1: an old-log-prob node before each actor trainer and no
   off-policy correction."""
-  t = train_temperature(cfg, [s.node for s in plan.steps], registry)
+  nodes = tuple(s.node for s in plan.steps)
+  t = train_temperature(cfg, nodes, registry)
   if t == 1.0:
     return
+  dag = Dag(nodes, entry=nodes[0].id)
   for s in plan.steps:
     if s.node.fn != "train.actor":
       continue
@@ -56,21 +59,8 @@ def check(cfg, plan, registry) -> None:
           f"rollout records temperature-1 log-probs, not those of the distribution it "
           f"sampled from, so the correction's weights would be wrong; sample at "
           f"temperature 1 or set actor.off_policy.correction=none")
-    ancestors = _ancestors(s.node.id, {st.node.id: st.node for st in plan.steps})
-    if not any(n.fn == "logprob" for n in ancestors):
+    if not any(dag.node(i).fn == "logprob" for i in dag.ancestors(s.node.id)):
       raise ConfigError(
           f"rollout.temperature={t:g}: node {s.node.id!r} (train.actor) needs the old "
           f"log-probs at that temperature, and the rollout's are temperature 1; add "
           f"dict(id='old_logprob', fn='logprob', deps=['generate']) to its deps")
-
-
-def _ancestors(node_id: str, by_id: dict) -> list:
-  seen, stack, out = set(), list(by_id[node_id].deps), []
-  while stack:
-    i = stack.pop()
-    if i in seen or i not in by_id:
-      continue
-    seen.add(i)
-    out.append(by_id[i])
-    stack.extend(by_id[i].deps)
-  return out
