@@ -223,3 +223,64 @@ def test_export_loads_in_transformers_and_generates_our_tokens(folder, tok, ours
   theirs = _hf_greedy(again, exported, QUESTIONS[:4])
   for o, (t, scores) in zip(ours_greedy[:4], theirs):
     assert _same_or_near_tie(o["tokens"], t, scores) is None
+
+
+# Measured 2026-12-02: max relative difference 2.9e-5 over the 272 tensors (median 7e-6):
+# float32 sums over 30 layers, forward and backward.
+GRAD_TOL = 1e-3
+
+
+def test_training_gradient_equals_torch(folder, hf, tok):
+  """The gradient the actor's loss is built on, the tempered response log-probs of a GRPO
+  batch (2 prompts x 2 samples, left-padded prompts, right-padded responses, each group's
+  prompt run once), against torch autograd through transformers, row by row unpadded, for
+  every one of the real model's 272 tensors."""
+  from flax import nnx
+  from distflow_jax.models.hf_export import export_state_dict
+  from distflow_jax.train import steps
+  temperature = 0.6
+  prompts = [chat_ids(tok, QUESTIONS[i]) for i in (13, 0) for _ in range(2)]
+  answers = ["She has 4 + 3 = 7 pens.", "7", "7 + 5 is 12.", "The answer is 13, I think."]
+  responses = [tok.encode(a) + [tok.eos_id] for a in answers]
+  p_len, n_len = max(map(len, prompts)), max(map(len, responses)) + 2
+  batch = {k: np.zeros((4, w), np.int32) for k, w in (("prompt_tokens", p_len),
+           ("prompt_mask", p_len), ("response_tokens", n_len), ("response_mask", n_len))}
+  for i, (p, r) in enumerate(zip(prompts, responses)):
+    batch["prompt_tokens"][i, p_len - len(p):] = p
+    batch["prompt_mask"][i, p_len - len(p):] = 1
+    batch["response_tokens"][i, :len(r)] = r
+    batch["response_mask"][i, :len(r)] = 1
+  graphdef, params = nnx.split(load_pretrained(folder, dtype="float32"))
+
+  def total(params):
+    logp, _ = steps.response_logprobs(graphdef, params, batch, temperature=temperature,
+                                      group_size=2)
+    return logp.sum()
+
+  ours_total, grads = jax.jit(jax.value_and_grad(total))(params)
+  ours = export_state_dict(nnx.merge(graphdef, grads))
+  # transformers builds its embedding with padding_idx = pad_token_id (2, <|im_end|>), which
+  # zeroes that row's gradient from the input side; the chat template's <|im_end|> tokens are
+  # real inputs here, so take torch's gradient without that convention.
+  embed = hf.model.embed_tokens
+  padding_idx, embed.padding_idx = embed.padding_idx, None
+  hf.zero_grad()
+  try:
+    theirs_total = 0.0
+    for p, r in zip(prompts, responses):
+      logits = hf(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:len(p) - 1 + len(r)]
+      logp = torch.log_softmax(logits / temperature, dim=-1)
+      theirs_total = theirs_total + logp.gather(1, torch.tensor(r)[:, None]).sum()
+    theirs_total.backward()
+    theirs = {name: p.grad.numpy().copy() for name, p in hf.named_parameters()}
+  finally:
+    embed.padding_idx = padding_idx
+    hf.zero_grad(set_to_none=True)
+  assert abs(float(ours_total) - float(theirs_total)) <= 1e-4 * abs(float(theirs_total))
+  assert sorted(ours) == sorted(theirs) and len(theirs) == 272
+  rel = {name: float(np.linalg.norm(np.asarray(ours[name]) - g) / np.linalg.norm(g))
+         for name, g in theirs.items()}
+  worst = max(rel, key=rel.get)
+  print(f"gradient against torch: max relative difference {rel[worst]:.2e} ({worst}), "
+        f"median {np.median(list(rel.values())):.2e}")
+  assert rel[worst] <= GRAD_TOL, (worst, rel[worst])
