@@ -92,3 +92,22 @@ def test_prefill_and_insert_are_one_program():
   assert counts["prefill_insert"] >= 1 and counts["insert"] == 0, counts
   names = {p.name.split("[")[0] for p in eng.programs(eng._params_sig)}
   assert "insert" not in names and "prefill" not in names, names
+
+
+@pytest.mark.timeout(120)
+def test_plan_programs_takes_one_by_one_without_a_topology_and_says_so():
+  """`plan --programs` with neither the flags nor cluster.* plans for 1 x 1 (it refused),
+  saying which topology and where it came from; the flags and the config's block win."""
+  import subprocess
+  import sys
+  def plan(*args):
+    proc = subprocess.run([sys.executable, "-m", "distflow_jax.cli", "plan", "--programs",
+                           *args], capture_output=True, text=True, timeout=100,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stderr[-1500:]
+    return proc.stdout
+  out = plan()
+  assert "topology: 1 process(es) x 1 device(s) (the default;" in out
+  assert "train_actor" in out and "on [0]" in out
+  assert "(the config's cluster block;" in plan("--config.cluster.devices_per_process=2")
+  assert "topology: 1 process(es) x 2 device(s) (the flags;" in plan("--devices_per_process=2")

@@ -5,8 +5,9 @@
       [--memory_source=analytic]]
       [--lower=h100|a100|tpu|...] [--programs]
 
-Without ``--config`` it plans ``grpo:tiny``, as ``train`` runs it.  Plans for the
-config's cluster block, else the flags, else the running jax;
+Without ``--config`` it plans ``grpo:tiny``, as ``train`` runs it.  Plans for the flags,
+else the config's cluster block, else the running jax (``--memory``, ``--lower`` and
+``--programs``: else 1 process x 1 device, said on the first line);
 ``--process`` prints only that process's portion.  ``--memory`` adds each role's and
 node's bytes per device and the traffic per step, compiled on
 simulated CPU devices of the target topology; it needs only the model's config.json.
@@ -66,8 +67,10 @@ def run(argv: Sequence[str]) -> int:
                         or fv.target is not None):
     raise loading.ConfigError("--device_memory, --target and --memory_source go with "
                               "--memory; add --memory")
+  num_processes, devices_per_process = fv.num_processes, fv.devices_per_process
   if fv.memory or fv.lower is not None or fv.programs:  # before jax is imported
-    _simulate_devices(cfg, fv.num_processes, fv.devices_per_process)
+    num_processes, devices_per_process = _simulate_devices(cfg, num_processes,
+                                                           devices_per_process)
   target = None
   if fv.lower is not None:
     from distflow_jax.models import target as target_lib
@@ -75,7 +78,7 @@ def run(argv: Sequence[str]) -> int:
       target = target_lib.parse(fv.lower)
     except ValueError as e:
       raise loading.ConfigError(f"--lower: {e}") from None
-  topo = checks.topology(cfg, fv.num_processes, fv.devices_per_process)
+  topo = checks.topology(cfg, num_processes, devices_per_process)
   plan = checks.plan_from_config(cfg, topo, FUNCTIONS)
   temperature.check_training(cfg, plan, FUNCTIONS)
   if fv.process is not None and not 0 <= fv.process < topo.num_processes:
@@ -154,13 +157,17 @@ def _lower(cfg, plan, target) -> None:
   gate.check(rows, target)
 
 
-def _simulate_devices(cfg, num_processes: int | None, devices_per_process: int | None) -> None:
-  """The target topology's device count as simulated CPU devices, before jax is imported."""
+def _simulate_devices(cfg, num_processes: int | None, devices_per_process: int | None
+                      ) -> tuple[int, int]:
+  """The target topology (the flags, else the config's cluster block, else 1 x 1, said in one
+  line) as simulated CPU devices, before jax is imported."""
   from distflow_jax import distributed
   np_ = num_processes or cfg.cluster.num_processes
   dpp = devices_per_process or cfg.cluster.devices_per_process
-  if not np_ or not dpp:
-    raise loading.ConfigError("plan --memory, --lower and --programs need the target topology: "
-                              "pass --num_processes and --devices_per_process (or set "
-                              "cluster.*)")
-  distributed.simulate_cpu_devices(int(np_) * int(dpp))
+  where = ("the flags" if num_processes or devices_per_process else
+           "the config's cluster block" if np_ or dpp else "the default")
+  np_, dpp = int(np_ or 1), int(dpp or 1)
+  print(f"topology: {np_} process(es) x {dpp} device(s) ({where}; --num_processes and "
+        f"--devices_per_process set another)", flush=True)
+  distributed.simulate_cpu_devices(np_ * dpp)
+  return np_, dpp
