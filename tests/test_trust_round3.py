@@ -56,6 +56,10 @@ def test_readme_example_environment_scores_the_answer_exactly(monkeypatch):
   assert env.step("So it is 5.\n#### 5") == ("", 1.0, True)
   assert env.step("#### 56") == ("", 0.0, True)
   assert env.step("5") == ("", 0.0, True)  # no final answer line
+  assert env.step("Add: <tool>add(2, 3)</tool>") == (" = 5\n", 0.0, False)
+  said, reward, done = env.step("<tool>add 2 3</tool>")  # malformed: the parser's error
+  assert said.startswith(" error: expected name(args)") and (reward, done) == (0.0, False)
+  assert env.step("<tool>mul(2, 3)</tool>") == (" error: no tool 'mul'\n", 0.0, False)
 
 
 @pytest.mark.parametrize("case", ["no_get_config", "folder", "export_file", "report_file"])
