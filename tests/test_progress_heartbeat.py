@@ -128,3 +128,80 @@ def test_train_eval_and_generate_print_heartbeats_during_their_first_compile(tmp
       "generate: compiling the rollout and decoding 1 prompt(s): still running")]
   assert beats, err
   assert err.index(beats[-1]) < err.index("generate: 1 completions")
+
+
+def test_heartbeat_prints_while_the_main_thread_holds_the_gil(tmp_path):
+  """A compile can hold the GIL for minutes (a first step went 5.5 minutes silent): a log
+  with a file descriptor gets its beats from a child process, which nothing here blocks.
+  math.factorial is one C call that never releases the GIL; a thread printed nothing
+  during it.  The log's own prefix, the compile note once past its threshold, none after."""
+  import math
+  import time
+
+  from distflow_jax.observe import heartbeat
+  path = tmp_path / "log.txt"
+  with open(path, "w") as out:
+    log = progress.Logger(True, out, tty=False)
+    log("before")
+    with heartbeat.heartbeat(log, "holding the GIL", every_s=0.1):
+      t0 = time.perf_counter()
+      math.factorial(300_000)  # one C call of 1-2 s, holding the GIL throughout
+      held = time.perf_counter() - t0
+    log("after")
+    time.sleep(0.3)
+  lines = path.read_text().splitlines()
+  beats = [l for l in lines if "holding the GIL: still running" in l]
+  assert held > 0.8 and len(beats) >= int(held / 0.1) - 3, (held, lines)
+  assert lines[0].endswith("before") and lines[-1].endswith("after"), lines  # none after
+  stamps = [float(l[1:l.index("s]")]) for l in beats]
+  assert all(b - a < 0.5 for a, b in zip(stamps, stamps[1:])), stamps  # no gap of a C call
+
+
+def test_a_long_compile_s_beat_explains_xla_s_slow_compile_line_once(monkeypatch, tmp_path):
+  from distflow_jax.observe import heartbeat
+  monkeypatch.setattr(heartbeat, "SLOW_COMPILE_AFTER_S", 0.25)
+  for thread in (False, True):  # the child, and the thread of a plain callable
+    path = tmp_path / f"log{thread}.txt"
+    with open(path, "w") as out:
+      log = progress.Logger(True, out, tty=False)
+      with heartbeat.heartbeat(out.write if thread else log, "compile", every_s=0.1,
+                               compiles=True):
+        import time
+        time.sleep(0.8)
+    text = path.read_text()
+    assert text.count("Very slow compile?") == 1 and "not an error" in text, text
+
+
+@pytest.mark.timeout(300)
+def test_a_cold_first_step_is_never_silent_for_long(tmp_path):
+  """`train` in a process of its own, its stdout a file (as under nohup or CI): from the
+  first line to step 1's, compile-ahead included, no gap between lines is over 3 heartbeat
+  intervals (1 s here)."""
+  import json
+  import os
+  import re
+  import subprocess
+  import sys
+
+  from workflow_util import tiny_model_folder
+  model = tiny_model_folder(tmp_path)
+  data = tmp_path / "d.jsonl"
+  data.write_text("".join(json.dumps({"prompt": f"What is {i}+1?", "answer": str(i + 1)})
+                          + "\n" for i in range(16)))
+  out = tmp_path / "out.txt"
+  with open(out, "w") as f:
+    proc = subprocess.run(
+        [sys.executable, "-m", "distflow_jax.cli", "train", f"--config.run_dir={tmp_path}/run",
+         f"--config.model.path={model}", f"--config.data.train={data}", "--config.data.eval=",
+         "--config.data.prompts_per_step=8", "--config.rollout.n=2",
+         "--config.actor.micro_batch_size=1", "--config.trainer.eval_every=0",
+         "--config.trainer.total_steps=2", "--config.trainer.compile_ahead=always", "--config.logging.heartbeat_s=1"],
+        stdout=f, stderr=subprocess.PIPE, text=True, timeout=240,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  lines = out.read_text().splitlines()
+  stamps = [float(m.group(1)) for m in map(re.compile(r"\[\s*([\d.]+)s\]").match, lines) if m]
+  first_step = next(i for i, l in enumerate(lines) if l.startswith("step 1/2"))
+  assert any("compile and first step: still running" in l for l in lines[:first_step]), lines
+  gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+  assert stamps and max(gaps) <= 3.0, (max(gaps), lines)

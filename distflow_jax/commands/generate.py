@@ -182,7 +182,7 @@ def run(argv: Sequence[str]) -> int:
   from distflow_jax.observe.heartbeat import heartbeat, interval
   # One call compiles the rollout and decodes every prompt: say it is alive meanwhile.
   with heartbeat(_log, f"generate: compiling the rollout and decoding {len(ids)} prompt(s)",
-                 interval(cfg)):
+                 interval(cfg), compiles=True):
     # A process with no prompt still calls: a replica spanning hosts pools every process's.
     out = backend.generate(params, ids, n=n, rng=rng, pad_id=tok.pad_id,
                            request_ids=request_ids)

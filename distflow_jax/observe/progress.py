@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO
 
+from distflow_jax.observe.heartbeat import Sink
+
 # (metric, format, drop priority: higher goes first when the line is too long)
 _KEYS = (("reward", "reward {:.3f}", 2), ("accuracy", "acc {:.3f}", 3),
          ("eval/accuracy", "eval {:.3f}", 1), ("response_length", "len {:.1f}", 5),
@@ -103,6 +105,19 @@ class Logger:
     """On a terminal: ``line`` redrawn in place; it stays until the next line replaces it."""
     self._live = line
     self._write("\r" + line + "\033[K")
+
+  def heartbeat_sink(self):
+    """Where a heartbeat's child process prints for this log (observe/heartbeat.py): its
+    stream's descriptor, flushed; None when it has none (a StringIO, a capture) or prints
+    nothing (not process 0)."""
+    if not self.enabled:
+      return None
+    try:
+      self.out.flush()
+      fd = self.out.fileno()
+    except (AttributeError, OSError, ValueError):
+      return None
+    return Sink(fd, self.start, self.tty)
 
   def __call__(self, message: str) -> None:
     self._clear()

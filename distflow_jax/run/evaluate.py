@@ -185,7 +185,7 @@ def evaluate_file(ctx: RunContext, path: str, *, k: int = 1, batch_size: int = 6
   for c, part in enumerate(np.array_split(np.arange(len(rows)), chunks)):
     # The first chunk compiles the rollout (a minute on a big model): say it is alive.
     with heartbeat(log if c == 0 else None, f"eval: compiling the rollout, chunk 1/{chunks}",
-                   heartbeat_interval(ctx.cfg)):
+                   heartbeat_interval(ctx.cfg), compiles=True):
       m = evaluate(ctx, _concat([rows[i] for i in part]), k=k, reward=reward)
     n = _global_sum(len(part))
     for key, v in m.items():

@@ -234,7 +234,7 @@ def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sa
   try:
     if has_eval and start_step == 0:
       with heartbeat(log, "evaluation at step 0 (compiling the rollout)",
-                     heartbeat_interval(cfg)):
+                     heartbeat_interval(cfg), compiles=True):
         first = {"step": 0, **run_eval(0)}
       first.update(compiles())
       monitor.update(0, first)  # the start is the first best held-out accuracy (eval_fall)
@@ -258,7 +258,7 @@ def _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, pip
     if step == start_step:
       phase(log, "compile/first step")  # the first step compiles every node: the slow one
     with heartbeat(log if step == start_step else None, "compile and first step",
-                   heartbeat_interval(cfg)):
+                   heartbeat_interval(cfg), compiles=True):
       if pipeline is None:
         prompts = next(loaders.train)
         overlap = (compile_overlap.start(ctx, prompts, programs_at, log)
@@ -281,7 +281,10 @@ def _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, pip
     t0 = time.perf_counter()
     if pipeline is not None and step == start_step:
       pipeline.wait_all()  # the first after_step compiles the rollout's shapes
-    after_step(step == start_step)  # counted in this step, not when a shape first shows
+    with heartbeat(log if step == start_step else None,
+                   "compiling ahead (the shapes later steps may meet)", heartbeat_interval(cfg),
+                   compiles=True):
+      after_step(step == start_step)  # counted in this step, not when a shape first shows
     if step == start_step:  # outside time/step: the first step's whole cost is the sum
       metrics["compile/ahead_s"] = time.perf_counter() - t0
     metrics.update(compiles(first=step == start_step))
