@@ -61,3 +61,35 @@ def test_sigterm_after_a_checkpoint_ends_in_one_line_and_resumes(tmp_path):
   assert done.returncode == 0, done.stderr[-3000:]
   steps = [json.loads(l)["step"] for l in open(run_dir / "metrics.jsonl")]
   assert steps[-1] == last + 1
+
+
+# Ctrl-C (or SIGTERM) as the run's first save starts: sent by the process to itself from
+# inside the save, before orbax's save is issued (where it used to raise, so no save was
+# in flight and step 1 was lost).
+_INTERRUPT_AT_SAVE = """
+import os, signal, sys
+from distflow_jax.persist import checkpoint
+static = checkpoint.Checkpointer._save_static
+def interrupted(self, *args, **kwargs):
+  os.kill(os.getpid(), int(os.environ["SIGNAL_AT_SAVE"]))
+  return static(self, *args, **kwargs)
+checkpoint.Checkpointer._save_static = interrupted
+from distflow_jax import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("signum,code,how", [(signal.SIGINT, 130, "interrupted (Ctrl-C)"),
+                                             (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+def test_a_signal_as_the_first_save_starts_keeps_that_save(tmp_path, signum, code, how):
+  run_dir = tmp_path / "run"
+  cmd = [sys.executable, "-c", _INTERRUPT_AT_SAVE, *_cmd(run_dir, 5)[3:]]
+  cmd = [c for c in cmd if c != "--config.trainer.async_save=False"]  # the default: async
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=DEADLINE_S,
+                        env=dict(os.environ, SIGNAL_AT_SAVE=str(int(signum))))
+  assert proc.returncode == code, proc.stderr[-3000:]
+  lines = [l for l in proc.stderr.splitlines() if l.startswith("distflow-jax train:")]
+  assert lines == [f"distflow-jax train: {how}; the last complete checkpoint is step 1 in "
+                   f"{run_dir}/checkpoints: run the same command to resume from it"], \
+      proc.stderr[-3000:]
+  assert _committed(run_dir) == [1] and not (run_dir / "run.lock").exists()

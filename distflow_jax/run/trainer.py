@@ -25,7 +25,7 @@ from distflow_jax.data.loader import UNK_PROMPTS, PromptLoader
 from distflow_jax.tasks import registry as tasks
 from distflow_jax.tasks import split_cache
 from distflow_jax.nodes import rollout as rollout_nodes
-from distflow_jax.persist import checkpoint
+from distflow_jax.persist import checkpoint, deferred_signals
 from distflow_jax import groups
 from distflow_jax.run import async_rollout, compile_cache, compile_overlap, disjoint
 from distflow_jax.run import disjoint_state
@@ -298,7 +298,9 @@ def _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, pip
       raise health_lib.CollapseError(_collapse_message(collapse, checkpointer))
     if checkpointer is not None and checkpointer.due(step + 1, cfg.trainer.total_steps):
       phase(log, "checkpoint save")
-      checkpointer.save(step + 1, ctx.roles, loaders.train, cfg, ctx.model_cfg, ctx.tokenizer)
+      with deferred_signals.deferred():  # a Ctrl-C now lets this save start, then finish
+        checkpointer.save(step + 1, ctx.roles, loaders.train, cfg, ctx.model_cfg,
+                          ctx.tokenizer)
     yield metrics
 
 
