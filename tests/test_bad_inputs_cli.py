@@ -128,8 +128,13 @@ def _run_dir_with_a_checkpoint(tmp_path, step: int = 3) -> str:
   cfg = loading.load("grpo:tiny", [f"run_dir={run_dir}"])
   meta = tmp_path / "run" / "checkpoints" / str(step) / "meta"
   meta.mkdir(parents=True)
+  import dataclasses
+  from distflow_jax.models.tokenizer import Tokenizer
+  from distflow_jax.state import roles
+  model = dataclasses.asdict(roles.model_config(cfg, Tokenizer.builtin()))
   (meta / "metadata").write_text(json.dumps({"step": step, "seed": cfg.seed,
-                                             "config": run_config.as_plain(cfg)}))
+                                             "config": run_config.as_plain(cfg),
+                                             "model_config": model}, default=str))
   return run_dir
 
 
@@ -151,6 +156,12 @@ def no_expensive_work(monkeypatch):
     (["--config.seed=1", "--allow_config_change"], True, ["seed 0 -> 1", "must keep its seed"]),
     (["--config.seed=1"], True, ["seed 0 -> 1", "must keep its seed"]),
     (["--resume"], False, ["--resume: there is no complete checkpoint"]),
+    # Another model shape cannot restore, --allow_config_change or not: said before the
+    # warm start (it was said by the restore, after it).
+    (["--config.model.preset=micro", "--allow_config_change"], True,
+     ["other parameter shapes than checkpoint step 3's", "hidden_size 192 -> 64"]),
+    (["--config.model.lora.enabled=True", "--allow_config_change"], True,
+     ["other parameter shapes", "lora None -> "]),
     (["--noresume"], True, ["holds checkpoints of steps [3]", "--resume"]),
 ])
 def test_resume_refusals_come_before_the_warm_start(tmp_path, capsys, no_expensive_work, extra,

@@ -16,6 +16,7 @@ A finished run (latest checkpoint at trainer.total_steps) has nothing to do
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -56,7 +57,7 @@ def _run(argv: Sequence[str]) -> int:
   from distflow_jax.run import trainer
   # Before any weights: a refused config change or a finished run costs no warm start.
   resumed = run_config.preflight(cfg, resume=fv.resume, allow_change=fv.allow_config_change,
-                                 log=log)
+                                 log=log, live_model=lambda: _model_fields(cfg))
   if resumed.finished:
     log(run_config.finished_message(cfg, resumed))
     return 0
@@ -131,6 +132,15 @@ def _run(argv: Sequence[str]) -> int:
     print(f"distflow-jax train: {hint}", file=sys.stderr)
     return 1
   return 0
+
+
+def _model_fields(cfg) -> dict | None:
+  """This run's model config as a dict, from its config.json or preset and tokenizer (no
+  weights); None where the folder is made later (the built-in vision-language model)."""
+  if cfg.model.path and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+    return None
+  from distflow_jax.state import roles
+  return dataclasses.asdict(roles.model_config(cfg, roles.load_tokenizer(cfg.model)))
 
 
 def _on_sigterm_as_ctrl_c() -> list:

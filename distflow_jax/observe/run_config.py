@@ -113,8 +113,8 @@ def committed_steps(run_dir: str) -> list[int]:
                 if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
 
 
-def saved_config(run_dir: str, steps: list[int]) -> tuple[int | None, dict[str, Any] | None]:
-  """The newest step whose meta reads, and the config it holds (None: it records none)."""
+def saved_meta(run_dir: str, steps: list[int]) -> tuple[int | None, dict[str, Any]]:
+  """The newest step whose meta reads, and that meta ({} where none reads)."""
   directory = os.path.join(os.path.abspath(run_dir), "checkpoints")
   for step in reversed(steps):
     try:
@@ -122,8 +122,45 @@ def saved_config(run_dir: str, steps: list[int]) -> tuple[int | None, dict[str, 
         meta = json.load(f)
     except (OSError, ValueError):
       continue  # a damaged step: open_run sets it aside and falls back to the one before
-    return step, meta.get("config") if isinstance(meta, dict) else None
-  return None, None
+    return step, meta if isinstance(meta, dict) else {}
+  return None, {}
+
+
+def saved_config(run_dir: str, steps: list[int]) -> tuple[int | None, dict[str, Any] | None]:
+  """The newest step whose meta reads, and the config it holds (None: it records none)."""
+  step, meta = saved_meta(run_dir, steps)
+  return step, meta.get("config")
+
+
+# The model fields that set its parameters' shapes and dtypes: a checkpoint restores only
+# into the same (persist/checkpoint_contents.compare_shapes, after the warm start).
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "qkv_bias", "qk_norm", "tie_embeddings", "dtype",
+                "fused_projections", "lora")
+
+
+def check_model_shape(cfg: ml_collections.ConfigDict, state: "ResumeState",
+                      live: Mapping[str, Any]) -> None:
+  """Refuses a resume whose model (``live``: this run's model config as a dict) has other
+  parameter shapes than the checkpoint's, in one line and before the warm start and the
+  weights (the restore refused it only after them); fields either side lacks are not
+  judged (another version's checkpoint)."""
+  if state.latest is None:
+    return
+  step, meta = saved_meta(cfg.run_dir, committed_steps(cfg.run_dir))
+  saved = meta.get("model_config")
+  if not isinstance(saved, Mapping):
+    return
+  def plain(v):
+    return json.loads(json.dumps(v, default=str))
+  differ = {k: (saved[k], live[k]) for k in SHAPE_FIELDS
+            if k in saved and k in live and plain(saved[k]) != plain(live[k])}
+  if differ:
+    what = ", ".join(f"{k} {plain(a)!r} -> {plain(b)!r}" for k, (a, b) in differ.items())
+    raise ConfigError(
+        f"resume of {cfg.run_dir}: this run's model has other parameter shapes than "
+        f"checkpoint step {step}'s ({what}), which no resume can restore (--allow_config_change "
+        f"included); set the model back, or start a new run with another --config.run_dir")
 
 
 @dataclasses.dataclass
@@ -136,11 +173,13 @@ class ResumeState:
 
 
 def preflight(cfg: ml_collections.ConfigDict, *, resume: bool | None, allow_change: bool,
-              log: Callable[[str], None]) -> ResumeState:
+              log: Callable[[str], None],
+              live_model: Callable[[], Mapping[str, Any] | None] | None = None) -> ResumeState:
   """Checks a resume against the run dir's newest checkpoint before anything is loaded.
 
   Raises ``ConfigError`` naming the keys that change what the run computes
-  (unless ``allow_change``) or a ``FIXED`` key that changed, and refuses
+  (unless ``allow_change``), a ``FIXED`` key that changed, or (given ``live_model``) a
+  model whose parameter shapes differ from the checkpoint's, and refuses
   ``resume=True`` over a run dir without checkpoints and ``resume=False`` over
   one with them: each decided from the run dir alone, before any weights.
   """
@@ -177,6 +216,10 @@ def preflight(cfg: ml_collections.ConfigDict, *, resume: bool | None, allow_chan
         f"that change what the run computes: {describe(computing)}; pass "
         f"--allow_config_change to resume with them anyway, or start a new run with another "
         f"--config.run_dir")
+  if live_model is not None and any(k.startswith("model.") for k in computing):
+    live = live_model()  # this run's model config as a dict (None: not known before weights)
+    if live is not None:
+      check_model_shape(cfg, state, live)
   if passing:
     log(f"resume: config changed since checkpoint step {step}: {describe(passing)}")
   if unknown:
