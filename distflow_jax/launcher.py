@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -42,9 +43,43 @@ class LaunchResult:
       return f"launch timed out after {self.elapsed_s:.1f}s; all processes killed"
     if self.first_failure is not None:
       i, rc = self.first_failure
-      how = f"killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
-      return f"process {i} {how}; the other processes were stopped"
+      line = f"process {i} {_how(rc)}"
+      aborted = [j for j in self.aborted_by_jax() if j != i]
+      if aborted:
+        line += (f"; then jax's coordination client aborted process(es) {aborted} (the C++ "
+                 f"'Check failure' stack trace above is that abort, not a second fault)")
+      return line + "; the other processes were stopped"
     return f"all {len(self.returncodes)} processes exited 0"
+
+  def aborted_by_jax(self) -> list[int]:
+    """The processes that ended in SIGABRT saying that the coordination service's host
+    (process 0) died: jax's client ends every survivor so, before our watchdog's line."""
+    return [j for j, (rc, lines) in enumerate(zip(self.returncodes, self.outputs))
+            if rc == -signal.SIGABRT and any(_LEADER_DIED.search(l) for l in lines)]
+
+
+# What jax's coordination client logs as it aborts a survivor of process 0 (the service's
+# host): "... the leader task ... died", "Terminating process because the coordinator
+# detected missing heartbeats", and the like.
+_LEADER_DIED = re.compile(r"leader task|coordination service|missing heartbeats", re.I)
+
+
+def _first_failure(codes: Sequence[int | None]) -> tuple[int, int] | None:
+  """The failure to name among one poll's exit codes: where several ended at once, one
+  aborted by jax's client (SIGABRT) is a survivor of another's death, not its cause."""
+  failed = [(i, rc) for i, rc in enumerate(codes) if rc not in (None, 0)]
+  failed.sort(key=lambda f: f[1] == -signal.SIGABRT)
+  return failed[0] if failed else None
+
+
+def _how(rc: int) -> str:
+  if rc >= 0:
+    return f"exited with code {rc}"
+  try:
+    name = f" ({signal.Signals(-rc).name})"
+  except ValueError:
+    name = ""
+  return f"killed by signal {-rc}{name}"
 
 
 def free_port() -> int:
@@ -127,10 +162,7 @@ def launch(num_processes: int, devices_per_process: int, command: Sequence[str],
     while True:
       codes = [p.poll() for p in procs]
       if first_failure is None:
-        for i, rc in enumerate(codes):
-          if rc not in (None, 0):
-            first_failure = (i, rc)
-            break
+        first_failure = _first_failure(codes)
       if first_failure is not None or all(rc is not None for rc in codes):
         break
       if time.monotonic() - start > timeout_s:

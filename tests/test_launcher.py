@@ -94,3 +94,33 @@ def test_the_suites_processes_compile_a_program_once_and_share_it(tmp_path, shar
             ) and "compiling and sharing" not in second, second[-2000:]
   else:
     assert "Waiting for module" not in second and "compiling and sharing" not in first
+
+
+def test_a_survivor_aborted_by_jax_is_not_named_as_the_failure():
+  import signal
+  # One poll saw both ended: process 1's SIGABRT is jax's client reacting to process 0.
+  assert launcher._first_failure([-signal.SIGABRT, -signal.SIGKILL]) == (1, -signal.SIGKILL)
+  assert launcher._first_failure([None, -signal.SIGABRT]) == (1, -signal.SIGABRT)
+  result = launcher.LaunchResult(
+      returncodes=[-signal.SIGKILL, -signal.SIGABRT],
+      outputs=[[], ["F1202 client.cc:80] Terminating process because the leader task died"]],
+      first_failure=(0, -signal.SIGKILL), timed_out=False, elapsed_s=3.0)
+  assert result.describe() == (
+      "process 0 killed by signal 9 (SIGKILL); then jax's coordination client aborted "
+      "process(es) [1] (the C++ 'Check failure' stack trace above is that abort, not a "
+      "second fault); the other processes were stopped")
+
+
+@pytest.mark.timeout(120)
+def test_process_0_killed_is_named_last_whoever_ends_the_survivor():
+  """Process 0 SIGKILLs itself: the launch's last line names it (and, when jax's client
+  aborted process 1 before the launcher stopped it, says that its trace is that)."""
+  import io
+  out = io.StringIO()
+  result = launcher.launch(2, 1, [sys.executable, "tests/mp/leader_dies.py"], timeout_s=100,
+                           out=out)
+  assert result.first_failure == (0, -9), (result.returncodes, out.getvalue())
+  last = out.getvalue().rstrip("\n").splitlines()[-1]
+  assert last.startswith("[launch] process 0 killed by signal 9 (SIGKILL)"), last
+  if result.returncodes[1] == -6:
+    assert "aborted process(es) [1]" in last, last
