@@ -225,14 +225,42 @@ def test_compare_algorithms_smoke(tmp_path):
   assert [r.split(" | ")[1] for r in rows] == ["grpo", "rloo"]
   for r in rows:
     cells = r.split(" | ")
-    assert cells[6] == "8" and cells[7] == "16" and cells[8] == "16"  # n_eval, samples
-    assert cells[2].endswith("%") and cells[4].endswith("%")
+    assert cells[2] == "0"  # the seed
+    assert cells[7] == "8" and cells[8] == "16" and cells[9] == "16"  # n_eval, samples
+    assert cells[3].endswith("%") and cells[5].endswith("%")
   assert (out / "compare.png").stat().st_size > 0
   for algo in ("grpo", "rloo"):  # the task's warm start, copied, not redone per run
     log = (out / "letters" / f"{algo}.log").read_text()
     assert "using the cached model" in log, log[-2000:]
     steps = [json.loads(l)["step"] for l in open(out / "letters" / algo / "metrics.jsonl")]
     assert steps == [0, 1, 2]
+
+
+def test_compare_algorithms_seeds_give_a_mean_spread_and_range():
+  """--seeds: one run per seed (its own run dir, warm start and seed override) and a row of
+  the seeds' mean curve, final mean, sample std and range."""
+  import compare_algorithms as ca
+  args = ca.parse_args(["--tasks", "arithmetic", "--algorithms", "grpo", "--seeds", "0,1,2",
+                        "--steps", "20"])
+  runs = ca.plan_runs(args)
+  assert [r.seed for r in runs] == [0, 1, 2]
+  assert all(r.run_dir.endswith(f"grpo/seed{r.seed}") and f"seed={r.seed}" in r.overrides
+             for r in runs)
+  for r, curve in zip(runs, ([(0, 0.0), (10, 0.2), (20, 0.30)],
+                             [(0, 0.0), (10, 0.1), (20, 0.20)],
+                             [(0, 0.0), (10, 0.3), (20, 0.25)])):
+    r.curve = curve
+  s = ca.seed_summary(runs)
+  assert s["final"] == pytest.approx(0.25) and s["std"] == pytest.approx(0.05)
+  assert (s["low"], s["high"]) == (0.2, 0.3)
+  assert s["curve"] == [(0, 0.0), (10, pytest.approx(0.2)), (20, pytest.approx(0.25))]
+  md = ca.table(runs, args, "1.0", "1.0")
+  row = next(l for l in md.splitlines() if l.startswith("| arithmetic | grpo | 3 |"))
+  assert "25.0%" in row and "5.0%" in row and "20.0%-30.0%" in row and "10:20.0%" in row
+  runs[1].curve = []
+  assert ca.seed_summary(runs) is None
+  with pytest.raises(SystemExit):
+    ca.parse_args(["--seeds", "0,0"])
 
 
 def test_summarize_gives_mean_with_recompiles_beside_median_and_ratios_to_tunix():

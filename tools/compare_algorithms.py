@@ -2,6 +2,7 @@
 
     python tools/compare_algorithms.py --steps 50 --out runs/compare_algorithms
     python tools/compare_algorithms.py --tasks letters --algorithms grpo,rloo --steps 20
+    python tools/compare_algorithms.py --tasks arithmetic --algorithms grpo --seeds 0,1,2
 
 Every (task, algorithm) pair is one ``distflow-jax train`` process with the same sample
 budget: ``--steps`` steps of ``--samples-per-step`` trained samples (prompts x rollout.n:
@@ -9,6 +10,10 @@ budget: ``--steps`` steps of ``--samples-per-step`` trained samples (prompts x r
 alternating, each algorithm's runs next to each other.  The built-in model is warm-started
 once per task (its own process) and that cache is copied into every run of the task, so
 all algorithms start from the same weights and no run's time includes a warm start.
+``--seeds 0,1,2`` runs every pair once per seed (``seed=S``: the warm start, the rows
+drawn and every sample), each seed with its own warm start, and adds a row per pair with
+the seeds' mean, standard deviation and range: a curve a user can check is a spread over
+seeds, not one run's digits.
 
 Held-out accuracy (``eval/accuracy``, every ``trainer.eval_every`` steps and at step 0) is
 read from each run's metrics.jsonl.  Writes ``<out>/compare.md`` (start, best and final
@@ -63,6 +68,7 @@ class Run:
   generated: int = 0
   alarms: list[str] = dataclasses.field(default_factory=list)
   note: str = ""
+  seed: int = 0
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -80,7 +86,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                  help="a config override for every run, e.g. --set model.preset=micro")
   p.add_argument("--run-timeout", type=float, default=0, help="seconds per run; 0 = none")
+  p.add_argument("--seeds", default="0", help="seeds, comma-separated: each pair runs once "
+                 "per seed, with its own warm start (default 0)")
   args = p.parse_args(argv)
+  try:
+    args.seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+  except ValueError:
+    p.error(f"--seeds takes integers, comma-separated; got {args.seeds!r}")
+  if not args.seeds or len(set(args.seeds)) != len(args.seeds):
+    p.error("--seeds needs at least one seed, none twice")
   args.tasks = [t for t in args.tasks.split(",") if t]
   args.algorithms = [a for a in args.algorithms.split(",") if a]
   bad = [a for a in args.algorithms if a not in ALGORITHMS]
@@ -104,12 +118,14 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
   """The runs in the order they go: per algorithm, one run per task."""
   from distflow_jax.config import loading
   runs = []
-  for algorithm in args.algorithms:
-    for task in args.tasks:
+  for algorithm, task, seed in ((a, t, s) for a in args.algorithms for t in args.tasks
+                                for s in args.seeds):
       spec = task_spec(task)
       run_dir = os.path.join(args.out, task.replace(":", "_"), algorithm)
+      if len(args.seeds) > 1:
+        run_dir = os.path.join(run_dir, f"seed{seed}")
       common = [f"data.train={spec}", f"data.eval={spec}", f"trainer.total_steps={args.steps}",
-                "trainer.save_every=0", "trainer.keep=1", *args.set]
+                "trainer.save_every=0", "trainer.keep=1", *args.set, f"seed={seed}"]
       if args.eval_every:
         common.append(f"trainer.eval_every={args.eval_every}")
       cfg = loading.load(f"algorithms:{algorithm}", common)
@@ -124,7 +140,7 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
         extra.append(f"critic.warmup_steps={args.steps // 10}")
         note = f"critic warm-up {args.steps // 10} steps"
       runs.append(Run(task, algorithm, run_dir, common + extra, args.samples_per_step,
-                      cfg.data.eval_size, note=note))
+                      cfg.data.eval_size, note=note, seed=seed))
   return runs
 
 
@@ -140,7 +156,7 @@ def warm_start(out: str, task: str, run: Run, timeout: float) -> str | None:
   the runs load model.path and need none, or when it failed: each run then warm-starts)."""
   if any(o.startswith("model.path=") and o != "model.path=" for o in run.overrides):
     return None
-  wdir = os.path.join(out, task.replace(":", "_"), "_warmstart")
+  wdir = os.path.join(out, task.replace(":", "_"), f"_warmstart_seed{run.seed}")
   overrides = [o for o in run.overrides if not o.startswith("run_dir=")] + [f"run_dir={wdir}"]
   cmd = [sys.executable, "-c", _WARM_START, f"algorithms:{run.algorithm}", *overrides]
   print(f"[compare] warm start for {task} ...", flush=True)
@@ -195,9 +211,9 @@ def table(runs: list[Run], args: argparse.Namespace, load_start: str, load_end: 
       "Generated samples count DAPO's dynamic-sampling retries. Train s = the sum of the "
       "steps' time/step (no setup, compile of the first step included).", ""]
   table = bc.Table(*[bc.Col(t) for t in (
-      "task", "algorithm", "start", "best (step)", "final", "SE", "n_eval", "trained samples",
-      "generated samples", "wall s", "train s", "health alarms", "notes")], markdown=True,
-      out=lines.append)
+      "task", "algorithm", "seed", "start", "best (step)", "final", "SE", "n_eval",
+      "trained samples", "generated samples", "wall s", "train s", "health alarms", "notes")],
+      markdown=True, out=lines.append)
   for r in runs:
     if r.curve:
       start, final = r.curve[0][1], r.curve[-1][1]
@@ -208,10 +224,47 @@ def table(runs: list[Run], args: argparse.Namespace, load_start: str, load_end: 
       acc = ["-"] * 4
     note = "; ".join(x for x in (r.note, f"failed: rc {r.rc}, see {r.run_dir}.log"
                                  if r.rc else "") if x)
-    table.row(r.task, r.algorithm, *acc, r.n_eval, r.steps_done * r.samples_per_step,
+    table.row(r.task, r.algorithm, r.seed, *acc, r.n_eval, r.steps_done * r.samples_per_step,
               r.generated, f"{r.wall_s:.0f}", f"{r.train_s:.0f}", ", ".join(r.alarms) or "-",
               note or "-")
+  if len(args.seeds) > 1:
+    lines += ["", "Over the seeds (each curve point: the seeds' mean; std is the sample "
+              "standard deviation of the final accuracy across seeds):", ""]
+    summary = bc.Table(*[bc.Col(t) for t in ("task", "algorithm", "seeds", "start mean",
+                                             "final mean", "final std", "final range",
+                                             "mean curve")],
+                       markdown=True, out=lines.append)
+    for (task, algorithm), group in seed_groups(runs).items():
+      s = seed_summary(group)
+      if s is None:
+        summary.row(task, algorithm, len(group), "-", "-", "-", "-", "not every seed finished")
+        continue
+      summary.row(task, algorithm, len(group), _pct(s["start"]), _pct(s["final"]),
+                  _pct(s["std"]), f"{_pct(s['low'])}-{_pct(s['high'])}",
+                  " ".join(f"{st}:{_pct(a)}" for st, a in s["curve"]))
   return "\n".join(lines) + "\n"
+
+
+def seed_groups(runs: list[Run]) -> dict[tuple[str, str], list[Run]]:
+  out: dict[tuple[str, str], list[Run]] = {}
+  for r in runs:
+    out.setdefault((r.task, r.algorithm), []).append(r)
+  return out
+
+
+def seed_summary(group: list[Run]) -> dict | None:
+  """The seeds' mean curve (steps every seed evaluated), the final accuracy's mean, sample
+  standard deviation and range; None unless every seed has a curve."""
+  if not group or any(not r.curve for r in group):
+    return None
+  steps = sorted(set.intersection(*(set(s for s, _ in r.curve) for r in group)))
+  curve = [(st, sum(dict(r.curve)[st] for r in group) / len(group)) for st in steps]
+  finals = [r.curve[-1][1] for r in group]
+  mean = sum(finals) / len(finals)
+  std = (math.sqrt(sum((f - mean) ** 2 for f in finals) / (len(finals) - 1))
+         if len(finals) > 1 else 0.0)
+  return {"start": sum(r.curve[0][1] for r in group) / len(group), "final": mean, "std": std,
+          "low": min(finals), "high": max(finals), "curve": curve}
 
 
 def plot(runs: list[Run], tasks: list[str], samples_per_step: int, path: str) -> None:
@@ -224,7 +277,8 @@ def plot(runs: list[Run], tasks: list[str], samples_per_step: int, path: str) ->
     high = 0.0
     for r in (r for r in runs if r.task == task and r.curve):
       steps, acc = zip(*r.curve)
-      ax.plot(steps, [100 * a for a in acc], marker="o", markersize=3, label=r.algorithm)
+      label = r.algorithm if len({x.seed for x in runs}) == 1 else f"{r.algorithm} seed {r.seed}"
+      ax.plot(steps, [100 * a for a in acc], marker="o", markersize=3, label=label)
       high = max(high, 100 * max(acc))
     ax.set_ylim(0, min(100, max(5, 1.15 * high)))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -249,13 +303,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(f"[compare] {len(runs)} runs; load average at start {load_start}", flush=True)
   caches = {}
   for run in runs:
-    if run.task not in caches:
-      caches[run.task] = warm_start(args.out, run.task, run, args.run_timeout)
-    print(f"[compare] {run.task} / {run.algorithm} ...", flush=True)
-    execute(run, caches[run.task], args.run_timeout)
+    key = (run.task, run.seed)
+    if key not in caches:
+      caches[key] = warm_start(args.out, run.task, run, args.run_timeout)
+    print(f"[compare] {run.task} / {run.algorithm} / seed {run.seed} ...", flush=True)
+    execute(run, caches[key], args.run_timeout)
     final = _pct(run.curve[-1][1]) if run.curve else "-"
-    print(f"[compare] {run.task} / {run.algorithm}: rc {run.rc}, {run.wall_s:.0f}s, final "
-          f"held-out accuracy {final}", flush=True)
+    print(f"[compare] {run.task} / {run.algorithm} / seed {run.seed}: rc {run.rc}, "
+          f"{run.wall_s:.0f}s, final held-out accuracy {final}", flush=True)
   load_end = bc.load_average()
   md = os.path.join(args.out, "compare.md")
   with open(md, "w") as f:
