@@ -251,3 +251,18 @@ def test_prompts_with_unknown_tokens_are_counted_in_train_and_eval(tmp_path, cap
   m = [json.loads(l) for l in open(run_dir / "metrics.jsonl")]
   assert m[0]["eval/unk_prompts"] == 0.75  # 6 of the 8 held-out prompts
   assert m[-1]["data/unk_prompts"] == 6.0 and m[-1]["data/bad_rows"] == 0.0
+
+
+def test_docs_say_how_base_differs_from_the_default_run(capsys):
+  """docs/workflows.md: defaults.base() (the config-file example's start) is not what
+  `distflow-jax config` prints; the figures it gives for each are the real ones."""
+  from distflow_jax import cli
+  from distflow_jax.config import defaults
+  text = open(__file__.replace("tests/test_trust_round3.py", "docs/workflows.md")).read()
+  assert "`defaults.base()` is the library's neutral starting point" in text
+  base = defaults.base()
+  assert (base.actor.kl.coef, base.actor.optimizer.lr, base.trainer.total_steps) == (0.0, 1e-5, 20)
+  assert cli.main(["config", "--diff"]) == 0
+  out = capsys.readouterr().out
+  for line in ("actor.kl.coef: 0.3", "actor.optimizer.lr: 0.0001", "trainer.total_steps: 50"):
+    assert line in out.splitlines(), out
