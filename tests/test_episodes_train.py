@@ -100,3 +100,31 @@ def test_reset_gets_the_rows_own_fields(tmp_path):
     want = by_prompt[row["prompt"]]
     assert row["level"] == want["level"] and row["meta"] == want["meta"], row
     assert row["answer"] == want["answer"] and "record" in row
+
+
+def test_the_engine_plays_episodes_past_the_largest_prefill_bucket(tmp_path, monkeypatch):
+  """The engine backend appends each turn to its slot's cache, so an episode's context may
+  outgrow every prefill bucket (it was refused: "add a bucket >= 55"); the round backends,
+  which re-prefill each turn, are still held to it."""
+  from distflow_jax.config import env_checks
+  from distflow_jax.rollout import episodes
+  from distflow_jax.rollout.engine_backend import EngineBackend
+  played = []
+  real = episodes.CONTINUOUS[EngineBackend]
+  monkeypatch.setitem(episodes.CONTINUOUS, EngineBackend,
+                      lambda backend, params, eps, *a: real(backend, params, eps, *a)
+                      or played.append(eps))
+  cfg = _cfg(tmp_path, "rollout.max_new_tokens=8", "rollout.max_episode_tokens=24",
+             "data.max_prompt_len=32")
+  with cfg.unlocked():
+    cfg.rollout.prefill_buckets = (32,)  # < data.max_prompt_len + 24 - 1 = 55
+  ctx, loaders = trainer.setup(cfg, log=lambda m: None)
+  (m,) = list(trainer.train(cfg, ctx, loaders))
+  assert played and m["actor/skipped"] == 0.0 and m["env/errors"] == 0.0
+  longest = max(len(ep.context) for eps in played for ep in eps)
+  assert longest > 32, longest  # an episode's context past the largest bucket (32)
+  env_checks.check(cfg)  # (the plugin is imported now)
+  with cfg.unlocked():
+    cfg.rollout.backend = "reference"
+  with pytest.raises(loading.ConfigError, match="re-prefills.*add a bucket >= 55"):
+    env_checks.check(cfg)

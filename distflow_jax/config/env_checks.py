@@ -51,12 +51,15 @@ def check(cfg) -> None:
         f"instead of the other reward (configs/grpo.py:calc)")
   width = "rollout.max_episode_tokens" if episode else "rollout.max_new_tokens"
   context = cfg.data.max_prompt_len + response_width(r) - 1
-  if max(r.prefill_buckets) < context:
+  # The engine backend appends each turn to its slot's cache (rollout/episode_engine.py,
+  # whose cache the episode width sizes); the round backends re-prefill every turn.
+  if r.get("backend", "engine") != "engine" and max(r.prefill_buckets) < context:
     raise ConfigError(
-        f"rollout.env={r.env!r}: each turn re-prefills the prompt and the episode so far, up "
-        f"to data.max_prompt_len + {width} - 1 = {context} tokens, but the "
-        f"largest of rollout.prefill_buckets={list(r.prefill_buckets)} is smaller; add a "
-        f"bucket >= {context}")
+        f"rollout.env={r.env!r} with rollout.backend={r.backend!r}: each turn re-prefills "
+        f"the prompt and the episode so far, up to data.max_prompt_len + {width} - 1 = "
+        f"{context} tokens, but the largest of rollout.prefill_buckets="
+        f"{list(r.prefill_buckets)} is smaller; add a bucket >= {context}, or use "
+        f"rollout.backend=engine (it appends each turn to its cache instead)")
   if cfg.data.get("image_key", ""):
     raise ConfigError(f"rollout.env={r.env!r} does not take images yet; unset data.image_key "
                       f"or rollout.env")
