@@ -170,3 +170,20 @@ def test_resume_refusals_come_before_the_warm_start(tmp_path, capsys, no_expensi
   code, err = run(capsys, "train", "--config=grpo:tiny", f"--config.run_dir={run_dir}", *extra)
   assert code == 2, err
   assert_one_line(err, "distflow-jax train: error:", *needles)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("lora, needles", [
+    ("--config.model.lora.rank=100000", ["model.lora.rank=100000 is larger than q_proj's"]),
+    ("--config.model.lora.targets=('nonexistent_proj',)",
+     ["pattern 'nonexistent_proj' matches no module", "targetable:"]),
+])
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_lora_that_does_not_fit_the_model_is_refused_by_plan_and_before_train_s_warm_start(
+    tmp_path, capsys, no_expensive_work, command, lora, needles):
+  """plan accepted what train refused (after its warm start); both refuse it now, from the
+  model's config alone."""
+  code, err = run(capsys, command, "--config=grpo:tiny", f"--config.run_dir={tmp_path}/run",
+                  "--config.model.lora.enabled=True", lora)
+  assert code == 2, err
+  assert_one_line(err, f"distflow-jax {command}: error:", *needles)

@@ -81,6 +81,7 @@ def run(argv: Sequence[str]) -> int:
   topo = checks.topology(cfg, num_processes, devices_per_process)
   plan = checks.plan_from_config(cfg, topo, FUNCTIONS)
   temperature.check_training(cfg, plan, FUNCTIONS)
+  _check_model(cfg)
   if fv.process is not None and not 0 <= fv.process < topo.num_processes:
     raise loading.ConfigError(f"--process={fv.process} is out of range: the plan has "
                               f"{topo.num_processes} process(es)")
@@ -99,6 +100,16 @@ def run(argv: Sequence[str]) -> int:
   if target is not None:
     _lower(cfg, plan, target)
   return 0
+
+
+def _check_model(cfg) -> None:
+  """The model's own checks, as train makes them before its warm start (LoRA's rank and
+  targets against the layers, ...), from config.json or the preset: no weights read."""
+  import os
+  from distflow_jax.state import roles
+  if cfg.model.path and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+    return  # made at start-up (the built-in vision-language model), or refused by train
+  roles.model_config(cfg, roles.load_tokenizer(cfg.model))
 
 
 def _print_process_split(cfg, plan) -> None:

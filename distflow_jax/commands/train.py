@@ -61,6 +61,7 @@ def _run(argv: Sequence[str]) -> int:
   if resumed.finished:
     log(run_config.finished_message(cfg, resumed))
     return 0
+  _model_fields(cfg)  # the model's own checks (LoRA's rank and targets, ...): no warm start yet
   run_config.write_resolved(cfg, resumed, writer=info.process_index == 0)
   ckpt, t0, wandb = None, time.perf_counter(), None
   try:
@@ -136,7 +137,8 @@ def _run(argv: Sequence[str]) -> int:
 
 def _model_fields(cfg) -> dict | None:
   """This run's model config as a dict, from its config.json or preset and tokenizer (no
-  weights); None where the folder is made later (the built-in vision-language model)."""
+  weights), its checks done (roles.model_config: LoRA's targets and rank against the
+  layers, ...); None where the folder is made later (the built-in vision-language model)."""
   if cfg.model.path and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
     return None
   from distflow_jax.state import roles
