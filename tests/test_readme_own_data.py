@@ -86,6 +86,26 @@ def user_env(folder: Path) -> dict:
   return suite_flags(env)
 
 
+HF_INSTALL = "pip install -q -c constraints.txt -e '.[hf]'"
+
+
+def is_install(cmd: str) -> bool:
+  """The block's install of the hf extra: this suite's venv has it already, and the test's
+  folder is not the repository, so it is checked (below), not run."""
+  return cmd.split("#")[0].strip() == HF_INSTALL
+
+
+def test_the_block_installs_the_hf_extra_before_it_imports_transformers():
+  import tomllib
+  cmds = commands(section_text())
+  install = next(i for i, c in enumerate(cmds) if is_install(c))
+  uses = next(i for i, c in enumerate(cmds) if "from transformers import" in c)
+  assert install < uses
+  extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+      "optional-dependencies"]["hf"]
+  assert any(d.startswith("transformers") for d in extra), extra
+
+
 def is_shell_state(cmd: str) -> bool:
   """A line whose effect later lines of the same shell keep (the venv's activation)."""
   return shlex.split(cmd, comments=True)[:1] in (["source"], ["."])
@@ -111,6 +131,8 @@ def test_readme_own_task_commands_run_end_to_end(tmp_path):
   for cmd in commands(section_text()):
     if is_shell_state(cmd):  # this shell keeps it for the commands after
       state += cmd + "\n"
+      continue
+    if is_install(cmd):
       continue
     cmd = shrink(cmd)
     done = subprocess.run(["bash", "-c", "set -eo pipefail\n" + state + cmd], cwd=tmp_path,
