@@ -269,26 +269,19 @@ def test_docs_say_how_base_differs_from_the_default_run(capsys):
 
 
 def test_a_training_file_smaller_than_a_step_is_said(tmp_path):
-  """One row filling a whole step of 16 prompts trained without a word; now one line."""
+  """One row filling a whole step of 16 prompts trained without a word; now one line
+  (run/trainer.setup logs the loader's short_epochs)."""
   import json
-  from distflow_jax.config import loading
   from distflow_jax.data.loader import PromptLoader
   from distflow_jax.models.tokenizer import Tokenizer
-  from distflow_jax.run import trainer
   path = tmp_path / "one.jsonl"
   path.write_text(json.dumps({"prompt": "What is 1+1?", "answer": "2"}) + "\n")
-  cfg = loading.load("grpo:tiny")
-  lines = []
   loader = PromptLoader(str(path), Tokenizer.builtin(), batch_size=16, max_prompt_len=32,
                         process_index=0, process_count=1)
-  trainer._say_short_epochs(loader, cfg, lines.append)
-  assert lines == ["data.train: 1 row(s) (1 per process), fewer than the 16 prompts each step "
-                   "draws per process (data.prompts_per_step=16): every step repeats rows, "
-                   "each about 16.0 times"], lines
+  assert loader.short_epochs() == ("1 row(s) (1 per process), fewer than the 16 prompts each "
+                                   "step draws per process: every step repeats rows, each "
+                                   "about 16.0 times")
   path.write_text("".join(json.dumps({"prompt": f"What is {i}+1?", "answer": str(i + 1)})
                           + "\n" for i in range(16)))
-  lines.clear()
-  trainer._say_short_epochs(PromptLoader(str(path), Tokenizer.builtin(), batch_size=16,
-                                         max_prompt_len=32, process_index=0, process_count=1),
-                            cfg, lines.append)
-  assert lines == []
+  assert PromptLoader(str(path), Tokenizer.builtin(), batch_size=16, max_prompt_len=32,
+                      process_index=0, process_count=1).short_epochs() == ""

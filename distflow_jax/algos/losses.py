@@ -37,7 +37,7 @@ from typing import Any, Iterable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from distflow_jax.algos import kl as kl_lib
+from distflow_jax.algos import kl as kl_lib, policy_losses
 from distflow_jax.algos.choice import Choice
 
 _LOG_RATIO_CLAMP = 20.0
@@ -131,26 +131,23 @@ def policy_loss(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,
                 ratio_level: "str | RatioLevel" = RatioLevel.TOKEN,
                 agg_mode: "str | LossAggMode" = LossAggMode.TOKEN_MEAN,
                 norm_length: float | None = None,
-                token_weights_BxT: jax.Array | None = None) -> LossOutput:
-  """PPO clipped surrogate with clip-higher, dual-clip and GSPO ratios.
-
-  Per token, with rho the importance ratio and A the advantage:
-    l = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))
-  ``clip_ratio_high`` > ``clip_ratio_low`` is DAPO's clip-higher.  Dual clip
-  (Ye et al. 2020, ``clip_ratio_c`` = c > 1) bounds the loss of negative
-  advantages: l = min(l, -A c) where A < 0.
+                token_weights_BxT: jax.Array | None = None,
+                loss: str = "ppo") -> LossOutput:
+  """The policy loss ``loss`` (algos/policy_losses.py; default PPO's clipped surrogate with
+  clip-higher and dual clip), aggregated by ``agg_mode``.
 
   ``ratio_level='token'``: rho_t = pi(y_t) / pi_old(y_t).
   ``ratio_level='sequence'`` (GSPO, Zheng et al. 2025, its token form):
     log s_i   = (1/|y_i|) sum_t log(pi(y_t) / pi_old(y_t))
     rho_{i,t} = sg(s_i) * pi(y_t) / sg(pi(y_t))
   so every token of a sequence shares the value s_i while the gradient flows
-  per token; with a sequence advantage broadcast over tokens this is GSPO.
+  per token; with a sequence advantage broadcast over tokens this is GSPO.  GSPO's loss
+  is aggregated by ``agg_mode`` like any other (verl's GSPO always takes
+  seq-mean-token-mean: set ``actor.loss_agg`` to that for its numbers).
   ``token_weights_BxT`` (off-policy correction, algos/off_policy.py): l_t * w_t.
 
-  Metrics (token sums): ``pg_clipfrac`` (the clipped branch was taken),
-  ``pg_clipfrac_lower`` (the dual clip was taken), ``ppo_kl``
-  (log pi_old - log pi, k1), ``ratio``, ``pg_loss`` (the total again, so it
+  Metrics (token sums): the loss's own (PPO: ``pg_clipfrac``, ``pg_clipfrac_lower``),
+  ``ppo_kl`` (log pi_old - log pi, k1), ``ratio``, ``pg_loss`` (the total again, so it
   survives ``actor_loss``'s combination).
   """
   _check_same_shape(logprobs_BxT=logprobs_BxT, old_logprobs_BxT=old_logprobs_BxT,
@@ -164,11 +161,12 @@ def policy_loss(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,
   if clip_ratio_c is not None and clip_ratio_c <= 1.0:
     raise ValueError(f"dual-clip clip_ratio_c must be > 1, got {clip_ratio_c}")
   level = RatioLevel.parse(ratio_level)
+  fn = policy_losses.get(loss)
 
   m = response_mask_BxT.astype(jnp.float32)
   logp = _real(logprobs_BxT, m)
-  adv = _real(advantages_BxT, m)
-  token_log_ratio = logp - _real(old_logprobs_BxT, m)
+  old = _real(old_logprobs_BxT, m)
+  token_log_ratio = logp - old
   if level is RatioLevel.TOKEN:
     log_ratio = token_log_ratio
   else:
@@ -176,29 +174,21 @@ def policy_loss(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,
                        / jnp.maximum(jnp.sum(m, axis=1), 1.0))
     log_ratio = (jax.lax.stop_gradient(seq_log_ratio_B)[:, None]
                  + logp - jax.lax.stop_gradient(logp))
-  ratio = jnp.exp(jnp.clip(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
-
-  unclipped = -adv * ratio
-  clipped = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-  loss = jnp.maximum(unclipped, clipped)
-  clip_taken = (clipped > unclipped).astype(jnp.float32)
-  if clip_ratio_c is not None:
-    bound = -adv * clip_ratio_c
-    dual_taken = ((adv < 0) & (loss > bound)).astype(jnp.float32)
-    loss = jnp.where(adv < 0, jnp.minimum(loss, bound), loss)
-  else:
-    dual_taken = jnp.zeros_like(loss)
+  log_ratio = jnp.clip(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+  ratio = jnp.exp(log_ratio)
+  terms = fn(policy_losses.PolicyInput(
+      logp=logp, old_logp=old, advantages=_real(advantages_BxT, m), mask=m,
+      log_ratio=log_ratio, ratio=ratio, clip_ratio_low=eps_low, clip_ratio_high=eps_high,
+      clip_ratio_c=clip_ratio_c))
+  per_token = terms.loss
   if token_weights_BxT is not None:
-    loss = loss * _real(token_weights_BxT, m)
+    per_token = per_token * _real(token_weights_BxT, m)
 
-  total, count = aggregate(loss, m, agg_mode, norm_length)
-  metrics = {
-      "pg_loss": total,
-      "pg_clipfrac": _token_sum(clip_taken, m),
-      "pg_clipfrac_lower": _token_sum(dual_taken, m),
-      "ppo_kl": _token_sum(-token_log_ratio, m),
-      "ratio": _token_sum(ratio, m),
-  }
+  total, count = aggregate(per_token, m, agg_mode, norm_length)
+  metrics = {"pg_loss": total,
+             **{k: _token_sum(v, m) for k, v in terms.metrics.items()},
+             "ppo_kl": _token_sum(-token_log_ratio, m),
+             "ratio": _token_sum(ratio, m)}
   return LossOutput(total, count, jnp.sum(m), metrics)
 
 

@@ -82,6 +82,8 @@ def plan_from_config(cfg: ml_collections.ConfigDict, topo: planner_lib.Topology,
   values.check_values(cfg)
   from distflow_jax.rewards.registry import reward_names  # after the plugins: theirs count
   values.one_of(cfg.trainer.eval_reward, reward_names(), "trainer.eval_reward")
+  from distflow_jax.algos import policy_losses  # after the plugins: theirs count
+  values.one_of(cfg.actor.policy_loss, policy_losses.names(), "actor.policy_loss")
   from distflow_jax.config import async_checks  # trainer.max_staleness > 0: overlap possible?
   async_checks.check(cfg, plan)
   from distflow_jax.config import env_checks  # rollout.env and its keys (after the plugins)

@@ -202,6 +202,9 @@ def base() -> ml_collections.ConfigDict:
       micro_batch_tokens=0,
       ppo_epochs=1,
       mini_batches=1,
+      # The policy loss by name (algos/policy_losses.py; a plugin may register its own):
+      # ppo (the clipped surrogate; clip-higher and dual clip below) | ...
+      policy_loss="ppo",
       clip_ratio_low=0.2,
       clip_ratio_high=0.2,   # > low = DAPO clip-higher
       dual_clip=0.0,         # 0 = off, else the dual-clip constant c > 1

@@ -151,6 +151,16 @@ class PromptLoader:
     self._first_bad: dict[str, str] = {}  # reason -> its first row met, for the summary
     self._dataset = self._epoch_dataset(0)
 
+  def short_epochs(self) -> str:
+    """Where a batch asks for more rows than this process's shard has (every batch then
+    repeats rows): a line saying so; "" otherwise."""
+    shard = len(self.source) // self.process_count
+    if shard >= self.batch_size:
+      return ""
+    return (f"{len(self.source)} row(s) ({shard} per process), fewer than the "
+            f"{self.batch_size} prompts each step draws per process: every step repeats "
+            f"rows, each about {self.batch_size / max(shard, 1):.1f} times")
+
   @property
   def num_records(self) -> int:
     return len(self.source)

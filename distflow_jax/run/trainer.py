@@ -93,19 +93,6 @@ def _check_datasets(cfg: ml_collections.ConfigDict, log: Callable[[str], None]
   return train_path, eval_path
 
 
-def _say_short_epochs(train: PromptLoader, cfg: ml_collections.ConfigDict,
-                      log: Callable[[str], None]) -> None:
-  """One line when a step draws more prompts than the training file has rows (per
-  process): every step then repeats rows, which a run should not do unsaid."""
-  rows = len(train.source)
-  shard = rows // train.process_count
-  if shard < train.batch_size:
-    log(f"data.train: {rows} row(s) ({shard} per process), fewer than the "
-        f"{train.batch_size} prompts each step draws per process (data.prompts_per_step="
-        f"{cfg.data.prompts_per_step}): every step repeats rows, each about "
-        f"{train.batch_size / max(shard, 1):.1f} times")
-
-
 def setup(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print
           ) -> tuple[RunContext, Loaders]:
   """The run's context (every role the plan places, the warm-started built-in model when
@@ -127,7 +114,8 @@ def setup(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print
   train = PromptLoader(train_path, batch_size=cfg.data.prompts_per_step // nproc,
                        seed=cfg.data.shuffle_seed, process_index=rank, process_count=nproc,
                        **common)
-  _say_short_epochs(train, cfg, log)
+  if train.short_epochs():  # a step draws more prompts than the file has rows: said
+    log(f"data.train: {train.short_epochs()}")
   train = async_rollout.wrap_loader(cfg, train)  # its state holds the batches in flight
   if split is not None and jax.process_index() not in split.rollout:
     train = disjoint_state.TrainingLoader(split, jax.process_index())  # draws no prompts

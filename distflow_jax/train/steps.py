@@ -83,6 +83,7 @@ class ActorLoss:
   clip_ratio_high: float = 0.2
   dual_clip: float = 0.0
   ratio_level: str = "token"
+  policy_loss: str = "ppo"           # by name: algos/policy_losses.py
   loss_agg: str = "token-mean"
   entropy_coef: float = 0.0
   kl_coef: float = 0.0
@@ -99,6 +100,7 @@ class ActorLoss:
                   group_size: int = 1, temperature: float = 1.0) -> "ActorLoss":
     return cls(clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
                dual_clip=actor.dual_clip, ratio_level=actor.ratio_level,
+               policy_loss=actor.policy_loss,
                loss_agg=actor.loss_agg, entropy_coef=actor.entropy_coef,
                kl_coef=actor.kl.coef, kl_estimator=actor.kl.estimator,
                kl_in_loss=not actor.kl.in_reward,
@@ -127,7 +129,8 @@ def actor_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, cfg: ActorL
       kl_coef=cfg.kl_coef if use_kl else 0.0, kl_estimator=cfg.kl_estimator,
       agg_mode=cfg.loss_agg, clip_ratio_low=cfg.clip_ratio_low,
       clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.dual_clip or None,
-      ratio_level=cfg.ratio_level, norm_length=cfg.norm_length, token_weights_BxT=weights)
+      ratio_level=cfg.ratio_level, norm_length=cfg.norm_length, token_weights_BxT=weights,
+      loss=cfg.policy_loss)
 
 
 def critic_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, value_clip: float,

@@ -1,0 +1,76 @@
+"""Policy losses by name (algos/policy_losses.py): PPO's clipped surrogate is one entry; a
+plugin file registers another with one function and trains with it by naming it in the
+config; a name is registered once; an unknown one is refused in one line."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from distflow_jax.algos import losses, policy_losses
+from distflow_jax.config import loading
+from distflow_jax.run import trainer
+from workflow_util import smoke_overrides
+
+PLUGIN = '''
+from distflow_jax.algos import policy_losses
+
+@policy_losses.register("plain_pg")
+def plain_pg(x):
+  """REINFORCE: -A log pi, no ratio, no clip."""
+  return policy_losses.PolicyTerms(-x.advantages * x.logp, {"negative_adv": x.advantages < 0})
+'''
+
+
+def test_a_name_is_registered_once_and_an_unknown_one_is_refused():
+  with pytest.raises(ValueError, match="'ppo' is registered already .*ppo_clip"):
+    policy_losses.register("ppo")(lambda x: None)
+  with pytest.raises(ValueError, match="registered: .*'ppo'"):
+    policy_losses.get("nope")
+  assert "ppo" in policy_losses.names()
+
+
+def test_the_default_is_ppo_s_clipped_surrogate_by_hand():
+  logp = jnp.asarray([[-1.0, -0.5, -2.0]])
+  old = jnp.asarray([[-1.2, -0.2, -2.0]])
+  adv = jnp.asarray([[1.0, -1.0, 0.5]])
+  mask = jnp.asarray([[1.0, 1.0, 0.0]])
+  out = losses.policy_loss(logp, old, adv, mask, clip_ratio_low=0.1, clip_ratio_high=0.1)
+  r = np.exp(np.asarray(logp - old))[0, :2]
+  a = np.asarray(adv)[0, :2]
+  per = np.maximum(-a * r, -a * np.clip(r, 0.9, 1.1))
+  assert float(out.total / out.count) == pytest.approx(per.mean(), rel=1e-6)
+  clipped = (-a * np.clip(r, 0.9, 1.1) > -a * r).sum()
+  assert float(out.metrics["pg_clipfrac"]) == clipped
+
+
+@pytest.mark.timeout(600)
+def test_a_plugin_loss_trains_two_steps_by_name(tmp_path, capsys):
+  plugin = tmp_path / "my_losses.py"
+  plugin.write_text(PLUGIN)
+  try:
+    cfg = loading.load("grpo:tiny", smoke_overrides(
+        tmp_path / "run", "data.prompts_per_step=8", "rollout.n=2", "actor.micro_batch_size=2",
+        "trainer.total_steps=2", "trainer.eval_every=0", "actor.policy_loss=plain_pg",
+        f"plugins=('plugin_length_reward', '{plugin}')"))
+    with cfg.unlocked():  # a reward that varies within a group even for this untrained model
+      cfg.dag = [dict(d, fn="reward.digits") if d["fn"] == "reward.math" else dict(d)
+                 for d in cfg.dag]
+    ctx, loaders = trainer.setup(cfg, log=lambda m: None)
+    rows = list(trainer.train(cfg, ctx, loaders))
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+      assert r["actor/skipped"] == 0.0 and math.isfinite(r["actor/loss"]), r
+      assert "actor/negative_adv" in r and "actor/pg_clipfrac" not in r, sorted(r)
+    # The plugin's loss ran (its own metric, none of PPO's), and it moved the weights.
+    assert all(abs(r["actor/pg_loss"]) > 1e-3 and r["actor/grad_norm"] > 0 for r in rows), rows
+  finally:
+    policy_losses.POLICY_LOSSES.pop("plain_pg", None)
+
+
+def test_an_unknown_policy_loss_is_refused_by_plan_in_one_line(capsys):
+  from distflow_jax import cli
+  assert cli.main(["plan", "--config.actor.policy_loss=nope"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "actor.policy_loss" in err[0] and "ppo" in err[0], err
