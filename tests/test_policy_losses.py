@@ -74,3 +74,41 @@ def test_an_unknown_policy_loss_is_refused_by_plan_in_one_line(capsys):
   assert cli.main(["plan", "--config.actor.policy_loss=nope"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "actor.policy_loss" in err[0] and "ppo" in err[0], err
+
+
+def test_vf_clipfrac_counts_only_tokens_the_clip_changed():
+  """The outside check's case: V, V_old, R with |V - V_old| = 0.427 < clip 0.5, so nothing
+  is clipped; old + clip(V - old) differs from V in float32 and counted it (1.0, verl 0)."""
+  v = jnp.asarray([[0.05311260372400284]], jnp.float32)
+  old = jnp.asarray([[0.4799060523509979]], jnp.float32)
+  ret = jnp.asarray([[0.10049091279506683]], jnp.float32)
+  m = jnp.ones((1, 1), jnp.float32)
+  out = losses.value_loss(v, old, ret, m, clip_range=0.5)
+  assert float(out.metrics["vf_clipfrac"]) == 0.0
+  assert float(out.total) == pytest.approx(0.5 * (0.05311260372400284 - 0.10049091279506683) ** 2)
+  # V moved 1.48 toward R = -2: clamped to old - 0.5, whose loss is the larger.
+  far = losses.value_loss(jnp.asarray([[-1.0]]), old, jnp.asarray([[-2.0]]), m, clip_range=0.5)
+  assert float(far.metrics["vf_clipfrac"]) == 1.0
+
+
+def test_k3_is_capped_in_the_loss_and_the_reward_penalty():
+  from distflow_jax.algos import kl as kl_lib
+  logp = jnp.asarray([[-1.0, -20.0, -1.0]])
+  ref = jnp.asarray([[-1.1, -5.0, -1.0]])  # a log-ratio of 15 on the second token
+  raw = kl_lib.kl_divergence(logp, ref, "k3", k3_cap=0)
+  assert float(raw[0, 1]) > 3e6  # what it was: one token swamps the step
+  capped = kl_lib.kl_divergence(logp, ref, "k3")
+  assert float(capped[0, 1]) == 10.0
+  assert float(capped[0, 0]) == pytest.approx(float(raw[0, 0]))
+  out = losses.kl_loss(logp, ref, jnp.ones((1, 3)), k3_cap=10.0)
+  assert float(out.metrics["kl"]) == pytest.approx(10.0 + float(raw[0, 0]), rel=1e-6)
+  import jax
+  g = jax.grad(lambda lp: losses.kl_loss(lp, ref, jnp.ones((1, 3))).total)(logp)
+  assert float(g[0, 1]) == 0.0  # a capped token adds no gradient
+
+
+def test_k3_cap_out_of_range_is_refused():
+  from distflow_jax.config import values
+  cfg = loading.load("grpo:tiny", ["actor.kl.k3_cap=-1"])
+  with pytest.raises(loading.ConfigError, match="actor.kl.k3_cap"):
+    values.check_values(cfg)

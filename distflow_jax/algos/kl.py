@@ -33,9 +33,19 @@ class KLEstimator(Choice):
   K3 = "k3"
 
 
+# verl's bound on a token's k3 estimate (actor.kl.k3_cap's default).
+K3_CAP = 10.0
+
+
 def kl_divergence(logprobs_BxT: jax.Array, ref_logprobs_BxT: jax.Array,
-                  estimator: "str | KLEstimator" = KLEstimator.K3) -> jax.Array:
-  """Per-token KL estimate [B, T] (see the module docstring for the maths)."""
+                  estimator: "str | KLEstimator" = KLEstimator.K3,
+                  k3_cap: float = K3_CAP) -> jax.Array:
+  """Per-token KL estimate [B, T] (see the module docstring for the maths).
+
+  k3 is capped at ``k3_cap`` (``actor.kl.k3_cap``, 0 = no cap), as verl caps it at 10:
+  exp(log r) - 1 - log r grows exponentially, 3.2e6 per token at a log-ratio of 15, so one
+  stale or degenerate token would swamp a step's loss and gradient (a capped token adds
+  the cap and no gradient)."""
   est = KLEstimator.parse(estimator)
   if logprobs_BxT.shape != ref_logprobs_BxT.shape:
     raise ValueError(f"logprobs_BxT {logprobs_BxT.shape} and ref_logprobs_BxT "
@@ -47,7 +57,8 @@ def kl_divergence(logprobs_BxT: jax.Array, ref_logprobs_BxT: jax.Array,
   if est is KLEstimator.K2:
     return 0.5 * jnp.square(log_r)
   log_r = jnp.clip(log_r, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-  return jnp.expm1(log_r) - log_r
+  k3 = jnp.expm1(log_r) - log_r
+  return jnp.minimum(k3, k3_cap) if k3_cap else k3
 
 
 def apply_kl_penalty(token_rewards_BxT: jax.Array, kl_BxT: jax.Array,

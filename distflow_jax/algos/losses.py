@@ -196,13 +196,14 @@ def kl_loss(logprobs_BxT: jax.Array, ref_logprobs_BxT: jax.Array,
             response_mask_BxT: jax.Array, *,
             estimator: "str | kl_lib.KLEstimator" = kl_lib.KLEstimator.K3,
             agg_mode: "str | LossAggMode" = LossAggMode.TOKEN_MEAN,
-            norm_length: float | None = None) -> LossOutput:
-  """KL(pi || pi_ref) as a loss term, per-token estimator aggregated."""
+            norm_length: float | None = None,
+            k3_cap: float = kl_lib.K3_CAP) -> LossOutput:
+  """KL(pi || pi_ref) as a loss term, per-token estimator aggregated (k3 capped)."""
   _check_same_shape(logprobs_BxT=logprobs_BxT, ref_logprobs_BxT=ref_logprobs_BxT,
                     response_mask_BxT=response_mask_BxT)
   m = response_mask_BxT.astype(jnp.float32)
   kl = kl_lib.kl_divergence(_real(logprobs_BxT, m), _real(ref_logprobs_BxT, m),
-                            estimator)
+                            estimator, k3_cap)
   total, count = aggregate(kl, m, agg_mode, norm_length)
   return LossOutput(total, count, jnp.sum(m), {"kl": _token_sum(kl, m)})
 
@@ -224,7 +225,7 @@ def actor_loss(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,
                ref_logprobs_BxT: jax.Array | None = None, kl_coef: float = 0.0,
                kl_estimator: "str | kl_lib.KLEstimator" = kl_lib.KLEstimator.K3,
                agg_mode: "str | LossAggMode" = LossAggMode.TOKEN_MEAN,
-               norm_length: float | None = None,
+               norm_length: float | None = None, k3_cap: float = kl_lib.K3_CAP,
                **policy_kwargs: Any) -> LossOutput:
   """policy_loss - entropy_coef * H + kl_coef * KL, all under one agg mode.
 
@@ -244,7 +245,7 @@ def actor_loss(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,
     raise ValueError(f"entropy_coef={entropy_coef} needs entropy_BxT")
   if ref_logprobs_BxT is not None:
     kl = kl_loss(logprobs_BxT, ref_logprobs_BxT, response_mask_BxT,
-                 estimator=kl_estimator, agg_mode=agg_mode,
+                 estimator=kl_estimator, agg_mode=agg_mode, k3_cap=k3_cap,
                  norm_length=norm_length)
     total = total + kl_coef * kl.total
     metrics.update(kl.metrics)
@@ -282,7 +283,10 @@ def value_loss(values_BxT: jax.Array, old_values_BxT: jax.Array,
     if clip_range <= 0:
       raise ValueError(f"value clip_range must be > 0 or None, got {clip_range}")
     old = _real(old_values_BxT, m)
-    v_clip = old + jnp.clip(v - old, -clip_range, clip_range)
+    # V clamped into [V_old - eps, V_old + eps] (verl's form): exactly V where it is
+    # inside, so vf_clipfrac counts only tokens the clip changed (old + clip(V - old) is
+    # not V in float32, and counted unclipped tokens).
+    v_clip = jnp.clip(v, old - clip_range, old + clip_range)
     clipped = jnp.square(v_clip - ret)
     loss = 0.5 * jnp.maximum(unclipped, clipped)
     taken = (clipped > unclipped).astype(jnp.float32)

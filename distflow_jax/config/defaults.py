@@ -212,7 +212,10 @@ def base() -> ml_collections.ConfigDict:
       # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
       loss_agg="token-mean",
       entropy_coef=0.0,
-      kl=dict(coef=0.0, estimator="k3", in_reward=False, target=0.0, horizon=10000),
+      # k3_cap: a token's k3 estimate at most this (verl's 10; 0 = no cap): k3 grows
+      # exponentially in the log-ratio, so one degenerate token would swamp a step.
+      kl=dict(coef=0.0, estimator="k3", in_reward=False, target=0.0, horizon=10000,
+              k3_cap=10.0),
       # With one epoch over one mini-batch the rollout's log-probs serve as the old
       # log-probs and the logprob node skips its forward pass; True forces the pass (so
       # does an off_policy.correction other than none).

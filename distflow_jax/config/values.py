@@ -259,6 +259,7 @@ def _check_actor(a) -> None:
   option(a.off_policy.correction, "actor.off_policy.correction", "off_policy")
   in_range(a.off_policy.tis_cap, "actor.off_policy.tis_cap", 0, lo_open=True)
   in_range(a.clip_ratio_low, "actor.clip_ratio_low", 0)
+  in_range(a.kl.k3_cap, "actor.kl.k3_cap", 0, note="0 = no cap")
   in_range(a.clip_ratio_high, "actor.clip_ratio_high", 0)
   in_range(a.entropy_coef, "actor.entropy_coef")
   in_range(a.kl.coef, "actor.kl.coef", 0)

@@ -69,7 +69,7 @@ def _token_rewards(ctx: RunContext, node: Node, loc: dict, mask: jax.Array) -> j
       raise DagError(f"DAG node {node.id!r}: actor.kl.in_reward needs 'ref_logprobs'; add a "
                      f"ref_logprob node to its dependencies")
     logp = loc.get("old_logprobs", loc["rollout_logprobs"])
-    kl = kl_lib.kl_divergence(logp, loc["ref_logprobs"], kl_cfg.estimator)
+    kl = kl_lib.kl_divergence(logp, loc["ref_logprobs"], kl_cfg.estimator, kl_cfg.k3_cap)
     token_rewards = kl_lib.apply_kl_penalty(token_rewards, kl, mask, coef)
     ctx.metrics.add("kl_coef", coef)
     ctx.metrics.add("kl_penalty", float(jnp.sum(kl * mask)), float(mask.sum()))

@@ -88,6 +88,7 @@ class ActorLoss:
   entropy_coef: float = 0.0
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
+  k3_cap: float = 10.0               # actor.kl.k3_cap (algos/kl.py; 0 = none)
   kl_in_loss: bool = True
   norm_length: float | None = None  # for seq-mean-token-sum-norm (Dr.GRPO)
   group_size: int = 1                # rows per shared prompt (train/hidden.py)
@@ -103,6 +104,7 @@ class ActorLoss:
                policy_loss=actor.policy_loss,
                loss_agg=actor.loss_agg, entropy_coef=actor.entropy_coef,
                kl_coef=actor.kl.coef, kl_estimator=actor.kl.estimator,
+               k3_cap=float(actor.kl.k3_cap),
                kl_in_loss=not actor.kl.in_reward,
                norm_length=float(max_new_tokens) if max_new_tokens else None,
                group_size=group_size, off_policy=actor.off_policy.correction,
@@ -127,6 +129,7 @@ def actor_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, cfg: ActorL
       entropy_BxT=ent, entropy_coef=cfg.entropy_coef,  # entropy is always reported
       ref_logprobs_BxT=mb["ref_logprobs"] if use_kl else None,
       kl_coef=cfg.kl_coef if use_kl else 0.0, kl_estimator=cfg.kl_estimator,
+      k3_cap=cfg.k3_cap,
       agg_mode=cfg.loss_agg, clip_ratio_low=cfg.clip_ratio_low,
       clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.dual_clip or None,
       ratio_level=cfg.ratio_level, norm_length=cfg.norm_length, token_weights_BxT=weights,
