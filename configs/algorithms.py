@@ -4,7 +4,7 @@
   python tools/compare_algorithms.py --steps 50      # every variant, same sample budget
 
 Variants: ``ppo``, ``grpo``, ``drgrpo``, ``rloo``, ``reinforce_pp_baseline``, ``dapo``,
-``gspo``.  Each starts from the default run (``grpo.py:tiny``: the 1.2 M-param model
+``gspo``, ``gpg``, ``cispo``.  Each starts from the default run (``grpo.py:tiny``: the 1.2 M-param model
 warm-started on ``builtin:arithmetic:basic``, 50 steps, held-out accuracy every 10) and
 changes only what its algorithm needs; every one trains on 128 samples a step (16 prompts
 x 8 samples, or 128 prompts x 1 for PPO), so their curves compare at equal sample budget.
@@ -27,7 +27,8 @@ the variants that rely on clipping (PPO, DAPO, GSPO) take actor.mini_batches = 2
 import importlib.util
 import os
 
-VARIANTS = ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "dapo", "gspo")
+VARIANTS = ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "dapo", "gspo", "gpg",
+            "cispo")
 # Samples trained on per step, the same for every variant (prompts x rollout.n).
 SAMPLES_PER_STEP = 128
 
@@ -139,4 +140,15 @@ def get_config(arg: str = "grpo"):
     c.actor.clip_ratio_high = 4e-4
     c.actor.loss_agg = "seq-mean-token-mean"
     c.actor.mini_batches = 2  # so the ratio leaves 1 and the clip acts
+  elif arg == "gpg":
+    # GPG: the plain policy gradient -A log pi of GRPO's advantages (algos/policy_losses.py),
+    # no ratio and no clip.  The KL loss stays, unlike the paper, as in dapo.
+    c.actor.policy_loss = "gpg"
+  elif arg == "cispo":
+    # CISPO: the importance weight clipped (and held constant) instead of the update, so
+    # every token keeps a gradient; the paper's open lower bound, an upper one of 0.28.
+    c.actor.policy_loss = "cispo"
+    c.actor.clip_ratio_low = 0.99
+    c.actor.clip_ratio_high = 0.28
+    c.actor.mini_batches = 2  # so the weight leaves 1 and the clip acts
   return c

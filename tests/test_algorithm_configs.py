@@ -10,7 +10,8 @@ from distflow_jax.config.checks import plan_from_config
 from distflow_jax.dag import FUNCTIONS, Topology
 from workflow_util import smoke_overrides
 
-VARIANTS = ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "dapo", "gspo")
+VARIANTS = ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "dapo", "gspo", "gpg",
+            "cispo")
 
 
 def _load(variant, *overrides):
@@ -49,7 +50,10 @@ def test_settings_suit_each_estimator():
   assert fns == {"ppo": "advantage.gae", "grpo": "advantage.grpo", "drgrpo": "advantage.grpo",
                  "rloo": "advantage.rloo", "reinforce_pp_baseline":
                  "advantage.reinforce_pp_baseline", "dapo": "advantage.grpo",
-                 "gspo": "advantage.grpo"}
+                 "gspo": "advantage.grpo", "gpg": "advantage.grpo",
+                 "cispo": "advantage.grpo"}
+  assert {v: c[v].actor.policy_loss for v in c if c[v].actor.policy_loss != "ppo"} == {
+      "gpg": "gpg", "cispo": "cispo"}
   # Reward-scale advantages (no std division, no whitening) get a smaller KL coefficient.
   assert not c["drgrpo"].algo.norm_by_std
   assert c["drgrpo"].actor.kl.coef < c["rloo"].actor.kl.coef < c["grpo"].actor.kl.coef
@@ -114,7 +118,11 @@ def test_one_step_of_each_variant(variant, tmp_path):
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
   (m,) = list(trainer.train(cfg, ctx, loaders))
   assert m["step"] == 1 and m["actor/skipped"] == 0.0
-  for key in ("reward", "actor/loss", "actor/grad_norm", "actor/pg_clipfrac"):
+  for key in ("reward", "actor/loss", "actor/grad_norm"):
     assert math.isfinite(m[key]), (key, m)
+  if variant == "gpg":  # no ratio, no clip: no clip fraction to report
+    assert "actor/pg_clipfrac" not in m
+  else:
+    assert math.isfinite(m["actor/pg_clipfrac"]), m
   if variant == "ppo":
     assert math.isfinite(m["critic/loss"])

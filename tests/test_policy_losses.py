@@ -112,3 +112,42 @@ def test_k3_cap_out_of_range_is_refused():
   cfg = loading.load("grpo:tiny", ["actor.kl.k3_cap=-1"])
   with pytest.raises(loading.ConfigError, match="actor.kl.k3_cap"):
     values.check_values(cfg)
+
+
+def _case():
+  rs = np.random.RandomState(0)
+  logp = jnp.asarray(-rs.rand(3, 5) * 2, jnp.float32)
+  old = logp + jnp.asarray(rs.randn(3, 5) * 0.4, jnp.float32)
+  adv = jnp.asarray(rs.randn(3, 5), jnp.float32)
+  mask = jnp.asarray((rs.rand(3, 5) > 0.2).astype(np.float32))
+  return logp, old, adv, mask
+
+
+def _numpy_total(per_token, mask):  # token-mean
+  return float((np.asarray(per_token) * np.asarray(mask)).sum() / np.asarray(mask).sum())
+
+
+def test_gpg_is_minus_a_log_pi_and_its_gradient():
+  import jax
+  logp, old, adv, mask = _case()
+  out = losses.policy_loss(logp, old, adv, mask, loss="gpg")
+  assert float(out.total / out.count) == pytest.approx(_numpy_total(-adv * logp, mask), rel=1e-6)
+  g = jax.grad(lambda lp: losses.policy_loss(lp, old, adv, mask, loss="gpg").total)(logp)
+  np.testing.assert_allclose(np.asarray(g), -np.asarray(adv * mask), rtol=1e-6)
+
+
+def test_cispo_clips_the_weight_and_keeps_every_token_s_gradient():
+  import jax
+  logp, old, adv, mask = _case()
+  out = losses.policy_loss(logp, old, adv, mask, loss="cispo", clip_ratio_low=0.2,
+                           clip_ratio_high=0.28)
+  r = np.exp(np.asarray(logp - old))
+  w = np.clip(r, 0.8, 1.28)
+  assert float(out.total / out.count) == pytest.approx(
+      _numpy_total(-w * np.asarray(adv * logp), mask), rel=1e-5)
+  m = np.asarray(mask)
+  assert float(out.metrics["pg_clipfrac"]) == float((((r < 0.8) | (r > 1.28)) * m).sum())
+  g = jax.grad(lambda lp: losses.policy_loss(lp, old, adv, mask, loss="cispo",
+                                             clip_ratio_low=0.2, clip_ratio_high=0.28).total)(logp)
+  np.testing.assert_allclose(np.asarray(g), -w * np.asarray(adv) * m, rtol=1e-5)
+  assert (np.abs(np.asarray(g))[m > 0] > 0).all()  # clipped tokens too (PPO zeroes them)

@@ -38,7 +38,8 @@ from collections.abc import Sequence
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_common as bc  # noqa: E402
 
-ALGORITHMS = ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "dapo", "gspo")
+ALGORITHMS = ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "dapo", "gspo", "gpg",
+              "cispo")
 TASKS = ("arithmetic", "letters")
 DEFAULT_LEVEL = "basic"
 # A child that only warm-starts: trainer.setup makes and caches the model, trains nothing.

@@ -105,3 +105,31 @@ def ppo_clip(x: PolicyInput) -> PolicyTerms:
   else:
     dual_taken = jnp.zeros_like(loss)
   return PolicyTerms(loss, {"pg_clipfrac": clip_taken, "pg_clipfrac_lower": dual_taken})
+
+
+@register("gpg")
+def gpg(x: PolicyInput) -> PolicyTerms:
+  """GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline"): the
+  plain policy gradient of the (group-normalized) advantages, no ratio, no clip, no KL:
+
+    l_t = -A_t log pi(y_t)
+
+  Its gradient at the rollout's policy equals PPO's unclipped one; it differs once the
+  policy has moved (later mini-batches or epochs), where nothing bounds the step."""
+  return PolicyTerms(-x.advantages * x.logp, {})
+
+
+@register("cispo")
+def cispo(x: PolicyInput) -> PolicyTerms:
+  """CISPO (MiniMax-M1, 2025): clip the importance weight, not the update, so every token
+  keeps a gradient:
+
+    l_t = -sg(clip(rho_t, 1 - eps_low, 1 + eps_high)) A_t log pi(y_t)
+
+  with eps_low = ``actor.clip_ratio_low`` and eps_high = ``actor.clip_ratio_high``
+  (the paper leaves the lower bound open: a clip_ratio_low near 1).  Metric
+  ``pg_clipfrac``: tokens whose weight the clip changed."""
+  lo, hi = 1.0 - x.clip_ratio_low, 1.0 + x.clip_ratio_high
+  weight = jax.lax.stop_gradient(jnp.clip(x.ratio, lo, hi))
+  clipped = ((x.ratio < lo) | (x.ratio > hi)).astype(jnp.float32)
+  return PolicyTerms(-weight * x.advantages * x.logp, {"pg_clipfrac": clipped})

@@ -203,7 +203,8 @@ def base() -> ml_collections.ConfigDict:
       ppo_epochs=1,
       mini_batches=1,
       # The policy loss by name (algos/policy_losses.py; a plugin may register its own):
-      # ppo (the clipped surrogate; clip-higher and dual clip below) | ...
+      # ppo (the clipped surrogate; clip-higher and dual clip below) | gpg (-A log pi) |
+      # cispo (the clipped importance weight times -A log pi)
       policy_loss="ppo",
       clip_ratio_low=0.2,
       clip_ratio_high=0.2,   # > low = DAPO clip-higher
