@@ -36,9 +36,11 @@ PLAN_CASES = {
         "rollout.max_episode_tokens=-8 must be an int >= 0"),
     "bucket_too_small_for_episode_tokens": (
         ENV + "c.rollout.env = 'scripted'\nc.rollout.max_episode_tokens = 100\n"
-        "c.model.max_seq_len = 512", "max_prompt_len + rollout.max_episode_tokens - 1"),
+        "c.model.max_seq_len = 512\nc.rollout.backend = 'reference'",
+        "max_prompt_len + rollout.max_episode_tokens - 1"),
     "bucket_too_small_for_episodes": (
-        ENV + "c.rollout.env = 'scripted'\nc.rollout.prefill_buckets = (64,)",
+        ENV + "c.rollout.env = 'scripted'\nc.rollout.prefill_buckets = (64,)\n"
+        "c.rollout.backend = 'reference'",
         "largest of rollout.prefill_buckets"),
 }
 

@@ -33,6 +33,8 @@ WITH = {
     "reinforce_pp_baseline": ["trainer.deterministic=True"],
     "dapo": [],                                         # dynamic sampling
     "gspo": ["trainer.deterministic=True", "model.share_prompt_prefix=False"],
+    "gpg": [],                                          # the plain policy gradient
+    "cispo": ["model.share_prompt_prefix=False"],       # clipped IS weights
 }
 
 

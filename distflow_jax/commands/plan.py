@@ -109,7 +109,9 @@ def _check_model(cfg) -> None:
   from distflow_jax.state import roles
   if cfg.model.path and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
     return  # made at start-up (the built-in vision-language model), or refused by train
-  roles.model_config(cfg, roles.load_tokenizer(cfg.model))
+  # A folder's shape alone suffices (plan needs only config.json); a preset is sized to
+  # the built-in tokenizer.
+  roles.model_config(cfg, None if cfg.model.path else roles.load_tokenizer(cfg.model))
 
 
 def _print_process_split(cfg, plan) -> None:
