@@ -81,7 +81,8 @@ def run(argv: Sequence[str]) -> int:
   topo = checks.topology(cfg, num_processes, devices_per_process)
   plan = checks.plan_from_config(cfg, topo, FUNCTIONS)
   temperature.check_training(cfg, plan, FUNCTIONS)
-  _check_model(cfg)
+  from distflow_jax.state import roles
+  roles.model_config_before_weights(cfg)  # the model's checks, as train makes them
   if fv.process is not None and not 0 <= fv.process < topo.num_processes:
     raise loading.ConfigError(f"--process={fv.process} is out of range: the plan has "
                               f"{topo.num_processes} process(es)")
@@ -100,18 +101,6 @@ def run(argv: Sequence[str]) -> int:
   if target is not None:
     _lower(cfg, plan, target)
   return 0
-
-
-def _check_model(cfg) -> None:
-  """The model's own checks, as train makes them before its warm start (LoRA's rank and
-  targets against the layers, ...), from config.json or the preset: no weights read."""
-  import os
-  from distflow_jax.state import roles
-  if cfg.model.path and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-    return  # made at start-up (the built-in vision-language model), or refused by train
-  # A folder's shape alone suffices (plan needs only config.json); a preset is sized to
-  # the built-in tokenizer.
-  roles.model_config(cfg, None if cfg.model.path else roles.load_tokenizer(cfg.model))
 
 
 def _print_process_split(cfg, plan) -> None:

@@ -136,13 +136,10 @@ def _run(argv: Sequence[str]) -> int:
 
 
 def _model_fields(cfg) -> dict | None:
-  """This run's model config as a dict, from its config.json or preset and tokenizer (no
-  weights), its checks done (roles.model_config: LoRA's targets and rank against the
-  layers, ...); None where the folder is made later (the built-in vision-language model)."""
-  if cfg.model.path and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-    return None
+  """This run's model config as a dict, checked, before any weights (None: made later)."""
   from distflow_jax.state import roles
-  return dataclasses.asdict(roles.model_config(cfg, roles.load_tokenizer(cfg.model)))
+  model = roles.model_config_before_weights(cfg)
+  return None if model is None else dataclasses.asdict(model)
 
 
 def _on_sigterm_as_ctrl_c() -> list:

@@ -99,6 +99,16 @@ def model_config(cfg: ml_collections.ConfigDict, tokenizer: Tokenizer,
                                           cfg.model.dtype))
 
 
+def model_config_before_weights(cfg: ml_collections.ConfigDict) -> ModelConfig | None:
+  """``model_config`` from config.json alone (a folder) or the preset and the built-in
+  tokenizer, with its checks (LoRA against the layers, ...): what plan and train check
+  before any weights or warm start.  None where the folder is made at start-up (the
+  built-in vision-language model)."""
+  if cfg.model.path and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+    return None
+  return model_config(cfg, None if cfg.model.path else load_tokenizer(cfg.model))
+
+
 def levers(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig) -> ModelConfig:
   """``model_cfg`` with the config's memory and compile levers (model.scan_layers, remat,
   attention_impl, attention_block): how the model runs, not what it computes."""
