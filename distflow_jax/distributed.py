@@ -67,9 +67,11 @@ def initialize(auto: bool = False) -> ProcessInfo:
           # A dead peer is noticed through missed heartbeats; keep it well
           # under a minute so a lost host fails the job instead of hanging.
           heartbeat_timeout_seconds=int(os.environ.get(ENV_HEARTBEAT, "30")),
-          # At exit JAX waits in a barrier for every peer; a process that
-          # fails alone must not sit there for the default five minutes.
-          shutdown_timeout_seconds=int(os.environ.get(ENV_SHUTDOWN, "10")))
+          # At a clean exit JAX waits in a barrier for every peer, which may
+          # still be working (more prompts, a last save): 10 s aborted a loaded
+          # CI machine's peers.  A failing process skips the barrier (run_main's
+          # os._exit), so a long wait costs only the clean path.
+          shutdown_timeout_seconds=int(os.environ.get(ENV_SHUTDOWN, "120")))
       _record_self()
   elif auto and not jax.distributed.is_initialized():
     set_transfer_address()

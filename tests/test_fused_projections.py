@@ -2,7 +2,8 @@
 ``all`` q/k/v) concatenated as the weights enter the engine, one matmul apiece per layer;
 the trained model keeps its separate, HF-named projections.  Float32 on XLA:CPU: gate_up
 gives the unfused engine's tokens and log-probs bitwise; all the same tokens, log-probs
-within 5e-6 (measured 2026-11-27: up to 4.5e-6), hence off by default."""
+within float32 rounding of a reassociated matmul: up to 4.5e-6 on one machine (2026-11-27),
+2.0e-5 (relative 4.7e-5) on the CI machine (2026-12-02), hence off by default."""
 
 import jax
 import numpy as np
@@ -51,7 +52,7 @@ def test_fused_engines_give_the_unfused_numbers(sp):
   np.testing.assert_array_equal(out[FuseProjections.GATE_UP].logprobs_RxN, base.logprobs_RxN)
   np.testing.assert_array_equal(out[FuseProjections.ALL].tokens_RxN, base.tokens_RxN)
   np.testing.assert_allclose(out[FuseProjections.ALL].logprobs_RxN, base.logprobs_RxN,
-                             rtol=0, atol=1e-5)
+                             rtol=1e-4, atol=1e-5)
   assert "q_proj" in _names(nnx.state(model))  # the trained model keeps its projections
 
 

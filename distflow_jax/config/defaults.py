@@ -175,7 +175,7 @@ def base() -> ml_collections.ConfigDict:
       lora_sync="merged",
       # The engine's weights with projections fused (models/fused.py): none | gate_up (one
       # matmul for gate/up; bitwise the unfused numbers on XLA:CPU) | all (q/k/v too; the
-      # same tokens, log-probs within 5e-6 on XLA:CPU).  The trained model keeps them apart.
+      # same tokens, log-probs within 2e-5 on XLA:CPU).  The trained model keeps them apart.
       fuse_projections="none",
       # Multi-turn episodes (rollout/episodes.py, envs/): "" = single-turn; else a registered
       # environment or module:Class.  Each turn ends at its first tool call (tool_parser:

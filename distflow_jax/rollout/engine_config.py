@@ -37,7 +37,7 @@ class FuseProjections(enum.Enum):
   """Which projections of each layer the engine's weights fuse (``rollout.fuse_projections``;
   models/fused.py): one matmul for gate/up, and with ``all`` one for q/k/v too.  On XLA:CPU
   in float32 (2026-11-27, tests/test_fused_projections.py) ``gate_up`` gives the unfused
-  engine's tokens and log-probs bitwise; ``all`` the same tokens, log-probs within 5e-6."""
+  engine's tokens and log-probs bitwise; ``all`` the same tokens, log-probs within 2e-5."""
   NONE = "none"
   GATE_UP = "gate_up"
   ALL = "all"
