@@ -4,7 +4,8 @@
   python tools/compare_algorithms.py --steps 50      # every variant, same sample budget
 
 Variants: ``ppo``, ``grpo``, ``drgrpo``, ``rloo``, ``reinforce_pp_baseline``, ``dapo``,
-``gspo``, ``gpg``, ``cispo``.  Each starts from the default run (``grpo.py:tiny``: the 1.2 M-param model
+``gspo``, ``gpg``, ``cispo``, ``gmpo``, ``sapo``, ``clip_cov``, ``kl_cov``, ``opo``,
+``grpo_passk``.  Each starts from the default run (``grpo.py:tiny``: the 1.2 M-param model
 warm-started on ``builtin:arithmetic:basic``, 50 steps, held-out accuracy every 10) and
 changes only what its algorithm needs; every one trains on 128 samples a step (16 prompts
 x 8 samples, or 128 prompts x 1 for PPO), so their curves compare at equal sample budget.
@@ -28,7 +29,7 @@ import importlib.util
 import os
 
 VARIANTS = ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "dapo", "gspo", "gpg",
-            "cispo")
+            "cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "opo", "grpo_passk")
 # Samples trained on per step, the same for every variant (prompts x rollout.n).
 SAMPLES_PER_STEP = 128
 
@@ -151,4 +152,35 @@ def get_config(arg: str = "grpo"):
     c.actor.clip_ratio_low = 0.99
     c.actor.clip_ratio_high = 0.28
     c.actor.mini_batches = 2  # so the weight leaves 1 and the clip acts
+  elif arg == "gmpo":
+    # GMPO: the geometric mean of a sequence's token ratios, each clipped in log space to
+    # [-0.4, 0.4] (the paper's range, wider than PPO's: a geometric mean moves less),
+    # the mean over sequences.
+    c.actor.policy_loss = "gmpo"
+    c.actor.clip_ratio_low = 0.4
+    c.actor.clip_ratio_high = 0.4
+    c.actor.loss_agg = "seq-mean-token-mean"
+    c.actor.mini_batches = 2  # so the ratio leaves 1 and the clip acts
+  elif arg == "sapo":
+    # SAPO: a smooth sigmoid gate of the ratio (temperatures 1.0 for A > 0, 1.05 for
+    # A <= 0: actor.loss_args) instead of the hard clip; tokens averaged per sequence.
+    c.actor.policy_loss = "sapo"
+    c.actor.loss_agg = "seq-mean-token-mean"
+    c.actor.mini_batches = 2  # so the ratio leaves 1 and the gate acts
+  elif arg in ("clip_cov", "kl_cov"):
+    # Clip-Cov / KL-Cov: against entropy collapse, the tokens whose advantage and log-prob
+    # covary most lose their gradient (a random few within 1 < cov < 5) or pay |log ratio|
+    # (the largest 2e-4 of them): verl's defaults, actor.loss_args.  At 8 rows x ~20
+    # tokens a micro-batch that is one token of each micro-batch.
+    c.actor.policy_loss = arg
+    c.actor.mini_batches = 2  # so the ratio leaves 1
+  elif arg == "opo":
+    # OPO: the group's length-weighted mean reward as the baseline, no std division, so
+    # the advantages keep the reward's scale: Dr.GRPO's KL coefficient.
+    _with_dag(c, c.dag, "opo")
+    c.actor.kl.coef = 0.067
+  elif arg == "grpo_passk":
+    # GRPO pass@k: only each group's best sample learns, (r_best - r_second) / std;
+    # optimises the chance that one of the n samples is right, not each one.
+    _with_dag(c, c.dag, "grpo_passk")
   return c

@@ -11,7 +11,7 @@ from distflow_jax.dag import FUNCTIONS, Topology
 from workflow_util import smoke_overrides
 
 VARIANTS = ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "dapo", "gspo", "gpg",
-            "cispo")
+            "cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "opo", "grpo_passk")
 
 
 def _load(variant, *overrides):
@@ -51,9 +51,19 @@ def test_settings_suit_each_estimator():
                  "rloo": "advantage.rloo", "reinforce_pp_baseline":
                  "advantage.reinforce_pp_baseline", "dapo": "advantage.grpo",
                  "gspo": "advantage.grpo", "gpg": "advantage.grpo",
-                 "cispo": "advantage.grpo"}
+                 "cispo": "advantage.grpo", "gmpo": "advantage.grpo",
+                 "sapo": "advantage.grpo", "clip_cov": "advantage.grpo",
+                 "kl_cov": "advantage.grpo", "opo": "advantage.opo",
+                 "grpo_passk": "advantage.grpo_passk"}
   assert {v: c[v].actor.policy_loss for v in c if c[v].actor.policy_loss != "ppo"} == {
-      "gpg": "gpg", "cispo": "cispo"}
+      "gpg": "gpg", "cispo": "cispo", "gmpo": "gmpo", "sapo": "sapo", "clip_cov": "clip_cov",
+      "kl_cov": "kl_cov"}
+  # The losses whose ratio must leave 1 to act train on two mini-batches.
+  assert all(c[v].actor.mini_batches == 2 for v in ("gmpo", "sapo", "clip_cov", "kl_cov"))
+  assert c["opo"].actor.kl.coef == c["drgrpo"].actor.kl.coef  # reward-scale advantages
+  gm = c["gmpo"]
+  assert (gm.actor.clip_ratio_low, gm.actor.clip_ratio_high) == (0.4, 0.4)
+  assert gm.actor.loss_agg == "seq-mean-token-mean" == c["sapo"].actor.loss_agg
   # Reward-scale advantages (no std division, no whitening) get a smaller KL coefficient.
   assert not c["drgrpo"].algo.norm_by_std
   assert c["drgrpo"].actor.kl.coef < c["rloo"].actor.kl.coef < c["grpo"].actor.kl.coef
@@ -120,7 +130,7 @@ def test_one_step_of_each_variant(variant, tmp_path):
   assert m["step"] == 1 and m["actor/skipped"] == 0.0
   for key in ("reward", "actor/loss", "actor/grad_norm"):
     assert math.isfinite(m[key]), (key, m)
-  if variant == "gpg":  # no ratio, no clip: no clip fraction to report
+  if variant in ("gpg", "sapo", "kl_cov"):  # no clip: no clip fraction to report
     assert "actor/pg_clipfrac" not in m
   else:
     assert math.isfinite(m["actor/pg_clipfrac"]), m

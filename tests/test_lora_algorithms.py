@@ -35,6 +35,12 @@ WITH = {
     "gspo": ["trainer.deterministic=True", "model.share_prompt_prefix=False"],
     "gpg": [],                                          # the plain policy gradient
     "cispo": ["model.share_prompt_prefix=False"],       # clipped IS weights
+    "gmpo": PACKED,                                     # a sequence's geometric mean
+    "sapo": [],                                         # the soft gate
+    "clip_cov": ["model.share_prompt_prefix=False"],    # tokens detached by covariance
+    "kl_cov": PACKED,                                   # tokens penalized by covariance
+    "opo": ["trainer.deterministic=True"],              # length-weighted baseline
+    "grpo_passk": [],                                   # the best sample's lead
 }
 
 

@@ -1,4 +1,5 @@
-"""Advantage estimators: GAE, GRPO (and Dr.GRPO), RLOO, REINFORCE++ (+ baseline).
+"""Advantage estimators: GAE, GRPO (and Dr.GRPO), RLOO, REINFORCE++ (+ baseline), OPO,
+GRPO pass@k.
 
 All functions are pure ``jax.numpy`` and jittable.  Token-level tensors are
 ``[B, T]`` over the *response* tokens with a ``response_mask_BxT`` (float or
@@ -172,6 +173,56 @@ def rloo_advantages(rewards_B: jax.Array, response_mask_BxT: jax.Array, *,
   mean, _, cnt = _group_stats(r, group_size, group_ids_B, num_groups)
   adv = jnp.where(cnt > 1, (r - mean) * cnt / jnp.maximum(cnt - 1.0, 1.0), 0.0)
   a = _broadcast(adv, response_mask_BxT)
+  return AdvantageOutput(a, a)
+
+
+def opo_advantages(rewards_B: jax.Array, response_mask_BxT: jax.Array, *,
+                   group_size: int) -> AdvantageOutput:
+  """OPO (Hao et al. 2025, "On-Policy RL with Optimal reward baseline"): the group's
+  length-weighted mean reward as the baseline, no std division:
+
+    b_g = sum_j |y_j| r_j / sum_j |y_j|,   A_i = r_i - b_g
+
+  (|y_j| = real response tokens; the baseline that minimises the gradient's variance
+  when every token's gradient has the same size).  A group whose responses are all empty
+  has no baseline: its advantages are 0 (verl divides by zero there).  Groups of one
+  sample (not planned: rollout.n >= 2 is required) would get b = r, so A = 0."""
+  _check_rewards(rewards_B, response_mask_BxT)
+  (B,) = rewards_B.shape
+  check_group_size(B, group_size)
+  r = rewards_B.astype(jnp.float32).reshape(B // group_size, group_size)
+  n = jnp.sum(response_mask_BxT.astype(jnp.float32), axis=1).reshape(r.shape)
+  total = jnp.sum(n, axis=1, keepdims=True)
+  base = jnp.sum(n * r, axis=1, keepdims=True) / jnp.maximum(total, 1.0)
+  adv = jnp.where(total > 0, r - base, 0.0).reshape(B)
+  a = _broadcast(adv, response_mask_BxT)
+  return AdvantageOutput(a, a)
+
+
+def grpo_passk_advantages(rewards_B: jax.Array, response_mask_BxT: jax.Array, *,
+                          group_size: int, normalize_by_std: bool = True,
+                          eps: float = _STD_EPS) -> AdvantageOutput:
+  """GRPO for pass@k (Chen et al. 2025, arXiv 2503.19595): only each group's best sample
+  learns, by how much it beats the runner-up:
+
+    A_best = (r_(1) - r_(2)) / (std_g(r) + eps),   A_other = 0
+
+  with r_(1) >= r_(2) the group's two largest rewards and std_g the unbiased sample std
+  (``algo.norm_by_std=False``: no division).  On ties for the best the first sample in the
+  group is the best, and r_(1) - r_(2) = 0 anyway.  Needs groups of at least 2."""
+  _check_rewards(rewards_B, response_mask_BxT)
+  (B,) = rewards_B.shape
+  check_group_size(B, group_size)
+  if group_size < 2:
+    raise ValueError(f"GRPO pass@k needs at least 2 samples a group, got {group_size}")
+  r = rewards_B.astype(jnp.float32).reshape(B // group_size, group_size)
+  top2, _ = jax.lax.top_k(r, 2)
+  gap = top2[:, 0] - top2[:, 1]
+  if normalize_by_std:
+    gap = gap / (jnp.std(r, axis=1, ddof=1) + eps)
+  best = jnp.argmax(r, axis=1)
+  adv = jnp.where(jnp.arange(group_size)[None, :] == best[:, None], gap[:, None], 0.0)
+  a = _broadcast(adv.reshape(B), response_mask_BxT)
   return AdvantageOutput(a, a)
 
 

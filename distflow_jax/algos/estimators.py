@@ -85,6 +85,15 @@ def reinforce_pp_baseline(x: AdvantageInput) -> AdvantageOutput:
                                                    group_size=x.group_size, whiten=False)
 
 
+def opo(x: AdvantageInput) -> AdvantageOutput:
+  return _maths().opo_advantages(x.rewards_B, x.mask_BxT, group_size=x.group_size)
+
+
+def grpo_passk(x: AdvantageInput) -> AdvantageOutput:
+  return _maths().grpo_passk_advantages(x.rewards_B, x.mask_BxT, group_size=x.group_size,
+                                        normalize_by_std=x.algo.norm_by_std)
+
+
 BUILTIN_ESTIMATORS: tuple[Estimator, ...] = (
     Estimator("advantage.gae", gae, whiten=True, token_rewards=True, values=True,
               doc="GAE(gamma, lambda) per token"),
@@ -95,4 +104,8 @@ BUILTIN_ESTIMATORS: tuple[Estimator, ...] = (
               doc="REINFORCE++: discounted return, whitened over the batch"),
     Estimator("advantage.reinforce_pp_baseline", reinforce_pp_baseline, needs_groups=True,
               whiten=True, doc="REINFORCE++ with a group-mean baseline"),
+    Estimator("advantage.opo", opo, needs_groups=True,
+              doc="OPO: the group's length-weighted mean reward as the baseline"),
+    Estimator("advantage.grpo_passk", grpo_passk, needs_groups=True,
+              doc="GRPO pass@k: only the group's best sample learns, by its lead"),
 )

@@ -32,6 +32,7 @@ adds nothing to either.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Iterable, NamedTuple
 
 import jax
@@ -132,7 +133,9 @@ def policy_loss(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,
                 agg_mode: "str | LossAggMode" = LossAggMode.TOKEN_MEAN,
                 norm_length: float | None = None,
                 token_weights_BxT: jax.Array | None = None,
-                loss: str = "ppo") -> LossOutput:
+                loss: str = "ppo",
+                loss_args: "Mapping[str, float] | Iterable[tuple[str, float]]" = ()
+                ) -> LossOutput:
   """The policy loss ``loss`` (algos/policy_losses.py; default PPO's clipped surrogate with
   clip-higher and dual clip), aggregated by ``agg_mode``.
 
@@ -145,6 +148,8 @@ def policy_loss(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,
   is aggregated by ``agg_mode`` like any other (verl's GSPO always takes
   seq-mean-token-mean: set ``actor.loss_agg`` to that for its numbers).
   ``token_weights_BxT`` (off-policy correction, algos/off_policy.py): l_t * w_t.
+  ``loss_args``: the settings of losses that have their own (``actor.loss_args``), checked
+  by the loss's own check.
 
   Metrics (token sums): the loss's own (PPO: ``pg_clipfrac``, ``pg_clipfrac_lower``),
   ``ppo_kl`` (log pi_old - log pi, k1), ``ratio``, ``pg_loss`` (the total again, so it
@@ -162,6 +167,8 @@ def policy_loss(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,
     raise ValueError(f"dual-clip clip_ratio_c must be > 1, got {clip_ratio_c}")
   level = RatioLevel.parse(ratio_level)
   fn = policy_losses.get(loss)
+  args = dict(loss_args)
+  policy_losses.check(loss, args, level.value)
 
   m = response_mask_BxT.astype(jnp.float32)
   logp = _real(logprobs_BxT, m)
@@ -179,7 +186,7 @@ def policy_loss(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,
   terms = fn(policy_losses.PolicyInput(
       logp=logp, old_logp=old, advantages=_real(advantages_BxT, m), mask=m,
       log_ratio=log_ratio, ratio=ratio, clip_ratio_low=eps_low, clip_ratio_high=eps_high,
-      clip_ratio_c=clip_ratio_c))
+      clip_ratio_c=clip_ratio_c, args=args))
   per_token = terms.loss
   if token_weights_BxT is not None:
     per_token = per_token * _real(token_weights_BxT, m)

@@ -84,6 +84,11 @@ def plan_from_config(cfg: ml_collections.ConfigDict, topo: planner_lib.Topology,
   values.one_of(cfg.trainer.eval_reward, reward_names(), "trainer.eval_reward")
   from distflow_jax.algos import policy_losses  # after the plugins: theirs count
   values.one_of(cfg.actor.policy_loss, policy_losses.names(), "actor.policy_loss")
+  try:
+    policy_losses.check(cfg.actor.policy_loss, dict(cfg.actor.loss_args),
+                        cfg.actor.ratio_level)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   from distflow_jax.config import async_checks  # trainer.max_staleness > 0: overlap possible?
   async_checks.check(cfg, plan)
   from distflow_jax.config import env_checks  # rollout.env and its keys (after the plugins)

@@ -204,8 +204,17 @@ def base() -> ml_collections.ConfigDict:
       mini_batches=1,
       # The policy loss by name (algos/policy_losses.py; a plugin may register its own):
       # ppo (the clipped surrogate; clip-higher and dual clip below) | gpg (-A log pi) |
-      # cispo (the clipped importance weight times -A log pi)
+      # cispo (the clipped importance weight times -A log pi) | gmpo (the geometric mean of
+      # the token ratios, clipped in log space) | sapo (a soft sigmoid gate instead of the
+      # clip) | clip_cov / kl_cov (PPO with a few high-covariance tokens detached / the
+      # unclipped surrogate with |log ratio| on them)
       policy_loss="ppo",
+      # The settings of the losses that have their own (each checked by its loss):
+      # sapo's gate temperatures for A > 0 and A <= 0; clip_cov's share of a micro-batch's
+      # tokens detached, drawn from those with lb < cov < ub; kl_cov's share penalized and
+      # the penalty's coefficient.
+      loss_args=dict(sapo_tau_pos=1.0, sapo_tau_neg=1.05, clip_cov_ratio=2e-4,
+                     clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=2e-4, kl_cov_coef=1.0),
       clip_ratio_low=0.2,
       clip_ratio_high=0.2,   # > low = DAPO clip-higher
       dual_clip=0.0,         # 0 = off, else the dual-clip constant c > 1

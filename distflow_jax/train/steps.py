@@ -84,6 +84,7 @@ class ActorLoss:
   dual_clip: float = 0.0
   ratio_level: str = "token"
   policy_loss: str = "ppo"           # by name: algos/policy_losses.py
+  loss_args: tuple[tuple[str, float], ...] = ()  # actor.loss_args, sorted (hashable)
   loss_agg: str = "token-mean"
   entropy_coef: float = 0.0
   kl_coef: float = 0.0
@@ -102,6 +103,7 @@ class ActorLoss:
     return cls(clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
                dual_clip=actor.dual_clip, ratio_level=actor.ratio_level,
                policy_loss=actor.policy_loss,
+               loss_args=tuple(sorted((k, float(v)) for k, v in actor.loss_args.items())),
                loss_agg=actor.loss_agg, entropy_coef=actor.entropy_coef,
                kl_coef=actor.kl.coef, kl_estimator=actor.kl.estimator,
                k3_cap=float(actor.kl.k3_cap),
@@ -133,7 +135,7 @@ def actor_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, cfg: ActorL
       agg_mode=cfg.loss_agg, clip_ratio_low=cfg.clip_ratio_low,
       clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.dual_clip or None,
       ratio_level=cfg.ratio_level, norm_length=cfg.norm_length, token_weights_BxT=weights,
-      loss=cfg.policy_loss)
+      loss=cfg.policy_loss, loss_args=cfg.loss_args)
 
 
 def critic_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, value_clip: float,
