@@ -228,6 +228,7 @@ def test_compare_algorithms_smoke(tmp_path):
     assert cells[2] == "0"  # the seed
     assert cells[7] == "8" and cells[8] == "16" and cells[9] == "16"  # n_eval, samples
     assert cells[3].endswith("%") and cells[5].endswith("%")
+    assert float(cells[13]) > 0 and 0 <= float(cells[14]) <= 1  # entropy, clip fraction
   assert (out / "compare.png").stat().st_size > 0
   for algo in ("grpo", "rloo"):  # the task's warm start, copied, not redone per run
     log = (out / "letters" / f"{algo}.log").read_text()

@@ -39,7 +39,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_common as bc  # noqa: E402
 
 ALGORITHMS = ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "dapo", "gspo", "gpg",
-              "cispo")
+              "cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "opo", "grpo_passk")
+# Health read from the last steps' metrics: the policy's entropy, the share of tokens a
+# clip (or Clip-Cov's cut) changed, the KL to the reference.
+HEALTH = (("entropy", "actor/entropy"), ("clipfrac", "actor/pg_clipfrac"), ("KL", "actor/kl"))
+HEALTH_STEPS = 10
 TASKS = ("arithmetic", "letters")
 DEFAULT_LEVEL = "basic"
 # A child that only warm-starts: trainer.setup makes and caches the model, trains nothing.
@@ -68,6 +72,7 @@ class Run:
   train_s: float = 0.0
   generated: int = 0
   alarms: list[str] = dataclasses.field(default_factory=list)
+  health: dict[str, float] = dataclasses.field(default_factory=dict)
   note: str = ""
   seed: int = 0
 
@@ -195,6 +200,11 @@ def read_metrics(run: Run) -> None:
   fired = {k[len("health/"):] for r in rows for k, v in r.items()
            if k.startswith("health/") and v == 1.0}
   run.alarms = sorted(fired)
+  last = steps[-HEALTH_STEPS:]
+  for name, key in HEALTH:
+    vals = [float(r[key]) for r in last if key in r]
+    if vals:
+      run.health[name] = sum(vals) / len(vals)
 
 
 def _pct(x: float) -> str:
@@ -210,10 +220,13 @@ def table(runs: list[Run], args: argparse.Namespace, load_start: str, load_end: 
       f"Load average (1, 5, 15 min) at start: {load_start}; at end: {load_end}.", "",
       "Accuracy: held-out eval/accuracy; SE = sqrt(p(1-p)/n_eval) of the final accuracy. "
       "Generated samples count DAPO's dynamic-sampling retries. Train s = the sum of the "
-      "steps' time/step (no setup, compile of the first step included).", ""]
+      "steps' time/step (no setup, compile of the first step included). Entropy, clipfrac "
+      "(the share of tokens a clip changed; Clip-Cov: the share cut) and KL (to the "
+      f"reference): means over the last {HEALTH_STEPS} steps; - = the loss reports none.", ""]
   table = bc.Table(*[bc.Col(t) for t in (
       "task", "algorithm", "seed", "start", "best (step)", "final", "SE", "n_eval",
-      "trained samples", "generated samples", "wall s", "train s", "health alarms", "notes")],
+      "trained samples", "generated samples", "wall s", "train s", "health alarms",
+      *(name for name, _ in HEALTH), "notes")],
       markdown=True, out=lines.append)
   for r in runs:
     if r.curve:
@@ -227,6 +240,7 @@ def table(runs: list[Run], args: argparse.Namespace, load_start: str, load_end: 
                                  if r.rc else "") if x)
     table.row(r.task, r.algorithm, r.seed, *acc, r.n_eval, r.steps_done * r.samples_per_step,
               r.generated, f"{r.wall_s:.0f}", f"{r.train_s:.0f}", ", ".join(r.alarms) or "-",
+              *(f"{r.health[n]:.3g}" if n in r.health else "-" for n, _ in HEALTH),
               note or "-")
   if len(args.seeds) > 1:
     lines += ["", "Over the seeds (each curve point: the seeds' mean; std is the sample "
