@@ -28,11 +28,39 @@ OLD = MU + np.log(R)
     (OPC.NONE, [1.0, 1.0, 1.0, 1.0, 0.0]),
     (OPC.TIS, [1.0, 1.5, 2.0, 0.5, 0.0]),        # min(r, C): 3 truncated at C = 2
     (OPC.DECOUPLED, [1.0, 1.5, 0.0, 0.5, 0.0]),  # r if r <= C else 0: 3 dropped
+    (OPC.SEQ_TIS, [2.0, 2.0, 2.0, 2.0, 0.0]),    # min(1 x 1.5 x 3 x 0.5 = 2.25, C)
+    (OPC.TOKEN_REJECT, [1.0, 1.0, 0.0, 1.0, 0.0]),  # 3 outside [0.4, 2]
+    (OPC.SEQ_REJECT, [1.0, 1.0, 1.0, 1.0, 0.0]),  # geometric mean 2.25^(1/4) = 1.22 kept
 ])
 def test_token_weights_on_hand_numbers(correction, want):
-  w = off_policy.token_weights(OLD, MU, MASK, correction, 2.0)
+  w = off_policy.token_weights(OLD, MU, MASK, correction, 2.0, reject_low=0.4)
   np.testing.assert_allclose(w, [want], rtol=1e-6)
   assert OPC.parse(correction.value) is correction  # the config's spelling
+
+
+def test_rejection_bounds_apply_to_the_token_or_the_sequence_s_geometric_mean():
+  tight = dict(reject_low=0.9, reject_high=1.2)
+  w = off_policy.token_weights(OLD, MU, MASK, OPC.SEQ_REJECT, 2.0, **tight)
+  np.testing.assert_allclose(w, [[0.0] * 5])  # 1.22 > 1.2: the whole sequence goes
+  w = off_policy.token_weights(OLD, MU, MASK, OPC.TOKEN_REJECT, 2.0, **tight)
+  np.testing.assert_allclose(w, [[1.0, 0.0, 0.0, 0.0, 0.0]])
+  s = jax.device_get(off_policy.weight_stats(OLD, MU, MASK, 2.0, OPC.TOKEN_REJECT, **tight))
+  assert float(s["dropped"]) == 3.0
+  np.testing.assert_allclose(s["gap_max"], np.log(3), rtol=1e-6)
+
+
+@pytest.mark.parametrize("low, high", [(1.0, 2.0), (0.5, 1.0), (-0.1, 2.0), (0.5, float("inf"))])
+def test_rejection_bounds_must_keep_ratio_one(low, high):
+  with pytest.raises(ValueError, match="reject_(low|high)"):
+    off_policy.token_weights(OLD, MU, MASK, OPC.TOKEN_REJECT, 2.0, low, high)
+
+
+def test_bad_rejection_bounds_are_refused_by_plan_in_one_line(capsys):
+  from distflow_jax import cli
+  assert cli.main(["plan", "--config.actor.off_policy.correction=token_reject",
+                   "--config.actor.off_policy.reject_high=0.9"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "actor.off_policy.reject_high=0.9" in err[0], err
 
 
 def test_weights_carry_no_gradient():
@@ -136,7 +164,7 @@ def test_tis_with_every_weight_below_the_cap_is_none_s_gradient():
   assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)))
 
 
-@pytest.mark.parametrize("correction", ["tis", "decoupled"])
+@pytest.mark.parametrize("correction", ["tis", "decoupled", "seq_tis", "seq_reject"])
 def test_train_step_micro_batches_give_the_full_batch_update(correction):
   """The weights are per token, so the corrected loss accumulates exactly over micro-batches."""
   graphdef, params = model_and_params()
@@ -160,7 +188,8 @@ def test_train_step_micro_batches_give_the_full_batch_update(correction):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.usefixtures("shared_compiles")
-@pytest.mark.parametrize("correction", ["none", "tis", "decoupled"])
+@pytest.mark.parametrize("correction", ["none", "tis", "decoupled", "seq_tis", "token_reject",
+                                        "seq_reject"])
 def test_one_grpo_step_with_each_correction(correction, tmp_path):
   from distflow_jax.config import loading
   from distflow_jax.run import trainer
@@ -185,3 +214,5 @@ def test_one_grpo_step_with_each_correction(correction, tmp_path):
     assert math.isfinite(m[key]), (key, m)
   assert 0.0 < m["off_policy/is_weight_mean"] <= m["off_policy/is_weight_max"]
   assert 0.0 <= m["off_policy/clipped_frac"] <= 1.0
+  assert 0.0 <= m["off_policy/dropped_frac"] <= 1.0
+  assert m["off_policy/logprob_gap"] <= m["off_policy/logprob_gap_max"]

@@ -27,14 +27,28 @@ gradient, a correction multiplies l_t by a weight w_t:
   whole token term is weighted by pi_prox / mu; a token whose weight exceeds the cap is
   dropped from the loss, not truncated (AReaL's ``behav_imp_weight_cap``).
 
+* ``seq_tis``:    w_t = sg(min(prod_s r_s, C)) for every token of the sequence -- the
+  sequence-level importance weight (the whole response's likelihood ratio), truncated at
+  C: unbiased for sequence-level rewards where the token product is, at the price of a
+  variance that grows with length (verl's sequence-level rollout IS);
+* ``token_reject``: w_t = 1 if L <= r_t <= H else 0 -- rejection of the tokens whose
+  engine and trainer probabilities disagree by more than the bounds (L, H =
+  ``actor.off_policy.reject_low`` / ``reject_high``), the rest untouched;
+* ``seq_reject``: w_t = 1 if L <= exp(mean_s log r_s) <= H else 0 for every token of the
+  sequence -- rejection of whole sequences by the geometric mean of their token ratios
+  (the product itself would reject nearly every long response).
+
 With pi_prox = pi_old the two share a shape and part only above C, where TIS keeps the
 token at weight C and decoupled PPO drops it.  The weights depend on no parameter, so
 they are fixed for every epoch and mini-batch of a step; ``weight_stats`` measures them
-once per step: the mean and max of r_t, the fraction of tokens with r_t > C, and the
-mean |logp_old - logp_mu| (the rollout-training log-prob gap), all over response tokens.
+once per step: the mean and max of r_t, the fraction of tokens with r_t > C, the fraction
+a rejection (or decoupled PPO's cap) drops, and the mean and max |logp_old - logp_mu| (the
+rollout-training log-prob gap), all over response tokens.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +64,22 @@ class OffPolicyCorrection(Choice):
   NONE = "none"
   TIS = "tis"              # truncated importance sampling (verl)
   DECOUPLED = "decoupled"  # decoupled PPO (AReaL)
+  SEQ_TIS = "seq_tis"      # the sequence's truncated likelihood ratio
+  TOKEN_REJECT = "token_reject"  # tokens with r outside [L, H] dropped
+  SEQ_REJECT = "seq_reject"      # sequences whose geometric-mean r is outside [L, H] dropped
+
+
+def check_bounds(low: float, high: float) -> None:
+  """0 <= L < 1 < H, finite: the rejection bounds keep r = 1 (engine and trainer agree)."""
+  for key, v in (("reject_low", low), ("reject_high", high)):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+      raise ValueError(f"actor.off_policy.{key}={v!r} must be a finite number")
+  if not 0 <= low < 1:
+    raise ValueError(f"actor.off_policy.reject_low={low!r} must be in [0, 1): a token or "
+                     f"sequence whose ratio pi_old / mu lies below it is dropped")
+  if not high > 1:
+    raise ValueError(f"actor.off_policy.reject_high={high!r} must be > 1: a token or "
+                     f"sequence whose ratio pi_old / mu lies above it is dropped")
 
 
 def check_cap(cap: float) -> None:
@@ -69,34 +99,54 @@ def behaviour_ratio(old_logprobs_BxT: jax.Array, behaviour_logprobs_BxT: jax.Arr
 
 def token_weights(old_logprobs_BxT: jax.Array, behaviour_logprobs_BxT: jax.Array,
                   response_mask_BxT: jax.Array,
-                  correction: "str | OffPolicyCorrection", cap: float) -> jax.Array:
+                  correction: "str | OffPolicyCorrection", cap: float,
+                  reject_low: float = 0.5, reject_high: float = 2.0) -> jax.Array:
   """w_t of the module docstring (stop-gradient, float32, 0 on padding)."""
   kind = OffPolicyCorrection.parse(correction)
   check_cap(cap)
+  check_bounds(reject_low, reject_high)
+  m = response_mask_BxT > 0
   r = jax.lax.stop_gradient(behaviour_ratio(old_logprobs_BxT, behaviour_logprobs_BxT,
                                             response_mask_BxT))
+  log_r = jnp.where(m, jnp.log(r), 0.0)
   if kind is OffPolicyCorrection.NONE:
     w = jnp.ones_like(r)
   elif kind is OffPolicyCorrection.TIS:
     w = jnp.minimum(r, cap)
-  else:
+  elif kind is OffPolicyCorrection.DECOUPLED:
     w = jnp.where(r <= cap, r, 0.0)
-  return jnp.where(response_mask_BxT > 0, w, 0.0)
+  elif kind is OffPolicyCorrection.SEQ_TIS:
+    seq = jnp.exp(jnp.clip(jnp.sum(log_r, axis=1), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    w = jnp.broadcast_to(jnp.minimum(seq, cap)[:, None], r.shape)
+  elif kind is OffPolicyCorrection.TOKEN_REJECT:
+    w = ((r >= reject_low) & (r <= reject_high)).astype(jnp.float32)
+  else:
+    n = jnp.maximum(jnp.sum(m.astype(jnp.float32), axis=1), 1.0)
+    geo = jnp.exp(jnp.sum(log_r, axis=1) / n)
+    keep = (geo >= reject_low) & (geo <= reject_high)
+    w = jnp.broadcast_to(keep.astype(jnp.float32)[:, None], r.shape)
+  return jnp.where(m, w, 0.0)
 
 
 def weight_stats(old_logprobs_BxT: jax.Array, behaviour_logprobs_BxT: jax.Array,
-                 response_mask_BxT: jax.Array, cap: float) -> dict[str, jax.Array]:
+                 response_mask_BxT: jax.Array, cap: float,
+                 correction: "str | OffPolicyCorrection" = OffPolicyCorrection.NONE,
+                 reject_low: float = 0.5, reject_high: float = 2.0) -> dict[str, jax.Array]:
   """Sums over response tokens, for means across hosts: ``tokens``, ``ratio_sum`` (of
-  r_t), ``ratio_max``, ``above_cap`` (tokens with r_t > C) and ``gap_sum`` (of
-  |logp_old - logp_mu|)."""
+  r_t), ``ratio_max``, ``above_cap`` (tokens with r_t > C), ``dropped`` (tokens the
+  correction gives weight 0), ``gap_sum`` and ``gap_max`` (of |logp_old - logp_mu|)."""
   m = response_mask_BxT > 0
   r = behaviour_ratio(old_logprobs_BxT, behaviour_logprobs_BxT, response_mask_BxT)
   gap = jnp.abs(old_logprobs_BxT.astype(jnp.float32) - behaviour_logprobs_BxT.astype(jnp.float32))
+  w = token_weights(old_logprobs_BxT, behaviour_logprobs_BxT, response_mask_BxT, correction,
+                    cap, reject_low, reject_high)
   zero = jnp.float32(0.0)
   return {
       "tokens": jnp.sum(m.astype(jnp.float32)),
       "ratio_sum": jnp.sum(jnp.where(m, r, zero)),
       "ratio_max": jnp.max(jnp.where(m, r, -jnp.inf), initial=-jnp.inf),
       "above_cap": jnp.sum((m & (r > cap)).astype(jnp.float32)),
+      "dropped": jnp.sum((m & (w == 0)).astype(jnp.float32)),
       "gap_sum": jnp.sum(jnp.where(m, gap, zero)),
+      "gap_max": jnp.max(jnp.where(m, gap, zero), initial=0.0),
   }

@@ -232,8 +232,11 @@ def base() -> ml_collections.ConfigDict:
       recompute_old_logprobs=False,
       # Off-policy correction of the rollout engine's log-probs (mu) against the trainer's
       # recomputed old ones (algos/off_policy.py): none | tis (loss x min(pi_old/mu, C)) |
-      # decoupled (AReaL: loss x pi_old/mu, tokens above C dropped); C = tis_cap > 0.
-      off_policy=dict(correction="none", tis_cap=2.0),
+      # decoupled (AReaL: loss x pi_old/mu, tokens above C dropped) | seq_tis (loss x
+      # min(prod_t pi_old/mu, C), per sequence) | token_reject (tokens with pi_old/mu
+      # outside [reject_low, reject_high] dropped) | seq_reject (sequences whose
+      # geometric-mean ratio lies outside dropped); C = tis_cap > 0.
+      off_policy=dict(correction="none", tis_cap=2.0, reject_low=0.5, reject_high=2.0),
   )
   c.critic = dict(
       optimizer=optimizer(1e-5),

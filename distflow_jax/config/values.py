@@ -258,6 +258,11 @@ def _check_actor(a) -> None:
   option(a.kl.estimator, "actor.kl.estimator", "kl_estimator")
   option(a.off_policy.correction, "actor.off_policy.correction", "off_policy")
   in_range(a.off_policy.tis_cap, "actor.off_policy.tis_cap", 0, lo_open=True)
+  try:
+    from distflow_jax.algos.off_policy import check_bounds
+    check_bounds(a.off_policy.reject_low, a.off_policy.reject_high)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   in_range(a.clip_ratio_low, "actor.clip_ratio_low", 0); in_range(a.kl.k3_cap, "actor.kl.k3_cap", 0)
   in_range(a.clip_ratio_high, "actor.clip_ratio_high", 0)
   in_range(a.entropy_coef, "actor.entropy_coef")

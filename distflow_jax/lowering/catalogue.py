@@ -120,7 +120,7 @@ def train_programs(ctx: RunContext, node, lay, rows: int,
     fields = ab.batch_fields(("old_logprobs", "rollout_logprobs", "response_mask"),
                              _dims(ctx, rows, _widths(cfg)[0]), lay.sharding)
     out.append(Program(node.id, "off_policy_stats",
-                       training.off_policy_stats(ctx, lay, lc.tis_cap), tuple(fields.values())))
+                       training.off_policy_stats(ctx, lay, lc), tuple(fields.values())))
   for w in widths or _widths(cfg):
     n = response_width(cfg.rollout)
     dims = _dims(ctx, rows, w)

@@ -161,13 +161,14 @@ def off_policy_metrics(ctx: RunContext, lay: dlayout.Layout, batch: Batch,
   """Where the trainer recomputed the old log-probs: ``off_policy/logprob_gap`` (mean
   |logp_old - logp_mu| over response tokens, the rollout-training mismatch); with a
   correction also ``off_policy/is_weight_mean`` / ``_max`` (of r = pi_old / mu) and
-  ``off_policy/clipped_frac`` (tokens with r > actor.off_policy.tis_cap), see
-  algos/off_policy.py.  One small reduction per step: the weights do not change with the
+  ``off_policy/clipped_frac`` (tokens with r > actor.off_policy.tis_cap),
+  ``off_policy/dropped_frac`` (tokens the correction gives weight 0: rejected, or above
+  decoupled PPO's cap) and ``off_policy/logprob_gap_max``, see algos/off_policy.py.  One small reduction per step: the weights do not change with the
   parameters, so every epoch and mini-batch shares them."""
   d = batch.data
   if "old_logprobs" not in d or "rollout_logprobs" not in d or on_policy(ctx):
     return  # the old log-probs are the rollout's own: nothing to compare
-  fn = off_policy_stats(ctx, lay, loss_cfg.tis_cap)
+  fn = off_policy_stats(ctx, lay, loss_cfg)
   # bool, as the program plan --lower lowers; episodes: their generated tokens only
   mask = d["response_mask"] if LOSS_MASK not in d else d["response_mask"] & d[LOSS_MASK]
   s = jax.device_get(fn(d["old_logprobs"], d["rollout_logprobs"], mask))
@@ -175,17 +176,21 @@ def off_policy_metrics(ctx: RunContext, lay: dlayout.Layout, batch: Batch,
   if tokens <= 0:
     return
   ctx.metrics.add("off_policy/logprob_gap", float(s["gap_sum"]), tokens)
+  ctx.metrics.set_max("off_policy/logprob_gap_max", float(s["gap_max"]))
   if loss_cfg.correction is off_policy.OffPolicyCorrection.NONE:
     return
   ctx.metrics.add("off_policy/is_weight_mean", float(s["ratio_sum"]), tokens)
   ctx.metrics.set_max("off_policy/is_weight_max", float(s["ratio_max"]))
   ctx.metrics.add("off_policy/clipped_frac", float(s["above_cap"]), tokens)
+  ctx.metrics.add("off_policy/dropped_frac", float(s["dropped"]), tokens)
 
 
-def off_policy_stats(ctx: RunContext, lay: dlayout.Layout, cap: float):
+def off_policy_stats(ctx: RunContext, lay: dlayout.Layout, loss_cfg: steps_lib.ActorLoss):
   """The jitted ``off_policy.weight_stats`` over a step's batch on ``lay`` (replicated out)."""
-  return ctx.jitted(("off_policy_stats", lay, cap), lambda: jax.jit(
-      functools.partial(off_policy.weight_stats, cap=cap),
+  kw = dict(cap=loss_cfg.tis_cap, correction=loss_cfg.off_policy,
+            reject_low=loss_cfg.reject_low, reject_high=loss_cfg.reject_high)
+  return ctx.jitted(("off_policy_stats", lay, tuple(sorted(kw.items()))), lambda: jax.jit(
+      functools.partial(off_policy.weight_stats, **kw),
       out_shardings=NamedSharding(lay.mesh, PartitionSpec())))
 
 

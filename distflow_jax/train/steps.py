@@ -95,6 +95,8 @@ class ActorLoss:
   group_size: int = 1                # rows per shared prompt (train/hidden.py)
   off_policy: str = "none"           # correction (algos/off_policy.py); else reads
   tis_cap: float = 2.0               # the batch's 'rollout_logprobs'
+  reject_low: float = 0.5            # actor.off_policy.reject_low / _high: the rejection
+  reject_high: float = 2.0           # corrections' bounds on pi_old / mu
   temperature: float = 1.0           # the rollout's: log-probs of softmax(logits / T)
 
   @classmethod
@@ -110,7 +112,9 @@ class ActorLoss:
                kl_in_loss=not actor.kl.in_reward,
                norm_length=float(max_new_tokens) if max_new_tokens else None,
                group_size=group_size, off_policy=actor.off_policy.correction,
-               tis_cap=float(actor.off_policy.tis_cap), temperature=float(temperature))
+               tis_cap=float(actor.off_policy.tis_cap),
+               reject_low=float(actor.off_policy.reject_low),
+               reject_high=float(actor.off_policy.reject_high), temperature=float(temperature))
 
   @property
   def correction(self) -> off_policy.OffPolicyCorrection:
@@ -125,7 +129,8 @@ def actor_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, cfg: ActorL
   weights = None  # none: the loss is built exactly as without a correction
   if cfg.correction is not off_policy.OffPolicyCorrection.NONE:
     weights = off_policy.token_weights(mb["old_logprobs"], mb["rollout_logprobs"],
-                                       loss_mask(mb), cfg.correction, cfg.tis_cap)
+                                       loss_mask(mb), cfg.correction, cfg.tis_cap,
+                                       cfg.reject_low, cfg.reject_high)
   return losses.actor_loss(
       logp, mb["old_logprobs"], mb["advantages"], loss_mask(mb),
       entropy_BxT=ent, entropy_coef=cfg.entropy_coef,  # entropy is always reported
