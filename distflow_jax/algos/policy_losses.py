@@ -317,9 +317,7 @@ def clip_cov(x: PolicyInput) -> PolicyTerms:
   ``pg_clipfrac_ppo`` / ``pg_clipfrac_lower`` (PPO's own clip and dual clip)."""
   ppo = ppo_clip(x)
   m = x.mask
-  adv, ratio = x.advantages, x.ratio
-  clipped_by_ppo = (-adv * jnp.clip(ratio, 1.0 - x.clip_ratio_low, 1.0 + x.clip_ratio_high)
-                    > -adv * ratio)
+  clipped_by_ppo = ppo.metrics["pg_clipfrac"] > 0  # the clipped branch was taken
   cov = _centred_cov(x)
   lb, ub = _arg(x.args, "clip_cov_lb"), _arg(x.args, "clip_cov_ub")
   candidate = (m > 0) & ~clipped_by_ppo & (cov > lb) & (cov < ub)

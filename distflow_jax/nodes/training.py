@@ -163,8 +163,9 @@ def off_policy_metrics(ctx: RunContext, lay: dlayout.Layout, batch: Batch,
   correction also ``off_policy/is_weight_mean`` / ``_max`` (of r = pi_old / mu) and
   ``off_policy/clipped_frac`` (tokens with r > actor.off_policy.tis_cap),
   ``off_policy/dropped_frac`` (tokens the correction gives weight 0: rejected, or above
-  decoupled PPO's cap) and ``off_policy/logprob_gap_max``, see algos/off_policy.py.  One small reduction per step: the weights do not change with the
-  parameters, so every epoch and mini-batch shares them."""
+  decoupled PPO's cap) and ``off_policy/logprob_gap_max``, see algos/off_policy.py.  One
+  small reduction per step: the weights do not change with the parameters, so every epoch
+  and mini-batch shares them."""
   d = batch.data
   if "old_logprobs" not in d or "rollout_logprobs" not in d or on_policy(ctx):
     return  # the old log-probs are the rollout's own: nothing to compare
