@@ -86,8 +86,8 @@ def test_bad_value_is_refused_naming_key_value_and_valid(override, pattern):
 
 
 def test_option_lists_are_the_code_s_own():
-  from distflow_jax.config import values
-  opts = values.options()
+  from distflow_jax.config import validators
+  opts = validators.options()
   assert opts["optimizer"] == tuple(OPTIMIZERS)
   assert opts["schedule"] == tuple(SCHEDULES)
   assert opts["dtype"] == tuple(DTYPES)

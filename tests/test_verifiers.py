@@ -33,10 +33,10 @@ def test_exact_mode_compares_the_strings():
 
 
 def test_bad_mode_is_one_line_naming_the_key():
-  from distflow_jax.config import values
+  from distflow_jax.config import validators
   with pytest.raises(loading.ConfigError, match=r"^reward\.match='fuzzy' is not valid; choose "
                      r"one of \['numeric', 'exact', 'math_verify'\]$"):
-    values.option("fuzzy", "reward.match", "match")
+    validators.option("fuzzy", "reward.match", "match")
   with pytest.raises(ValueError, match="reward.match='fuzzy'"):
     math_answer.math_reward_for("fuzzy")
 

@@ -25,57 +25,15 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from distflow_jax.algos.masked import masked_whiten, real
+
 
 _STD_EPS = 1e-6
-_WHITEN_EPS = 1e-8
 
 
 class AdvantageOutput(NamedTuple):
   advantages_BxT: jax.Array
   returns_BxT: jax.Array
-
-
-# --------------------------------------------------------------------------
-# Masked statistics.
-
-
-def _real(x: jax.Array, mask: jax.Array) -> jax.Array:
-  # where(), not a product: NaN * 0 is NaN, so padding garbage must be dropped.
-  return jnp.where(mask > 0, x.astype(jnp.float32), 0.0)
-
-
-def masked_sum(x: jax.Array, mask: jax.Array) -> jax.Array:
-  return jnp.sum(_real(x, mask))
-
-
-def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
-  """sum(x * m) / max(sum(m), 1): an all-masked input gives 0, not NaN."""
-  m = mask.astype(jnp.float32)
-  return jnp.sum(_real(x, m)) / jnp.maximum(jnp.sum(m), 1.0)
-
-
-def masked_var(x: jax.Array, mask: jax.Array, unbiased: bool = True) -> jax.Array:
-  """Variance of the masked entries; Bessel-corrected when ``unbiased``."""
-  m = mask.astype(jnp.float32)
-  n = jnp.sum(m)
-  mean = masked_mean(x, m)
-  sq = jnp.sum(jnp.square(_real(x, m) - mean) * m)
-  denom = n - 1.0 if unbiased else n
-  return sq / jnp.maximum(denom, 1.0)
-
-
-def masked_whiten(x: jax.Array, mask: jax.Array, shift_mean: bool = True) -> jax.Array:
-  """(x - mean) / sqrt(var + 1e-8) over the masked entries; padding -> 0.
-
-  With ``shift_mean=False`` the mean is added back (only the scale changes).
-  """
-  m = mask.astype(jnp.float32)
-  x = _real(x, m)
-  mean = masked_mean(x, m)
-  white = (x - mean) * jax.lax.rsqrt(masked_var(x, m) + _WHITEN_EPS)
-  if not shift_mean:
-    white = white + mean
-  return white * m
 
 
 # --------------------------------------------------------------------------
@@ -257,7 +215,7 @@ def discounted_returns(token_rewards_BxT: jax.Array, response_mask_BxT: jax.Arra
   add extra discounting and nothing leaks from padding into real tokens.
   """
   m = response_mask_BxT.astype(jnp.float32)
-  r = _real(token_rewards_BxT, m)
+  r = real(token_rewards_BxT, m)
 
   def step(next_ret_B, xs):
     r_B, m_B = xs
@@ -341,8 +299,8 @@ def _gae_scan(token_rewards_BxT: jax.Array, values_BxT: jax.Array,
               ) -> tuple[jax.Array, jax.Array]:
   """GAE's (advantages, returns), unwhitened."""
   m = response_mask_BxT.astype(jnp.float32)
-  r = _real(token_rewards_BxT, m)
-  v = _real(values_BxT, m)
+  r = real(token_rewards_BxT, m)
+  v = real(values_BxT, m)
 
   def step(carry, xs):
     next_v_B, next_a_B = carry

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from distflow_jax.algos import kl as kl_lib, policy_losses
 from distflow_jax.algos.choice import Choice
+from distflow_jax.algos.masked import masked_sum, real
 
 _LOG_RATIO_CLAMP = 20.0
 
@@ -109,17 +110,6 @@ def aggregate(loss_BxT: jax.Array, response_mask_BxT: jax.Array,
   return jnp.sum(lm) / norm_length, count
 
 
-def _real(x_BxT: jax.Array, m_BxT: jax.Array) -> jax.Array:
-  """x on real tokens, 0 on padding.  Applied to every input so padding
-  garbage (NaN logprobs, say) cannot reach a value *or* a gradient: a NaN
-  that only a where() hides still turns 0 * NaN into a NaN gradient."""
-  return jnp.where(m_BxT > 0, x_BxT.astype(jnp.float32), 0.0)
-
-
-def _token_sum(x_BxT: jax.Array, m_BxT: jax.Array) -> jax.Array:
-  return jnp.sum(jnp.where(m_BxT > 0, x_BxT.astype(jnp.float32), 0.0))
-
-
 # --------------------------------------------------------------------------
 # Policy loss.
 
@@ -171,8 +161,8 @@ def policy_loss(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,
   policy_losses.check(loss, args, level.value)
 
   m = response_mask_BxT.astype(jnp.float32)
-  logp = _real(logprobs_BxT, m)
-  old = _real(old_logprobs_BxT, m)
+  logp = real(logprobs_BxT, m)
+  old = real(old_logprobs_BxT, m)
   token_log_ratio = logp - old
   if level is RatioLevel.TOKEN:
     log_ratio = token_log_ratio
@@ -184,18 +174,18 @@ def policy_loss(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,
   log_ratio = jnp.clip(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
   ratio = jnp.exp(log_ratio)
   terms = fn(policy_losses.PolicyInput(
-      logp=logp, old_logp=old, advantages=_real(advantages_BxT, m), mask=m,
+      logp=logp, old_logp=old, advantages=real(advantages_BxT, m), mask=m,
       log_ratio=log_ratio, ratio=ratio, clip_ratio_low=eps_low, clip_ratio_high=eps_high,
       clip_ratio_c=clip_ratio_c, args=args))
   per_token = terms.loss
   if token_weights_BxT is not None:
-    per_token = per_token * _real(token_weights_BxT, m)
+    per_token = per_token * real(token_weights_BxT, m)
 
   total, count = aggregate(per_token, m, agg_mode, norm_length)
   metrics = {"pg_loss": total,
-             **{k: _token_sum(v, m) for k, v in terms.metrics.items()},
-             "ppo_kl": _token_sum(-token_log_ratio, m),
-             "ratio": _token_sum(ratio, m)}
+             **{k: masked_sum(v, m) for k, v in terms.metrics.items()},
+             "ppo_kl": masked_sum(-token_log_ratio, m),
+             "ratio": masked_sum(ratio, m)}
   return LossOutput(total, count, jnp.sum(m), metrics)
 
 
@@ -209,10 +199,10 @@ def kl_loss(logprobs_BxT: jax.Array, ref_logprobs_BxT: jax.Array,
   _check_same_shape(logprobs_BxT=logprobs_BxT, ref_logprobs_BxT=ref_logprobs_BxT,
                     response_mask_BxT=response_mask_BxT)
   m = response_mask_BxT.astype(jnp.float32)
-  kl = kl_lib.kl_divergence(_real(logprobs_BxT, m), _real(ref_logprobs_BxT, m),
+  kl = kl_lib.kl_divergence(real(logprobs_BxT, m), real(ref_logprobs_BxT, m),
                             estimator, k3_cap)
   total, count = aggregate(kl, m, agg_mode, norm_length)
-  return LossOutput(total, count, jnp.sum(m), {"kl": _token_sum(kl, m)})
+  return LossOutput(total, count, jnp.sum(m), {"kl": masked_sum(kl, m)})
 
 
 def entropy_loss(entropy_BxT: jax.Array, response_mask_BxT: jax.Array, *,
@@ -221,9 +211,9 @@ def entropy_loss(entropy_BxT: jax.Array, response_mask_BxT: jax.Array, *,
   """The aggregated entropy H (to be *subtracted*, times a coefficient)."""
   _check_same_shape(entropy_BxT=entropy_BxT, response_mask_BxT=response_mask_BxT)
   m = response_mask_BxT.astype(jnp.float32)
-  ent = _real(entropy_BxT, m)
+  ent = real(entropy_BxT, m)
   total, count = aggregate(ent, m, agg_mode, norm_length)
-  return LossOutput(total, count, jnp.sum(m), {"entropy": _token_sum(ent, m)})
+  return LossOutput(total, count, jnp.sum(m), {"entropy": masked_sum(ent, m)})
 
 
 def actor_loss(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,
@@ -281,15 +271,15 @@ def value_loss(values_BxT: jax.Array, old_values_BxT: jax.Array,
   _check_same_shape(values_BxT=values_BxT, old_values_BxT=old_values_BxT,
                     returns_BxT=returns_BxT, response_mask_BxT=response_mask_BxT)
   m = response_mask_BxT.astype(jnp.float32)
-  v = _real(values_BxT, m)
-  ret = _real(returns_BxT, m)
+  v = real(values_BxT, m)
+  ret = real(returns_BxT, m)
   unclipped = jnp.square(v - ret)
   if clip_range is None:
     loss, taken = 0.5 * unclipped, jnp.zeros_like(v)
   else:
     if clip_range <= 0:
       raise ValueError(f"value clip_range must be > 0 or None, got {clip_range}")
-    old = _real(old_values_BxT, m)
+    old = real(old_values_BxT, m)
     # V clamped into [V_old - eps, V_old + eps] (verl's form): exactly V where it is
     # inside, so vf_clipfrac counts only tokens the clip changed (old + clip(V - old) is
     # not V in float32, and counted unclipped tokens).
@@ -298,8 +288,8 @@ def value_loss(values_BxT: jax.Array, old_values_BxT: jax.Array,
     loss = 0.5 * jnp.maximum(unclipped, clipped)
     taken = (clipped > unclipped).astype(jnp.float32)
   total, count = aggregate(loss, m, agg_mode, norm_length)
-  metrics = {"vf_loss": total, "vf_clipfrac": _token_sum(taken, m),
-             "vpred": _token_sum(v, m)}
+  metrics = {"vf_loss": total, "vf_clipfrac": masked_sum(taken, m),
+             "vpred": masked_sum(v, m)}
   return LossOutput(total, count, jnp.sum(m), metrics)
 
 

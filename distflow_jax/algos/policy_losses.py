@@ -34,6 +34,8 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
+from distflow_jax.algos import token_select
+
 
 @dataclasses.dataclass(frozen=True)
 class PolicyInput:
@@ -267,38 +269,6 @@ def sapo(x: PolicyInput) -> PolicyTerms:
   return PolicyTerms(-gate * x.advantages, {"sapo_gate": gate})
 
 
-def _centred_cov(x: PolicyInput) -> jax.Array:
-  """(A_t - mean A)(log pi_t - mean log pi), means over the micro-batch's real tokens,
-  without gradient: what Clip-Cov and KL-Cov select tokens by."""
-  m = x.mask
-  n = jnp.maximum(jnp.sum(m), 1.0)
-  adv = jax.lax.stop_gradient(x.advantages)
-  logp = jax.lax.stop_gradient(x.logp)
-  mean_a = jnp.sum(adv * m) / n
-  mean_lp = jnp.sum(logp * m) / n
-  return (adv - mean_a) * (logp - mean_lp)
-
-
-def _selected_count(m: jax.Array, share: float) -> jax.Array:
-  """max(1, floor(share * real tokens)), as an int32 scalar."""
-  return jnp.maximum(jnp.floor(share * jnp.sum(m)), 1.0).astype(jnp.int32)
-
-
-def _ranks(score: jax.Array) -> jax.Array:
-  """Each element's place in ``score`` ascending (0 = smallest; ties by position)."""
-  flat = score.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  return jnp.zeros(flat.shape, jnp.int32).at[order].set(
-      jnp.arange(flat.size, dtype=jnp.int32)).reshape(score.shape)
-
-
-def _data_key(x: PolicyInput) -> jax.Array:
-  """A PRNG key made from the micro-batch's old log-probs: the same batch draws the same
-  tokens on every host and every epoch, and no key needs threading through the step."""
-  bits = jax.lax.bitcast_convert_type(jnp.sum(x.old_logp).astype(jnp.float32), jnp.uint32)
-  return jax.random.PRNGKey(bits)
-
-
 @register("clip_cov", check=_check_clip_cov)
 def clip_cov(x: PolicyInput) -> PolicyTerms:
   """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for
@@ -318,12 +288,12 @@ def clip_cov(x: PolicyInput) -> PolicyTerms:
   ppo = ppo_clip(x)
   m = x.mask
   clipped_by_ppo = ppo.metrics["pg_clipfrac"] > 0  # the clipped branch was taken
-  cov = _centred_cov(x)
+  cov = token_select.centred_cov(x.advantages, x.logp, x.mask)
   lb, ub = _arg(x.args, "clip_cov_lb"), _arg(x.args, "clip_cov_ub")
   candidate = (m > 0) & ~clipped_by_ppo & (cov > lb) & (cov < ub)
-  priority = jax.random.uniform(_data_key(x), m.shape)
-  rank = _ranks(jnp.where(candidate, priority, 2.0))
-  cut = candidate & (rank < _selected_count(m, _arg(x.args, "clip_cov_ratio")))
+  priority = jax.random.uniform(token_select.data_key(x.old_logp), m.shape)
+  rank = token_select.ranks(jnp.where(candidate, priority, 2.0))
+  cut = candidate & (rank < token_select.selected_count(m, _arg(x.args, "clip_cov_ratio")))
   return PolicyTerms(jnp.where(cut, 0.0, ppo.loss), {
       "pg_clipfrac": cut.astype(jnp.float32),
       "pg_clipfrac_ppo": ppo.metrics["pg_clipfrac"],
@@ -343,9 +313,9 @@ def kl_cov(x: PolicyInput) -> PolicyTerms:
   and only where the covariance (the entropy's drop) is largest.  Metric ``kl_cov_share``:
   the share of tokens penalized."""
   m = x.mask
-  cov = _centred_cov(x)
-  rank = _ranks(jnp.where(m > 0, -cov, jnp.inf))
-  chosen = (m > 0) & (rank < _selected_count(m, _arg(x.args, "kl_cov_ratio")))
+  cov = token_select.centred_cov(x.advantages, x.logp, x.mask)
+  rank = token_select.ranks(jnp.where(m > 0, -cov, jnp.inf))
+  chosen = (m > 0) & (rank < token_select.selected_count(m, _arg(x.args, "kl_cov_ratio")))
   penalty = _arg(x.args, "kl_cov_coef") * jnp.abs(x.log_ratio)
   loss = -x.advantages * x.ratio + jnp.where(chosen, penalty, 0.0)
   return PolicyTerms(loss, {"kl_cov_share": chosen.astype(jnp.float32)})

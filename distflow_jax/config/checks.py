@@ -12,13 +12,13 @@ from collections.abc import Mapping
 
 import ml_collections
 
-from distflow_jax.config import user_modules, values
+from distflow_jax.config import user_modules, validators, values
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag import planner as planner_lib
 from distflow_jax.dag.registry import Placement, Registry, unknown_name_message
 from distflow_jax.dag.spec import DagError, NodeType, Role
 from distflow_jax.dag.validate import Dag, build_dag
-from distflow_jax.config.defaults import response_width, response_width_key
+from distflow_jax.config.response import response_width, response_width_key
 
 
 def topology(cfg: ml_collections.ConfigDict, num_processes: int | None = None,
@@ -81,9 +81,9 @@ def plan_from_config(cfg: ml_collections.ConfigDict, topo: planner_lib.Topology,
   check_kl_reference(plan.steps, registry, cfg.actor.kl.coef, cfg.actor.kl.in_reward)
   values.check_values(cfg)
   from distflow_jax.rewards.registry import reward_names  # after the plugins: theirs count
-  values.one_of(cfg.trainer.eval_reward, reward_names(), "trainer.eval_reward")
+  validators.one_of(cfg.trainer.eval_reward, reward_names(), "trainer.eval_reward")
   from distflow_jax.algos import policy_losses  # after the plugins: theirs count
-  values.one_of(cfg.actor.policy_loss, policy_losses.names(), "actor.policy_loss")
+  validators.one_of(cfg.actor.policy_loss, policy_losses.names(), "actor.policy_loss")
   try:
     policy_losses.check(cfg.actor.policy_loss, dict(cfg.actor.loss_args),
                         cfg.actor.ratio_level)

@@ -21,27 +21,6 @@ def optimizer(lr: float) -> ml_collections.ConfigDict:
   ))
 
 
-def response_width(rollout: ml_collections.ConfigDict) -> int:
-  """Tokens after the prompt in a training row (the passes' response width, the engine's
-  cache beyond the longest prompt bucket): ``rollout.max_episode_tokens`` for multi-turn
-  episodes (``rollout.env``) when set, else ``rollout.max_new_tokens``."""
-  episode = int(rollout.get("max_episode_tokens", 0) or 0)
-  return episode if rollout.get("env", "") and episode else int(rollout.max_new_tokens)
-
-
-def pass_temperature(rollout_temperature: float) -> float:
-  """The temperature the training passes read the policy at, for a rollout sampling at
-  ``rollout_temperature``: the same (config/temperature.py), 1 for greedy (0)."""
-  t = float(rollout_temperature)
-  return t if t > 0 else 1.0
-
-
-def response_width_key(rollout: ml_collections.ConfigDict) -> str:
-  """The key ``response_width`` reads (for messages)."""
-  episode = rollout.get("env", "") and rollout.get("max_episode_tokens", 0)
-  return "rollout.max_episode_tokens" if episode else "rollout.max_new_tokens"
-
-
 def compile_cache_dir() -> str:
   """The default ``trainer.compile_cache_dir``: one folder per user and jax version (read
   from the installed package's metadata: importing this module does not import jax)."""
@@ -182,7 +161,7 @@ def base() -> ml_collections.ConfigDict:
       # tag <tool>name(args)</tool> | hermes <tool_call>{json}</tool_call>); each turn is
       # at most max_new_tokens tokens, the episode's response (generated + observation
       # tokens) at most max_episode_tokens (0: max_new_tokens), the training passes'
-      # response width (response_width below).
+      # response width (config/response.py).
       env="",
       max_episode_tokens=0,
       tool_parser="tag",

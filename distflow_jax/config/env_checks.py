@@ -4,9 +4,9 @@ ConfigError line each."""
 
 from __future__ import annotations
 
-from distflow_jax.config.defaults import response_width
+from distflow_jax.config.response import response_width
 from distflow_jax.config.loading import ConfigError
-from distflow_jax.config.values import in_range, one_of, positive
+from distflow_jax.config.validators import in_range, one_of, positive
 from distflow_jax.envs import base as env_base, guard as env_guard, parsers
 
 

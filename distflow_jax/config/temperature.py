@@ -15,7 +15,7 @@ those temperature-1 log-probs, is refused.
 from __future__ import annotations
 
 from distflow_jax.config import checks
-from distflow_jax.config.defaults import pass_temperature
+from distflow_jax.config.response import pass_temperature
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.graph import Dag
 

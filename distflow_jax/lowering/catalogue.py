@@ -36,7 +36,7 @@ from distflow_jax.train.loss_mask import LOSS_MASK
 from distflow_jax.persist import checkpoint_contents, checksums
 from distflow_jax.run import executor
 from distflow_jax.state.context import RunContext, shared_prompt_group
-from distflow_jax.config.defaults import response_width
+from distflow_jax.config.response import response_width
 
 
 def _widths(cfg: ml_collections.ConfigDict) -> tuple[int, ...]:

@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from distflow_jax.models import lora, sharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import Transformer
-from distflow_jax.config.defaults import response_width
+from distflow_jax.config.response import response_width
 
 
 @dataclasses.dataclass(frozen=True)

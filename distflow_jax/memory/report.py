@@ -33,7 +33,7 @@ from distflow_jax.memory.consumers import RESIDENT, Estimate, Item
 from distflow_jax.memory.render import check_fits, render
 from distflow_jax.memory.rollout_items import generate_items
 from distflow_jax.models.config import ModelConfig
-from distflow_jax.config.defaults import response_width, response_width_key
+from distflow_jax.config.response import response_width, response_width_key
 
 
 def _prompt_len(cfg: ml_collections.ConfigDict) -> int:

@@ -19,7 +19,7 @@ from distflow_jax.dag.spec import Role
 from distflow_jax.memory import analytic as an
 from distflow_jax.memory.consumers import RESIDENT, Item
 from distflow_jax.models.config import ModelConfig
-from distflow_jax.config.defaults import response_width
+from distflow_jax.config.response import response_width
 
 def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
                    node_id: str, devs: tuple[int, ...], comp: bool, adv: dict[str, str],

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from distflow_jax.algos import advantages as adv_lib
-from distflow_jax.algos import kl as kl_lib
+from distflow_jax.algos import kl as kl_lib, masked
 from distflow_jax.dag.registry import FUNCTIONS, Registry, estimator_spec
 from distflow_jax.dag.spec import DagError, Node
 from distflow_jax.data import layout as dlayout
@@ -108,7 +108,7 @@ def _advantage(est: Estimator, ctx: RunContext, node: Node, lay: dlayout.Layout,
 
 
 def global_whiten(x: np.ndarray, mask: np.ndarray, sample_ids: np.ndarray) -> np.ndarray:
-  """``algos.advantages.masked_whiten`` over the whole batch of every host.
+  """``algos.masked.masked_whiten`` over the whole batch of every host.
 
   The statistics come from per-row sums gathered from every host and added in sample-id
   order, so the result is bitwise the same however samples are spread over hosts.
@@ -125,7 +125,7 @@ def global_whiten(x: np.ndarray, mask: np.ndarray, sample_ids: np.ndarray) -> np
   mean = s1 / max(n, 1.0)
   s2 = ordered_total(((xr - mean) ** 2 * m).sum(axis=1)[:, None])[0]
   var = s2 / max(n - 1.0, 1.0)
-  return ((xr - mean) / np.sqrt(var + 1e-8) * m).astype(np.float32)
+  return ((xr - mean) / np.sqrt(var + masked.WHITEN_EPS) * m).astype(np.float32)
 
 
 NODES: NodeTable = {est.name: advantage_node(est) for est in BUILTIN_ESTIMATORS}

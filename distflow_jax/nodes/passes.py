@@ -15,7 +15,7 @@ from collections.abc import Callable
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from distflow_jax.config.defaults import pass_temperature
+from distflow_jax.config.response import pass_temperature
 from distflow_jax.algos.off_policy import OffPolicyCorrection
 from distflow_jax.dag.spec import Node, Role
 from distflow_jax.data import layout as dlayout

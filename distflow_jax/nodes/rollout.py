@@ -13,7 +13,7 @@ from distflow_jax.rollout import episodes
 from distflow_jax.state import vision as vision_lib
 from distflow_jax.state.context import RunContext
 from distflow_jax.state.metrics import gather_processes
-from distflow_jax.config.defaults import response_width
+from distflow_jax.config.response import response_width
 
 
 def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Batch) -> Batch:

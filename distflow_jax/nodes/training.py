@@ -26,7 +26,7 @@ from distflow_jax.nodes.passes import (budget_plan, on_policy, pack_plan, prompt
 from distflow_jax.train import deterministic, micro_batches, steps as steps_lib
 from distflow_jax.train.loss_mask import LOSS_MASK
 from distflow_jax.state.context import RunContext
-from distflow_jax.config.defaults import response_width
+from distflow_jax.config.response import response_width
 
 
 @dataclasses.dataclass(frozen=True)

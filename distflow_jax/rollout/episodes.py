@@ -3,7 +3,7 @@ ask the environment, append the observation, go on.
 
     env = EnvSetup.from_config(cfg.rollout)             # rollout.env, tool_parser, limits
     ep = run_episodes(backend, params, prompts, rows, n, env=env, tokenizer=tok,
-                      rng=key, request_ids=ids, width=defaults.response_width(cfg.rollout))
+                      rng=key, request_ids=ids, width=response.response_width(cfg.rollout))
     ep.rollout.tokens_RxN, ep.rollout.mask_RxN, ep.loss_mask_RxN, ep.reward_R
 
 Episode r answers prompt r // n (as ``driver.generate``'s rows).  Its response is

@@ -17,7 +17,7 @@ import ml_collections
 import numpy as np
 
 from distflow_jax.config import vision_checks
-from distflow_jax.config.defaults import response_width
+from distflow_jax.config.response import response_width
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.batch import Batch

@@ -34,7 +34,7 @@ from distflow_jax.rollout.spanning import SpanningReplica
 from distflow_jax.state import roles as roles_lib, vision as vision_lib, warm_shapes
 from distflow_jax.state.algo_state import AlgoState
 from distflow_jax.state.metrics import Metrics
-from distflow_jax.config.defaults import response_width
+from distflow_jax.config.response import response_width
 
 
 @dataclasses.dataclass

@@ -1,0 +1,29 @@
+"""What a rollout section fixes for the training passes: the response width (the tokens
+after the prompt in a training row) and the temperature the passes read the policy at.
+Plain reads of the config (importing this module does not import jax).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+
+def response_width(rollout: ml_collections.ConfigDict) -> int:
+  """Tokens after the prompt in a training row (the passes' response width, the engine's
+  cache beyond the longest prompt bucket): ``rollout.max_episode_tokens`` for multi-turn
+  episodes (``rollout.env``) when set, else ``rollout.max_new_tokens``."""
+  episode = int(rollout.get("max_episode_tokens", 0) or 0)
+  return episode if rollout.get("env", "") and episode else int(rollout.max_new_tokens)
+
+
+def pass_temperature(rollout_temperature: float) -> float:
+  """The temperature the training passes read the policy at, for a rollout sampling at
+  ``rollout_temperature``: the same (config/temperature.py), 1 for greedy (0)."""
+  t = float(rollout_temperature)
+  return t if t > 0 else 1.0
+
+
+def response_width_key(rollout: ml_collections.ConfigDict) -> str:
+  """The key ``response_width`` reads (for messages)."""
+  episode = rollout.get("env", "") and rollout.get("max_episode_tokens", 0)
+  return "rollout.max_episode_tokens" if episode else "rollout.max_new_tokens"

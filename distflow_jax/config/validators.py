@@ -1,0 +1,101 @@
+"""Checks of one config value, each failing with one ``ConfigError`` line naming the key,
+the bad value and what is valid: an option name (``option``, ``one_of``), a count
+(``positive``), a number in a range (``in_range``).
+
+The valid options of each key are the enum (or tuple) of the code that consumes
+them (``train.optim``, ``algos.losses``, ``algos.kl``, ``models.config``,
+``data.loader``, ``data.redistribute``), see ``option_types``; a value is looked
+up in the enum as the consumer parses it.  They are imported when a check runs,
+so importing this module does not import jax.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import math
+from collections.abc import Iterable
+
+from distflow_jax.config.loading import ConfigError
+
+
+@functools.cache
+def option_types() -> dict[str, type[enum.Enum] | tuple[str, ...]]:
+  """The valid values of each option key: the enum (or tuple of names) of the module that
+  uses them, so a new member there is valid here with no edit."""
+  from distflow_jax.algos.kl import KLEstimator
+  from distflow_jax.algos.losses import LossAggMode, RatioLevel
+  from distflow_jax.algos.off_policy import OffPolicyCorrection
+  from distflow_jax.data.loader import OnBadRow
+  from distflow_jax.data.redistribute import Mode
+  from distflow_jax.models.config import ATTENTION_IMPLS, DTYPES, PRESETS, REMATS
+  from distflow_jax.rollout.backend import BACKENDS
+  from distflow_jax.rollout.engine_config import FuseProjections, LoraSync
+  from distflow_jax.rewards.math_answer import MATCH_MODES
+  from distflow_jax.train.optim import Optimizer, Schedule
+  from distflow_jax.state.warm_shapes import CompileAhead
+  return {
+      "loss_agg": LossAggMode, "ratio_level": RatioLevel, "kl_estimator": KLEstimator,
+      "off_policy": OffPolicyCorrection,
+      "on_bad_row": OnBadRow, "redistribute": Mode, "dtype": tuple(DTYPES),
+      "optimizer": Optimizer, "schedule": Schedule, "match": MATCH_MODES,
+      "remat": REMATS, "attention_impl": ATTENTION_IMPLS, "compile_ahead": CompileAhead,
+      "backend": tuple(BACKENDS), "preset": tuple(PRESETS), "lora_sync": LoraSync,
+      "fuse_projections": FuseProjections,
+  }
+
+
+def options() -> dict[str, tuple[str, ...]]:
+  """The valid names of each option key, as the config spells them."""
+  return {key: _names(valid) for key, valid in option_types().items()}
+
+
+def _names(valid: type[enum.Enum] | Iterable[str]) -> tuple[str, ...]:
+  if isinstance(valid, type) and issubclass(valid, enum.Enum):
+    return tuple(member.value for member in valid)
+  return tuple(valid)
+
+
+def one_of(value, valid: type[enum.Enum] | Iterable, key: str) -> None:
+  """``value`` is one of ``valid``: names a member of an option enum (looked up as the
+  enum parses it, not by comparing name strings), or is in a tuple."""
+  if isinstance(valid, type) and issubclass(valid, enum.Enum):
+    try:
+      valid(value)
+      return
+    except ValueError:
+      pass
+  elif value in list(valid):
+    return
+  raise ConfigError(f"{key}={value!r} is not valid; choose one of {list(_names(valid))}")
+
+
+def option(value, key: str, name: str) -> None:
+  """``value`` of config key ``key`` is valid for option ``name`` of ``option_types``."""
+  one_of(value, option_types()[name], key)
+
+
+def positive(value, key: str, allow_zero: bool = False, note: str = "") -> None:
+  """An integer count (or a number) that must be > 0 (>= 0 with ``allow_zero``)."""
+  ok = value >= 0 if allow_zero else value > 0
+  if not ok:
+    raise ConfigError(f"{key}={value!r} must be {'>= 0' if allow_zero else '> 0'}{note}")
+
+
+def in_range(value, key: str, lo: float | None = None, hi: float | None = None, *,
+             lo_open: bool = False, hi_open: bool = False, note: str = "") -> None:
+  """A finite number within [lo, hi] (an open end excludes the bound; None: unbounded)."""
+  if lo is not None and hi is not None:
+    rule = f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+  elif lo is not None:
+    rule = f"{'>' if lo_open else '>='} {lo:g}"
+  elif hi is not None:
+    rule = f"{'<' if hi_open else '<='} {hi:g}"
+  else:
+    rule = "a finite number"
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    raise ConfigError(f"{key}={value!r} must be "
+                      + (rule if lo is None and hi is None else f"finite and {rule}") + note)
+  if ((lo is not None and (value <= lo if lo_open else value < lo))
+      or (hi is not None and (value >= hi if hi_open else value > hi))):
+    raise ConfigError(f"{key}={value!r} must be {rule}{note}")
