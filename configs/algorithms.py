@@ -5,7 +5,7 @@
 
 Variants: ``ppo``, ``grpo``, ``drgrpo``, ``rloo``, ``reinforce_pp_baseline``, ``dapo``,
 ``gspo``, ``gpg``, ``cispo``, ``gmpo``, ``sapo``, ``clip_cov``, ``kl_cov``, ``opo``,
-``grpo_passk``.  Each starts from the default run (``grpo.py:tiny``: the 1.2 M-param model
+``grpo_passk``, ``remax``.  Each starts from the default run (``grpo.py:tiny``: the 1.2 M-param model
 warm-started on ``builtin:arithmetic:basic``, 50 steps, held-out accuracy every 10) and
 changes only what its algorithm needs; every one trains on 128 samples a step (16 prompts
 x 8 samples, or 128 prompts x 1 for PPO), so their curves compare at equal sample budget.
@@ -29,7 +29,7 @@ import importlib.util
 import os
 
 VARIANTS = ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "dapo", "gspo", "gpg",
-            "cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "opo", "grpo_passk")
+            "cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "opo", "grpo_passk", "remax")
 # Samples trained on per step, the same for every variant (prompts x rollout.n).
 SAMPLES_PER_STEP = 128
 
@@ -183,4 +183,26 @@ def get_config(arg: str = "grpo"):
     # GRPO pass@k: only each group's best sample learns, (r_best - r_second) / std;
     # optimises the chance that one of the n samples is right, not each one.
     _with_dag(c, c.dag, "grpo_passk")
+  elif arg == "remax":
+    # ReMax: each sample's baseline is the reward of its prompt's greedy response, one
+    # more rollout per prompt (16 greedy responses a step beside the 128 samples, not
+    # counted in the sample budget): a generate.greedy node between the rollout and the
+    # rule reward, which scores both.  Advantages r - r_greedy keep the reward's scale:
+    # Dr.GRPO's KL coefficient.
+    _with_dag(c, _with_greedy_baseline(c.dag), "remax")
+    c.actor.kl.coef = 0.067
   return c
+
+
+def _with_greedy_baseline(dag: list[dict]) -> list[dict]:
+  """``dag`` with a generate.greedy node after its generate node, which the nodes that
+  depended on generate for rewards now depend on instead."""
+  gen = next(d["id"] for d in dag if d["fn"] == "generate")
+  out = []
+  for d in dag:
+    out.append(dict(d))
+    if d["fn"].startswith("reward.") and gen in d.get("deps", []):
+      out[-1]["deps"] = ["baseline" if x == gen else x for x in d["deps"]]
+    if d["id"] == gen:
+      out.append(dict(id="baseline", fn="generate.greedy", deps=[gen]))
+  return out

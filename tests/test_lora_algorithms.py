@@ -41,6 +41,7 @@ WITH = {
     "kl_cov": PACKED,                                   # tokens penalized by covariance
     "opo": ["trainer.deterministic=True"],              # length-weighted baseline
     "grpo_passk": [],                                   # the best sample's lead
+    "remax": ["trainer.deterministic=True"],            # the greedy baseline's replica
 }
 
 

@@ -55,9 +55,10 @@ def test_estimator_table_is_the_advantage_family_and_specs_come_from_it():
     assert spec == estimator_spec(est)
     assert spec.needs_groups == est.needs_groups
     assert ("values" in spec.requires) == est.values
+    assert ("baseline_tokens" in spec.requires) == est.baseline
   # The KL-in-reward rule reads the estimators that use per-token rewards.
-  assert {s.name for s in BUILTIN_SPECS if s.kl_reward} == {"advantage.gae",
-                                                            "advantage.reinforce_pp"}
+  assert {s.name for s in BUILTIN_SPECS if s.kl_reward} == {
+      "advantage.gae", "advantage.reinforce_pp", "advantage.remax"}
 
 
 # ---- (b) a test-only estimator, one call ----------------------------------------------------

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_common as bc  # noqa: E402
 
 ALGORITHMS = ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "dapo", "gspo", "gpg",
-              "cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "opo", "grpo_passk")
+              "cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "opo", "grpo_passk", "remax")
 # Health read from the last steps' metrics: the policy's entropy, the share of tokens a
 # clip (or Clip-Cov's cut) changed, the KL to the reference.
 HEALTH = (("entropy", "actor/entropy"), ("clipfrac", "actor/pg_clipfrac"), ("KL", "actor/kl"))
@@ -65,6 +65,8 @@ class Run:
   overrides: list[str]
   samples_per_step: int
   n_eval: int
+  # Greedy responses a step beside the samples (ReMax's baseline: one per prompt).
+  greedy_per_step: int = 0
   rc: int | None = None
   wall_s: float = 0.0
   curve: list[tuple[int, float]] = dataclasses.field(default_factory=list)
@@ -145,8 +147,12 @@ def plan_runs(args: argparse.Namespace) -> list[Run]:
         # The critic's warm-up is a tenth of the configured 50 steps; keep it a tenth.
         extra.append(f"critic.warmup_steps={args.steps // 10}")
         note = f"critic warm-up {args.steps // 10} steps"
+      greedy = args.samples_per_step // cfg.rollout.n if any(
+          d["fn"] == "generate.greedy" for d in cfg.dag) else 0
+      if greedy:
+        note = f"+{greedy} greedy baseline responses a step (in generated)"
       runs.append(Run(task, algorithm, run_dir, common + extra, args.samples_per_step,
-                      cfg.data.eval_size, note=note, seed=seed))
+                      cfg.data.eval_size, greedy, note=note, seed=seed))
   return runs
 
 
@@ -194,9 +200,10 @@ def read_metrics(run: Run) -> None:
   steps = [r for r in rows if "time/step" in r]
   run.steps_done = len(steps)
   run.train_s = sum(float(r["time/step"]) for r in steps)
-  # Dynamic sampling generates a whole batch per try; the others generate what they train.
+  # Dynamic sampling generates a whole batch per try; ReMax one greedy response per prompt
+  # besides; the others generate what they train.
   run.generated = int(sum(r.get("dynamic_sampling/tries", 1.0) for r in steps)
-                      * run.samples_per_step)
+                      * run.samples_per_step) + run.greedy_per_step * len(steps)
   fired = {k[len("health/"):] for r in rows for k, v in r.items()
            if k.startswith("health/") and v == 1.0}
   run.alarms = sorted(fired)

@@ -1,5 +1,5 @@
 """Advantage estimators: GAE, GRPO (and Dr.GRPO), RLOO, REINFORCE++ (+ baseline), OPO,
-GRPO pass@k.
+GRPO pass@k, ReMax.
 
 All functions are pure ``jax.numpy`` and jittable.  Token-level tensors are
 ``[B, T]`` over the *response* tokens with a ``response_mask_BxT`` (float or
@@ -224,6 +224,23 @@ def discounted_returns(token_rewards_BxT: jax.Array, response_mask_BxT: jax.Arra
     return jnp.where(valid, ret, next_ret_B), jnp.where(valid, ret, 0.0)
 
   return _reverse_masked_scan(step, jnp.zeros(r.shape[:1]), (r.T, m.T))
+
+
+def remax_advantages(token_rewards_BxT: jax.Array, baseline_rewards_B: jax.Array,
+                     response_mask_BxT: jax.Array) -> AdvantageOutput:
+  """ReMax (Li et al. 2024, "ReMax: A Simple, Effective, and Efficient Reinforcement
+  Learning Method for Aligning Large Language Models"): the return minus the reward of
+  the prompt's greedy response, no critic and no group:
+
+    A_t = G_t - r(x, y_greedy),   G_t = sum_{s >= t} r_s   (undiscounted, as verl's)
+
+  With an outcome reward G_t is the sample's reward at every token; a KL penalty in the
+  reward (actor.kl.in_reward) makes it per token.  Returns are G_t.  Padding -> 0."""
+  m = response_mask_BxT.astype(jnp.float32)
+  _check_rewards(baseline_rewards_B, m)
+  ret = discounted_returns(token_rewards_BxT, m, gamma=1.0)
+  adv = (ret - baseline_rewards_B.astype(jnp.float32)[:, None]) * m
+  return AdvantageOutput(adv, ret)
 
 
 def reinforce_pp_advantages(token_rewards_BxT: jax.Array,

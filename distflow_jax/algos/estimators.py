@@ -35,6 +35,9 @@ class AdvantageInput(NamedTuple):
   # actor.kl.in_reward); only for estimators with ``token_rewards``.
   token_rewards_BxT: jax.Array | None = None
   values_BxT: jax.Array | None = None  # the critic's values; only with ``values``
+  # The reward of each sample's prompt's greedy response (generate.greedy, scored by the
+  # rule rewards after it); only with ``baseline``.
+  baseline_rewards_B: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +55,9 @@ class Estimator:
   token_rewards: bool = False
   # Reads the critic's values and makes the returns that train.critic fits.
   values: bool = False
+  # Reads the greedy baseline's rewards: the workflow needs a generate.greedy node before
+  # its rule rewards (dag/rules.check_baseline_rewards).
+  baseline: bool = False
   doc: str = ""
 
 
@@ -94,6 +100,10 @@ def grpo_passk(x: AdvantageInput) -> AdvantageOutput:
                                         normalize_by_std=x.algo.norm_by_std)
 
 
+def remax(x: AdvantageInput) -> AdvantageOutput:
+  return _maths().remax_advantages(x.token_rewards_BxT, x.baseline_rewards_B, x.mask_BxT)
+
+
 BUILTIN_ESTIMATORS: tuple[Estimator, ...] = (
     Estimator("advantage.gae", gae, whiten=True, token_rewards=True, values=True,
               doc="GAE(gamma, lambda) per token"),
@@ -108,4 +118,6 @@ BUILTIN_ESTIMATORS: tuple[Estimator, ...] = (
               doc="OPO: the group's length-weighted mean reward as the baseline"),
     Estimator("advantage.grpo_passk", grpo_passk, needs_groups=True,
               doc="GRPO pass@k: only the group's best sample learns, by its lead"),
+    Estimator("advantage.remax", remax, token_rewards=True, baseline=True,
+              doc="ReMax: the return minus the reward of the prompt's greedy response"),
 )

@@ -101,6 +101,8 @@ def plan_from_config(cfg: ml_collections.ConfigDict, topo: planner_lib.Topology,
   lora_checks.check_critic(cfg, any(n.fn == "train.critic" for n in dag.nodes))
   from distflow_jax.dag.rules import check_off_policy_logprobs  # after the values' checks
   check_off_policy_logprobs(plan.steps, registry, cfg.actor.off_policy.correction)
+  from distflow_jax.dag.rules import check_baseline_rewards  # ReMax: rewards score it too
+  check_baseline_rewards(plan.steps, registry)
   _check_batches(cfg, plan, dag, registry)
   _check_spanning_replicas(cfg, plan, registry)
   return plan

@@ -53,6 +53,9 @@ class FunctionSpec:
   # Subtracts actor.kl's per-token penalty from its rewards when actor.kl.in_reward, so
   # it reads 'ref_logprobs' then (the advantages that use per-token rewards).
   kl_reward: bool = False
+  # A reward that also scores the greedy baseline's responses ('baseline_tokens', from
+  # generate.greedy) into 'baseline_rewards' when the batch holds them (ReMax).
+  scores_baseline: bool = False
   doc: str = ""
 
   def implied_type(self) -> NodeType | None:
@@ -118,11 +121,12 @@ def unknown_name_message(what: str, name: str, valid: Iterable[str]) -> str:
 
 
 def _spec(name, types, roles, placement, section, requires=(), produces=(),
-          needs_groups=False, kl_reward=False, doc=""):
+          needs_groups=False, kl_reward=False, scores_baseline=False, doc=""):
   return FunctionSpec(name=name, types=frozenset(types), roles=frozenset(roles),
                       placement=placement, section=section,
                       requires=frozenset(requires), produces=frozenset(produces),
-                      needs_groups=needs_groups, kl_reward=kl_reward, doc=doc)
+                      needs_groups=needs_groups, kl_reward=kl_reward,
+                      scores_baseline=scores_baseline, doc=doc)
 
 
 _INF, _TRAIN, _COMP = NodeType.MODEL_INFERENCE, NodeType.MODEL_TRAIN, NodeType.COMPUTE
@@ -130,26 +134,35 @@ _INF, _TRAIN, _COMP = NodeType.MODEL_INFERENCE, NodeType.MODEL_TRAIN, NodeType.C
 
 def estimator_spec(est: Estimator) -> FunctionSpec:
   """The spec of an advantage estimator's node: host-side where the rewards are, patched
-  by ``algo`` overrides; reads rewards (and values), makes advantages (and returns)."""
+  by ``algo`` overrides; reads rewards (and values, and the greedy baseline's rollout),
+  makes advantages (and returns)."""
   return _spec(est.name, [_COMP], [None], Placement.INHERIT, "algo",
-               requires=["rewards", *(["values"] if est.values else [])],
+               requires=["rewards", *(["values"] if est.values else []),
+                         *([BASELINE] if est.baseline else [])],
                produces=["advantages", *(["returns"] if est.values else [])],
                needs_groups=est.needs_groups, kl_reward=est.token_rewards, doc=est.doc)
 
 
 _ROLLOUT_FIELDS = ("tokens", "rollout_logprobs")
+# The greedy baseline's responses (generate.greedy: 'baseline_tokens' and 'baseline_mask'),
+# scored by the rule rewards after it into 'baseline_rewards'.
+BASELINE = "baseline_tokens"
 
 BUILTIN_SPECS = (
     _spec("generate", [_INF], [Role.ACTOR], Placement.ROLLOUT, "rollout",
           produces=_ROLLOUT_FIELDS, doc="n samples per prompt with the rollout engine"),
+    _spec("generate.greedy", [_INF], [Role.ACTOR], Placement.ROLLOUT, "rollout",
+          requires=["tokens"], produces=[BASELINE],
+          doc="one greedy response per prompt, the ReMax baseline (baseline_tokens)"),
     _spec("reward.math", [_COMP], [Role.REWARD, None], Placement.INHERIT, "reward",
-          requires=["tokens"], produces=["rewards"],
+          requires=["tokens"], produces=["rewards"], scores_baseline=True,
           doc="rule verifier: final answer (#### / \\boxed{}) against the ground truth"),
     _spec("reward.math_lenient", [_COMP], [Role.REWARD, None], Placement.INHERIT, "reward",
-          requires=["tokens"], produces=["rewards"],
+          requires=["tokens"], produces=["rewards"], scores_baseline=True,
           doc="reward.math, and an answer without #### / \\boxed{} is its last number"),
     _spec("reward.format", [_COMP], [Role.REWARD, None], Placement.INHERIT, "reward",
-          requires=["tokens"], produces=["rewards"], doc="rule reward for answer format"),
+          requires=["tokens"], produces=["rewards"], scores_baseline=True,
+          doc="rule reward for answer format"),
     _spec("reward.env", [_COMP], [Role.REWARD, None], Placement.INHERIT, "reward",
           requires=["tokens"], produces=["rewards"],
           doc="the environment's rewards of multi-turn episodes (rollout.env)"),

@@ -12,6 +12,9 @@ or only after set-up and a first rollout.  Every error is one line naming the no
   coefficient > 0 needs reference log-probs made before the node that reads them.
 * ``check_off_policy_logprobs`` (likewise): an off-policy correction needs both the
   rollout's log-probs and the trainer's recomputed old ones made before ``train.actor``.
+* ``check_baseline_rewards``: an estimator that reads the greedy baseline's rewards (ReMax)
+  needs every reward before it to score the baseline too, so each reward node must be a
+  rule reward (``scores_baseline``) that runs after ``generate.greedy``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from distflow_jax.dag.graph import short_list
-from distflow_jax.dag.registry import SUMMED_FIELDS, Registry
+from distflow_jax.dag.registry import BASELINE, SUMMED_FIELDS, Registry
 from distflow_jax.dag.spec import DagError, Node, NodeType, Role
 
 if TYPE_CHECKING:
@@ -166,3 +169,29 @@ def check_off_policy_logprobs(steps: Iterable[Any], registry: Registry, correcti
                 f"{value!r} needs {field!r}, but no node before it makes it; add "
                 f"{maker} to its deps, or set actor.off_policy.correction=none")
     made |= registry.spec(node.fn).produces
+
+
+def check_baseline_rewards(steps: Iterable[Any], registry: Registry) -> None:
+  """Refuses a baseline-reading advantage node (ReMax) whose rewards the baseline's do not
+  match: a reward node before it that does not score baselines (a reward model, the
+  environment's), or one that runs before ``generate.greedy`` made them."""
+  steps = list(steps)
+  rewards: list[tuple[Node, bool]] = []  # (reward node, baseline made before it)
+  made: set[str] = set()
+  for step in steps:
+    node, spec = step.node, registry.spec(step.node.fn)
+    if "rewards" in spec.produces:
+      rewards.append((node, BASELINE in made))
+    if BASELINE in spec.requires and spec.name.startswith("advantage."):
+      for reward, after in rewards:
+        if not registry.spec(reward.fn).scores_baseline:
+          raise DagError(f"DAG node {node.id!r} ({node.fn}) subtracts the greedy baseline's "
+                         f"reward, but reward node {reward.id!r} ({reward.fn}) does not score "
+                         f"the baseline; use rule rewards only (reward.math, "
+                         f"reward.math_lenient, reward.format)")
+        if not after:
+          raise DagError(f"DAG node {node.id!r} ({node.fn}) subtracts the greedy baseline's "
+                         f"reward, but reward node {reward.id!r} runs before the "
+                         f"generate.greedy node, so the baseline is not scored by it; make "
+                         f"{reward.id!r} depend on the generate.greedy node")
+    made |= spec.produces

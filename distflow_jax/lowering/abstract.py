@@ -189,11 +189,16 @@ FIELDS: dict[str, tuple[tuple[str, ...], Any]] = {
     # multi-turn episodes (nodes/rollout.EPISODE_FIELDS)
     "loss_mask": (("N",), jnp.bool_), "env_rewards": ((), jnp.float32),
     "env_turn_rewards": (("N",), jnp.float32),
+    # the greedy baseline (nodes/rollout.greedy_baseline_node, ReMax) and its rewards
+    "baseline_tokens": (("N",), jnp.int32), "baseline_mask": (("N",), jnp.bool_),
+    "baseline_rewards": ((), jnp.float32),
     "image_embeds": (("I", "D"), jnp.float32), "image_slots": (("P",), jnp.bool_),
     "rope_positions": (("3", "PN"), jnp.int32),
 }
 # What a registry "produces" name adds to the batch.
-PRODUCED = {"tokens": ("prompt_tokens", "prompt_mask", "response_tokens", "response_mask")}
+PRODUCED = {"tokens": ("prompt_tokens", "prompt_mask", "response_tokens", "response_mask"),
+            # the rule rewards after generate.greedy add baseline_rewards
+            "baseline_tokens": ("baseline_tokens", "baseline_mask", "baseline_rewards")}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -297,6 +297,8 @@ def programs(cfg: ml_collections.ConfigDict, plan: Plan, ctx: RunContext) -> Cat
       out += rollout_programs(ctx, node, step.layout.devices)
       if cfg.trainer.eval_every and cfg.data.eval:
         out += rollout_programs(ctx, node, step.layout.devices, greedy=True)
+    elif node.fn == "generate.greedy" and not (cfg.trainer.eval_every and cfg.data.eval):
+      out += rollout_programs(ctx, node, step.layout.devices, greedy=True)  # else eval's
     elif node.fn in ("logprob", "ref_logprob", "values"):
       out += pass_programs(ctx, node, lay, rows)
     elif node.fn.startswith("train."):

@@ -174,9 +174,13 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
     node, lay = step.node, step.layout
     devs = lay.devices
     dp = lay.dp_size
-    if node.fn == "generate":
+    if node.fn in ("generate", "generate.greedy"):
       items.extend(generate_items(cfg, plan, model_cfg, node.id, devs, comp, adv, notes,
                                   shards))
+      if node.fn == "generate.greedy":
+        notes.append(f"node {node.id!r} (generate.greedy): its own replica's sync and "
+                     f"decode, as generate's; the weights generate synced count only while "
+                     f"generate runs")
     elif node.fn in ("values", "train.critic"):  # the critic's steps: analytic only
       train = node.fn == "train.critic"
       mbs = cfg.critic.micro_batch_size

@@ -22,7 +22,7 @@ from distflow_jax.dag.spec import DagError, Node
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch
 from distflow_jax.nodes.common import NodeFn, NodeTable, local_fields
-from distflow_jax.nodes.rewards import PLACED
+from distflow_jax.nodes.rewards import BASELINE_REWARDS, PLACED
 from distflow_jax.algos.estimators import BUILTIN_ESTIMATORS, AdvantageInput, Estimator
 from distflow_jax.state.context import RunContext, put_local
 from distflow_jax.state.metrics import gather_processes
@@ -76,11 +76,19 @@ def _token_rewards(ctx: RunContext, node: Node, loc: dict, mask: jax.Array) -> j
   return token_rewards
 
 
+def _baseline_rewards(node: Node, loc: dict) -> jax.Array:
+  if BASELINE_REWARDS not in loc:
+    raise DagError(f"DAG node {node.id!r} reads the greedy baseline's rewards, but no rule "
+                   f"reward scored a baseline: put a generate.greedy node before the reward "
+                   f"nodes (deps: generate -> generate.greedy -> reward.math -> {node.id})")
+  return jnp.asarray(loc[BASELINE_REWARDS])
+
+
 def _advantage(est: Estimator, ctx: RunContext, node: Node, lay: dlayout.Layout,
                batch: Batch) -> Batch:
   algo, n = ctx.section(node, "algo"), ctx.cfg.rollout.n
   keys = ["rewards", "response_mask", "rollout_logprobs"] + [
-      k for k in ("values", "old_logprobs", "ref_logprobs", LOSS_MASK, PLACED)
+      k for k in ("values", "old_logprobs", "ref_logprobs", LOSS_MASK, PLACED, BASELINE_REWARDS)
       if k in batch.data]
   loc = local_fields(batch, *keys)
   # The generated tokens: a multi-turn episode's observation tokens get no reward, no KL
@@ -91,7 +99,8 @@ def _advantage(est: Estimator, ctx: RunContext, node: Node, lay: dlayout.Layout,
   out = est.fn(AdvantageInput(
       rewards_B=jnp.asarray(loc["rewards"]), mask_BxT=mask, group_size=n, algo=algo,
       token_rewards_BxT=_token_rewards(ctx, node, loc, mask) if est.token_rewards else None,
-      values_BxT=jnp.asarray(loc["values"]) if est.values else None))
+      values_BxT=jnp.asarray(loc["values"]) if est.values else None,
+      baseline_rewards_B=_baseline_rewards(node, loc) if est.baseline else None))
   advantages = out.advantages_BxT
   if est.whiten:
     advantages = global_whiten(np.asarray(advantages), np.asarray(mask), loc[SAMPLE_ID])

@@ -18,13 +18,22 @@ from distflow_jax.train import steps as steps_lib
 from distflow_jax.state.context import RunContext, put_local
 
 
+# The greedy baseline's responses (generate.greedy) and their rewards (ReMax).
+BASELINE_TOKENS, BASELINE_MASK, BASELINE_REWARDS = (
+    "baseline_tokens", "baseline_mask", "baseline_rewards")
+
+
+def _texts(ctx: RunContext, toks: np.ndarray, mask: np.ndarray) -> list[str]:
+  return [ctx.tokenizer.decode(toks[i][mask[i]].tolist()) for i in range(len(toks))]
+
+
 def _rule_reward(name: str, ctx: RunContext, node: Node, lay: dlayout.Layout,
                  batch: Batch) -> Batch:
-  local = to_local(Batch({k: batch.data[k] for k in
-                          ("response_tokens", "response_mask", SAMPLE_ID, GROUP_ID)},
-                         batch.host))
-  toks, mask = local.data["response_tokens"], local.data["response_mask"]
-  texts = [ctx.tokenizer.decode(toks[i][mask[i]].tolist()) for i in range(len(toks))]
+  baseline = BASELINE_TOKENS in batch.data
+  keys = ("response_tokens", "response_mask", SAMPLE_ID, GROUP_ID) + (
+      (BASELINE_TOKENS, BASELINE_MASK) if baseline else ())
+  local = to_local(Batch({k: batch.data[k] for k in keys}, batch.host))
+  texts = _texts(ctx, local.data["response_tokens"], local.data["response_mask"])
   fields = local.host_fields(local.data[GROUP_ID])
   missing = [int(g) for g, f in zip(local.data[GROUP_ID], fields) if f is None]
   if missing:
@@ -36,23 +45,39 @@ def _rule_reward(name: str, ctx: RunContext, node: Node, lay: dlayout.Layout,
   fn = reward_registry.configured_reward(name, ctx.section(node, "reward"))
   scores = reward_registry.score_batch(fn, texts, truths,
                                        sample_ids=local.data[SAMPLE_ID].tolist())
-  weight = ctx.section(node, "reward").weight
   ctx.metrics.add_mean(f"reward/{node.id}", scores)
   if name in ("math", "math_lenient"):  # the verifier's score is correctness: the accuracy
     ctx.metrics.add_mean("accuracy", scores > 0)
+  out = {"rewards": _weighted(ctx, node, scores, local.data[SAMPLE_ID], "sample id")}
+  if baseline:  # each group's greedy response once (its rows all hold it), then to its rows
+    _, first, inverse = np.unique(local.data[GROUP_ID], return_index=True, return_inverse=True)
+    b_scores = reward_registry.score_batch(
+        fn, _texts(ctx, local.data[BASELINE_TOKENS][first], local.data[BASELINE_MASK][first]),
+        [truths[i] for i in first])
+    ctx.metrics.add_mean(f"reward/{node.id}_baseline", b_scores)
+    out[BASELINE_REWARDS] = _weighted(ctx, node, b_scores, local.data[GROUP_ID][first],
+                                      "the greedy baseline of group")[inverse.reshape(-1)]
+  for key in out:
+    if key in batch.data:
+      out[key] = out[key] + to_local(Batch({key: batch.data[key],
+                                            SAMPLE_ID: batch.data[SAMPLE_ID],
+                                            GROUP_ID: batch.data[GROUP_ID]})).data[key]
+  return put_local(batch, lay, **out)
+
+
+def _weighted(ctx: RunContext, node: Node, scores: np.ndarray, ids: np.ndarray,
+              what: str) -> np.ndarray:
+  """reward.weight times the scores in float32; a non-finite product is refused."""
+  weight = ctx.section(node, "reward").weight
   with np.errstate(over="ignore", invalid="ignore"):
     rewards = np.float32(weight) * scores.astype(np.float32)
   if not np.all(np.isfinite(rewards)):
     i = int(np.flatnonzero(~np.isfinite(rewards))[0])
     raise reward_registry.RewardFunctionError(
         f"DAG node {node.id!r}: reward.weight={weight} times the score {scores[i]} of "
-        f"sample id {int(local.data[SAMPLE_ID][i])} is {rewards[i]} in float32; lower the "
-        f"weight or the reward's scale")
-  if "rewards" in batch.data:
-    rewards = rewards + to_local(Batch({"rewards": batch.data["rewards"],
-                                        SAMPLE_ID: batch.data[SAMPLE_ID],
-                                        GROUP_ID: batch.data[GROUP_ID]})).data["rewards"]
-  return put_local(batch, lay, rewards=rewards)
+        f"{what} {int(ids[i])} is {rewards[i]} in float32; lower the weight or the "
+        f"reward's scale")
+  return rewards
 
 
 def rule_reward_node(name: str) -> NodeFn:

@@ -1,17 +1,18 @@
 """Rollout nodes: ``generate`` samples ``rollout.n`` responses per prompt with the
-rollout backend the config names (``rollout.backend``, see ``rollout/backend.py``)."""
+rollout backend the config names (``rollout.backend``, see ``rollout/backend.py``);
+``generate.greedy`` adds each prompt's greedy response (ReMax's baseline)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from distflow_jax.dag.spec import Node, Role
+from distflow_jax.dag.spec import DagError, Node, Role
 from distflow_jax.data import layout as dlayout
-from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, expand_groups, to_global
+from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, expand_groups, to_global, to_local
 from distflow_jax.nodes.common import NodeTable
 from distflow_jax.rollout import episodes
 from distflow_jax.state import vision as vision_lib
-from distflow_jax.state.context import RunContext
+from distflow_jax.state.context import RunContext, put_local
 from distflow_jax.state.metrics import gather_processes
 from distflow_jax.config.response import response_width
 
@@ -74,6 +75,38 @@ def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Bat
   return to_global(local, lay)
 
 
+def greedy_baseline_node(ctx: RunContext, node: Node, lay: dlayout.Layout,
+                         batch: Batch) -> Batch:
+  """ReMax's baseline: one greedy response per prompt group of the batch (the held-out
+  evaluation's greedy replica, weights synced first), on every row of its group as
+  ``baseline_tokens`` / ``baseline_mask``; the rule rewards after it score it
+  (``baseline_rewards``).  Text, single-turn rollouts only."""
+  rollout = ctx.section(node, "rollout")
+  if rollout.get("env", "") or ctx.vision is not None:
+    raise DagError(f"DAG node {node.id!r} (generate.greedy): the greedy baseline is built "
+                   f"for single-turn text rollouts only; unset rollout.env / use a text model")
+  backend = ctx.backend(rollout, greedy=True)
+  params = backend.update_weights(ctx.roles[Role.ACTOR].params)
+  local = to_local(Batch({k: batch.data[k] for k in (
+      "prompt_tokens", "prompt_mask", "response_tokens", SAMPLE_ID, GROUP_ID)}, batch.host))
+  groups = np.asarray(local.data[GROUP_ID])
+  _, first, inverse = np.unique(groups, return_index=True, return_inverse=True)
+  toks, pmask = np.asarray(local.data["prompt_tokens"]), np.asarray(local.data["prompt_mask"])
+  ro = backend.generate(params, [toks[r][pmask[r]] for r in first], 1,
+                        pad_id=ctx.tokenizer.pad_id, request_ids=groups[first].tolist())
+  width = np.asarray(local.data["response_tokens"]).shape[1]
+  got = np.asarray(ro.tokens_RxN).shape[1]
+  if got > width:
+    raise DagError(f"DAG node {node.id!r}: its greedy responses are {got} tokens wide, the "
+                   f"batch's {width}; give it the rollout's max_new_tokens")
+  pad = ((0, 0), (0, width - got))
+  tokens = np.pad(np.asarray(ro.tokens_RxN), pad, constant_values=ctx.tokenizer.pad_id)
+  mask = np.pad(np.asarray(ro.mask_RxN, bool), pad)
+  rows = inverse.reshape(-1)
+  ctx.metrics.add_mean("baseline_length", ro.lengths_R)
+  return put_local(batch, lay, baseline_tokens=tokens[rows], baseline_mask=mask[rows])
+
+
 # The batch fields episodes add (plan --lower's catalogue moves and trains them too).
 EPISODE_FIELDS = ("loss_mask", "env_rewards", "env_turn_rewards")
 
@@ -112,4 +145,4 @@ def prompt_widths(buckets, max_prompt_len: int) -> tuple[int, ...]:
   return tuple(sorted({b for b in buckets if b <= max_prompt_len} | {max_prompt_len}))
 
 
-NODES: NodeTable = {"generate": generate_node}
+NODES: NodeTable = {"generate": generate_node, "generate.greedy": greedy_baseline_node}
