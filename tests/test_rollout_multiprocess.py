@@ -5,13 +5,13 @@ import sys
 import pytest
 
 from distflow_jax import launcher
-from isa import ISAS, isa_env
+from isa import isa_env, params as isa_params
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.reduction_order]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", isa_params())
 def test_each_host_generates_its_own_prompts_2x2(isa):
   result = launcher.launch(2, 2, [sys.executable, "tests/mp/rollout_hosts.py"], timeout_s=280,
                            env=isa_env(isa), out=None)

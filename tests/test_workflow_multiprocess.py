@@ -21,7 +21,7 @@ import pytest
 from distflow_jax import launcher
 from distflow_jax.config import loading
 from distflow_jax.run import trainer
-from isa import ISAS, isa_env
+from isa import isa_env, params as isa_params
 from workflow_util import params_digest, smoke_overrides, use_tape
 
 pytestmark = pytest.mark.multiprocess
@@ -157,7 +157,7 @@ def test_packed_on_2x2_agrees_with_padded_on_1x8(share, tmp_path, recorded):
 
 @pytest.mark.timeout(1500)
 @pytest.mark.reduction_order
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", isa_params())
 def test_deterministic_mode_is_bitwise_equal_across_layouts(isa, tmp_path):
   name, extra = CASES["grpo"]
   # The entropy term gives a non-zero gradient from step 1 (the KL and policy terms are 0
