@@ -5,7 +5,7 @@
 
 Variants: ``ppo``, ``grpo``, ``drgrpo``, ``rloo``, ``reinforce_pp_baseline``, ``dapo``,
 ``gspo``, ``gpg``, ``cispo``, ``gmpo``, ``sapo``, ``clip_cov``, ``kl_cov``, ``opo``,
-``grpo_passk``, ``remax``.  Each starts from the default run (``grpo.py:tiny``: the 1.2 M-param model
+``grpo_passk``, ``remax``, ``otb``.  Each starts from the default run (``grpo.py:tiny``: the 1.2 M-param model
 warm-started on ``builtin:arithmetic:basic``, 50 steps, held-out accuracy every 10) and
 changes only what its algorithm needs; every one trains on 128 samples a step (16 prompts
 x 8 samples, or 128 prompts x 1 for PPO), so their curves compare at equal sample budget.
@@ -29,7 +29,8 @@ import importlib.util
 import os
 
 VARIANTS = ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "dapo", "gspo", "gpg",
-            "cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "opo", "grpo_passk", "remax")
+            "cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "opo", "grpo_passk", "remax",
+            "otb")
 # Samples trained on per step, the same for every variant (prompts x rollout.n).
 SAMPLES_PER_STEP = 128
 
@@ -190,6 +191,17 @@ def get_config(arg: str = "grpo"):
     # rule reward, which scores both.  Advantages r - r_greedy keep the reward's scale:
     # Dr.GRPO's KL coefficient.
     _with_dag(c, _with_greedy_baseline(c.dag), "remax")
+    c.actor.kl.coef = 0.067
+  elif arg == "otb":
+    # The optimal token baseline: a baseline per token position, the group's returns
+    # weighted by each sample's accumulated 1 - 2 pi + sum pi^2 under the old policy, which
+    # the logprob.stats node computes (its pass always runs: one more forward pass a step
+    # than GRPO's, whose old log-probs are the rollout's).  No std division: Dr.GRPO's KL.
+    stats = next(d["id"] for d in c.dag if d["fn"] == "logprob")
+    c.dag = [dict(d, fn="logprob.stats") if d["id"] == stats else
+             dict(d, deps=[*d["deps"], stats]) if d["fn"].startswith("advantage.") else dict(d)
+             for d in c.dag]
+    _with_dag(c, c.dag, "otb")
     c.actor.kl.coef = 0.067
   return c
 

@@ -11,7 +11,8 @@ from distflow_jax.dag import FUNCTIONS, Topology
 from workflow_util import smoke_overrides
 
 VARIANTS = ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "dapo", "gspo", "gpg",
-            "cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "opo", "grpo_passk", "remax")
+            "cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "opo", "grpo_passk", "remax",
+            "otb")
 
 
 def _load(variant, *overrides):
@@ -54,7 +55,8 @@ def test_settings_suit_each_estimator():
                  "cispo": "advantage.grpo", "gmpo": "advantage.grpo",
                  "sapo": "advantage.grpo", "clip_cov": "advantage.grpo",
                  "kl_cov": "advantage.grpo", "opo": "advantage.opo",
-                 "grpo_passk": "advantage.grpo_passk", "remax": "advantage.remax"}
+                 "grpo_passk": "advantage.grpo_passk", "remax": "advantage.remax",
+                 "otb": "advantage.otb"}
   assert {v: c[v].actor.policy_loss for v in c if c[v].actor.policy_loss != "ppo"} == {
       "gpg": "gpg", "cispo": "cispo", "gmpo": "gmpo", "sapo": "sapo", "clip_cov": "clip_cov",
       "kl_cov": "kl_cov"}

@@ -42,6 +42,7 @@ WITH = {
     "opo": ["trainer.deterministic=True"],              # length-weighted baseline
     "grpo_passk": [],                                   # the best sample's lead
     "remax": ["trainer.deterministic=True"],            # the greedy baseline's replica
+    "otb": PACKED,                                      # sum pi^2 from the packed pass
 }
 
 

@@ -56,9 +56,10 @@ def test_estimator_table_is_the_advantage_family_and_specs_come_from_it():
     assert spec.needs_groups == est.needs_groups
     assert ("values" in spec.requires) == est.values
     assert ("baseline_tokens" in spec.requires) == est.baseline
+    assert ("sum_pi_squared" in spec.requires) == est.token_stats
   # The KL-in-reward rule reads the estimators that use per-token rewards.
   assert {s.name for s in BUILTIN_SPECS if s.kl_reward} == {
-      "advantage.gae", "advantage.reinforce_pp", "advantage.remax"}
+      "advantage.gae", "advantage.reinforce_pp", "advantage.remax", "advantage.otb"}
 
 
 # ---- (b) a test-only estimator, one call ----------------------------------------------------

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from distflow_jax.algos import advantages as adv_lib
+from distflow_jax.algos import advantages as adv_lib, token_baselines
 from distflow_jax.config import loading
 from distflow_jax.config.checks import plan_from_config
 from distflow_jax.dag import FUNCTIONS, Topology
@@ -36,7 +36,7 @@ def test_remax_matches_verl_on_real_tokens_and_is_zero_on_padding():
   token_rewards = rng.normal(size=(B, T)).astype(np.float32)  # a KL penalty per token
   token_rewards[mask == 0] = np.nan  # padding garbage never leaks
   baselines = rng.normal(size=B).astype(np.float32)
-  out = adv_lib.remax_advantages(jnp.asarray(token_rewards), jnp.asarray(baselines),
+  out = token_baselines.remax_advantages(jnp.asarray(token_rewards), jnp.asarray(baselines),
                                  jnp.asarray(mask))
   want_adv, want_ret = _verl_remax(np.nan_to_num(token_rewards), baselines, mask)
   adv, ret = np.asarray(out.advantages_BxT), np.asarray(out.returns_BxT)
@@ -49,7 +49,7 @@ def test_remax_matches_verl_on_real_tokens_and_is_zero_on_padding():
 def test_outcome_reward_minus_greedy_reward_on_every_token():
   mask = jnp.asarray([[1, 1, 1, 0], [1, 1, 0, 0]], jnp.float32)
   rewards = adv_lib.outcome_to_token_rewards(jnp.asarray([1.0, 0.0]), mask)
-  out = adv_lib.remax_advantages(rewards, jnp.asarray([0.0, 1.0]), mask)
+  out = token_baselines.remax_advantages(rewards, jnp.asarray([0.0, 1.0]), mask)
   np.testing.assert_array_equal(np.asarray(out.advantages_BxT),
                                 [[1, 1, 1, 0], [-1, -1, 0, 0]])
 

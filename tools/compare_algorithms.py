@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_common as bc  # noqa: E402
 
 ALGORITHMS = ("ppo", "grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "dapo", "gspo", "gpg",
-              "cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "opo", "grpo_passk", "remax")
+              "cispo", "gmpo", "sapo", "clip_cov", "kl_cov", "opo", "grpo_passk", "remax",
+              "otb")
 # Health read from the last steps' metrics: the policy's entropy, the share of tokens a
 # clip (or Clip-Cov's cut) changed, the KL to the reference.
 HEALTH = (("entropy", "actor/entropy"), ("clipfrac", "actor/pg_clipfrac"), ("KL", "actor/kl"))

@@ -1,5 +1,5 @@
 """Advantage estimators: GAE, GRPO (and Dr.GRPO), RLOO, REINFORCE++ (+ baseline), OPO,
-GRPO pass@k, ReMax.
+GRPO pass@k (ReMax and the optimal token baseline: ``algos/token_baselines.py``).
 
 All functions are pure ``jax.numpy`` and jittable.  Token-level tensors are
 ``[B, T]`` over the *response* tokens with a ``response_mask_BxT`` (float or
@@ -82,7 +82,7 @@ def _broadcast(a_B: jax.Array, response_mask_BxT: jax.Array) -> jax.Array:
   return a_B[:, None] * response_mask_BxT.astype(a_B.dtype)
 
 
-def _check_rewards(rewards_B: jax.Array, response_mask_BxT: jax.Array) -> None:
+def check_rewards(rewards_B: jax.Array, response_mask_BxT: jax.Array) -> None:
   if rewards_B.ndim != 1 or response_mask_BxT.ndim != 2 or (
       rewards_B.shape[0] != response_mask_BxT.shape[0]):
     raise ValueError(f"rewards_B shape {rewards_B.shape} and response_mask_BxT "
@@ -106,7 +106,7 @@ def grpo_advantages(rewards_B: jax.Array, response_mask_BxT: jax.Array, *,
   A group of one sample has no baseline and gets advantage 0.  The
   sequence advantage is broadcast to every response token.
   """
-  _check_rewards(rewards_B, response_mask_BxT)
+  check_rewards(rewards_B, response_mask_BxT)
   r = rewards_B.astype(jnp.float32)
   mean, ss, cnt = _group_stats(r, group_size, group_ids_B, num_groups)
   adv = r - mean
@@ -126,7 +126,7 @@ def rloo_advantages(rewards_B: jax.Array, response_mask_BxT: jax.Array, *,
 
   Equivalently n / (n - 1) * (r_i - mean_g).  Groups of one sample get 0.
   """
-  _check_rewards(rewards_B, response_mask_BxT)
+  check_rewards(rewards_B, response_mask_BxT)
   r = rewards_B.astype(jnp.float32)
   mean, _, cnt = _group_stats(r, group_size, group_ids_B, num_groups)
   adv = jnp.where(cnt > 1, (r - mean) * cnt / jnp.maximum(cnt - 1.0, 1.0), 0.0)
@@ -145,7 +145,7 @@ def opo_advantages(rewards_B: jax.Array, response_mask_BxT: jax.Array, *,
   when every token's gradient has the same size).  A group whose responses are all empty
   has no baseline: its advantages are 0 (verl divides by zero there).  Groups of one
   sample (not planned: rollout.n >= 2 is required) would get b = r, so A = 0."""
-  _check_rewards(rewards_B, response_mask_BxT)
+  check_rewards(rewards_B, response_mask_BxT)
   (B,) = rewards_B.shape
   check_group_size(B, group_size)
   r = rewards_B.astype(jnp.float32).reshape(B // group_size, group_size)
@@ -168,7 +168,7 @@ def grpo_passk_advantages(rewards_B: jax.Array, response_mask_BxT: jax.Array, *,
   with r_(1) >= r_(2) the group's two largest rewards and std_g the unbiased sample std
   (``algo.norm_by_std=False``: no division).  On ties for the best the first sample in the
   group is the best, and r_(1) - r_(2) = 0 anyway.  Needs groups of at least 2."""
-  _check_rewards(rewards_B, response_mask_BxT)
+  check_rewards(rewards_B, response_mask_BxT)
   (B,) = rewards_B.shape
   check_group_size(B, group_size)
   if group_size < 2:
@@ -190,7 +190,7 @@ def outcome_to_token_rewards(rewards_B: jax.Array,
 
   An empty response (all-zero mask) gets no reward anywhere.
   """
-  _check_rewards(rewards_B, response_mask_BxT)
+  check_rewards(rewards_B, response_mask_BxT)
   m = response_mask_BxT.astype(jnp.float32)
   T = m.shape[1]
   # Index of the last real token: the largest t with m[t] > 0.
@@ -226,23 +226,6 @@ def discounted_returns(token_rewards_BxT: jax.Array, response_mask_BxT: jax.Arra
   return _reverse_masked_scan(step, jnp.zeros(r.shape[:1]), (r.T, m.T))
 
 
-def remax_advantages(token_rewards_BxT: jax.Array, baseline_rewards_B: jax.Array,
-                     response_mask_BxT: jax.Array) -> AdvantageOutput:
-  """ReMax (Li et al. 2024, "ReMax: A Simple, Effective, and Efficient Reinforcement
-  Learning Method for Aligning Large Language Models"): the return minus the reward of
-  the prompt's greedy response, no critic and no group:
-
-    A_t = G_t - r(x, y_greedy),   G_t = sum_{s >= t} r_s   (undiscounted, as verl's)
-
-  With an outcome reward G_t is the sample's reward at every token; a KL penalty in the
-  reward (actor.kl.in_reward) makes it per token.  Returns are G_t.  Padding -> 0."""
-  m = response_mask_BxT.astype(jnp.float32)
-  _check_rewards(baseline_rewards_B, m)
-  ret = discounted_returns(token_rewards_BxT, m, gamma=1.0)
-  adv = (ret - baseline_rewards_B.astype(jnp.float32)[:, None]) * m
-  return AdvantageOutput(adv, ret)
-
-
 def reinforce_pp_advantages(token_rewards_BxT: jax.Array,
                             response_mask_BxT: jax.Array, *,
                             gamma: float = 1.0,
@@ -272,7 +255,7 @@ def reinforce_pp_baseline_advantages(rewards_B: jax.Array,
   A = masked_whiten(a) over every real token of the batch (global, not
   per-group, scale: the difference from GRPO).  Returns are the unwhitened a.
   """
-  _check_rewards(rewards_B, response_mask_BxT)
+  check_rewards(rewards_B, response_mask_BxT)
   r = rewards_B.astype(jnp.float32)
   mean, _, _ = _group_stats(r, group_size, group_ids_B, num_groups)
   m = response_mask_BxT.astype(jnp.float32)

@@ -38,6 +38,10 @@ class AdvantageInput(NamedTuple):
   # The reward of each sample's prompt's greedy response (generate.greedy, scored by the
   # rule rewards after it); only with ``baseline``.
   baseline_rewards_B: jax.Array | None = None
+  # The old policy's log-probs and sum pi^2 per token (logprob.stats); only with
+  # ``token_stats``.
+  old_logprobs_BxT: jax.Array | None = None
+  sum_pi_squared_BxT: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +62,8 @@ class Estimator:
   # Reads the greedy baseline's rewards: the workflow needs a generate.greedy node before
   # its rule rewards (dag/rules.check_baseline_rewards).
   baseline: bool = False
+  # Reads the old log-probs and sum pi^2 per token: needs a logprob.stats node.
+  token_stats: bool = False
   doc: str = ""
 
 
@@ -100,8 +106,18 @@ def grpo_passk(x: AdvantageInput) -> AdvantageOutput:
                                         normalize_by_std=x.algo.norm_by_std)
 
 
+def _baselines():
+  from distflow_jax.algos import token_baselines
+  return token_baselines
+
+
 def remax(x: AdvantageInput) -> AdvantageOutput:
-  return _maths().remax_advantages(x.token_rewards_BxT, x.baseline_rewards_B, x.mask_BxT)
+  return _baselines().remax_advantages(x.token_rewards_BxT, x.baseline_rewards_B, x.mask_BxT)
+
+
+def otb(x: AdvantageInput) -> AdvantageOutput:
+  return _baselines().otb_advantages(x.token_rewards_BxT, x.old_logprobs_BxT,
+                                 x.sum_pi_squared_BxT, x.mask_BxT, group_size=x.group_size)
 
 
 BUILTIN_ESTIMATORS: tuple[Estimator, ...] = (
@@ -120,4 +136,6 @@ BUILTIN_ESTIMATORS: tuple[Estimator, ...] = (
               doc="GRPO pass@k: only the group's best sample learns, by its lead"),
     Estimator("advantage.remax", remax, token_rewards=True, baseline=True,
               doc="ReMax: the return minus the reward of the prompt's greedy response"),
+    Estimator("advantage.otb", otb, needs_groups=True, token_rewards=True, token_stats=True,
+              doc="optimal token baseline: per-position returns weighted by sum(1-2pi+pi^2)"),
 )

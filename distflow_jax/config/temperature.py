@@ -59,7 +59,8 @@ def check(cfg, plan, registry) -> None:
           f"rollout records temperature-1 log-probs, not those of the distribution it "
           f"sampled from, so the correction's weights would be wrong; sample at "
           f"temperature 1 or set actor.off_policy.correction=none")
-    if not any(dag.node(i).fn == "logprob" for i in dag.ancestors(s.node.id)):
+    if not any("old_logprobs" in registry.spec(dag.node(i).fn).produces
+               for i in dag.ancestors(s.node.id)):
       raise ConfigError(
           f"rollout.temperature={t:g}: node {s.node.id!r} (train.actor) needs the old "
           f"log-probs at that temperature, and the rollout's are temperature 1; add "

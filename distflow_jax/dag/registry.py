@@ -138,7 +138,8 @@ def estimator_spec(est: Estimator) -> FunctionSpec:
   makes advantages (and returns)."""
   return _spec(est.name, [_COMP], [None], Placement.INHERIT, "algo",
                requires=["rewards", *(["values"] if est.values else []),
-                         *([BASELINE] if est.baseline else [])],
+                         *([BASELINE] if est.baseline else []),
+                         *(["old_logprobs", SUM_PI_SQUARED] if est.token_stats else [])],
                produces=["advantages", *(["returns"] if est.values else [])],
                needs_groups=est.needs_groups, kl_reward=est.token_rewards, doc=est.doc)
 
@@ -147,6 +148,8 @@ _ROLLOUT_FIELDS = ("tokens", "rollout_logprobs")
 # The greedy baseline's responses (generate.greedy: 'baseline_tokens' and 'baseline_mask'),
 # scored by the rule rewards after it into 'baseline_rewards'.
 BASELINE = "baseline_tokens"
+# Each response token's position's sum_v pi_v^2 under the old policy (logprob.stats).
+SUM_PI_SQUARED = "sum_pi_squared"
 
 BUILTIN_SPECS = (
     _spec("generate", [_INF], [Role.ACTOR], Placement.ROLLOUT, "rollout",
@@ -170,6 +173,9 @@ BUILTIN_SPECS = (
           requires=["tokens"], produces=["rewards"], doc="scalar-head reward model"),
     _spec("logprob", [_INF], [Role.ACTOR], Placement.ROLE_MESH, "actor",
           requires=["tokens"], produces=["old_logprobs"], doc="actor log-probs before update"),
+    _spec("logprob.stats", [_INF], [Role.ACTOR], Placement.ROLE_MESH, "actor",
+          requires=["tokens"], produces=["old_logprobs", SUM_PI_SQUARED],
+          doc="logprob, always run, plus sum pi^2 per token (the optimal token baseline's)"),
     _spec("ref_logprob", [_INF], [Role.REFERENCE], Placement.ROLE_MESH, "reference",
           requires=["tokens"], produces=["ref_logprobs"], doc="frozen reference log-probs"),
     _spec("values", [_INF], [Role.CRITIC], Placement.ROLE_MESH, "critic",

@@ -191,7 +191,7 @@ FIELDS: dict[str, tuple[tuple[str, ...], Any]] = {
     "env_turn_rewards": (("N",), jnp.float32),
     # the greedy baseline (nodes/rollout.greedy_baseline_node, ReMax) and its rewards
     "baseline_tokens": (("N",), jnp.int32), "baseline_mask": (("N",), jnp.bool_),
-    "baseline_rewards": ((), jnp.float32),
+    "baseline_rewards": ((), jnp.float32), "sum_pi_squared": (("N",), jnp.float32),
     "image_embeds": (("I", "D"), jnp.float32), "image_slots": (("P",), jnp.bool_),
     "rope_positions": (("3", "PN"), jnp.int32),
 }

@@ -62,13 +62,16 @@ def _dims(ctx: RunContext, rows: int, width: int) -> ab.Dims:
   return ab.Dims(rows, width, response_width(ctx.cfg.rollout), i, d)
 
 
+PASSES = ("logprob", "logprob.stats", "ref_logprob", "values")  # what pass_programs lowers
+
+
 def pass_programs(ctx: RunContext, node, lay, rows: int,
                   widths: tuple[int, ...] | None = None) -> list[Program]:
   """``logprob`` / ``ref_logprob`` / ``values`` at every prompt width (or at ``widths``)."""
   cfg = ctx.cfg
   if node.fn == "logprob" and passes.on_policy(ctx):
     return []
-  role = {"logprob": Role.ACTOR, "ref_logprob": Role.REFERENCE, "values": Role.CRITIC}[node.fn]
+  role = {"ref_logprob": Role.REFERENCE, "values": Role.CRITIC}.get(node.fn, Role.ACTOR)
   state = passes.pass_state(ctx, role)  # a LoRA run's reference: the actor's, adapters off
   out = []
   for w in widths or _widths(cfg):
@@ -77,7 +80,7 @@ def pass_programs(ctx: RunContext, node, lay, rows: int,
       gs, fn = 1, passes.values_pass(ctx, lay)
     else:
       gs = shared_prompt_group(cfg, rows, passes.pass_parts(ctx, lay, rows))
-      fn = passes.logprob_pass(ctx, role, lay, gs)
+      fn = passes.logprob_pass(ctx, role, lay, gs, stats=node.fn == "logprob.stats")
       if gs > 1:
         out.append(Program(node.id, f"prompts_grouped[w={w}]", passes.grouped_check(ctx, gs),
                            (data,)))
@@ -299,7 +302,7 @@ def programs(cfg: ml_collections.ConfigDict, plan: Plan, ctx: RunContext) -> Cat
         out += rollout_programs(ctx, node, step.layout.devices, greedy=True)
     elif node.fn == "generate.greedy" and not (cfg.trainer.eval_every and cfg.data.eval):
       out += rollout_programs(ctx, node, step.layout.devices, greedy=True)  # else eval's
-    elif node.fn in ("logprob", "ref_logprob", "values"):
+    elif node.fn in PASSES:
       out += pass_programs(ctx, node, lay, rows)
     elif node.fn.startswith("train."):
       out += train_programs(ctx, node, lay, rows)
@@ -339,7 +342,7 @@ def late_programs(ctx: RunContext, width: int) -> list[Program]:
     if not after_rollout:
       continue
     node = step.node
-    if node.fn in ("logprob", "ref_logprob", "values"):
+    if node.fn in PASSES:
       out += pass_programs(ctx, node, ctx.layout(step.layout), rows, (width,))
     elif node.fn.startswith("train."):
       out += train_programs(ctx, node, ctx.layout(step.layout), rows, (width,))

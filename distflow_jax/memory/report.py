@@ -193,7 +193,7 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
       items.append(Item(node.id, "gradients + activations" if train else "activations "
                         "(forward pass)", gb + act, devs, node.id, "analytic",
                         f"lower critic.micro_batch_size={mbs}" if train else adv["pass"]))
-    elif node.fn in ("logprob", "ref_logprob", "train.actor"):
+    elif node.fn in ("logprob", "logprob.stats", "ref_logprob", "train.actor"):
       role = Role.REFERENCE if node.fn == "ref_logprob" else Role.ACTOR
       jdevs = roles_lib.ordered_devices()
       lmesh = sharding.make_mesh({"data": dp, "tensor": len(devs) // dp},

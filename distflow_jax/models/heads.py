@@ -41,6 +41,19 @@ def token_logprobs_and_entropy(hidden_BxTxD: jax.Array, unembed_DxV: jax.Array,
   with z the float32 logits divided by `temperature`.  Peak extra memory is
   one `[chunk_size, V]` float32 block (forward and backward).
   """
+  return _chunked(hidden_BxTxD, unembed_DxV, targets_BxT, temperature, chunk_size, False)
+
+
+def token_logprobs_and_sum_pi_squared(hidden_BxTxD: jax.Array, unembed_DxV: jax.Array,
+                                      targets_BxT: jax.Array, *, temperature: float = 1.0,
+                                      chunk_size: int = 512) -> tuple[jax.Array, jax.Array]:
+  """Returns float32 `(logp_BxT, sum_pi_squared_BxT)`: the log-probs as
+  `token_logprobs_and_entropy`'s and sum_v softmax(z)_v^2 of each position (the optimal
+  token baseline's variance proxy), from the same `[chunk_size, V]` blocks."""
+  return _chunked(hidden_BxTxD, unembed_DxV, targets_BxT, temperature, chunk_size, True)
+
+
+def _chunked(hidden_BxTxD, unembed_DxV, targets_BxT, temperature, chunk_size, squares):
   if temperature <= 0:
     raise ValueError(f"temperature={temperature} must be > 0")
   if chunk_size <= 0:
@@ -58,16 +71,18 @@ def token_logprobs_and_entropy(hidden_BxTxD: jax.Array, unembed_DxV: jax.Array,
     lse_C = jax.nn.logsumexp(z_CxV, axis=-1)
     z_y_C = jnp.take_along_axis(z_CxV, y_C[:, None], axis=-1)[:, 0]
     p_CxV = jnp.exp(z_CxV - lse_C[:, None])
-    return z_y_C - lse_C, lse_C - jnp.sum(p_CxV * z_CxV, axis=-1)
+    second = jnp.sum(p_CxV * p_CxV, axis=-1) if squares else (
+        lse_C - jnp.sum(p_CxV * z_CxV, axis=-1))
+    return z_y_C - lse_C, second
 
   h_NxD, y_N = hidden_BxTxD.reshape(n, d), targets_BxT.reshape(n).astype(jnp.int32)
   if num_chunks == 1:  # nothing to save by recomputing: the backward holds this block anyway
-    logp, ent = one_chunk((h_NxD, y_N))
-    return logp.reshape(b, t), ent.reshape(b, t)
+    logp, second = one_chunk((h_NxD, y_N))
+    return logp.reshape(b, t), second.reshape(b, t)
   h_NxD, y_N = jnp.pad(h_NxD, ((0, pad), (0, 0))), jnp.pad(y_N, (0, pad))
-  logp, ent = jax.lax.map(jax.checkpoint(one_chunk), (h_NxD.reshape(num_chunks, chunk, d),
-                                                      y_N.reshape(num_chunks, chunk)))
-  return logp.reshape(-1)[:n].reshape(b, t), ent.reshape(-1)[:n].reshape(b, t)
+  logp, second = jax.lax.map(jax.checkpoint(one_chunk), (h_NxD.reshape(num_chunks, chunk, d),
+                                                         y_N.reshape(num_chunks, chunk)))
+  return logp.reshape(-1)[:n].reshape(b, t), second.reshape(-1)[:n].reshape(b, t)
 
 
 class Critic(nnx.Module):

@@ -17,7 +17,7 @@ import numpy as np
 
 from distflow_jax.algos import advantages as adv_lib
 from distflow_jax.algos import kl as kl_lib, masked
-from distflow_jax.dag.registry import FUNCTIONS, Registry, estimator_spec
+from distflow_jax.dag.registry import FUNCTIONS, SUM_PI_SQUARED, Registry, estimator_spec
 from distflow_jax.dag.spec import DagError, Node
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch
@@ -88,8 +88,8 @@ def _advantage(est: Estimator, ctx: RunContext, node: Node, lay: dlayout.Layout,
                batch: Batch) -> Batch:
   algo, n = ctx.section(node, "algo"), ctx.cfg.rollout.n
   keys = ["rewards", "response_mask", "rollout_logprobs"] + [
-      k for k in ("values", "old_logprobs", "ref_logprobs", LOSS_MASK, PLACED, BASELINE_REWARDS)
-      if k in batch.data]
+      k for k in ("values", "old_logprobs", "ref_logprobs", LOSS_MASK, PLACED, BASELINE_REWARDS,
+                  SUM_PI_SQUARED) if k in batch.data]
   loc = local_fields(batch, *keys)
   # The generated tokens: a multi-turn episode's observation tokens get no reward, no KL
   # and no advantage, and GAE skips them as it skips padding (train/loss_mask.py).
@@ -100,7 +100,9 @@ def _advantage(est: Estimator, ctx: RunContext, node: Node, lay: dlayout.Layout,
       rewards_B=jnp.asarray(loc["rewards"]), mask_BxT=mask, group_size=n, algo=algo,
       token_rewards_BxT=_token_rewards(ctx, node, loc, mask) if est.token_rewards else None,
       values_BxT=jnp.asarray(loc["values"]) if est.values else None,
-      baseline_rewards_B=_baseline_rewards(node, loc) if est.baseline else None))
+      baseline_rewards_B=_baseline_rewards(node, loc) if est.baseline else None,
+      old_logprobs_BxT=jnp.asarray(loc["old_logprobs"]) if est.token_stats else None,
+      sum_pi_squared_BxT=jnp.asarray(loc[SUM_PI_SQUARED]) if est.token_stats else None))
   advantages = out.advantages_BxT
   if est.whiten:
     advantages = global_whiten(np.asarray(advantages), np.asarray(mask), loc[SAMPLE_ID])

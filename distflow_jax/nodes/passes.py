@@ -141,15 +141,19 @@ def pass_state(ctx: RunContext, role: Role) -> ModelState:
   return ctx.roles[Role.ACTOR if adapters_off(ctx, role) else role]
 
 
-def logprob_pass(ctx: RunContext, role: Role, lay: dlayout.Layout, gs: int) -> Callable:
-  """The jitted log-prob pass of ``role``'s model (``logprob`` / ``ref_logprob``)."""
+def logprob_pass(ctx: RunContext, role: Role, lay: dlayout.Layout, gs: int,
+                 stats: bool = False) -> Callable:
+  """The jitted log-prob pass of ``role``'s model (``logprob`` / ``ref_logprob``); with
+  ``stats`` (``logprob.stats``) ``[B, N, 2]``: the log-probs and sum pi^2 per token."""
   off = adapters_off(ctx, role)
   t = train_temperature(ctx)
 
   def response_logprobs(g, p, b):
-    return steps_lib.response_logprobs(g, lora.base_only(p) if off else p, b,
-                                       group_size=gs, temperature=t)[0]
-  return ctx.jitted(("logprobs", role, lay, gs, t), lambda: pass_fn(
+    p = lora.base_only(p) if off else p
+    if stats:
+      return steps_lib.response_logprob_stats(g, p, b, group_size=gs, temperature=t)
+    return steps_lib.response_logprobs(g, p, b, group_size=gs, temperature=t)[0]
+  return ctx.jitted(("logprobs", role, lay, gs, t, stats), lambda: pass_fn(
       ctx, lay, response_logprobs, ctx.cfg.actor.micro_batch_size,
       pass_state(ctx, role).params))
 
@@ -179,6 +183,18 @@ def _model_pass(field: str, role: Role, ctx: RunContext, node: Node, lay: dlayou
   return batch.replace(**{field: out})
 
 
+def logprob_stats_node(ctx: RunContext, node: Node, lay: dlayout.Layout,
+                       batch: Batch) -> Batch:
+  """``logprob`` that always runs its pass and also records each response token's
+  position's sum pi^2 (``sum_pi_squared``, the optimal token baseline's input)."""
+  state, data = pass_state(ctx, Role.ACTOR), seq(batch)
+  gs = prompt_group(ctx, node, data, pass_parts(ctx, lay, data["response_mask"].shape[0]))
+  plan = pack_plan(ctx, node, lay, data, group_size=gs)
+  out = logprob_pass(ctx, Role.ACTOR, lay, gs, stats=True)(
+      state.graphdef, state.params, data if plan is None else {**data, "pack": plan})
+  return batch.replace(old_logprobs=out[..., 0], sum_pi_squared=out[..., 1])
+
+
 def pass_parts(ctx: RunContext, lay: dlayout.Layout, rows: int) -> int:
   """The pieces that must each hold whole prompt groups for a pass to share prompts: the
   layout's shards, or (deterministic mode) its units of actor.micro_batch_size rows."""
@@ -189,6 +205,7 @@ def pass_parts(ctx: RunContext, lay: dlayout.Layout, rows: int) -> int:
 
 NODES: NodeTable = {
     "logprob": functools.partial(_model_pass, "old_logprobs", Role.ACTOR),
+    "logprob.stats": logprob_stats_node,
     "ref_logprob": functools.partial(_model_pass, "ref_logprobs", Role.REFERENCE),
     "values": functools.partial(_model_pass, "values", Role.CRITIC),
 }

@@ -55,6 +55,21 @@ def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *
   return logp * m, ent * m
 
 
+def response_logprob_stats(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *,
+                           chunk_size: int = 512, group_size: int = 1,
+                           temperature: float = 1.0) -> jax.Array:
+  """``[B, N, 2]`` float32: each response token's log-prob (as ``response_logprobs``) and
+  sum_v pi_v^2 of its position's distribution (0 on padding); one array, so the passes'
+  sharding and deterministic units take it as they take the log-probs."""
+  hidden = hidden_lib.response_hidden(graphdef, params, batch, group_size)
+  model = nnx.merge(graphdef, params)
+  logp, sq = heads.token_logprobs_and_sum_pi_squared(
+      hidden, model.unembed_matrix(), batch["response_tokens"], chunk_size=chunk_size,
+      temperature=temperature)
+  m = batch["response_mask"].astype(jnp.float32)
+  return jnp.stack([logp * m, sq * m], axis=-1)
+
+
 def response_values(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch) -> jax.Array:
   """Critic value of the state before each response token, ``[B, N]`` (0 on padding)."""
   if "pack" in batch:
