@@ -175,7 +175,6 @@ def check_baseline_rewards(steps: Iterable[Any], registry: Registry) -> None:
   """Refuses a baseline-reading advantage node (ReMax) whose rewards the baseline's do not
   match: a reward node before it that does not score baselines (a reward model, the
   environment's), or one that runs before ``generate.greedy`` made them."""
-  steps = list(steps)
   rewards: list[tuple[Node, bool]] = []  # (reward node, baseline made before it)
   made: set[str] = set()
   for step in steps:

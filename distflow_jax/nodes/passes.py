@@ -175,23 +175,27 @@ def _model_pass(field: str, role: Role, ctx: RunContext, node: Node, lay: dlayou
   if role is Role.CRITIC:
     fn = values_pass(ctx, lay)
     plan = pack_plan(ctx, node, lay, data)
+    out = fn(state.graphdef, state.params, data if plan is None else {**data, "pack": plan})
   else:
-    gs = prompt_group(ctx, node, data, pass_parts(ctx, lay, data["response_mask"].shape[0]))
-    fn = logprob_pass(ctx, role, lay, gs)
-    plan = pack_plan(ctx, node, lay, data, group_size=gs)
-  out = fn(state.graphdef, state.params, data if plan is None else {**data, "pack": plan})
+    out = _logprobs(ctx, node, lay, data, role)
   return batch.replace(**{field: out})
+
+
+def _logprobs(ctx: RunContext, node: Node, lay: dlayout.Layout, data, role: Role,
+              stats: bool = False):
+  """``role``'s log-prob pass over ``data`` (prompts shared, rows packed as configured)."""
+  state = pass_state(ctx, role)
+  gs = prompt_group(ctx, node, data, pass_parts(ctx, lay, data["response_mask"].shape[0]))
+  plan = pack_plan(ctx, node, lay, data, group_size=gs)
+  return logprob_pass(ctx, role, lay, gs, stats)(
+      state.graphdef, state.params, data if plan is None else {**data, "pack": plan})
 
 
 def logprob_stats_node(ctx: RunContext, node: Node, lay: dlayout.Layout,
                        batch: Batch) -> Batch:
   """``logprob`` that always runs its pass and also records each response token's
   position's sum pi^2 (``sum_pi_squared``, the optimal token baseline's input)."""
-  state, data = pass_state(ctx, Role.ACTOR), seq(batch)
-  gs = prompt_group(ctx, node, data, pass_parts(ctx, lay, data["response_mask"].shape[0]))
-  plan = pack_plan(ctx, node, lay, data, group_size=gs)
-  out = logprob_pass(ctx, Role.ACTOR, lay, gs, stats=True)(
-      state.graphdef, state.params, data if plan is None else {**data, "pack": plan})
+  out = _logprobs(ctx, node, lay, seq(batch), Role.ACTOR, stats=True)
   return batch.replace(old_logprobs=out[..., 0], sum_pi_squared=out[..., 1])
 
 

@@ -8,6 +8,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
+from distflow_jax.dag.registry import BASELINE
 from distflow_jax.dag.spec import DagError, Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, to_local
@@ -18,9 +19,9 @@ from distflow_jax.train import steps as steps_lib
 from distflow_jax.state.context import RunContext, put_local
 
 
-# The greedy baseline's responses (generate.greedy) and their rewards (ReMax).
-BASELINE_TOKENS, BASELINE_MASK, BASELINE_REWARDS = (
-    "baseline_tokens", "baseline_mask", "baseline_rewards")
+# The greedy baseline's mask (its tokens: dag.registry.BASELINE, from generate.greedy) and
+# rewards (ReMax).
+BASELINE_MASK, BASELINE_REWARDS = "baseline_mask", "baseline_rewards"
 
 
 def _texts(ctx: RunContext, toks: np.ndarray, mask: np.ndarray) -> list[str]:
@@ -29,9 +30,9 @@ def _texts(ctx: RunContext, toks: np.ndarray, mask: np.ndarray) -> list[str]:
 
 def _rule_reward(name: str, ctx: RunContext, node: Node, lay: dlayout.Layout,
                  batch: Batch) -> Batch:
-  baseline = BASELINE_TOKENS in batch.data
+  baseline = BASELINE in batch.data
   keys = ("response_tokens", "response_mask", SAMPLE_ID, GROUP_ID) + (
-      (BASELINE_TOKENS, BASELINE_MASK) if baseline else ())
+      (BASELINE, BASELINE_MASK) if baseline else ())
   local = to_local(Batch({k: batch.data[k] for k in keys}, batch.host))
   texts = _texts(ctx, local.data["response_tokens"], local.data["response_mask"])
   fields = local.host_fields(local.data[GROUP_ID])
@@ -52,7 +53,7 @@ def _rule_reward(name: str, ctx: RunContext, node: Node, lay: dlayout.Layout,
   if baseline:  # each group's greedy response once (its rows all hold it), then to its rows
     _, first, inverse = np.unique(local.data[GROUP_ID], return_index=True, return_inverse=True)
     b_scores = reward_registry.score_batch(
-        fn, _texts(ctx, local.data[BASELINE_TOKENS][first], local.data[BASELINE_MASK][first]),
+        fn, _texts(ctx, local.data[BASELINE][first], local.data[BASELINE_MASK][first]),
         [truths[i] for i in first])
     ctx.metrics.add_mean(f"reward/{node.id}_baseline", b_scores)
     out[BASELINE_REWARDS] = _weighted(ctx, node, b_scores, local.data[GROUP_ID][first],

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from distflow_jax.dag.registry import BASELINE
 from distflow_jax.dag.spec import DagError, Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, expand_groups, to_global, to_local
 from distflow_jax.nodes.common import NodeTable
+from distflow_jax.nodes.rewards import BASELINE_MASK
 from distflow_jax.rollout import episodes
 from distflow_jax.state import vision as vision_lib
 from distflow_jax.state.context import RunContext, put_local
@@ -104,7 +106,7 @@ def greedy_baseline_node(ctx: RunContext, node: Node, lay: dlayout.Layout,
   mask = np.pad(np.asarray(ro.mask_RxN, bool), pad)
   rows = inverse.reshape(-1)
   ctx.metrics.add_mean("baseline_length", ro.lengths_R)
-  return put_local(batch, lay, baseline_tokens=tokens[rows], baseline_mask=mask[rows])
+  return put_local(batch, lay, **{BASELINE: tokens[rows], BASELINE_MASK: mask[rows]})
 
 
 # The batch fields episodes add (plan --lower's catalogue moves and trains them too).
