@@ -2,6 +2,7 @@
 FLOP counts by hand and against XLA's own count, and bench_e2e / bench_rollout end to end
 without Tunix (one check against Tunix where its venv exists); the Tunix side they share."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -280,8 +281,8 @@ def test_summarize_gives_mean_with_recompiles_beside_median_and_ratios_to_tunix(
   assert t["rate_median"] == 50.0 and t["rate_mean"] == 50.0
   lines = []
   bench_e2e.print_table(stats, out=lines.append)
-  assert "xTunix med" in lines[0] and "xTunix mean" in lines[0]
-  assert lines[1].split()[-2:] == ["2.00x", "1.00x"]
+  assert "xTunix med" in lines[0] and "xTunix mean" in lines[0] and "xTunix step" in lines[0]
+  assert lines[1].split()[-3:] == ["2.00x", "1.00x", "2.00x"]  # Tunix's median 2 s, ours 1 s
   no_tunix = []
   bench_e2e.print_table({"equal": e}, out=no_tunix.append)
   assert "xTunix" not in no_tunix[0]
@@ -302,6 +303,43 @@ def test_bench_e2e_variants_add_one_saving_each():
     assert sum(x != y for x, y in zip(a, b)) == 1, name
   assert bench_e2e.DEFAULT_VARIANTS.split(",")[0] == "equal"
   assert bench_e2e._buckets(32) == (8, 16, 24, 32)
+  # 'whole' is equal with the step's rows in one micro-batch, nothing else.
+  assert dataclasses.replace(v["whole"], whole=False, what="") == dataclasses.replace(
+      v["equal"], what="")
+  assert v["whole"].whole and "whole" not in bench_e2e.DEFAULT_VARIANTS
+
+
+def _bench_args(**kw):
+  import bench_e2e
+  return bench_e2e._args([f"--{k.replace('_', '-')}={v}" if v is not True else
+                          f"--{k.replace('_', '-')}" for k, v in kw.items()])
+
+
+def test_bench_e2e_takes_a_model_folder_and_renders_chat_prompts(tmp_path):
+  """--model: both sides train the folder's own weights with its tokenizer (its arch handed
+  to Tunix's loader: llama here); --chat renders each prompt with the chat template first.
+  A folder that is no model is one line naming it."""
+  import bench_e2e
+  from distflow_jax.models import hf_io
+  from distflow_jax.models.tokenizer import Tokenizer
+  tok = Tokenizer.builtin()
+  folder = tmp_path / "llama"
+  cfg = ModelConfig.tiny(vocab_size=tok.vocab_size, arch="llama")
+  hf_io.save_pretrained(str(folder), Transformer(cfg, rngs=nnx.Rngs(0)), tok)
+  work = tmp_path / "w"
+  work.mkdir()
+  inp = bench_e2e.write_inputs(str(work), _bench_args(model=str(folder), prompt_len=32))
+  assert inp["model_dir"] == str(folder) and inp["model"]["arch"] == "llama"
+  assert inp["model"]["num_layers"] == cfg.num_layers and "its own weights" in inp["about"]
+  raw = [json.loads(l)["prompt"] for l in open(inp["prompts"])]
+  assert tok.chat_template is not None  # the built-in tokenizer has one
+  chat = bench_e2e.write_inputs(str(work), _bench_args(model=str(folder), prompt_len=256,
+                                                       chat=True))
+  rendered = [json.loads(l)["prompt"] for l in open(chat["prompts"])]
+  assert rendered[0] == tok.apply_chat_template([{"role": "user", "content": raw[0]}])
+  assert chat["prompt_tokens"][1] > inp["prompt_tokens"][1]
+  with pytest.raises(SystemExit, match=r"^bench_e2e: --model .*nothing.*config\.json"):
+    bench_e2e.main(["--no-tunix", "--model", str(tmp_path / "nothing"), "--workdir", str(work)])
 
 
 @pytest.mark.slow
@@ -367,8 +405,13 @@ def test_tunix_side_notes_are_one_line(tmp_path):
   m = ts.model_dict(cfg)
   assert m["rope_theta"] == cfg.rope_theta and m["dtype"] == "float32"
   assert json.loads(json.dumps(m)) == m
-  with pytest.raises(ValueError, match="arch 'llama'"):
-    ts.model_dict(ModelConfig.tiny(arch="llama"))
+  assert m["arch"] == "qwen2"
+  assert ts.model_dict(ModelConfig.tiny(arch="llama"))["arch"] == "llama"  # Tunix's llama3
+  with pytest.raises(ValueError, match="arch 'qwen3'"):
+    ts.model_dict(ModelConfig.tiny(arch="qwen3"))
+  with pytest.raises(ValueError, match="RoPE scaling"):
+    ts.model_dict(dataclasses.replace(ModelConfig.tiny(arch="llama"),
+                                      rope_llama3=(8.0, 1.0, 4.0, 8192)))
   sampler = ts.Sampler(sys.executable, str(tmp_path), m, {2: [[1, 2], [3, 4]]}, 4,
                        str(tmp_path))
   try:

@@ -58,7 +58,10 @@ def _row(out, start):
 @pytest.mark.timeout(330)
 def test_tiny_shape_on_cpu(tmp_path):
   out_json = tmp_path / "check.jsonl"
-  rc, out, err = _run(["--shape", "tiny", "--repeats", "2", "--out", str(out_json)], 300)
+  # Cold (no shared compile cache): it asserts that GRPO step 1 compiles, which a program
+  # another test compiled first would otherwise answer from the cache.
+  rc, out, err = _run(["--shape", "tiny", "--repeats", "2", "--out", str(out_json)], 300,
+                      cold=True)
   assert rc == 0, f"stdout:\n{out}\nstderr:\n{err[-3000:]}"
   labels = _labels(out)
   assert labels[0] == "measure"

@@ -28,7 +28,7 @@ other venvs (Tunix, JetStream) import this module too.  What is here, by section
   deadline (``Finished(returncode, output, timed_out, wall_s)``); ``kill_children()`` for a
   signal handler.
 * Tunix in its own venv (``ensure_tunix``, ``tunix_env``, ``Worker``, ``CompileCount``,
-  ``TunixTokenizer``, ``tunix_qwen2``; Tunix's sampler as a contender is _tunix_side.py's)
+  ``TunixTokenizer``, ``tunix_model``; Tunix's sampler as a contender is _tunix_side.py's)
   and JetStream in its own venv (``INSIDE_VENV``,
   ``inside_venv``; the serving loop is ``jetstream_adapter.serve_streams``).
 """
@@ -658,24 +658,48 @@ class TunixTokenizer:
     return self._pad
 
 
-def tunix_qwen2(model_dir: str, m: dict):
-  """(Tunix's qwen2 model loaded from our exported model.safetensors, its 1x1 mesh);
-  ``m`` is the model's config dict (BENCH_MODEL's keys; ``rope_theta``, ``rms_norm_eps`` and
-  ``dtype``, of parameters and compute, where given).  Runs in the Tunix venv."""
-  import jax
-  import jax.numpy as jnp
+def _tunix_qwen2(model_dir: str, m: dict, dtype):
   from tunix.models.qwen2 import model as qwen2_model
   from tunix.models.qwen2 import params as qwen2_params
-  dtype = jnp.dtype(m.get("dtype", "float32"))
   mcfg = qwen2_model.ModelConfig(
       num_layers=m["num_layers"], vocab_size=m["vocab_size"], embed_dim=m["hidden_size"],
       hidden_dim=m["intermediate_size"], num_heads=m["num_heads"], head_dim=m["head_dim"],
       num_kv_heads=m["num_kv_heads"], rope_theta=m.get("rope_theta", 10000),
       norm_eps=m.get("rms_norm_eps", 1e-6), use_tied_embedding=m["tie_embeddings"],
       dtype=dtype, param_dtype=dtype)
+  return qwen2_params, mcfg
+
+
+def _tunix_llama3(model_dir: str, m: dict, dtype):
+  # Tunix's llama3 model: plain RoPE (no Llama 3.1 frequency scaling), no q/k/v bias: what
+  # Llama 2 / SmolLM2-shaped models are (model_dict refuses the rest).  It has no compute
+  # dtype of its own: it computes in its parameters' dtype, which the loader casts to.
+  from tunix.models.llama3 import model as llama3_model
+  from tunix.models.llama3 import params as llama3_params
+  mcfg = llama3_model.ModelConfig(
+      num_layers=m["num_layers"], vocab_size=m["vocab_size"], embed_dim=m["hidden_size"],
+      hidden_dim=m["intermediate_size"], num_heads=m["num_heads"], head_dim=m["head_dim"],
+      num_kv_heads=m["num_kv_heads"], rope_theta=m.get("rope_theta", 10000),
+      norm_eps=m.get("rms_norm_eps", 1e-6), weight_tying=m["tie_embeddings"])
+  return llama3_params, mcfg
+
+
+# Our arch -> the Tunix model that holds it (its params module and config).
+TUNIX_MODELS = {"qwen2": _tunix_qwen2, "llama": _tunix_llama3}
+
+
+def tunix_model(model_dir: str, m: dict):
+  """(Tunix's model of ``m["arch"]`` (qwen2 or llama; qwen2 where the key is absent) loaded
+  from our exported model.safetensors, its 1x1 mesh); ``m`` is the model's config dict
+  (BENCH_MODEL's keys; ``rope_theta``, ``rms_norm_eps`` and ``dtype``, of parameters and
+  compute, where given).  Runs in the Tunix venv."""
+  import jax
+  import jax.numpy as jnp
+  dtype = jnp.dtype(m.get("dtype", "float32"))
+  params, mcfg = TUNIX_MODELS[m.get("arch", "qwen2")](model_dir, m, dtype)
   mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1],
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  return qwen2_params.create_model_from_safe_tensors(model_dir, mcfg, mesh, dtype=dtype), mesh
+  return params.create_model_from_safe_tensors(model_dir, mcfg, mesh, dtype=dtype), mesh
 
 
 # ---------------------------------------------------------------- JetStream in its own venv

@@ -1,8 +1,8 @@
 """Tunix's sampler as a bench contender (bench_rollout, bench_decode): one module for both.
 
 The parent side (this venv): ``tunix_python`` (the Tunix venv's python, or why not),
-``Sampler`` (a worker process that holds Tunix's qwen2 model, loaded from the folder our
-``hf_io.save_pretrained`` wrote, and answers each ``run(key)`` with the tokens and the
+``Sampler`` (a worker process that holds Tunix's qwen2 or llama3 model, loaded from the
+folder our ``hf_io.save_pretrained`` wrote, and answers each ``run(key)`` with the tokens and the
 seconds of one sampler call on the prompt set ``key``), ``agreement`` (token for token).
 
 The worker side runs this file as a script in the Tunix venv (google-tunix 0.1.7,
@@ -85,11 +85,14 @@ def tunix_python(skip: bool, venv: str) -> tuple[str | None, str]:
 
 
 def model_dict(cfg) -> dict:
-  """What the worker needs of a ModelConfig (``bc.tunix_qwen2``'s keys), or raises
-  ValueError when Tunix's qwen2 model cannot take it."""
-  if cfg.arch != "qwen2":
-    raise ValueError(f"Tunix's qwen2 model does not take arch {cfg.arch!r}")
-  keys = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+  """What the worker needs of a ModelConfig (``bc.tunix_model``'s keys), or raises
+  ValueError when no Tunix model can take it: Tunix's qwen2 for qwen2, its llama3 for llama
+  without Llama 3's RoPE scaling (Tunix 0.1.7's llama3 rotates with plain RoPE)."""
+  if cfg.arch not in bc.TUNIX_MODELS:
+    raise ValueError(f"no Tunix model takes arch {cfg.arch!r}; it has {sorted(bc.TUNIX_MODELS)}")
+  if cfg.arch == "llama" and (cfg.rope_llama3 or cfg.qkv_bias):
+    raise ValueError("Tunix's llama3 model takes no Llama 3 RoPE scaling and no q/k/v bias")
+  keys = ("arch", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
           "num_kv_heads", "head_dim", "tie_embeddings", "rope_theta", "rms_norm_eps", "dtype")
   return {k: getattr(cfg, k) for k in keys}
 
@@ -138,7 +141,7 @@ def worker(inputs_path: str) -> int:
   from tunix.generate import sampler as sampler_lib
 
   m, tn = inp["model"], inp["new"]
-  model, mesh = bc.tunix_qwen2(inp["model_dir"], m)
+  model, mesh = bc.tunix_model(inp["model_dir"], m)
   tok = IdsTokenizer(m["vocab_size"])
   sets = inp["prompt_sets"]
   cache = max(len(p[0]) for p in sets.values()) + tn

@@ -2,7 +2,8 @@
 
     python tools/bench_decode.py [--shape tiny|qwen2.5-0.5b|HF_DIR] [--batch 16,64,128]
         [--prompt 128] [--new 128] [--decode-steps 16] [--rounds 3] [--dtype float32]
-        [--fuse none,gate_up,all] [--no-tunix] [--tunix-venv DIR] [--json out.json]
+        [--fuse none,gate_up,all] [--cpu-compute float32|model] [--no-tunix]
+        [--tunix-venv DIR] [--json out.json]
 
 For each batch size B (B slots, B prompts of --prompt random tokens, random weights, no
 stop token, so every row decodes --new tokens; the first comes from the prefill):
@@ -29,11 +30,13 @@ prompts greedily, --new tokens a row, and are timed over the whole generate, pre
 included: the engine's ``rollout.generate`` (an engine like the decode-only one, the first
 --fuse value, but greedy, on the same parameters) and Tunix's ``Sampler`` call inside its
 worker, on the same weights (exported with ``hf_io.save_pretrained``, loaded into Tunix's
-qwen2 model, same dtype), in the same rounds.  Printed per batch: both tokens/s, the ratio
-engine / Tunix, and their greedy tokens' agreement (1.000: the same work).  Tunix runs only
-where this process runs on the CPU (its venv has no accelerator) and for qwen2 shapes; it is
+qwen2 or llama3 model, same dtype), in the same rounds.  Printed per batch: both
+tokens/s, the ratio engine / Tunix, and their greedy tokens' agreement (1.000: the same
+work).  Tunix runs only where this process runs on the CPU (its venv has no accelerator)
+and for qwen2 and llama shapes (no Llama 3 RoPE scaling; `_tunix_side.model_dict`); it is
 skipped with a one-line note there, with --no-tunix, or when its venv cannot be made, and a
-batch it cannot run gets one line; the engine's rows come all the same.
+batch it cannot run gets one line; the engine's rows come all the same.  A folder's
+weights are not read: every row decodes --new tokens, so the work does not depend on them.
 """
 
 from __future__ import annotations
@@ -76,8 +79,14 @@ def _args(argv):
   p.add_argument("--no-tunix", action="store_true", help="skip Tunix's sampler")
   p.add_argument("--tunix-venv", default=bc.DEFAULT_TUNIX_VENV)
   p.add_argument("--json", default=None, help="write the rows here")
+  p.add_argument("--cpu-compute", default="float32",
+                 help="the engine's rollout.cpu_compute: float32 (a 16-bit model held and "
+                      "computed in float32 on a CPU) or model (its own dtype)")
   a = p.parse_args(argv)
-  from distflow_jax.rollout.engine_config import FuseProjections
+  from distflow_jax.rollout.engine_config import CpuCompute, FuseProjections
+  if a.cpu_compute not in [c.value for c in CpuCompute]:
+    raise BadInput(f"--cpu-compute={a.cpu_compute!r}: valid are "
+                   f"{[c.value for c in CpuCompute]}")
   valid = [f.value for f in FuseProjections]
   a.fusions = [x.strip() for x in a.fuse.split(",") if x.strip()]
   if not a.fusions or any(f not in valid for f in a.fusions):
@@ -164,7 +173,8 @@ def make_engine(cfg, batch: int, a, fuse: str, temperature: float):
   return Engine(cfg, EngineConfig(
       max_concurrent_decodes=batch, prefill_buckets=(a.prompt,), max_new_tokens=a.new,
       sampling=SamplingParams(temperature), decode_steps=a.decode_steps,
-      fuse_projections=fuse), mesh=replica_mesh(1, jax.devices()[:1]))
+      fuse_projections=fuse, cpu_compute=a.cpu_compute),
+      mesh=replica_mesh(1, jax.devices()[:1]))
 
 
 class Contender:
@@ -268,8 +278,8 @@ def run(a) -> list[dict]:
   cfg = model_config(a.shape, a.dtype)
   bw, bw_note = measured_bandwidth()
   print(f"# {bc.load_line()}", flush=True)
-  print(f"# shape {a.shape} ({cfg.dtype}), prompt {a.prompt}, new {a.new}, decode_steps "
-        f"{a.decode_steps}, rounds {a.rounds}; bandwidth {bw / 1e9:.1f} GB/s ({bw_note})",
+  print(f"# shape {a.shape} ({cfg.dtype}; engine cpu_compute={a.cpu_compute}), prompt "
+        f"{a.prompt}, new {a.new}, decode_steps {a.decode_steps}, rounds {a.rounds}; bandwidth {bw / 1e9:.1f} GB/s ({bw_note})",
         flush=True)
   tunix_py, model, tunix_note = tunix_model(cfg, a)
   if tunix_note:
@@ -285,7 +295,8 @@ def run(a) -> list[dict]:
                    bc.Col("MB/step", 8), bc.Col("kv whole MB", 11))
   for b, c in contenders.items():
     counts = program_counts(c.engine, c.params)
-    sizes = step_bytes(cfg, c.params, c.batch, a.prompt, a.new)
+    sizes = step_bytes(cfg.replace(dtype=c.engine.compute_dtype), c.params, c.batch, a.prompt,
+                       a.new)
     rows[b] = dict(batch=c.batch, fuse=c.engine.config.fuse_projections.value, **counts,
                    **sizes, bandwidth=bw, bandwidth_source=bw_note)
     table.row(b, f"{counts['compile_s']:.2f}", counts["stablehlo_ops"], counts["fusions"],

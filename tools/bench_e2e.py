@@ -2,11 +2,13 @@
 
     python tools/bench_e2e.py [--prompts 8] [--n 4] [--prompt-len 32] [--new 32] [--steps 5]
                               [--devices 1] [--variants equal,share,lean,config] [--no-tunix]
-                              [--count-compiles] [--tunix-venv DIR]
+                              [--count-compiles] [--tunix-venv DIR] [--model HF_DIR] [--chat]
 
 Both sides train the same exported ~3 M-param Qwen2-shaped model (vocab 512, d 256, 4
 layers, GQA 4:2; our `hf_io.save_pretrained` -> model.safetensors -> Tunix's
-`qwen2.params.create_model_from_safe_tensors`) with GRPO: 8 prompts x 4 samples (the
+`qwen2.params.create_model_from_safe_tensors`), or with --model the HF folder given (its
+weights and tokenizer: a real model such as `distflow-jax convert`'s SmolLM2-135M-Instruct,
+which Tunix loads as its llama3 model; Llama without RoPE scaling, or Qwen2), with GRPO: 8 prompts x 4 samples (the
 same arithmetic prompts, 14-21 tokens), prompts of at most 32 tokens, 32 new tokens,
 temperature 1, stop at EOS, KL to the reference (coef 0.001, so the reference pass runs on
 both sides), one PPO epoch, adamw lr 1e-4 with global-norm clip 1.0, token-mean loss, one
@@ -38,6 +40,8 @@ names (`--variants` picks and orders them):
           forward than Tunix (the skipped old-log-prob pass is no saving over Tunix, which
           skips it too; this row shows what the shipped DAG pays for it).
   plain   equal + length buckets (no prompt sharing); not in the default list.
+  whole   equal with all the step's rows in one micro-batch, as Tunix trains them, instead
+          of the config's micro-batches (grpo:tiny: 16 rows); not in the default list.
 
 The parent runs single steps in rotating order (equal, share, lean, config, Tunix; share,
 lean, config, Tunix, equal; ...) so machine load hits all alike.  Step 0 (compiles) is
@@ -45,7 +49,10 @@ reported apart; of the timed steps after it the table gives the median and the M
 time (recompiles included) and the compiles counted in them (jax.monitoring's
 backend-compile events in each worker), and tokens/s both ways: median of the per-step
 rates, and all timed tokens / all timed seconds.  Tokens = prompt + response tokens,
-padding excluded.  Ratios are ours / Tunix's tokens/s, median beside mean.
+padding excluded.  Ratios are ours / Tunix's tokens/s, median beside mean, and Tunix's
+median step seconds / ours (`xTunix step`): the two sides sample their responses apart, so
+their token counts differ a little on random weights and much on a real model, whose
+responses end at EOS; the steps' padded shapes are the same on both sides at `equal`.
 """
 
 from __future__ import annotations
@@ -74,6 +81,7 @@ class Variant:
   share: bool        # model.share_prompt_prefix
   old_logprob: bool  # the shipped DAG's old_logprob node
   what: str          # what differs from the variant it names
+  whole: bool = False  # the whole step's rows in one micro-batch, as Tunix takes them
 
 
 VARIANTS = {
@@ -84,6 +92,8 @@ VARIANTS = {
     "lean": Variant(True, True, False, "share + length buckets"),
     "config": Variant(True, True, True, "lean + the shipped DAG's old_logprob pass"),
     "plain": Variant(True, False, False, "equal + length buckets"),
+    "whole": Variant(False, False, False, "equal with the step's rows in one micro-batch (as "
+                     "Tunix takes them) instead of the config's micro-batches", whole=True),
 }
 DEFAULT_VARIANTS = "equal,share,lean,config"
 
@@ -109,6 +119,14 @@ def _args(argv):
   p.add_argument("--no-tunix", action="store_true")
   p.add_argument("--tunix-venv", default=DEFAULT_VENV)
   p.add_argument("--workdir", default="", help="default: a fresh temporary directory")
+  p.add_argument("--model", default="",
+                 help="an HF folder (config.json, model.safetensors, tokenizer.json) both sides "
+                      "train instead of the ~3 M-param bench model; prompts go in as raw text "
+                      "(no chat template, unless --chat) on both sides")
+  p.add_argument("--chat", action="store_true",
+                 help="render each prompt with the tokenizer's chat template first (both sides "
+                      "read the rendered text): an instruct model then answers at length, "
+                      "where a raw prompt mostly meets EOS within a few tokens")
   p.add_argument("--worker", choices=(*VARIANTS, "tunix"), help=argparse.SUPPRESS)
   p.add_argument("--inputs", help=argparse.SUPPRESS)
   return p.parse_args(argv)
@@ -123,20 +141,35 @@ def _buckets(prompt_len: int) -> tuple[int, ...]:
 # ---------------------------------------------------------------- the parent
 
 def write_inputs(workdir: str, args) -> dict:
-  """Exports the bench model + tokenizer and writes the prompt file both sides read."""
+  """Exports the bench model + tokenizer (or takes --model's folder) and writes the prompt
+  file both sides read."""
   from flax import nnx
 
   from distflow_jax.models import ModelConfig, Transformer, hf_io
   from distflow_jax.models.tokenizer import Tokenizer
   from distflow_jax.tasks import arithmetic
 
-  model_dir = os.path.join(workdir, "model")
-  tok = Tokenizer.builtin()
-  hf_io.save_pretrained(model_dir, Transformer(ModelConfig(**bc.BENCH_MODEL),
-                                               rngs=nnx.Rngs(0)), tok)
+  if args.model:
+    model_dir = os.path.abspath(args.model)
+    with open(os.path.join(model_dir, "config.json")) as f:
+      cfg = ModelConfig.from_hf_dict(json.load(f))
+    tok = Tokenizer.from_dir(model_dir)
+    import _tunix_side as ts
+    model = ts.model_dict(cfg)  # raises where no Tunix model takes it
+    about = (f"{os.path.basename(model_dir.rstrip('/'))} ({cfg.arch}, {cfg.num_layers} layers, "
+             f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, {cfg.dtype}, its own weights)")
+  else:
+    model_dir = os.path.join(workdir, "model")
+    tok = Tokenizer.builtin()
+    hf_io.save_pretrained(model_dir, Transformer(ModelConfig(**bc.BENCH_MODEL),
+                                                 rngs=nnx.Rngs(0)), tok)
+    model, about = bc.BENCH_MODEL, "~3.04 M-param Qwen2 shape, random weights"
   count = args.prompts * (args.steps + 2)
   rows = arithmetic.make_examples(arithmetic.preset("medium"), "train", count, seed=0)
   prompts = os.path.join(workdir, "prompts.jsonl")
+  if args.chat:  # the templated text itself is the prompt both sides read
+    rows = [dict(r, prompt=tok.apply_chat_template([{"role": "user", "content": r["prompt"]}]))
+            for r in rows]
   arithmetic.write_jsonl(rows, prompts)
   lens = [len(tok.encode(r["prompt"])) for r in rows]
   if max(lens) > args.prompt_len:
@@ -146,7 +179,7 @@ def write_inputs(workdir: str, args) -> dict:
                 prompt_len=args.prompt_len, new=args.new, steps=args.steps + 1,
                 devices=args.devices, micro=args.micro_batch_size, workdir=workdir,
                 eos_id=tok.eos_id, pad_id=tok.pad_id, prompt_tokens=[min(lens), max(lens)],
-                model=bc.BENCH_MODEL, lr=1e-4, kl_coef=0.001, seed=0)
+                model=model, about=about, lr=1e-4, kl_coef=0.001, seed=0)
   path = os.path.join(workdir, "inputs.json")
   with open(path, "w") as f:
     json.dump(inputs, f)
@@ -186,7 +219,8 @@ def _fmt_count(x) -> str:
 
 def print_table(stats: dict[str, dict], tunix: str = "tunix", out=None) -> None:
   t = stats.get(tunix)
-  ratios = (bc.Col("xTunix med", 10), bc.Col("xTunix mean", 11)) if t else ()
+  ratios = ((bc.Col("xTunix med", 10), bc.Col("xTunix mean", 11), bc.Col("xTunix step", 11))
+            if t else ())
   table = bc.Table(bc.Col("side", 7, "<"), bc.Col("step0 s", 8, fmt=".1f"), bc.Col("comp0", 5),
                    bc.Col("median s", 9, fmt=".2f"), bc.Col("mean s", 7, fmt=".2f"),
                    bc.Col("recomp", 6), bc.Col("tok/s med", 9, fmt=".0f"),
@@ -196,7 +230,7 @@ def print_table(stats: dict[str, dict], tunix: str = "tunix", out=None) -> None:
              _fmt_count(s["recompiles"]), s["rate_median"], s["rate_mean"]]
     if t:
       cells += [f"{s['rate_median'] / t['rate_median']:.2f}x",
-                f"{s['rate_mean'] / t['rate_mean']:.2f}x"]
+                f"{s['rate_mean'] / t['rate_mean']:.2f}x", f"{t['median_s'] / s['median_s']:.2f}x"]
     table.row(*cells)
 
 
@@ -224,10 +258,14 @@ def main(argv=None) -> int:
   bc.default_host_devices(1)
   bc.flush_lines()
   print(f"start: {bc.load_line()}")
-  inputs = write_inputs(workdir, args)
+  try:
+    inputs = write_inputs(workdir, args)
+  except (OSError, ValueError) as e:  # a --model folder that is not one both sides can load
+    import _tunix_side as ts
+    raise SystemExit(f"bench_e2e: --model {args.model}: {ts.one_line(e)}") from None
   lo, hi = inputs["prompt_tokens"]
   print(f"GRPO {args.prompts} prompts x {args.n} samples, prompts of {lo}-{hi} tokens "
-        f"(<= {args.prompt_len}) + {args.new} new tokens, ~3.04 M-param Qwen2 shape; "
+        f"(<= {args.prompt_len}) + {args.new} new tokens, {inputs['about']}; "
         f"workdir {workdir}")
   for v in variants:
     print(f"  {v:7s} {VARIANTS[v].what}")
@@ -275,7 +313,8 @@ def main(argv=None) -> int:
       if v in stats:
         print(f"distflow-jax ({v}) / Tunix GRPO tokens/s: median "
               f"{stats[v]['rate_median'] / stats['tunix']['rate_median']:.2f}x, mean "
-              f"{stats[v]['rate_mean'] / stats['tunix']['rate_mean']:.2f}x")
+              f"{stats[v]['rate_mean'] / stats['tunix']['rate_mean']:.2f}x; Tunix's median "
+              f"step s / ours: {stats['tunix']['median_s'] / stats[v]['median_s']:.2f}x")
   if note:
     print(note)
   print(f"total {time.perf_counter() - t0:.0f} s")
@@ -313,12 +352,15 @@ def ours_worker(inputs_path: str, variant: Variant) -> int:
       f"data.eval={inp['prompts']}", "trainer.eval_every=0",
       f"data.prompts_per_step={inp['prompts_per_step']}", f"rollout.n={inp['n']}",
       f"data.max_prompt_len={inp['prompt_len']}", f"rollout.prefill_buckets={buckets}",
-      f"rollout.max_new_tokens={inp['new']}",
+      f"rollout.max_new_tokens={inp['new']}", f"model.max_seq_len={inp['prompt_len'] + inp['new']}",
       f"rollout.max_concurrent_decodes={inp['prompts_per_step'] * inp['n']}",
       f"actor.optimizer.lr={inp['lr']}", f"actor.kl.coef={inp['kl_coef']}",
       f"trainer.total_steps={inp['steps']}", f"seed={inp['seed']}",
       f"model.share_prompt_prefix={variant.share}", "trainer.compile_ahead=always",
-  ] + ([f"actor.micro_batch_size={inp['micro']}"] if inp["micro"] else [])
+  ]
+  micro = inp["prompts_per_step"] * inp["n"] // jax.local_device_count() if variant.whole else (
+      inp["micro"])
+  overrides += [f"actor.micro_batch_size={micro}"] if micro else []
   cfg = load("grpo:tiny", overrides)
   if not variant.old_logprob:
     cfg.dag = [dict(n, deps=[d for d in n.get("deps", []) if d != "old_logprob"])
@@ -361,8 +403,8 @@ def tunix_worker(inputs_path: str) -> int:
   from tunix.rl.rollout import base_rollout
 
   counter = bc.CompileCount()
-  actor, mesh = bc.tunix_qwen2(inp["model_dir"], inp["model"])
-  ref, _ = bc.tunix_qwen2(inp["model_dir"], inp["model"])
+  actor, mesh = bc.tunix_model(inp["model_dir"], inp["model"])
+  ref, _ = bc.tunix_model(inp["model_dir"], inp["model"])
   tok = bc.TunixTokenizer(os.path.join(inp["model_dir"], "tokenizer.json"), inp["eos_id"],
                           inp["pad_id"])
   total = inp["prompt_len"] + inp["new"]

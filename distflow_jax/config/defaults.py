@@ -156,6 +156,12 @@ def base() -> ml_collections.ConfigDict:
       # matmul for gate/up; bitwise the unfused numbers on XLA:CPU) | all (q/k/v too; the
       # same tokens, log-probs within 2e-5 on XLA:CPU).  The trained model keeps them apart.
       fuse_projections="none",
+      # What the engine computes a bfloat16 / float16 model in on CPU devices
+      # (rollout/engine_config.CpuCompute): float32 (float32 copies of the weights and a
+      # float32 cache: XLA's CPU backend converts 16-bit weights to float32 at every decode
+      # call and the cache at every step otherwise) | model (the model's dtype).  Other
+      # devices always compute in the model's.
+      cpu_compute="float32",
       # Multi-turn episodes (rollout/episodes.py, envs/): "" = single-turn; else a registered
       # environment or module:Class.  Each turn ends at its first tool call (tool_parser:
       # tag <tool>name(args)</tool> | hermes <tool_call>{json}</tool_call>); each turn is

@@ -30,7 +30,7 @@ def option_types() -> dict[str, type[enum.Enum] | tuple[str, ...]]:
   from distflow_jax.data.redistribute import Mode
   from distflow_jax.models.config import ATTENTION_IMPLS, DTYPES, PRESETS, REMATS
   from distflow_jax.rollout.backend import BACKENDS
-  from distflow_jax.rollout.engine_config import FuseProjections, LoraSync
+  from distflow_jax.rollout.engine_config import CpuCompute, FuseProjections, LoraSync
   from distflow_jax.rewards.math_answer import MATCH_MODES
   from distflow_jax.train.optim import Optimizer, Schedule
   from distflow_jax.state.warm_shapes import CompileAhead
@@ -41,7 +41,7 @@ def option_types() -> dict[str, type[enum.Enum] | tuple[str, ...]]:
       "optimizer": Optimizer, "schedule": Schedule, "match": MATCH_MODES,
       "remat": REMATS, "attention_impl": ATTENTION_IMPLS, "compile_ahead": CompileAhead,
       "backend": tuple(BACKENDS), "preset": tuple(PRESETS), "lora_sync": LoraSync,
-      "fuse_projections": FuseProjections,
+      "fuse_projections": FuseProjections, "cpu_compute": CpuCompute,
   }
 
 

@@ -75,6 +75,7 @@ def _check_rollout(r) -> None:
   option(r.get("backend", "engine"), "rollout.backend", "backend")
   option(r.get("lora_sync", "merged"), "rollout.lora_sync", "lora_sync")
   option(r.get("fuse_projections", "none"), "rollout.fuse_projections", "fuse_projections")
+  option(r.get("cpu_compute", "float32"), "rollout.cpu_compute", "cpu_compute")
   buckets = list(r.prefill_buckets)
   if not buckets or buckets != sorted(set(buckets)) or buckets[0] <= 0:
     raise ConfigError(f"rollout.prefill_buckets={buckets} must be positive and strictly "

@@ -1,34 +1,33 @@
 """A JetStream-style engine on our transformer: prefill, insert, generate over slots.
 
-The method names and semantics follow `jetstream.engine.engine_api.Engine`
-(`load_params`, `init_decode_state`, `prefill(*, params, padded_tokens,
-true_length) -> (prefix, first-token result)`, `insert(prefix, decode_state,
-slot)`, `generate(params, decode_state) -> (decode_state, result)`,
-`get_prefix_destination_sharding`, `max_concurrent_decodes`,
-`max_prefill_length`, `samples_per_slot`, `mesh`), so `jetstream_adapter`
-can register it with JetStream where that package imports.  Beyond the API:
+The method names and semantics follow `jetstream.engine.engine_api.Engine` (`load_params`,
+`init_decode_state`, `prefill(*, params, padded_tokens, true_length) -> (prefix, first-token
+result)`, `insert(prefix, decode_state, slot)`, `generate(params, decode_state) ->
+(decode_state, result)`, `get_prefix_destination_sharding`, `max_concurrent_decodes`,
+`max_prefill_length`, `samples_per_slot`, `mesh`), so `jetstream_adapter` can register it
+with JetStream where that package imports.  Beyond the API:
 
-* `generate_steps` runs `decode_steps` tokens per call in one compiled loop
-  with a static trip count and no conditional (one host round trip per chunk,
-  not per token; the host decides between calls whether to go on);
-* `prefill_insert` prefills several prompts and starts many slots from them
-  in one call (the n samples of a prompt share its prefill);
-* results carry per-token logprobs under the untruncated temperature-1
-  softmax (see `sampling`), plus the sampling distribution's.
+* `generate_steps` runs `decode_steps` tokens per call in one compiled loop with a static
+  trip count and no conditional (one host round trip per chunk, not per token; the host
+  decides between calls whether to go on);
+* `prefill_insert` prefills several prompts and starts many slots from them in one call
+  (the n samples of a prompt share its prefill);
+* results carry per-token logprobs under the untruncated temperature-1 softmax (see
+  `sampling`), plus the sampling distribution's;
+* on CPU devices a 16-bit model is held and computed in float32 (`compute_dtype`,
+  engine_config.CpuCompute).
 
-Compiles are bounded: one decode program per cache capacity (`decode_steps`
-tokens a call, no conditional), one prefill-and-insert per (prompt-length bucket,
-power-of-four prompt count; `prefill_rows`) and capacity, whatever the traffic
-(`engine_programs` lists them and precompiles them).  The cache has one capacity
-for the run, the longest prompt bucket plus `max_new_tokens`; with `grow_cache`
-the driver's cache starts smaller and grows (`cache_growth`: at most 8
-capacities); `init_decode_state` (JetStream) gives the full-size one.  `compile_counts()`
-exposes the jit cache sizes so tests can assert it.
+Compiles are bounded: one decode program per cache capacity (`decode_steps` tokens a call,
+no conditional), one prefill-and-insert per (prompt-length bucket, power-of-four prompt
+count; `prefill_rows`) and capacity, whatever the traffic (`engine_programs` lists and
+precompiles them).  The cache has one capacity for the run, the longest prompt bucket plus
+`max_new_tokens`; with `grow_cache` the driver's cache starts smaller and grows
+(`cache_growth`: at most 8 capacities); `init_decode_state` (JetStream) gives the full-size
+one.  `compile_counts()` exposes the jit cache sizes so tests can assert it.
 
-Placement: the engine runs on `mesh`, by default one replica over this
-host's local devices (`replica_mesh`): slots split over `data`, heads and
-hidden units over `tensor`.  Every output the host loop reads is replicated,
-so when a replica's mesh spans several hosts each of its processes reads the same values
+Placement: the engine runs on `mesh`, by default one replica over this host's local devices
+(`replica_mesh`): slots split over `data`, heads and hidden units over `tensor`.  Every
+output the host loop reads is replicated, so when a replica's mesh spans several hosts each of its processes reads the same values
 and takes the same decisions; those processes must then be given the same prompts
 (rollout/spanning.py pools them), and every call is a cross-host collective step.
 """
@@ -44,7 +43,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from distflow_jax.models import fused, lora, sharding as msharding, stacking
+from distflow_jax.models import fused, lora, sharding as msharding, stacking, target
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import Transformer
 from distflow_jax.rollout import (cache_growth, decode, engine_programs, extend, lora_sync,
@@ -52,8 +51,8 @@ from distflow_jax.rollout import (cache_growth, decode, engine_programs, extend,
 from distflow_jax.rollout.decode import DecodeState, Prefix, StepOutput
 # The settings, placement and result types live in their own modules; re-exported here.
 from distflow_jax.rollout.engine_config import (
-    FUSED_NAMES, EngineConfig, LoraSync, decode_state_shardings, place_params, prefix_shardings,
-    replica_mesh)
+    FUSED_NAMES, EngineConfig, LoraSync, cast_floats, compute_dtype, decode_state_shardings,
+    place_params, prefix_shardings, replica_mesh)
 from distflow_jax.rollout.results import ResultTokens, SlotData
 from distflow_jax.rollout.sampling import request_keys
 
@@ -65,20 +64,20 @@ class Engine:
 
   def __init__(self, model_cfg: ModelConfig, config: EngineConfig, mesh: Mesh | None = None,
                rules: msharding.Rules | None = None):
-    # Decode runs layer by layer, so the engine keeps one array per layer: a slice of
-    # stacked (scan_layers) weights per decode step could cost a copy of every weight.
-    # Stacked parameters handed in are unstacked once, by `_unstacked`.
+    # Decode runs layer by layer, so the engine keeps one array per layer (a slice of stacked
+    # weights per decode step could cost a copy of every weight): `_unstacked` splits them.
     self.model_cfg = model_cfg
-    # LoRA: the engine holds merged weights (W + a @ b * alpha / r), so it runs the plain
-    # model at the base's speed; merged on the training mesh before the sync (`_unstacked`,
-    # lora_sync=merged) or on the rollout devices after syncing the adapters alone
-    # (lora_sync=adapters: rollout/lora_sync.py).
+    # LoRA: merged weights (W + a @ b * alpha / r), on the training mesh or the rollout's.
     self._lora_scale = None if model_cfg.lora is None else model_cfg.lora.scale
     self._fuse = () if (config.lora_sync is LoraSync.ADAPTERS and self._lora_scale is not None
                         ) else FUSED_NAMES[config.fuse_projections]
-    self._loop_cfg = model_cfg.replace(scan_layers=False, lora=None, fused_projections=self._fuse)
     self.config = config
     self._mesh = mesh if mesh is not None else replica_mesh()
+    # The dtype of the engine's weights, cache and compute (engine_config.CpuCompute).
+    self.compute_dtype = compute_dtype(model_cfg, config, target.current().platform.value)
+    self._cast = self.compute_dtype != model_cfg.dtype  # weights cast as they enter
+    self._loop_cfg = model_cfg.replace(scan_layers=False, lora=None, fused_projections=self._fuse,
+                                       dtype=self.compute_dtype)
     self.rules = rules if rules is not None else msharding.fsdp_tp_rules()
     data = self._mesh.shape.get("data", 1)
     if config.max_concurrent_decodes % data:
@@ -94,7 +93,7 @@ class Engine:
     kw = dict(sp=c.sampling, stop_ids=c.stop_ids, stop_sequences=c.stop_sequences)
     self.capacities = cache_growth.capacities(
         c.cache_len, c.prefill_buckets[-1] + c.decode_steps, c.grow_cache and not c.fixed_shapes)
-    self._init = jax.jit(functools.partial(decode.empty_state, model_cfg,
+    self._init = jax.jit(functools.partial(decode.empty_state, self._loop_cfg,
                                            c.max_concurrent_decodes, history=c.history),
                          static_argnums=0, out_shardings=self._state_sh)
     # Layer by layer, each old layer released as its padded copy is made (cache_growth).
@@ -189,21 +188,23 @@ class Engine:
       return [engine_programs.Program(n, fn, args)
               for n, fn, args in self._new_adapter_sync(process_of).programs(train_params)]
     return engine_programs.sync_programs(train_params, self.param_shardings, self._unstacker,
-                                         process_of, bool(self._fuse))
+                                         process_of, bool(self._fuse) or self._cast)
 
   def _unstacker(self) -> Any:
     """The jitted split of stacked layers into one array per layer (after merging any LoRA
-    adapters into their kernels; then fused where the engine fuses), built on first use."""
+    adapters; then fused and cast to `compute_dtype` where the engine does), on first use."""
     if self._unstack is None:
       scale, fuse = self._lora_scale, self._fuse
-      self._unstack = jax.jit(lambda p: fused.fuse(stacking.to_loop(
-          p if scale is None else lora.merged_state(p, scale)), fuse))
+      dtype = self.compute_dtype if self._cast else None
+      self._unstack = jax.jit(lambda p: cast_floats(fused.fuse(stacking.to_loop(
+          p if scale is None else lora.merged_state(p, scale)), fuse), dtype))
     return self._unstack
 
   def _unstacked(self, params: nnx.State) -> nnx.State:
     """`params` in the engine's one-array-per-layer layout (a jitted split of stacked ones),
     adapters merged."""
-    if not (stacking.is_stacked(params) or lora.has_adapters(params) or self._fuse):
+    if not (stacking.is_stacked(params) or lora.has_adapters(params) or self._fuse
+            or self._cast):
       return params
     return self._unstacker()(params)
 
@@ -292,10 +293,9 @@ class Engine:
                      ) -> tuple[DecodeState, jax.Array, jax.Array, jax.Array]:
     """Prefills `prompts` once and starts request q on prompt `src[q]` in slot `slots[q]`.
 
-    Prompt count is padded to a power of four and the length to a bucket;
-    requests are padded to `max_concurrent_decodes` rows (`prefill_rows`), so
-    compiles stay bounded.  Returns the state and the first tokens / logprobs /
-    sampling logprobs of the (padded) request rows.
+    Prompt count is padded to a power of four and the length to a bucket; requests are
+    padded to `max_concurrent_decodes` rows (`prefill_rows`), so compiles stay bounded.
+    Returns the state and the first tokens / logprobs / sampling logprobs of the rows.
     """
     tokens, lens, src_a, slots_a, keys, lim = prefill_rows.request_rows(
         self.config, prompts, src, slots, keys_Qx2, limits)

@@ -14,6 +14,7 @@ import enum
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -45,6 +46,40 @@ class FuseProjections(enum.Enum):
 
 FUSED_NAMES = {FuseProjections.NONE: (), FuseProjections.GATE_UP: ("gate_up_proj",),
                FuseProjections.ALL: ("qkv_proj", "gate_up_proj")}
+
+
+class CpuCompute(enum.Enum):
+  """What an engine on CPU devices computes a bfloat16 / float16 model in
+  (``rollout.cpu_compute``).  ``float32``: it holds float32 copies of the weights (exact:
+  every 16-bit value is a float32 one) and a float32 KV cache, and computes in float32.
+  XLA's CPU backend has no 16-bit matmul here: it converts each 16-bit weight to float32
+  at every decode call and the cache at every step (tools/bench_decode.py's profile,
+  docs/benchmarks.md), so float32 does less work; it costs the engine's copy twice the
+  bytes, and its log-probs carry no 16-bit rounding of the activations.  ``model``: the
+  model's own dtype, as on an accelerator.  Other devices always compute in the model's."""
+  FLOAT32 = "float32"
+  MODEL = "model"
+
+
+def compute_dtype(model_cfg: ModelConfig, config: "EngineConfig", platform: str) -> str:
+  """The dtype an engine of ``config`` holds and computes ``model_cfg`` in, on ``platform``
+  (``models.target.current()``'s: the target `plan --lower` lowers for, else the device jax
+  runs on): float32 for a 16-bit model on CPU devices under CpuCompute.FLOAT32
+  (not with LoRA adapters synced alone: their merge on the rollout devices keeps the
+  base's dtype), else the model's."""
+  adapters = config.lora_sync is LoraSync.ADAPTERS and model_cfg.lora is not None
+  if (platform == "cpu" and config.cpu_compute is CpuCompute.FLOAT32 and not adapters
+      and model_cfg.dtype in ("bfloat16", "float16")):
+    return "float32"
+  return model_cfg.dtype
+
+
+def cast_floats(tree: Any, dtype: str | None) -> Any:
+  """``tree`` with its floating-point leaves in ``dtype`` (None: as it is)."""
+  if dtype is None:
+    return tree
+  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+                      else x, tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +118,12 @@ class EngineConfig:
   # engine; the trained model keeps them apart.  With lora_sync=adapters a run refuses it
   # (config/lora_checks.py); the engine itself then leaves its weights unfused.
   fuse_projections: FuseProjections = FuseProjections.NONE
+  # What the engine computes a 16-bit model in on CPU devices (CpuCompute).
+  cpu_compute: CpuCompute = CpuCompute.FLOAT32
 
   def __post_init__(self):
     object.__setattr__(self, "lora_sync", LoraSync(self.lora_sync))
+    object.__setattr__(self, "cpu_compute", CpuCompute(self.cpu_compute))
     object.__setattr__(self, "fuse_projections", FuseProjections(self.fuse_projections))
     object.__setattr__(self, "prefill_buckets", tuple(sorted(set(self.prefill_buckets))))
     seqs = tuple(dict.fromkeys(tuple(int(i) for i in q) for q in self.stop_sequences))
@@ -121,7 +159,8 @@ class EngineConfig:
                sampling=SamplingParams(temperature=float(rollout.temperature),
                                        top_p=float(rollout.top_p), top_k=int(rollout.top_k)),
                seed=int(seed), lora_sync=LoraSync(rollout.get("lora_sync", "merged")),
-               fuse_projections=FuseProjections(rollout.get("fuse_projections", "none")))
+               fuse_projections=FuseProjections(rollout.get("fuse_projections", "none")),
+               cpu_compute=CpuCompute(rollout.get("cpu_compute", "float32")))
 
   @property
   def history(self) -> int:

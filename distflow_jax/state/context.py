@@ -199,7 +199,9 @@ def engine_config(cfg: ml_collections.ConfigDict, rollout: ml_collections.Config
                       episode_tokens=response_width(rollout) if rollout.get("env", "") else 0,
                       sampling=sp, seed=cfg.seed, fixed_shapes=cfg.trainer.deterministic,
                       decode_steps=rollout.decode_chunk,
-                      lora_sync=LoraSync(rollout.get("lora_sync", "merged")))
+                      lora_sync=LoraSync(rollout.get("lora_sync", "merged")),
+                      fuse_projections=rollout.get("fuse_projections", "none"),
+                      cpu_compute=rollout.get("cpu_compute", "float32"))
 
 
 def shared_prompt_group(cfg: ml_collections.ConfigDict, num_rows: int, num_shards: int) -> int:
