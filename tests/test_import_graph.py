@@ -6,6 +6,7 @@ markers of docs/architecture.md; this test reads it there, so the two cannot dis
 
 import ast
 import os
+import warnings
 
 import pytest
 
@@ -154,7 +155,33 @@ def test_the_check_fails_on_a_planted_circle_and_an_upward_import(tmp_path):
           "distflow_jax.run.trainer (run)") in bad, bad
 
 
-def test_every_module_is_at_most_350_lines():
-  long = {m: n for m, p in modules(REPO).items()
-          if (n := sum(1 for _ in open(p))) > 350}
-  assert not long, long
+# Module sizes (issue 53): over REPORT_LINES a module is listed in pytest's warnings summary,
+# a prompt to look at its jobs, not a reason to split one job in two; over MAX_LINES it
+# fails: a room that big holds more than one job.
+REPORT_LINES = 350
+MAX_LINES = 450
+
+
+def module_lines(root: str) -> dict[str, int]:
+  return {m: sum(1 for _ in open(p)) for m, p in modules(root).items()}
+
+
+def too_long(sizes: dict[str, int]) -> dict[str, int]:
+  return {m: n for m, n in sizes.items() if n > MAX_LINES}
+
+
+def test_module_sizes_are_reported_over_350_lines_and_capped_at_450():
+  sizes = module_lines(REPO)
+  over = sorted((n, m) for m, n in sizes.items() if n > REPORT_LINES)
+  if over:
+    warnings.warn(f"modules over {REPORT_LINES} lines (reported, not refused): "
+                  + ", ".join(f"{m} {n}" for n, m in reversed(over)))
+  assert not too_long(sizes), too_long(sizes)
+
+
+def test_the_size_cap_fails_on_a_planted_long_module(tmp_path):
+  import shutil
+  shutil.copytree(os.path.join(REPO, PKG), tmp_path / PKG,
+                  ignore=shutil.ignore_patterns("__pycache__"))
+  (tmp_path / PKG / "models" / "planted.py").write_text("x = 1\n" * (MAX_LINES + 1))
+  assert too_long(module_lines(str(tmp_path))) == {"distflow_jax.models.planted": MAX_LINES + 1}
