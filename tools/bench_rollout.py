@@ -2,13 +2,14 @@
 vs Tunix's sampler (google-tunix, its own venv).
 
     python tools/bench_rollout.py [--batch 16] [--prompt 32] [--new 64] [--rounds 3]
-                                  [--no-hf] [--no-tunix] [--tunix-venv DIR]
+                                  [--no-hf] [--no-tunix] [--tunix-venv DIR] [--model HF_DIR]
 
 All decode the same prompts (random token ids, all --prompt long, so nobody pads) greedily
 for the same number of new tokens (no stop token) with the same weights: the bench model
 (tools/_bench_common.BENCH_MODEL, ~3 M-param Qwen2 shape: vocab 512, d 256, 4 layers, GQA
 4:2), exported with models/hf_io and loaded by transformers and by Tunix's qwen2 model
-(`qwen2.params.create_model_from_safe_tensors`, float32).  They are measured side by side
+(`qwen2.params.create_model_from_safe_tensors`, float32), or with --model an HF folder's own
+weights (a Llama one goes to Tunix's llama3 model).  They are measured side by side
 in one run: rounds interleave them so that machine load hits them alike; the median round
 counts (runners over 5x slower than the engine are timed once; Tunix is timed every round).
 Tokens/s = new tokens / wall time of the whole generate call (prefill included).
@@ -50,6 +51,9 @@ def _args(argv):
   p.add_argument("--no-hf", action="store_true", help="skip transformers")
   p.add_argument("--no-tunix", action="store_true", help="skip Tunix's sampler")
   p.add_argument("--tunix-venv", default=bc.DEFAULT_TUNIX_VENV)
+  p.add_argument("--model", default="",
+                 help="an HF folder (config.json, model.safetensors) every runner decodes with "
+                      "its own weights, float32, instead of the bench model")
   return p.parse_args(argv)
 
 
@@ -66,8 +70,15 @@ def main(argv=None) -> int:
   from distflow_jax.models import hf_io
   from distflow_jax.rollout import Engine, EngineConfig, SamplingParams, generate, replica_mesh
 
-  cfg = ModelConfig(**bc.BENCH_MODEL)
-  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  if args.model:
+    try:
+      model = hf_io.load_pretrained(args.model, dtype="float32")
+    except (OSError, ValueError) as e:
+      raise SystemExit(f"bench_rollout: --model {args.model}: {ts.one_line(e)}") from None
+    cfg = model.cfg
+  else:
+    cfg = ModelConfig(**bc.BENCH_MODEL)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
   b, tp, tn = args.batch, args.prompt, args.new
   rs = np.random.RandomState(0)
   prompts = rs.randint(1, cfg.vocab_size, size=(b, tp)).astype(np.int32)
@@ -107,8 +118,9 @@ def main(argv=None) -> int:
 
   runners = {"engine": ours, "no-cache": no_cache}
   tmp = tempfile.mkdtemp(prefix="bench_rollout_")
-  model_dir = os.path.join(tmp, "model")
-  hf_io.save_pretrained(model_dir, model)
+  model_dir = os.path.abspath(args.model) if args.model else os.path.join(tmp, "model")
+  if not args.model:
+    hf_io.save_pretrained(model_dir, model)
   hf_note = ""
   if not args.no_hf:
     try:
