@@ -674,8 +674,16 @@ def _tunix_llama3(model_dir: str, m: dict, dtype):
   # Tunix's llama3 model: plain RoPE (no Llama 3.1 frequency scaling), no q/k/v bias: what
   # Llama 2 / SmolLM2-shaped models are (model_dict refuses the rest).  It has no compute
   # dtype of its own: it computes in its parameters' dtype, which the loader casts to.
+  import functools
+
   from tunix.models.llama3 import model as llama3_model
   from tunix.models.llama3 import params as llama3_params
+  # Tunix 0.1.7's llama3 attention calls apply_rope without the config's rope_theta, so its
+  # default (1,000,000) rotates every model; the model's own theta is passed here (the same
+  # work, now the same function: SmolLM2's theta is 100,000).
+  plain = getattr(llama3_model, "_distflow_plain_rope", llama3_model.apply_rope)
+  llama3_model._distflow_plain_rope = plain
+  llama3_model.apply_rope = functools.partial(plain, rope_theta=m.get("rope_theta", 10000))
   mcfg = llama3_model.ModelConfig(
       num_layers=m["num_layers"], vocab_size=m["vocab_size"], embed_dim=m["hidden_size"],
       hidden_dim=m["intermediate_size"], num_heads=m["num_heads"], head_dim=m["head_dim"],
