@@ -452,3 +452,28 @@ def test_bench_rollout_against_tunix_sampler(capsys):
   assert rc == 0, out
   assert "Tunix sampler vs engine, token for token: 1.000 of tokens, 2/2 rows equal" in out
   assert "engine vs Tunix sampler: " in out
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(_tunix_python() is None, reason="no Tunix venv (tools/bench_e2e.py makes "
+                    "one on first use); CI does not install Tunix")
+def test_bench_rollout_a_llama_folder_against_tunix_llama3(tmp_path, capsys):
+  """--model with a Llama folder (its own weights, RoPE theta 100,000 as SmolLM2's): Tunix's
+  llama3, handed the model's theta (Tunix 0.1.7 drops it and rotates at 1,000,000), decodes
+  the greedy tokens of the engine and the no-cache loop."""
+  import bench_rollout
+  from distflow_jax.models import hf_io
+  cfg = dataclasses.replace(ModelConfig.tiny(arch="llama"), rope_theta=100000.0)
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  state = jax.tree.map(lambda x: x * 10.0 if x.ndim == 2 else x, nnx.state(model, nnx.Param))
+  nnx.update(model, state)  # peaked logits: greedy tokens without near-ties
+  hf_io.save_pretrained(str(tmp_path / "llama"), model)
+  rc = bench_rollout.main(["--model", str(tmp_path / "llama"), "--batch", "4", "--prompt",
+                           "24", "--new", "16", "--rounds", "1", "--decode-steps", "8",
+                           "--no-hf"])
+  out = capsys.readouterr().out
+  assert rc == 0, out
+  assert "greedy tokens equal to no-cache: engine: 1.000" in out
+  assert "Tunix sampler vs engine, token for token: 1.000 of tokens, 4/4 rows equal" in out
+  with pytest.raises(SystemExit, match=r"^bench_rollout: --model .*nothing"):
+    bench_rollout.main(["--model", str(tmp_path / "nothing"), "--no-hf", "--no-tunix"])
