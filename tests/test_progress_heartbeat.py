@@ -139,13 +139,20 @@ def test_heartbeat_prints_while_the_main_thread_holds_the_gil(tmp_path):
   import time
 
   from distflow_jax.observe import heartbeat
+  # One C call of about 1.5 s on this machine, holding the GIL throughout: its size from a
+  # short one (CPython's factorial grows about as n^1.6; a fixed n took 0.6 s on one machine
+  # and 2 s on another).
+  t0 = time.perf_counter()
+  math.factorial(100_000)
+  n = min(max(int(100_000 * (1.5 / max(time.perf_counter() - t0, 1e-3)) ** (1 / 1.6)),
+              300_000), 1_500_000)
   path = tmp_path / "log.txt"
   with open(path, "w") as out:
     log = progress.Logger(True, out, tty=False)
     log("before")
     with heartbeat.heartbeat(log, "holding the GIL", every_s=0.1):
       t0 = time.perf_counter()
-      math.factorial(300_000)  # one C call of 1-2 s, holding the GIL throughout
+      math.factorial(n)
       held = time.perf_counter() - t0
     log("after")
     time.sleep(0.3)
