@@ -2,8 +2,8 @@
 
 The parent side (this venv): ``tunix_python`` (the Tunix venv's python, or why not),
 ``Sampler`` (a worker process that holds Tunix's qwen2 or llama3 model, loaded from the
-folder our ``hf_io.save_pretrained`` wrote, and answers each ``run(key)`` with the tokens and the
-seconds of one sampler call on the prompt set ``key``), ``agreement`` (token for token).
+folder our ``hf_io.save_pretrained`` wrote, and answers each ``run(key)`` with the tokens
+and the seconds of one sampler call on the prompt set ``key``), ``agreement`` (token for token).
 
 The worker side runs this file as a script in the Tunix venv (google-tunix 0.1.7,
 ``python _tunix_side.py INPUTS.json``): ``tunix.generate.sampler.Sampler``, greedy

@@ -279,7 +279,8 @@ def run(a) -> list[dict]:
   bw, bw_note = measured_bandwidth()
   print(f"# {bc.load_line()}", flush=True)
   print(f"# shape {a.shape} ({cfg.dtype}; engine cpu_compute={a.cpu_compute}), prompt "
-        f"{a.prompt}, new {a.new}, decode_steps {a.decode_steps}, rounds {a.rounds}; bandwidth {bw / 1e9:.1f} GB/s ({bw_note})",
+        f"{a.prompt}, new {a.new}, decode_steps {a.decode_steps}, rounds {a.rounds}; "
+        f"bandwidth {bw / 1e9:.1f} GB/s ({bw_note})",
         flush=True)
   tunix_py, model, tunix_note = tunix_model(cfg, a)
   if tunix_note:

@@ -8,8 +8,8 @@ Both sides train the same exported ~3 M-param Qwen2-shaped model (vocab 512, d 2
 layers, GQA 4:2; our `hf_io.save_pretrained` -> model.safetensors -> Tunix's
 `qwen2.params.create_model_from_safe_tensors`), or with --model the HF folder given (its
 weights and tokenizer: a real model such as `distflow-jax convert`'s SmolLM2-135M-Instruct,
-which Tunix loads as its llama3 model; Llama without RoPE scaling, or Qwen2), with GRPO: 8 prompts x 4 samples (the
-same arithmetic prompts, 14-21 tokens), prompts of at most 32 tokens, 32 new tokens,
+which Tunix loads as its llama3 model; Llama without RoPE scaling, or Qwen2), with GRPO: 8
+prompts x 4 samples (the same arithmetic prompts, 14-21 tokens), prompts of at most 32 tokens, 32 new tokens,
 temperature 1, stop at EOS, KL to the reference (coef 0.001, so the reference pass runs on
 both sides), one PPO epoch, adamw lr 1e-4 with global-norm clip 1.0, token-mean loss, one
 optimizer update per step (ours accumulates micro-batches of grpo:tiny's
@@ -69,6 +69,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_common as bc  # noqa: E402
+import _tunix_side as ts  # noqa: E402
 
 TUNIX_SPEC = bc.TUNIX_SPEC
 DEFAULT_VENV = bc.DEFAULT_TUNIX_VENV
@@ -154,7 +155,6 @@ def write_inputs(workdir: str, args) -> dict:
     with open(os.path.join(model_dir, "config.json")) as f:
       cfg = ModelConfig.from_hf_dict(json.load(f))
     tok = Tokenizer.from_dir(model_dir)
-    import _tunix_side as ts
     model = ts.model_dict(cfg)  # raises where no Tunix model takes it
     about = (f"{os.path.basename(model_dir.rstrip('/'))} ({cfg.arch}, {cfg.num_layers} layers, "
              f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, {cfg.dtype}, its own weights)")
@@ -230,7 +230,8 @@ def print_table(stats: dict[str, dict], tunix: str = "tunix", out=None) -> None:
              _fmt_count(s["recompiles"]), s["rate_median"], s["rate_mean"]]
     if t:
       cells += [f"{s['rate_median'] / t['rate_median']:.2f}x",
-                f"{s['rate_mean'] / t['rate_mean']:.2f}x", f"{t['median_s'] / s['median_s']:.2f}x"]
+                f"{s['rate_mean'] / t['rate_mean']:.2f}x",
+                f"{t['median_s'] / s['median_s']:.2f}x"]
     table.row(*cells)
 
 
@@ -261,7 +262,6 @@ def main(argv=None) -> int:
   try:
     inputs = write_inputs(workdir, args)
   except (OSError, ValueError) as e:  # a --model folder that is not one both sides can load
-    import _tunix_side as ts
     raise SystemExit(f"bench_e2e: --model {args.model}: {ts.one_line(e)}") from None
   lo, hi = inputs["prompt_tokens"]
   print(f"GRPO {args.prompts} prompts x {args.n} samples, prompts of {lo}-{hi} tokens "
@@ -352,7 +352,8 @@ def ours_worker(inputs_path: str, variant: Variant) -> int:
       f"data.eval={inp['prompts']}", "trainer.eval_every=0",
       f"data.prompts_per_step={inp['prompts_per_step']}", f"rollout.n={inp['n']}",
       f"data.max_prompt_len={inp['prompt_len']}", f"rollout.prefill_buckets={buckets}",
-      f"rollout.max_new_tokens={inp['new']}", f"model.max_seq_len={inp['prompt_len'] + inp['new']}",
+      f"rollout.max_new_tokens={inp['new']}",
+      f"model.max_seq_len={inp['prompt_len'] + inp['new']}",
       f"rollout.max_concurrent_decodes={inp['prompts_per_step'] * inp['n']}",
       f"actor.optimizer.lr={inp['lr']}", f"actor.kl.coef={inp['kl_coef']}",
       f"trainer.total_steps={inp['steps']}", f"seed={inp['seed']}",

@@ -27,9 +27,10 @@ one.  `compile_counts()` exposes the jit cache sizes so tests can assert it.
 
 Placement: the engine runs on `mesh`, by default one replica over this host's local devices
 (`replica_mesh`): slots split over `data`, heads and hidden units over `tensor`.  Every
-output the host loop reads is replicated, so when a replica's mesh spans several hosts each of its processes reads the same values
-and takes the same decisions; those processes must then be given the same prompts
-(rollout/spanning.py pools them), and every call is a cross-host collective step.
+output the host loop reads is replicated, so when a replica's mesh spans several hosts each
+of its processes reads the same values and takes the same decisions; those processes must
+then be given the same prompts (rollout/spanning.py pools them), and every call is a
+cross-host collective step.
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.rollout import episodes
 from distflow_jax.rollout.backend import RolloutBackend, backend_factory
 from distflow_jax.rollout.engine import EngineConfig, replica_mesh
-from distflow_jax.rollout.engine_config import LoraSync
 from distflow_jax.rollout.sampling import SamplingParams
 from distflow_jax.rollout.spanning import SpanningReplica
 from distflow_jax.state import roles as roles_lib, vision as vision_lib, warm_shapes
@@ -187,21 +186,15 @@ class RunContext:
 
 def engine_config(cfg: ml_collections.ConfigDict, rollout: ml_collections.ConfigDict,
                   stop_ids, greedy: bool = False, stop_sequences=()) -> EngineConfig:
-  """The rollout replica's settings for these rollout settings (greedy: evaluation's)."""
-  sp = (SamplingParams(temperature=0.0) if greedy else
-        SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p,
-                       top_k=rollout.top_k))
-  return EngineConfig(max_concurrent_decodes=rollout.max_concurrent_decodes,
-                      prefill_buckets=tuple(rollout.prefill_buckets),
-                      max_new_tokens=rollout.max_new_tokens, stop_ids=tuple(stop_ids),
-                      stop_sequences=tuple(stop_sequences),
-                      # multi-turn episodes: the cache and the append programs (extend.py)
-                      episode_tokens=response_width(rollout) if rollout.get("env", "") else 0,
-                      sampling=sp, seed=cfg.seed, fixed_shapes=cfg.trainer.deterministic,
-                      decode_steps=rollout.decode_chunk,
-                      lora_sync=LoraSync(rollout.get("lora_sync", "merged")),
-                      fuse_projections=rollout.get("fuse_projections", "none"),
-                      cpu_compute=rollout.get("cpu_compute", "float32"))
+  """The rollout replica's settings for these rollout settings (greedy: evaluation's): the
+  section's own (``EngineConfig.from_config``) with the run's seed and deterministic mode and,
+  for multi-turn episodes, the cache and the append programs (extend.py)."""
+  conf = EngineConfig.from_config(rollout, stop_ids=stop_ids, seed=cfg.seed,
+                                  stop_sequences=stop_sequences)
+  return dataclasses.replace(
+      conf, fixed_shapes=cfg.trainer.deterministic,
+      episode_tokens=response_width(rollout) if rollout.get("env", "") else 0,
+      sampling=SamplingParams(temperature=0.0) if greedy else conf.sampling)
 
 
 def shared_prompt_group(cfg: ml_collections.ConfigDict, num_rows: int, num_shards: int) -> int:
