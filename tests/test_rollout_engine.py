@@ -38,10 +38,10 @@ def engine(sp=SamplingParams(0.0), slots=4, new=8, mesh=None, decode_steps=3, **
 _T = 32  # fixed length of the reference passes (causal: tokens after t do not change logits at t)
 
 
-@jax.jit
-def _full_logprobs(params, tokens_1xT):
+@functools.partial(jax.jit, static_argnames="temperature")
+def _full_logprobs(params, tokens_1xT, temperature=1.0):
   logits, _ = forward(GRAPHDEF, params, tokens_1xT, jnp.arange(_T)[None])
-  return jax.nn.log_softmax(logits[0].astype(jnp.float32), -1)
+  return jax.nn.log_softmax(logits[0].astype(jnp.float32) / temperature, -1)
 
 
 GRAPHDEF = nnx.split(Transformer(CFG, rngs=nnx.Rngs(0)))[0]
@@ -62,9 +62,10 @@ def full_forward_greedy(model, prompt, steps):
   return seq[len(prompt):]
 
 
-def teacher_forced_logprobs(model, prompt, response):
+def teacher_forced_logprobs(model, prompt, response, temperature=1.0):
   n = len(prompt)
-  logp = np.asarray(_full_logprobs(nnx.state(model), _padded(list(prompt) + list(response))))
+  logp = np.asarray(_full_logprobs(nnx.state(model), _padded(list(prompt) + list(response)),
+                                   temperature=temperature))
   return logp[np.arange(n - 1, n - 1 + len(response)), response]
 
 
@@ -86,14 +87,19 @@ def test_greedy_with_cache_equals_argmax_of_full_forwards():
 
 @pytest.mark.timeout(300)
 def test_sampled_logprobs_equal_teacher_forced_recomputation():
+  """At the sampling temperature (0.8, what the training passes read), untruncated; a
+  temperature-1 recomputation is not what the engine records."""
   model = peaky_model(1, sharpness=1.0)  # softer, so sampling varies
   eng = engine(SAMPLED)
   out = generate(eng, eng.load_params(model), PROMPTS[:3], n=2, rng=jax.random.key(5))
   for r in range(6):
     prompt = PROMPTS[out.prompt_index_R[r]]
     k = out.lengths_R[r]
-    want = teacher_forced_logprobs(model, prompt, out.tokens_RxN[r, :k].tolist())
+    toks = out.tokens_RxN[r, :k].tolist()
+    want = teacher_forced_logprobs(model, prompt, toks, temperature=SAMPLED.temperature)
     np.testing.assert_allclose(out.logprobs_RxN[r, :k], want, atol=1e-5, rtol=0)
+    t1 = teacher_forced_logprobs(model, prompt, toks)
+    assert np.abs(out.logprobs_RxN[r, :k] - t1).max() > 1e-3
     assert (out.logprobs_RxN[r, k:] == 0).all()
   assert (out.sampling_logprobs_RxN[out.mask_RxN] != out.logprobs_RxN[out.mask_RxN]).any()
 

@@ -84,18 +84,22 @@ def test_greedy_picks_argmax_and_returns_model_logprob():
   np.testing.assert_array_equal(np.asarray(slp), 0.0)
 
 
-def test_logprob_is_untruncated_temperature_one_and_sampling_logprob_is_not():
+def test_logprob_is_untruncated_at_the_temperature_and_sampling_logprob_is_truncated():
   rs = np.random.RandomState(1)
   x = rs.randn(64, 9).astype(np.float32)
   sp = SamplingParams(temperature=0.7, top_k=4, top_p=0.9)
   keys = request_keys(jax.random.key(3), jnp.arange(64))
   tok, lp, slp = (np.asarray(a) for a in sample(jnp.asarray(x), keys, jnp.zeros(64, jnp.int32), sp))
   rows = np.arange(64)
-  np.testing.assert_allclose(lp, _np_log_softmax(x)[rows, tok], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(lp, _np_log_softmax(x / 0.7)[rows, tok], rtol=1e-5, atol=1e-6)
   trunc = np.asarray(sampling_logits(jnp.asarray(x), sp))
   assert np.isfinite(trunc[rows, tok]).all(), "sampled a token outside top-k / top-p"
   np.testing.assert_allclose(slp, _np_log_softmax(trunc)[rows, tok], rtol=1e-5, atol=1e-6)
   assert (slp >= lp - 1e-6).mean() > 0.9  # truncation concentrates mass
+  # Without truncation the two are the same distribution's.
+  tok, lp, slp = (np.asarray(a) for a in sample(jnp.asarray(x), keys, jnp.zeros(64, jnp.int32),
+                                                 SamplingParams(temperature=0.7)))
+  np.testing.assert_allclose(lp, slp, rtol=1e-6, atol=1e-6)
 
 
 def test_sample_frequencies_match_tempered_softmax():

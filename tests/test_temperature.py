@@ -1,7 +1,7 @@
 """The training passes read the policy at the rollout's temperature (config/temperature.py):
-log-probs and entropy of softmax(logits / T), as verl and TRL compute them; at T != 1 the
-old log-probs are recomputed (the rollout's are temperature 1), and what cannot be right
-at T != 1 is refused in one line."""
+log-probs and entropy of softmax(logits / T), as verl and TRL compute them; the rollout
+records its log-probs at the same T, so they stand in for the old log-probs and are the
+behaviour policy of an off-policy correction at any temperature."""
 
 import json
 
@@ -54,32 +54,39 @@ def _train(tmp_path, *flags):
   return [json.loads(l) for l in open(run_dir / "metrics.jsonl")][-1]
 
 
-def test_a_step_at_temperature_05_recomputes_old_logprobs_at_it(tmp_path):
-  """At T = 0.5 the old log-probs are the logprob node's (not the rollout's temperature-1
-  ones) at T, so the one-epoch ratio is exactly 1: no clipping, no PPO KL."""
+def test_at_temperature_05_the_rollouts_logprobs_are_the_old_ones_at_it(tmp_path):
+  """At T = 0.5 the rollout's log-probs stand in for the old ones (no recompute) and the
+  one-epoch ratio against the trainer's pass at T is 1 to float rounding: no clipping, no
+  PPO KL.  Recomputed, they equal the rollout's to the engine's rounding."""
   m = _train(tmp_path, "--config.rollout.temperature=0.5")
-  assert "old_logprob_from_rollout" not in m, m
-  assert m["actor/pg_clipfrac"] == 0.0 and abs(m["actor/ppo_kl"]) < 1e-6, m
+  assert m["old_logprob_from_rollout"] == 1.0, m
+  assert m["actor/pg_clipfrac"] == 0.0 and abs(m["actor/ppo_kl"]) < 1e-5, m
+  again = _train(tmp_path / "again", "--config.rollout.temperature=0.5",
+                 "--config.actor.recompute_old_logprobs=True")
+  assert "old_logprob_from_rollout" not in again, again
+  assert again["off_policy/logprob_gap"] < 1e-4 and again["off_policy/logprob_gap_max"] < 1e-3
   one = _train(tmp_path / "t1", "--config.rollout.temperature=1.0")
-  assert one["old_logprob_from_rollout"] == 1.0  # at T = 1 the rollout's stand in, as before
+  assert one["old_logprob_from_rollout"] == 1.0
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["--config.rollout.temperature=0.7", "--config.actor.off_policy.correction=tis"],
-     "actor.off_policy.correction='tis' at rollout.temperature=0.7: the rollout records "
-     "temperature-1 log-probs"),
-    (["--config=NO_OLD", "--config.rollout.temperature=0.7"],
-     "rollout.temperature=0.7: node 'train_actor' (train.actor) needs the old log-probs at "
-     "that temperature"),
-])
-def test_what_training_at_another_temperature_cannot_do_is_refused(flags, needle, tmp_path,
-                                                                    capsys):
+def test_at_another_temperature_a_correction_and_a_dag_without_logprob_train(tmp_path):
+  """What was refused while the rollout recorded temperature-1 log-probs: an off-policy
+  correction (its behaviour policy is now the tempered distribution) and a DAG whose old
+  log-probs are the rollout's."""
+  m = _train(tmp_path, "--config.rollout.temperature=0.7",
+             "--config.actor.off_policy.correction=tis")
+  assert m["off_policy/logprob_gap"] < 1e-4 and abs(m["off_policy/is_weight_mean"] - 1) < 1e-4
   (tmp_path / "no_old.py").write_text(
       "from distflow_jax.config import loading\n\ndef get_config():\n"
       "  c = loading.load('grpo:tiny')\n"
       "  c.dag = [d for d in c.dag if d['id'] != 'old_logprob']\n"
       "  c.dag[-1] = dict(c.dag[-1], deps=['advantage', 'ref_logprob'])\n  return c\n")
-  flags = [f.replace("NO_OLD", str(tmp_path / "no_old.py")) for f in flags]
-  assert cli.main(["plan", *flags]) == 2
-  err = capsys.readouterr().err.strip()
-  assert len(err.splitlines()) == 1 and needle in err, err
+  from workflow_util import SMOKE
+  run_dir = tmp_path / "run_no_old"
+  assert cli.main(["train", f"--config={tmp_path / 'no_old.py'}",
+                   *(f"--config.{o}" for o in SMOKE), f"--config.run_dir={run_dir}",
+                   "--config.trainer.total_steps=1", "--config.data.prompts_per_step=8",
+                   "--config.rollout.n=2", "--config.actor.micro_batch_size=2",
+                   "--config.rollout.temperature=0.7"]) == 0
+  m = [json.loads(l) for l in open(run_dir / "metrics.jsonl")][-1]
+  assert m["actor/pg_clipfrac"] == 0.0 and abs(m["actor/ppo_kl"]) < 1e-5, m

@@ -3,7 +3,7 @@
 Three log-probs of each sampled response token y_t:
 
 * ``logp_mu``    the behaviour policy mu: the rollout engine's log-prob of the token as it
-  recorded it (temperature 1, untruncated).  Its kernels differ from the trainer's
+  recorded it (untruncated, at the sampling temperature, as the trainer's passes read it).  Its kernels differ from the trainer's
   (bfloat16, a decode cache, other attention), and in an asynchronous loop so may its
   weights (older versions);
 * ``logp_old``   the proximal / old policy pi_old: the trainer's own recomputed log-prob

@@ -38,13 +38,12 @@ def train_temperature(ctx: RunContext) -> float:
 
 
 def on_policy(ctx: RunContext) -> bool:
-  """One epoch over one mini-batch at temperature 1: the policy is still the one that
-  sampled, so the rollout's own log-probs (untruncated, temperature 1) are the old
-  log-probs -- unless an off-policy correction weighs the trainer's log-probs against them.
-  At another temperature the passes read softmax(logits / T), which the rollout's are not."""
+  """One epoch over one mini-batch: the policy is still the one that sampled, so the
+  rollout's own log-probs (untruncated, at the temperature the passes read) are the old
+  log-probs -- unless an off-policy correction weighs the trainer's log-probs against them."""
   actor = ctx.cfg.actor
   return (actor.ppo_epochs == 1 and actor.mini_batches == 1 and not actor.recompute_old_logprobs
-          and not corrects_off_policy(ctx) and train_temperature(ctx) == 1.0)
+          and not corrects_off_policy(ctx))
 
 
 def corrects_off_policy(ctx: RunContext) -> bool:

@@ -6,7 +6,7 @@
 
 A `RolloutBackend` syncs weights and generates `n` responses per prompt,
 returning a `RolloutResult` (`driver.Rollout`: tokens, mask, untruncated
-temperature-1 log-probs, sampling log-probs, lengths, stopped).  Request r
+log-probs at the sampling temperature, sampling log-probs, lengths, stopped).  Request r
 draws from `fold_in(rng, request_ids[r])` in every backend, so backends are
 interchangeable sample for sample (up to float rounding).
 

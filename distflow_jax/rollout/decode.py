@@ -47,7 +47,7 @@ class Prefix:
   logits_PxV: jax.Array   # float32 logits after each prompt's last real token
   lengths_P: jax.Array    # int32 true prompt lengths
   tokens_P: jax.Array     # int32 first sampled token of each row (JetStream's prefill result)
-  logprobs_P: jax.Array   # float32 its untruncated temperature-1 log-prob
+  logprobs_P: jax.Array   # float32 its untruncated log-prob at the sampling temperature
   keys_Px2: jax.Array     # uint32 the request key it was drawn with
 
 

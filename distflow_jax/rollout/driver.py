@@ -19,10 +19,10 @@ engine grows the cache to hold them.  With the default per-host replica each
 host generates its own prompts without any cross-host traffic.
 
 The response of a request is its sampled tokens up to and including the stop
-token (or `max_new_tokens` of them); `logprobs_RxN` are the untruncated
-temperature-1 log-probs (what a teacher-forced forward gives), the tempered
-truncated ones are `sampling_logprobs_RxN`.  Padding is `pad_id`, mask False
-and logprob 0.
+token (or `max_new_tokens` of them); `logprobs_RxN` are the untruncated log-probs at
+the sampling temperature (what a teacher-forced forward at that temperature gives;
+temperature 1 for greedy), the truncated ones are `sampling_logprobs_RxN`.  Padding is
+`pad_id`, mask False and logprob 0.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Rollout:
   prompt_index_R: np.ndarray     # int32: the prompt each row answers
   tokens_RxN: np.ndarray         # int32
   mask_RxN: np.ndarray           # bool: real response tokens
-  logprobs_RxN: np.ndarray       # float32: untruncated temperature-1 log-probs
+  logprobs_RxN: np.ndarray       # float32: untruncated, at the sampling temperature
   sampling_logprobs_RxN: np.ndarray  # float32: log-probs under the sampling distribution
   lengths_R: np.ndarray          # int32
   stopped_R: np.ndarray          # bool: ended on a stop token (else hit max_new_tokens)

@@ -1,11 +1,12 @@
 """Token sampling: greedy, temperature, top-k, top-p; per-request PRNG streams.
 
-The logprob returned for a sampled token is always its log-probability under
-the model's *untruncated, temperature-1* softmax, i.e. exactly what a
-teacher-forced forward pass over the same tokens gives.  RL losses compare the
-training policy against it, so it must not depend on the sampling knobs.  The
-log-probability under the (tempered, truncated) distribution actually sampled
-from is returned too, for importance corrections that need it.
+The logprob returned for a sampled token is its log-probability under the model's
+*untruncated* softmax at the sampling temperature, softmax(logits / T) (T = 1 for greedy):
+exactly what the training passes compute over the same tokens, since they read the policy
+at the rollout's temperature (config/temperature.py).  So the rollout's log-probs stand in
+for the old ones at any temperature, and they do not depend on top-k / top-p.  The
+log-probability under the truncated distribution actually sampled from is returned too,
+for importance corrections that need it.
 
 Randomness is per request, not per batch: token t of a request is drawn with
 `fold_in(request_key, t)`.  A request therefore samples the same tokens
@@ -44,6 +45,12 @@ class SamplingParams:
   @property
   def greedy(self) -> bool:
     return self.temperature == 0
+
+
+def logprob_temperature(sp: SamplingParams) -> float:
+  """The temperature of the recorded log-probs: the sampling one, 1 for greedy (what the
+  training passes read, ``config.response.pass_temperature``)."""
+  return 1.0 if sp.greedy else float(sp.temperature)
 
 
 def sampling_logits(logits_BxV: jax.Array, sp: SamplingParams) -> jax.Array:
@@ -110,12 +117,13 @@ def sample(logits_BxV: jax.Array, keys_Bx2: jax.Array, steps_B: jax.Array,
 
   `keys_Bx2` are per-request raw keys (`request_keys`), `steps_B` the index of
   the token being drawn in its request (the PRNG stream position).  Returns
-  `(tokens_B int32, logprob_B, sampling_logprob_B)`: the model's untruncated
-  temperature-1 log-prob of the token, and its log-prob under the tempered,
+  `(tokens_B int32, logprob_B, sampling_logprob_B)`: the token's untruncated log-prob at
+  the sampling temperature (`logprob_temperature`), and its log-prob under the tempered,
   truncated distribution it was drawn from (0 for greedy).
   """
   logits32 = logits_BxV.astype(jnp.float32)
-  logp_BxV = jax.nn.log_softmax(logits32, axis=-1)
+  t = logprob_temperature(sp)
+  logp_BxV = jax.nn.log_softmax(logits32 if t == 1.0 else logits32 / t, axis=-1)
   if sp.greedy:
     tokens_B = jnp.argmax(logits32, axis=-1).astype(jnp.int32)
     samp_lp_B = jnp.zeros(tokens_B.shape, jnp.float32)
