@@ -1,4 +1,4 @@
-"""Model configuration for the Llama / Qwen2 / Qwen3 decoder family.
+"""Model configuration for the Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder family.
 
 `ModelConfig` is a frozen, validated dataclass.  `PRESETS` is the one table
 of built-in architectures (`model.preset`, used when no `model.path` is
@@ -16,8 +16,11 @@ from typing import Any
 import jax.numpy as jnp
 
 from distflow_jax.models.lora_layer import LoraSpec
+from distflow_jax.models.moe import MoeSpec
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# Archs with Qwen3's per-head RMSNorm of queries and keys.
+_QK_NORM = ("qwen3", "qwen3_moe")
 DTYPES = ("float32", "bfloat16", "float16")
 REMATS = ("none", "full", "dots_saveable")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "einsum", "blockwise")
@@ -27,8 +30,9 @@ _HF_ARCH = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-_HF_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_HF_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
 _ARCH_TO_HF = {v: k for k, v in _HF_ARCH.items()}
 
 
@@ -84,10 +88,14 @@ class ModelConfig:
   # (q/k/v) and `gate_up_proj` (gate/up).  Never a checkpoint's or a trained model's; not
   # part of a `config.json`.
   fused_projections: tuple[str, ...] = ()
+  # Qwen3-MoE's experts (moe.py): the sparse layers' router and experts; None = dense.
+  moe: MoeSpec | None = None
 
   def __post_init__(self):
     if isinstance(self.lora, dict):  # a checkpoint's meta (dataclasses.asdict) read back
       object.__setattr__(self, "lora", LoraSpec(**self.lora))
+    if isinstance(self.moe, dict):
+      object.__setattr__(self, "moe", MoeSpec(**self.moe))
     if self.arch not in ARCHS:
       raise ValueError(f"ModelConfig.arch={self.arch!r} is unknown; valid: {ARCHS}")
     if self.dtype not in DTYPES:
@@ -107,6 +115,7 @@ class ModelConfig:
     if not set(self.fused_projections) <= {"qkv_proj", "gate_up_proj"}:
       raise ValueError(f"ModelConfig.fused_projections={self.fused_projections}: valid "
                        f"names are qkv_proj, gate_up_proj")
+    self._check_moe()
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"ModelConfig.num_heads={self.num_heads} must be a multiple of "
@@ -129,6 +138,22 @@ class ModelConfig:
                        f"(temporal, height, width) >= 0 summing to head_dim / 2 = "
                        f"{self.head_dim // 2}")
 
+  def _check_moe(self) -> None:
+    if (self.arch == "qwen3_moe") != (self.moe is not None):
+      raise ValueError(f"ModelConfig: arch={self.arch!r} with moe={self.moe}: experts "
+                       f"(moe) go with arch 'qwen3_moe' only, and it needs them")
+    if self.moe is None:
+      return
+    kinds = {self.moe.sparse(i) for i in range(self.num_layers)}
+    if self.scan_layers and len(kinds) > 1:
+      dense = [i for i in range(self.num_layers) if not self.moe.sparse(i)]
+      raise ValueError(f"ModelConfig.scan_layers=True needs every layer alike, and this "
+                       f"MoE model has dense layers {dense[:8]} beside sparse ones "
+                       f"(mlp_only_layers / decoder_sparse_step): set model.scan_layers=False")
+    if "gate_up_proj" in self.fused_projections and kinds != {False}:
+      raise ValueError("ModelConfig.fused_projections: gate_up_proj has no meaning for "
+                       "expert layers (each expert keeps its own gate and up)")
+
   @property
   def jnp_dtype(self) -> jnp.dtype:
     return jnp.dtype(self.dtype)
@@ -143,9 +168,10 @@ class ModelConfig:
       attn += q + 2 * kv
     if self.qk_norm:
       attn += 2 * dh
-    layer = attn + 3 * d * f + 2 * d
     emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
-    return self.num_layers * layer + emb + d
+    ffn = sum(self.moe.num_params(d) if self.moe is not None and self.moe.sparse(i)
+              else 3 * d * f for i in range(self.num_layers))
+    return self.num_layers * (attn + 2 * d) + ffn + emb + d
 
   def replace(self, **changes: Any) -> "ModelConfig":
     return dataclasses.replace(self, **changes)
@@ -156,7 +182,7 @@ class ModelConfig:
     return cls(arch=arch, vocab_size=vocab_size, hidden_size=192, intermediate_size=512,
                num_layers=3, num_heads=4, num_kv_heads=2, head_dim=48,
                rope_theta=10000.0, rms_norm_eps=1e-6, qkv_bias=arch == "qwen2",
-               qk_norm=arch == "qwen3", tie_embeddings=True,
+               qk_norm=arch in _QK_NORM, tie_embeddings=True,
                max_position_embeddings=1024, dtype="float32")
 
   @classmethod
@@ -209,10 +235,10 @@ class ModelConfig:
         head_dim=d.get("head_dim") or hidden // num_heads,
         rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+        qkv_bias=arch == "qwen2", qk_norm=arch in _QK_NORM,
         tie_embeddings=bool(d.get("tie_word_embeddings", arch != "llama")),
         max_position_embeddings=d.get("max_position_embeddings", 2048), dtype=dtype,
-        rope_llama3=llama3)
+        rope_llama3=llama3, moe=_moe_from_hf(d) if arch == "qwen3_moe" else None)
 
   def to_hf_dict(self, bos_token_id: int | None = None,
                  eos_token_id: int | None = None) -> dict[str, Any]:
@@ -244,13 +270,42 @@ class ModelConfig:
                            "high_freq_factor": high, "original_max_position_embeddings": orig}
     if self.arch == "qwen2":
       d.update(use_sliding_window=False)
-    if self.arch == "qwen3":
+    if self.arch in _QK_NORM:
       d.update(attention_bias=False, use_sliding_window=False)
+    if self.moe is not None:
+      m = self.moe
+      d.update(num_experts=m.num_experts, num_experts_per_tok=m.top_k,
+               moe_intermediate_size=m.intermediate_size, norm_topk_prob=m.norm_topk_prob,
+               decoder_sparse_step=m.sparse_step, mlp_only_layers=list(m.mlp_only_layers),
+               router_aux_loss_coef=m.router_aux_loss_coef, output_router_logits=False)
     if bos_token_id is not None:
       d["bos_token_id"] = bos_token_id
     if eos_token_id is not None:
       d["eos_token_id"] = eos_token_id
     return d
+
+
+def _moe_from_hf(d: dict[str, Any]) -> MoeSpec:
+  """A Qwen3-MoE config.json's experts (transformers' names; ``num_local_experts`` is the
+  alias transformers 5 writes)."""
+  if d.get("shared_expert_intermediate_size"):
+    raise ValueError("qwen3_moe: shared_expert_intermediate_size is set, but Qwen3-MoE has "
+                     "no shared expert (a Qwen2-MoE config?): not supported")
+  experts = d.get("num_experts", d.get("num_local_experts"))
+  for key, value in (("num_experts", experts),
+                     ("num_experts_per_tok", d.get("num_experts_per_tok")),
+                     ("moe_intermediate_size", d.get("moe_intermediate_size"))):
+    if value is None:
+      raise ValueError(f"qwen3_moe: config.json lacks {key!r}")
+  try:
+    return MoeSpec(num_experts=experts, top_k=d["num_experts_per_tok"],
+                   intermediate_size=d["moe_intermediate_size"],
+                   norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                   sparse_step=d.get("decoder_sparse_step", 1),
+                   mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+                   router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)))
+  except ValueError as e:
+    raise ValueError(f"qwen3_moe: {e}") from None
 
 
 # --------------------------------------------------------------------------

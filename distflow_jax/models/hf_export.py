@@ -23,7 +23,7 @@ from safetensors.numpy import save_file
 from distflow_jax import io_errors
 from distflow_jax.models import stacking
 from distflow_jax.models.heads import RewardModel
-from distflow_jax.models.hf_names import hf_name, reward_hf_name
+from distflow_jax.models.hf_names import expert_path, experts_path, hf_name, reward_hf_name
 from distflow_jax.models.sharding import path_str
 from distflow_jax.models.transformer import Transformer
 
@@ -45,8 +45,12 @@ def export_state_dict(model: nnx.Module, name_of: Callable[[str], tuple[str, boo
     layers = ([(stacking.layer_path(p, i), value[i]) for i in range(value.shape[0])]
               if stacking.stacked_path(p) else [(p, value)])
     for q, v in layers:
-      name, transposed = name_of(q)
-      out[name] = np.ascontiguousarray(v.T if transposed else v)
+      # A MoE experts parameter [E, ...] is written as its E per-expert tensors.
+      slices = ([(expert_path(q, e), v[e]) for e in range(v.shape[0])] if experts_path(q)
+                else [(q, v)])
+      for r, w in slices:
+        name, transposed = name_of(r)
+        out[name] = np.ascontiguousarray(w.T if transposed else w)
   return out
 
 

@@ -38,7 +38,7 @@ from distflow_jax.models.hf_export import (  # noqa: F401 (re-exported)
     export_state_dict, save_pretrained, save_reward_model)
 from distflow_jax.models.hf_files import (open_safetensors, read_config, read_reward_config,
                                          weight_files)
-from distflow_jax.models.hf_names import hf_name, reward_hf_name
+from distflow_jax.models.hf_names import expert_path, experts_path, hf_name, reward_hf_name
 from distflow_jax.models.sharding import Rules, no_sharding, path_str, spec_for
 from distflow_jax.models.transformer import Transformer
 
@@ -93,7 +93,7 @@ def _load_module(path: Path, make: Callable[[], nnx.Module],
       stacked = stacking.stacked_path(p)
       paths = [stacking.layer_path(p, i) for i in range(aval.shape[0])] if stacked else [p]
       shape = aval.shape[1:] if stacked else aval.shape
-      readers = [_tensor_reader(where, files, path, q, name_of(q), shape, aval.dtype, used)
+      readers = [_param_reader(where, files, path, q, name_of, shape, aval.dtype, used)
                  for q in paths]
       sharding = (SingleDeviceSharding(jax.local_devices()[0]) if mesh is None else
                   NamedSharding(mesh, spec_for(p, aval.shape, rules, mesh)))
@@ -112,6 +112,18 @@ def _load_module(path: Path, make: Callable[[], nnx.Module],
       raise ModelFileError(f"unexpected tensor(s) {extra[:8]} in {path} for {what} "
                            f"(wrong config.json?)")
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _param_reader(where: dict, files: Sequence[Path], folder: Path, p: str,
+                  name_of: Callable[[str], tuple[str, bool]], shape: tuple, dtype: Any,
+                  used: set) -> Callable[[tuple], np.ndarray]:
+  """A reader of index slices of parameter `p` (loop layout): one tensor's, or for a MoE
+  experts parameter `[E, ...]` the stack of its E per-expert tensors (hf_names)."""
+  if not experts_path(p):
+    return _tensor_reader(where, files, folder, p, name_of(p), shape, dtype, used)
+  experts = [_tensor_reader(where, files, folder, q, name_of(q), shape[1:], dtype, used)
+             for q in (expert_path(p, e) for e in range(shape[0]))]
+  return lambda index: np.stack([experts[e](index[1:]) for e in range(shape[0])[index[0]]])
 
 
 def _tensor_reader(where: dict, files: Sequence[Path], folder: Path, p: str,

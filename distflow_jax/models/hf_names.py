@@ -9,9 +9,14 @@ Parameter path -> HF tensor name (kernels are stored transposed, `[out, in]`):
     layers/i/attn/{q,k}_norm/scale       model.layers.i.self_attn.{q,k}_norm.weight
     layers/i/post_attn_norm/scale        model.layers.i.post_attention_layernorm.weight
     layers/i/mlp/{gate,up,down}_proj/kernel  model.layers.i.mlp.{...}_proj.weight
+    layers/i/mlp/gate/kernel             model.layers.i.mlp.gate.weight (a MoE router)
+    layers/i/mlp/experts/{gate,up,down}_proj [E, ...]
+                                         model.layers.i.mlp.experts.{e}.{...}_proj.weight
     final_norm/scale                     model.norm.weight
     lm_head/kernel                       lm_head.weight
 
+An expert parameter is read from, and written as, its E per-expert tensors
+(`expert_path`: the virtual path `layers/i/mlp/experts/{e}/gate_proj` of expert e's slice).
 A `RewardModel`'s (`*ForSequenceClassification`) are its backbone's plus `score.weight`.
 With `scan_layers` a `layers/...` parameter is stacked `[L, ...]` (stacking.py): hf_io
 reads it from, and hf_export writes it as, the L tensors `model.layers.{i}.*`.
@@ -19,14 +24,35 @@ reads it from, and hf_export writes it as, the L tensors `model.layers.{i}.*`.
 
 from __future__ import annotations
 
+import re
+
 _RENAMES = (("input_norm/scale", "input_layernorm.weight"),
             ("post_attn_norm/scale", "post_attention_layernorm.weight"),
             ("attn/", "self_attn."), ("/kernel", ".weight"), ("/scale", ".weight"),
             ("/bias", ".bias"))
 
 
+# An experts parameter [E, ...] (models/moe.py), and the virtual path of one expert's slice.
+_EXPERTS = re.compile(r"^(?P<head>.*/mlp/experts/)(?P<w>(gate|up|down)_proj)$")
+_EXPERT = re.compile(r"^(?P<head>.*/mlp/experts/)(?P<e>\d+)/(?P<w>(gate|up|down)_proj)$")
+
+
+def experts_path(path: str) -> bool:
+  """Whether ``path`` (loop layout) is an experts parameter, stacked on an expert axis."""
+  return _EXPERTS.match(path) is not None
+
+
+def expert_path(path: str, e: int) -> str:
+  """The virtual path of expert ``e``'s slice of experts parameter ``path``."""
+  m = _EXPERTS.match(path)
+  return f"{m['head']}{e}/{m['w']}"
+
+
 def hf_name(path: str) -> tuple[str, bool]:
   """(HF tensor name, stored transposed?) of one of our parameter paths."""
+  m = _EXPERT.match(path)
+  if m:  # one expert's [D, I] / [I, D] slice: nn.Linear's [out, in] in the file
+    return f"model.{m['head'].replace('/', '.')}{m['e']}.{m['w']}.weight", True
   if path == "embed/embedding":
     return "model.embed_tokens.weight", False
   if path == "final_norm/scale":

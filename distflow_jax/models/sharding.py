@@ -53,6 +53,9 @@ def fsdp_tp_rules() -> Rules:
       (r".*attn/o_proj/kernel", P("tensor", "fsdp")),          # [H*Dh, D]
       (r".*mlp/(gate|up|gate_up)_proj/kernel", P("fsdp", "tensor")),   # [D, F]
       (r".*mlp/down_proj/kernel", P("tensor", "fsdp")),        # [F, D]
+      (r".*mlp/gate/kernel", P("fsdp", None)),                 # [D, E] a MoE router
+      (r".*mlp/experts/(gate|up)_proj", P(None, "fsdp", "tensor")),   # [E, D, I]
+      (r".*mlp/experts/down_proj", P(None, "tensor", "fsdp")),        # [E, I, D]
       (r"(.*/)?value_head/kernel", P("fsdp", None)),           # [D, 1]
       (r".*", P()),                                            # norms, value bias
   )

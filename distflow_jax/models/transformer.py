@@ -1,4 +1,4 @@
-"""Decoder-only transformer (Llama / Qwen2 / Qwen3) in Flax NNX, with a KV cache.
+"""Decoder-only transformer (Llama / Qwen2 / Qwen3 / Qwen3-MoE) in Flax NNX, with a KV cache.
 
 Masking is done with explicit positions, never by token index, so left
 padding, right padding and per-row lengths are all the same case:
@@ -60,7 +60,8 @@ axis (stacking.py) and runs the cache-less calls (plain, `return_kv`, `prefix`) 
 cache still runs layer by layer.  `remat` rematerialises each layer of the cache-less
 calls; `attention_impl` picks the multi-token attention (attention.py).
 
-The pieces, by job: layers.py (RMSNorm, MLP, linear layers), attention.py
+The pieces, by job: layers.py (RMSNorm, MLP, linear layers), moe.py (the experts of a
+sparse layer), attention.py
 (RoPE, masked and decode attention), kv_cache.py (the cache and how a call
 writes, records or reads a prefix of it); here the stack and `forward`.
 """
@@ -81,17 +82,20 @@ from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.kv_cache import (CacheWriter, KVCache, KVRecorder, PrefixReader,  # noqa: F401
                                           cache_insert, init_cache, positions_from_mask)
 from distflow_jax.models.layers import INIT, MLP, RMSNorm, linear
+from distflow_jax.models.moe import MoE
 
 # model.remat -> the jax.checkpoint policy of each layer (None: save only its input).
 _REMAT_POLICIES = {"full": None, "dots_saveable": jax.checkpoint_policies.dots_saveable}
 
 
 class Block(nnx.Module):
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, index: int = 0):
     self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
     self.attn = Attention(cfg, rngs)
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
-    self.mlp = MLP(cfg, rngs)
+    # Layer `index`'s feed-forward: the experts where the config's MoE makes it sparse.
+    self.mlp = (MoE(cfg.moe, cfg.hidden_size, cfg.jnp_dtype, INIT, rngs)
+                if cfg.moe is not None and cfg.moe.sparse(index) else MLP(cfg, rngs))
 
   def __call__(self, x, positions_BxT, key_pos_BxS, writer, segment_ids_BxT=None,
                rope: RopeTable | None = None):
@@ -107,7 +111,7 @@ class Transformer(nnx.Module):
     self.cfg = cfg
     self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype,
                            param_dtype=cfg.jnp_dtype, embedding_init=INIT, rngs=rngs)
-    blocks = [Block(cfg, rngs) for _ in range(cfg.num_layers)]
+    blocks = [Block(cfg, rngs, i) for i in range(cfg.num_layers)]
     # Stacked (one Block, leading layer axis) under scan_layers: see stacking.py.
     self.layers = stacking.stack_modules(blocks) if cfg.scan_layers else nnx.List(blocks)
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)

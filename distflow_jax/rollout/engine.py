@@ -12,8 +12,7 @@ with JetStream where that package imports.  Beyond the API:
   decides between calls whether to go on);
 * `prefill_insert` prefills several prompts and starts many slots from them in one call
   (the n samples of a prompt share its prefill);
-* results carry per-token logprobs under the untruncated softmax at the sampling
-  temperature (see `sampling`), plus the sampling distribution's;
+* results carry per-token logprobs at the sampling temperature, untruncated, and truncated;
 * on CPU devices a 16-bit model is held and computed in float32 (`compute_dtype`,
   engine_config.CpuCompute).
 

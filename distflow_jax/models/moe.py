@@ -1,0 +1,125 @@
+"""Mixture-of-experts feed-forward (Qwen3-MoE): a router, top-k experts, dropless dispatch.
+
+    spec = MoeSpec(num_experts=8, top_k=2, intermediate_size=64)
+    cfg = ModelConfig(arch="qwen3_moe", ..., moe=spec)   # its sparse layers get a `MoE`
+
+Each token's router logits (``mlp/gate``, ``[D, E]``) go through a float32 softmax; the
+token takes its ``top_k`` most probable experts, weighted by their probabilities
+(renormalised to sum to 1 when ``norm_topk_prob``), as transformers' Qwen3-MoE does.
+Dispatch is dropless, with no capacity factor: the ``N x top_k`` (token, expert)
+assignments are sorted by expert and each expert's rows run through its own SwiGLU with
+``jax.lax.ragged_dot`` (a grouped matmul over the contiguous groups), then the outputs
+are put back in token order and summed with the routing weights.  Every assignment is
+computed, whatever the experts' load.
+
+Parameters (HF names in hf_names): ``mlp/gate/kernel`` ``[D, E]`` (``mlp.gate.weight``)
+and ``mlp/experts/{gate,up}_proj`` ``[E, D, I]``, ``mlp/experts/down_proj`` ``[E, I, D]``,
+each expert's slice stored as ``mlp.experts.{e}.{gate,up,down}_proj.weight``.
+
+Which layers are sparse: ``MoeSpec.sparse(i)`` -- not in ``mlp_only_layers`` and
+``(i + 1) % sparse_step == 0`` (HF's ``mlp_only_layers`` / ``decoder_sparse_step``);
+the others keep the dense MLP of ``ModelConfig.intermediate_size``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeSpec:
+  """The experts of a Qwen3-MoE model (its config.json's names in ``ModelConfig``)."""
+  num_experts: int
+  top_k: int
+  intermediate_size: int
+  norm_topk_prob: bool = True
+  sparse_step: int = 1
+  mlp_only_layers: tuple[int, ...] = ()
+  # Kept for the config.json round trip; the training's own coefficient is a train option.
+  router_aux_loss_coef: float = 0.001
+
+  def __post_init__(self):
+    for name in ("num_experts", "top_k", "intermediate_size", "sparse_step"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"MoE: {name}={value!r} must be a positive int")
+    if self.top_k > self.num_experts:
+      raise ValueError(f"MoE: num_experts_per_tok={self.top_k} is above num_experts="
+                       f"{self.num_experts}: a token cannot take more experts than there are")
+    layers = tuple(self.mlp_only_layers)
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
+      raise ValueError(f"MoE: mlp_only_layers={list(layers)} must be layer indices >= 0")
+    object.__setattr__(self, "mlp_only_layers", layers)
+
+  def sparse(self, layer: int) -> bool:
+    """Whether layer ``layer`` (0-based) has experts, as transformers decides it."""
+    return layer not in self.mlp_only_layers and (layer + 1) % self.sparse_step == 0
+
+  def num_params(self, hidden_size: int) -> int:
+    """A sparse layer's feed-forward parameters: the router and every expert."""
+    return hidden_size * self.num_experts * (1 + 3 * self.intermediate_size)
+
+
+def route(h_NxD: jax.Array, router_DxE: jax.Array, spec: MoeSpec
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(weights_NxK in h's dtype, experts_NxK int32, router logits_NxE)``: each token's
+  ``top_k`` experts by float32 softmax probability, weights renormalised where
+  ``spec.norm_topk_prob``."""
+  logits_NxE = h_NxD @ router_DxE
+  probs = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
+  weights, experts = jax.lax.top_k(probs, spec.top_k)
+  if spec.norm_topk_prob:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return weights.astype(h_NxD.dtype), experts.astype(jnp.int32), logits_NxE
+
+
+def experts_ffn(h_NxD: jax.Array, weights_NxK: jax.Array, experts_NxK: jax.Array,
+                gate_ExDxI: jax.Array, up_ExDxI: jax.Array, down_ExIxD: jax.Array
+                ) -> jax.Array:
+  """``sum_k weights[n, k] * SwiGLU_{experts[n, k]}(h[n])``, ``[N, D]``: the assignments
+  sorted by expert (stable, so a token's order is kept within its expert), one grouped
+  matmul per projection over the experts' contiguous rows, then back in token order."""
+  n, k = experts_NxK.shape
+  num_experts = gate_ExDxI.shape[0]
+  flat = experts_NxK.reshape(-1)
+  order = jnp.argsort(flat, stable=True)                       # assignment -> sorted slot
+  rows = order // k                                            # the token of each slot
+  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  x = h_NxD[rows]
+  gate = jax.lax.ragged_dot(x, gate_ExDxI, sizes)
+  up = jax.lax.ragged_dot(x, up_ExDxI, sizes)
+  y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_ExIxD, sizes)
+  unsort = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
+  y_NxKxD = y[unsort].reshape(n, k, -1)
+  return jnp.einsum("nkd,nk->nd", y_NxKxD, weights_NxK.astype(y.dtype))
+
+
+class Experts(nnx.Module):
+  """Every expert's SwiGLU weights, stacked on a leading expert axis."""
+
+  def __init__(self, num_experts: int, d: int, f: int, dtype, init, rngs: nnx.Rngs):
+    self.gate_proj = nnx.Param(init(rngs.params(), (num_experts, d, f), dtype))
+    self.up_proj = nnx.Param(init(rngs.params(), (num_experts, d, f), dtype))
+    self.down_proj = nnx.Param(init(rngs.params(), (num_experts, f, d), dtype))
+
+
+class MoE(nnx.Module):
+  """A sparse layer's feed-forward: the router (``gate``) and the experts."""
+
+  def __init__(self, spec: MoeSpec, d: int, dtype, init, rngs: nnx.Rngs):
+    self.spec = spec
+    self.gate = nnx.Linear(d, spec.num_experts, use_bias=False, dtype=dtype,
+                           param_dtype=dtype, kernel_init=init, rngs=rngs)
+    self.experts = Experts(spec.num_experts, d, spec.intermediate_size, dtype, init, rngs)
+
+  def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+    b, t, d = x_BxTxD.shape
+    h = x_BxTxD.reshape(b * t, d)
+    weights, experts, _ = route(h, self.gate.kernel[...], self.spec)
+    e = self.experts
+    y = experts_ffn(h, weights, experts, e.gate_proj[...], e.up_proj[...], e.down_proj[...])
+    return y.reshape(b, t, d).astype(x_BxTxD.dtype)
