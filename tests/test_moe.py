@@ -40,7 +40,8 @@ def _expert_weights(e=6, d=16, f=24, seed=0):
           0.3 * jax.random.normal(ks[2], (e, f, d)))
 
 
-def test_dispatch_equals_a_dense_per_expert_reference():
+@pytest.mark.parametrize("impl", ["ragged_dot", "blocked"])
+def test_dispatch_equals_a_dense_per_expert_reference(impl):
   gate, up, down = _expert_weights()
   h = jax.random.normal(jax.random.key(1), (40, 16))
   spec = moe.MoeSpec(num_experts=6, top_k=2, intermediate_size=24)
@@ -57,12 +58,20 @@ def test_dispatch_equals_a_dense_per_expert_reference():
   probs = jax.nn.softmax(logits, -1)
   assert (np.take_along_axis(np.asarray(probs), np.asarray(experts), -1)
           >= np.sort(np.asarray(probs), -1)[:, -2:-1] - 1e-7).all()  # the two largest
-  got = moe.experts_ffn(h, weights, experts, gate, up, down)
+  got = moe.experts_ffn(h, weights, experts, gate, up, down, impl)
   np.testing.assert_allclose(got, _dense_reference(h, weights, np.asarray(experts), gate, up,
                                                    down), rtol=2e-5, atol=2e-5)
+  # Every assignment to one expert, and fewer tokens than experts.
+  for experts in (jnp.full((40, 2), 3, jnp.int32).at[:, 1].set(0),
+                  jnp.asarray([[4, 1], [1, 2], [0, 5]], jnp.int32)):
+    hh, ww = h[:experts.shape[0]], weights[:experts.shape[0]]
+    got = moe.experts_ffn(hh, ww, experts, gate, up, down, impl)
+    np.testing.assert_allclose(got, _dense_reference(hh, ww, np.asarray(experts), gate, up,
+                                                     down), rtol=2e-5, atol=2e-5)
 
 
-def test_dispatch_gradients_equal_the_dense_reference():
+@pytest.mark.parametrize("impl", ["ragged_dot", "blocked"])
+def test_dispatch_gradients_equal_the_dense_reference(impl):
   gate, up, down = _expert_weights(seed=3)
   h = jax.random.normal(jax.random.key(4), (24, 16))
   spec = moe.MoeSpec(num_experts=6, top_k=3, intermediate_size=24)
@@ -77,7 +86,7 @@ def test_dispatch_gradients_equal_the_dense_reference():
 
   def grouped(h, router, gate, up, down):
     weights, experts, _ = moe.route(h, router, spec)
-    return jnp.sum(moe.experts_ffn(h, weights, experts, gate, up, down) ** 2)
+    return jnp.sum(moe.experts_ffn(h, weights, experts, gate, up, down, impl) ** 2)
 
   args = (h, router, gate, up, down)
   want = jax.grad(dense, argnums=range(5))(*args)

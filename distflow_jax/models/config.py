@@ -317,6 +317,10 @@ PRESETS: dict[str, Callable[[int], ModelConfig]] = {
     # The default run's model: ~1.2 M parameters, Qwen2-shaped.
     "tiny": lambda vocab_size: ModelConfig.tiny(vocab_size=vocab_size),
     # One small layer: for smoke tests of the whole workflow, compiles in seconds.
+    # The tiny model's shape with experts (Qwen3-MoE): 8 experts of 128, top 2, every layer.
+    "tiny_moe": lambda vocab_size: ModelConfig.tiny(vocab_size=vocab_size).replace(
+        arch="qwen3_moe", qkv_bias=False, qk_norm=True,
+        moe=MoeSpec(num_experts=8, top_k=2, intermediate_size=128)),
     "micro": lambda vocab_size: ModelConfig(
         arch="qwen2", vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True),

@@ -7,8 +7,9 @@ Each token's router logits (``mlp/gate``, ``[D, E]``) go through a float32 softm
 token takes its ``top_k`` most probable experts, weighted by their probabilities
 (renormalised to sum to 1 when ``norm_topk_prob``), as transformers' Qwen3-MoE does.
 Dispatch is dropless, with no capacity factor: the ``N x top_k`` (token, expert)
-assignments are sorted by expert and each expert's rows run through its own SwiGLU with
-``jax.lax.ragged_dot`` (a grouped matmul over the contiguous groups), then the outputs
+assignments are sorted by expert and each expert's rows run through its own SwiGLU --
+with ``jax.lax.ragged_dot`` (a grouped matmul over the contiguous groups) on GPU and TPU,
+or on a CPU in blocks padded per expert (``experts_ffn``'s ``impl``) -- then the outputs
 are put back in token order and summed with the routing weights.  Every assignment is
 computed, whatever the experts' load.
 
@@ -28,6 +29,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from distflow_jax.models import target as target_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,24 +81,74 @@ def route(h_NxD: jax.Array, router_DxE: jax.Array, spec: MoeSpec
 
 
 def experts_ffn(h_NxD: jax.Array, weights_NxK: jax.Array, experts_NxK: jax.Array,
-                gate_ExDxI: jax.Array, up_ExDxI: jax.Array, down_ExIxD: jax.Array
-                ) -> jax.Array:
-  """``sum_k weights[n, k] * SwiGLU_{experts[n, k]}(h[n])``, ``[N, D]``: the assignments
-  sorted by expert (stable, so a token's order is kept within its expert), one grouped
-  matmul per projection over the experts' contiguous rows, then back in token order."""
+                gate_ExDxI: jax.Array, up_ExDxI: jax.Array, down_ExIxD: jax.Array,
+                impl: str = "auto") -> jax.Array:
+  """``sum_k weights[n, k] * SwiGLU_{experts[n, k]}(h[n])``, ``[N, D]``, every assignment
+  computed (dropless).  ``impl``: ``ragged_dot`` (one grouped matmul per projection over
+  the experts' contiguous rows: a kernel on GPU and TPU, but XLA:CPU runs it as every
+  expert on every row, masked), ``blocked`` (each expert's rows padded to whole blocks, one
+  batched matmul over the blocks: about the routed FLOPs on any device) or ``auto``
+  (blocked on a CPU target, else ragged_dot).  The same sums either way."""
+  if impl == "auto":
+    impl = "blocked" if target_lib.current().platform is target_lib.Platform.CPU else "ragged_dot"
+  if impl not in IMPLS:
+    raise ValueError(f"moe: impl={impl!r} is unknown; valid: auto, {', '.join(IMPLS)}")
   n, k = experts_NxK.shape
-  num_experts = gate_ExDxI.shape[0]
   flat = experts_NxK.reshape(-1)
-  order = jnp.argsort(flat, stable=True)                       # assignment -> sorted slot
-  rows = order // k                                            # the token of each slot
-  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-  x = h_NxD[rows]
-  gate = jax.lax.ragged_dot(x, gate_ExDxI, sizes)
-  up = jax.lax.ragged_dot(x, up_ExDxI, sizes)
-  y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_ExIxD, sizes)
-  unsort = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
-  y_NxKxD = y[unsort].reshape(n, k, -1)
+  order = jnp.argsort(flat, stable=True)                       # sorted slot -> assignment
+  y = IMPLS[impl](h_NxD, flat, order, k, gate_ExDxI, up_ExDxI, down_ExIxD)
+  y_NxKxD = y.reshape(n, k, -1)                                # back in assignment order
   return jnp.einsum("nkd,nk->nd", y_NxKxD, weights_NxK.astype(y.dtype))
+
+
+def _unsort(order: jax.Array) -> jax.Array:
+  """The inverse permutation of ``order``: assignment -> its sorted slot."""
+  return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
+def _ragged(h, flat, order, k, gate, up, down):
+  """Each assignment's expert output, ``[N * K, D]`` in assignment order (ragged_dot)."""
+  sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
+  x = h[order // k]                                            # the token of each slot
+  g = jax.lax.ragged_dot(x, gate, sizes)
+  y = jax.lax.ragged_dot(jax.nn.silu(g) * jax.lax.ragged_dot(x, up, sizes), down, sizes)
+  return y[_unsort(order)]
+
+
+def block_rows(assignments: int, num_experts: int) -> int:
+  """The block size of the ``blocked`` dispatch: a power of two near an expert's even
+  share of the assignments, 8 to 128 (the padding is at most one block per expert)."""
+  share = max(1, assignments // num_experts)
+  return int(min(128, max(8, 1 << (share.bit_length() - 1))))
+
+
+def _blocked(h, flat, order, k, gate, up, down):
+  """Each assignment's expert output, ``[N * K, D]`` in assignment order: expert e's
+  sorted rows padded to a whole number of ``block_rows`` blocks, each block multiplied by
+  its own expert's weights (one batched matmul), padding rows zero and dropped."""
+  m, num_experts = flat.shape[0], gate.shape[0]
+  b = block_rows(m, num_experts)
+  blocks = -(-(m + num_experts * (b - 1)) // b)                # static: the most it can need
+  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  padded = -(-sizes // b) * b
+  start_p = jnp.cumsum(padded) - padded                        # each expert's first padded row
+  start = jnp.cumsum(sizes) - sizes
+  e_sorted = flat[order]
+  dest = start_p[e_sorted] + jnp.arange(m, dtype=jnp.int32) - start[e_sorted]
+  token = jnp.full((blocks * b,), h.shape[0], jnp.int32).at[dest].set(order // k)
+  x = jnp.concatenate([h, jnp.zeros((1, h.shape[1]), h.dtype)])[token]
+  x = x.reshape(blocks, b, -1)
+  # The expert of each block: the one whose padded range holds its first row (blocks past
+  # the last expert's take it too, over zero rows).
+  block_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(blocks) * b,
+                                              side="right"), num_experts - 1)
+  g = jnp.einsum("nbd,ndi->nbi", x, gate[block_expert])
+  u = jnp.einsum("nbd,ndi->nbi", x, up[block_expert])
+  y = jnp.einsum("nbi,nid->nbd", jax.nn.silu(g) * u, down[block_expert])
+  return y.reshape(blocks * b, -1)[dest[_unsort(order)]]
+
+
+IMPLS = {"ragged_dot": _ragged, "blocked": _blocked}
 
 
 class Experts(nnx.Module):
