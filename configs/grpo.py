@@ -3,7 +3,7 @@
   distflow-jax plan  --config=configs/grpo.py:tiny
   distflow-jax train --config=configs/grpo.py:tiny --config.actor.optimizer.lr=1e-5
 Variants: ``tiny`` (CPU, built-in task and model), ``tiny_lora`` (the same training LoRA
-adapters), ``qwen0.5b`` (a local
+adapters), ``tiny_moe`` (the same on a mixture-of-experts model, Qwen3-MoE), ``qwen0.5b`` (a local
 Qwen2.5-0.5B-Instruct and GSM8K JSONL; set --config.model.path and
 --config.data.train), ``llama1b`` (the same with a local Llama-3.2-1B-Instruct), ``smollm2``
 (the real SmolLM2-135M-Instruct, converted from its package by ``distflow-jax convert``, on
@@ -163,6 +163,13 @@ def get_config(arg: str = "tiny"):
     c.name = "grpo-tiny_env"
     c.run_dir = "runs/grpo_tiny_env"
     c.dag = [dict(d, fn="reward.env") if d["fn"] == "reward.math" else dict(d) for d in DAG]
+  elif arg == "tiny_moe":
+    # The default run on the tiny model's shape with experts (Qwen3-MoE, models/moe.py):
+    # 8 experts of width 128 in every layer, each token routed to 2.
+    c = get_config("tiny")
+    c.name = "grpo-tiny_moe"
+    c.run_dir = "runs/grpo_tiny_moe"
+    c.model.preset = "tiny_moe"
   elif arg == "tiny_lora":
     # The default run training rank-8 LoRA adapters on every projection instead of the
     # whole model (models/lora.py); the reference is the base, adapters off.  The adapters
@@ -175,6 +182,6 @@ def get_config(arg: str = "tiny"):
     c.model.lora.alpha = 16.0
     c.actor.optimizer.lr = 1e-3
   else:
-    raise ValueError(f"unknown variant {arg!r} of grpo.py; valid: tiny, tiny_lora, tiny_env, qwen0.5b, "
-                     f"llama1b, smollm2, smollm2_lora, calc, calc_notool")
+    raise ValueError(f"unknown variant {arg!r} of grpo.py; valid: tiny, tiny_lora, tiny_moe, "
+                     f"tiny_env, qwen0.5b, llama1b, smollm2, smollm2_lora, calc, calc_notool")
   return c

@@ -264,6 +264,11 @@ def check(spec: LoraSpec, cfg: ModelConfig) -> None:
                       f"model; targetable: {list(TARGETABLE)} (fnmatch over the short name or "
                       f"the full name, e.g. 'model.layers.0.self_attn.q_proj')")
   first = spec.targets_in_layer(0)
+  ffn = [t for t in first if t.endswith(("gate_proj", "up_proj", "down_proj"))]
+  if cfg.moe is not None and ffn:
+    raise LoraError(f"model.lora.targets={list(spec.targets)} adapts {ffn}, and a MoE "
+                    f"model's feed-forward is its experts, which take no adapters yet; "
+                    f"target the attention only (q_proj, k_proj, v_proj, o_proj)")
   for i in range(1, cfg.num_layers):
     if spec.targets_in_layer(i) != first:
       raise LoraError(f"model.lora.targets={list(spec.targets)} adapts {list(first)} in layer "
