@@ -50,7 +50,7 @@ def _assert_all_lower(rows):
 # default_run_s_rollout checks it), so grpo:tiny's lowering covers it.
 TINY = [("grpo:tiny", ()), ("ppo:tiny", ()), ("reinforce_pp_two_rewards:tiny", ()),
         ("grpo_vl:tiny", ()), ("grpo:tiny_lora", ("model.lora.dropout=0.05",)),
-        ("grpo:tiny_lora", ("rollout.lora_sync=adapters",))] + [
+        ("grpo:tiny_lora", ("rollout.lora_sync=adapters",)), ("grpo:tiny_moe", ())] + [
     (f"algorithms:{v}", ()) for v in ("ppo", "drgrpo", "rloo", "reinforce_pp_baseline",
                                       "dapo", "gspo")]
 # The sections a run's set-up, warm start and rollout programs are built from: a variant
@@ -104,6 +104,11 @@ def test_shipped_tiny_configs_lower_for_h100(spec, overrides):
   rollout = ({"next_token", "vision_tower"} if spec.startswith("grpo_vl")
              else {"decode", "prefill_insert"})
   assert (set() if shared else rollout) | {"train_step", "checksum"} <= names, names
+  if spec == "grpo:tiny_moe":  # the experts' grouped matmul is XLA's ragged dot on a GPU
+    train = [p for p in cat.programs if p.name.startswith("train_step")][0]
+    with target_lib.lowering_for(H100):
+      text = train.trace().lower(lowering_platforms=("cuda",)).as_text()
+    assert "ragged_dot" in text, "the experts' matmuls are not XLA's ragged dot"
 
 
 def test_algorithm_variants_share_the_default_run_s_rollout():

@@ -30,6 +30,10 @@ SMALL = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=
              hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1e4,
              tie_word_embeddings=True, max_position_embeddings=128, torch_dtype="float32")
+# The same with 8 experts of 64, top 2 (Qwen3-MoE): experts, router and dispatch buffers.
+SMALL_MOE = dict(SMALL, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                 norm_topk_prob=True)
 COMMON = ["--config=configs/grpo.py:tiny", "--config.model.warmstart.steps=0",
           "--config.data.prompts_per_step=8", "--config.actor.micro_batch_size=4",
           "--config.rollout.max_concurrent_decodes=16"]
@@ -105,10 +109,14 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("mesh", ["fsdp", "data"])
-def test_figures_are_the_compiled_steps_and_analytic_is_close(config_only, tmp_path, mesh):
+@pytest.mark.parametrize("mesh,shape", [("fsdp", "dense"), ("data", "dense"), ("fsdp", "moe")])
+def test_figures_are_the_compiled_steps_and_analytic_is_close(config_only, tmp_path, mesh,
+                                                              shape):
   script = tmp_path / "probe.py"
   script.write_text(SCRIPT)
+  if shape == "moe":
+    with open(os.path.join(config_only, "config.json"), "w") as f:
+      json.dump(SMALL_MOE, f)
   args = [sys.executable, str(script), *COMMON, f"--config.model.path={config_only}"]
   if mesh == "data":
     args += ["--config.placement.actor.mesh={'data': 8}",

@@ -12,6 +12,7 @@ small sizes (tests/test_memory_plan.py).  Bytes per device:
   (train/steps.py), plus one micro-batch's gradients in the parameters' dtype;
 * activations (``model.remat=none``): per layer and token ``dtype x (ACT_D x D + ACT_F x
   F + ACT_QKV x (heads + 2 kv_heads) x head_dim) + 4 x ACT_SCORES x heads x keys``
+  (a MoE layer: F is its top_k experts' width, plus its dispatch buffers, ``dispatch_width``)
   (float32 attention scores; none with ``attention_impl=cudnn``, a fused kernel, or
   ``blockwise``, which holds one block of them), plus one
   ``[chunk, vocab]`` float32 logits block x ``ACT_LOGITS``; with ``remat=full`` each layer
@@ -30,6 +31,7 @@ import re
 from distflow_jax.models.config import ModelConfig
 
 ACT_D, ACT_F, ACT_QKV, ACT_SCORES, ACT_LOGITS = 10.0, 4.0, 2.0, 2.0, 3.0
+ACT_DISPATCH = 3.0  # a MoE layer's gathered rows, expert outputs, and outputs back in order
 # A forward-only pass keeps about one layer's buffers (and its scores) alive at a time.
 FWD_D, FWD_F = 4.0, 2.0
 LOGITS_CHUNK = 512  # train.steps' chunk_size of the log-prob head
@@ -100,14 +102,37 @@ def grad_bytes(m: ModelConfig, shards: int) -> float:
 
 
 def layer_params(m: ModelConfig) -> int:
-  """Parameters of one decoder layer (projections, biases, norms)."""
+  """Parameters of the largest decoder layer (projections, biases, norms; a MoE layer's
+  router and every expert)."""
   q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
   attn = m.hidden_size * (q + 2 * kv) + q * m.hidden_size
   if m.qkv_bias:
     attn += q + 2 * kv
   if getattr(m, "qk_norm", False):
     attn += 2 * m.head_dim
-  return attn + 3 * m.hidden_size * m.intermediate_size + 2 * m.hidden_size
+  ffn = max(m.moe.num_params(m.hidden_size) if _sparse(m, i) else
+            3 * m.hidden_size * m.intermediate_size for i in range(m.num_layers))
+  return attn + ffn + 2 * m.hidden_size
+
+
+def _sparse(m: ModelConfig, layer: int) -> bool:
+  return getattr(m, "moe", None) is not None and m.moe.sparse(layer)
+
+
+def ffn_width(m: ModelConfig) -> float:
+  """The feed-forward width a token's activations hold, averaged over the layers: the
+  dense MLP's intermediate size, or in a MoE layer its top_k experts' (top_k x I)."""
+  return sum(m.moe.top_k * m.moe.intermediate_size if _sparse(m, i) else m.intermediate_size
+             for i in range(m.num_layers)) / m.num_layers
+
+
+def dispatch_width(m: ModelConfig) -> float:
+  """A token's MoE dispatch buffers per layer, in units of the model dtype, averaged over
+  the layers: its top_k gathered input rows and output rows (``ACT_DISPATCH x top_k x D``;
+  the blocked dispatch's padding, at most one block per expert, is left out) and the
+  float32 router logits and probabilities (``2 x 2 x E`` dtype units at 16 bits)."""
+  return sum(ACT_DISPATCH * m.moe.top_k * m.hidden_size + 4 * m.moe.num_experts
+             if _sparse(m, i) else 0 for i in range(m.num_layers)) / m.num_layers
 
 
 def sync_step_bytes(m: ModelConfig, tensor_parallel: int) -> float:
@@ -132,7 +157,8 @@ def activation_bytes(m: ModelConfig, rows: int, prompt_len: int, new_tokens: int
   keys = prompt_len + new_tokens
   qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim / tensor
   if train:
-    per = s * (ACT_D * m.hidden_size + ACT_F * m.intermediate_size / tensor + ACT_QKV * qkv)
+    per = s * (ACT_D * m.hidden_size + ACT_F * ffn_width(m) / tensor + ACT_QKV * qkv
+               + dispatch_width(m))
     if attention_impl not in ("cudnn", "blockwise"):  # no [T, S] scores held
       per += 4 * ACT_SCORES * m.num_heads / tensor * keys
     if remat == "full":
@@ -140,7 +166,8 @@ def activation_bytes(m: ModelConfig, rows: int, prompt_len: int, new_tokens: int
     else:
       body = m.num_layers * toks * per * (0.5 if remat == "dots_saveable" else 1.0)
   else:
-    body = toks * s * (FWD_D * m.hidden_size + FWD_F * m.intermediate_size / tensor)
+    body = toks * s * (FWD_D * m.hidden_size + FWD_F * ffn_width(m) / tensor
+                       + dispatch_width(m))
     if attention_impl not in ("cudnn", "blockwise"):  # one layer's float32 scores, probabilities
       body += toks * 4 * ACT_SCORES * m.num_heads / tensor * keys
   logits = min(LOGITS_CHUNK, rows * new_tokens) * m.vocab_size / tensor * 4 * ACT_LOGITS

@@ -30,7 +30,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from distflow_jax.models import target as target_lib
+from jax.sharding import PartitionSpec as P
+
+from distflow_jax.models import sharding, target as target_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,19 +88,26 @@ def experts_ffn(h_NxD: jax.Array, weights_NxK: jax.Array, experts_NxK: jax.Array
   """``sum_k weights[n, k] * SwiGLU_{experts[n, k]}(h[n])``, ``[N, D]``, every assignment
   computed (dropless).  ``impl``: ``ragged_dot`` (one grouped matmul per projection over
   the experts' contiguous rows: a kernel on GPU and TPU, but XLA:CPU runs it as every
-  expert on every row, masked), ``blocked`` (each expert's rows padded to whole blocks, one
-  batched matmul over the blocks: about the routed FLOPs on any device) or ``auto``
+  expert on every row, masked), ``blocked`` (each expert's rows padded to whole blocks, a
+  loop over the blocks: about the routed FLOPs on any device) or ``auto``
   (blocked on a CPU target, else ragged_dot).  The same sums either way."""
-  if impl == "auto":
-    impl = "blocked" if target_lib.current().platform is target_lib.Platform.CPU else "ragged_dot"
-  if impl not in IMPLS:
-    raise ValueError(f"moe: impl={impl!r} is unknown; valid: auto, {', '.join(IMPLS)}")
+  impl = resolve_impl(impl)
   n, k = experts_NxK.shape
   flat = experts_NxK.reshape(-1)
   order = jnp.argsort(flat, stable=True)                       # sorted slot -> assignment
   y = IMPLS[impl](h_NxD, flat, order, k, gate_ExDxI, up_ExDxI, down_ExIxD)
   y_NxKxD = y.reshape(n, k, -1)                                # back in assignment order
   return jnp.einsum("nkd,nk->nd", y_NxKxD, weights_NxK.astype(y.dtype))
+
+
+def resolve_impl(impl: str) -> str:
+  """``auto``: ``blocked`` on a CPU target (the one being lowered for, else jax's), else
+  ``ragged_dot``."""
+  if impl == "auto":
+    impl = "blocked" if target_lib.current().platform is target_lib.Platform.CPU else "ragged_dot"
+  if impl not in IMPLS:
+    raise ValueError(f"moe: impl={impl!r} is unknown; valid: auto, {', '.join(IMPLS)}")
+  return impl
 
 
 def _unsort(order: jax.Array) -> jax.Array:
@@ -125,7 +134,7 @@ def block_rows(assignments: int, num_experts: int) -> int:
 def _blocked(h, flat, order, k, gate, up, down):
   """Each assignment's expert output, ``[N * K, D]`` in assignment order: expert e's
   sorted rows padded to a whole number of ``block_rows`` blocks, each block multiplied by
-  its own expert's weights (one batched matmul), padding rows zero and dropped."""
+  its own expert's weights (a loop over the blocks), padding rows zero and dropped."""
   m, num_experts = flat.shape[0], gate.shape[0]
   b = block_rows(m, num_experts)
   blocks = -(-(m + num_experts * (b - 1)) // b)                # static: the most it can need
@@ -142,9 +151,17 @@ def _blocked(h, flat, order, k, gate, up, down):
   # the last expert's take it too, over zero rows).
   block_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(blocks) * b,
                                               side="right"), num_experts - 1)
-  g = jnp.einsum("nbd,ndi->nbi", x, gate[block_expert])
-  u = jnp.einsum("nbd,ndi->nbi", x, up[block_expert])
-  y = jnp.einsum("nbi,nid->nbd", jax.nn.silu(g) * u, down[block_expert])
+
+  # One block at a time, its expert's weights sliced in the loop: no per-block copy of the
+  # weights is held (saving only the matmuls' outputs for the backward pass, whose
+  # weight gradients accumulate into one [E, ...] buffer).
+  def one(_, xs):
+    x_bxD, e = xs
+    g, u = x_bxD @ gate[e], x_bxD @ up[e]
+    return None, (jax.nn.silu(g) * u) @ down[e]
+
+  body = jax.checkpoint(one, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+  _, y = jax.lax.scan(body, None, (x, block_expert))
   return y.reshape(blocks * b, -1)[dest[_unsort(order)]]
 
 
@@ -170,9 +187,30 @@ class MoE(nnx.Module):
     self.experts = Experts(spec.num_experts, d, spec.intermediate_size, dtype, init, rngs)
 
   def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+    """Which tokens dispatch together: one token a row (a decode step) the whole batch;
+    else, blocked, each row's tokens among themselves (so a row's result does not depend
+    on the layout), and with ragged_dot each device's rows where the rows are split over
+    devices (``sharding.rows_sharded``: a ``shard_map``), else the whole call's.  Never a
+    sort across devices, which would gather every row onto every device."""
     b, t, d = x_BxTxD.shape
-    h = x_BxTxD.reshape(b * t, d)
-    weights, experts, _ = route(h, self.gate.kernel[...], self.spec)
-    e = self.experts
-    y = experts_ffn(h, weights, experts, e.gate_proj[...], e.up_proj[...], e.down_proj[...])
-    return y.reshape(b, t, d).astype(x_BxTxD.dtype)
+    impl = resolve_impl("auto")
+    weights = (self.gate.kernel[...], self.experts.gate_proj[...], self.experts.up_proj[...],
+               self.experts.down_proj[...])
+
+    def ffn(h_NxD, router, gate, up, down):
+      w, experts, _ = route(h_NxD, router, self.spec)
+      return experts_ffn(h_NxD, w, experts, gate, up, down, impl)
+
+    def flat(x, *ws):
+      return ffn(x.reshape(-1, d), *ws).reshape(x.shape)
+    rows = sharding.row_sharding()
+    if t == 1:
+      y = flat(x_BxTxD, *weights)
+    elif impl == "blocked":
+      y = jax.vmap(ffn, in_axes=(0, None, None, None, None))(x_BxTxD, *weights)
+    elif rows is not None and b % sharding.shard_count(rows) == 0:
+      y = jax.shard_map(flat, mesh=rows.mesh, in_specs=(rows.spec,) + (P(),) * 4,
+                        out_specs=rows.spec, check_vma=False)(x_BxTxD, *weights)
+    else:
+      y = flat(x_BxTxD, *weights)
+    return y.astype(x_BxTxD.dtype)

@@ -172,14 +172,24 @@ def rows_sharded(mesh: Mesh | None):
     _ROWS.reset(token)
 
 
+def row_sharding() -> NamedSharding | None:
+  """The rows' sharding of the enclosing ``rows_sharded`` (None outside one, or on a mesh
+  whose batch axes are all 1)."""
+  return _ROWS.get()
+
+
+def shard_count(sh: NamedSharding) -> int:
+  """How many pieces ``sh`` splits axis 0 into."""
+  axes = sh.spec[0] if isinstance(sh.spec[0], tuple) else (sh.spec[0],)
+  return math.prod(sh.mesh.shape[a] for a in axes)
+
+
 def constrain_rows(x: jax.Array) -> jax.Array:
   """``x`` ([rows, ...]) constrained to rows split over the batch axes of the enclosing
   ``rows_sharded``; unchanged outside one, or when the rows do not divide evenly."""
   sh = _ROWS.get()
   if sh is None or x.ndim == 0:
     return x
-  axes = sh.spec[0] if isinstance(sh.spec[0], tuple) else (sh.spec[0],)
-  n = math.prod(sh.mesh.shape[a] for a in axes)
-  if x.shape[0] % n:
+  if x.shape[0] % shard_count(sh):
     return x
   return jax.lax.with_sharding_constraint(x, sh)
