@@ -433,6 +433,16 @@ def test_bench_rollout_smoke_no_tunix(capsys):
   assert "greedy tokens equal to no-cache: engine: 1.000" in out
 
 
+def test_bench_moe_smoke(capsys):
+  import bench_moe
+  assert bench_moe.main(["--tokens", "64", "--hidden", "32", "--width", "16", "--experts", "4",
+                         "--rounds", "1"]) == 0
+  rows = [l.split() for l in capsys.readouterr().out.splitlines() if "|" in l][1:]
+  assert [(r[0], r[1]) for r in rows] == [(d, p) for p in ("fwd", "fwd+bwd")
+                                           for d in ("blocked", "ragged_dot", "floor")]
+  assert all(r[-1] == "1.00" for r in rows if r[0] == "floor")
+
+
 def _tunix_python():
   import _bench_common
   py = os.path.join(_bench_common.DEFAULT_TUNIX_VENV, "bin", "python")
