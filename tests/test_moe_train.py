@@ -1,4 +1,4 @@
-"""A mixture-of-experts model in the RL loop (``grpo:tiny_moe``): GRPO steps through the
+"""A mixture-of-experts model in the RL loop (``grpo:tiny_moe``): a GRPO step through the
 engine and the trainer, every expert and the router receiving gradient, the trained
 checkpoint exported as a Hugging Face Qwen3-MoE folder that transformers loads and agrees
 with, LoRA on the attention (and the feed-forward refused in one line)."""
@@ -45,7 +45,7 @@ def test_every_expert_and_the_router_get_gradient():
     logits, _ = forward(graphdef, p, tok, pos)
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]),
                                          tok[:, 1:, None], -1))
-  grads = jax.grad(loss)(params)
+  grads = jax.jit(jax.grad(loss))(params)
   for i in range(cfg.num_layers):
     mlp = grads["layers"][i]["mlp"]
     assert float(jnp.abs(mlp["gate"]["kernel"][...]).max()) > 0, i
@@ -58,9 +58,9 @@ def test_grpo_on_a_moe_model_trains_and_exports_to_transformers(tmp_path):
   transformers = pytest.importorskip("transformers")
   run = tmp_path / "run"
   assert cli.main(["train", f"--config={_digits_config(tmp_path)}", *FLAGS,
-                   f"--config.run_dir={run}"]) == 0
+                   f"--config.run_dir={run}", "--config.trainer.total_steps=1"]) == 0
   rows = [json.loads(l) for l in open(run / "metrics.jsonl")]
-  assert len(rows) == 2 and all(np.isfinite(r["actor/pg_loss"]) for r in rows), rows
+  assert len(rows) == 1 and all(np.isfinite(r["actor/pg_loss"]) for r in rows), rows
   assert rows[-1]["actor/grad_norm"] > 0
   out = tmp_path / "hf"
   assert cli.main(["export", f"--checkpoint={run}", f"--out={out}"]) == 0
