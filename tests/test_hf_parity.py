@@ -34,10 +34,14 @@ def hf_model(arch, seed=0):
   config = cls[0](tie_word_embeddings=arch == "qwen2", **common)
   config._attn_implementation = "eager"  # pylint: disable=protected-access
   torch.manual_seed(seed)
-  model = cls[1](config).eval()
+  return randomized(cls[1](config).eval())
+
+
+def randomized(model):
+  """``model`` with norm weights around 1 and everything else large enough that logits
+  differ clearly."""
   with torch.no_grad():
     for name, p in model.named_parameters():
-      # Norm weights around 1, everything else large enough that logits differ clearly.
       p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
   return model
 
@@ -62,7 +66,12 @@ def pair(request, tmp_path_factory):
 
 def test_logits_match_transformers(pair):
   hf, ours = pair
-  tok = np.random.default_rng(0).integers(0, VOCAB, (2, 12))
+  assert_logits_match(hf, ours)
+
+
+def assert_logits_match(hf, ours, vocab=VOCAB):
+  """Our logits against ``hf``'s on random tokens, plain and left-padded, to 1e-4."""
+  tok = np.random.default_rng(0).integers(0, vocab, (2, 12))
   g, p = nnx.split(ours)
   logits, _ = FWD(g, p, jnp.asarray(tok), jnp.broadcast_to(jnp.arange(12), (2, 12)))
   np.testing.assert_allclose(logits, hf_logits(hf, tok), atol=1e-4, rtol=1e-4)

@@ -15,7 +15,7 @@ from distflow_jax.models import moe
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.errors import ModelFileError
 from distflow_jax.models.hf_io import export_state_dict, load_pretrained, save_pretrained
-from distflow_jax.models.transformer import Transformer, forward, init_cache, positions_from_mask
+from distflow_jax.models.transformer import Transformer, forward, init_cache
 
 pytestmark = pytest.mark.timeout(300)
 FWD = jax.jit(forward)
@@ -99,6 +99,7 @@ def test_dispatch_gradients_equal_the_dense_reference(impl):
 # --------------------------------------------------------------------------- transformers
 torch = pytest.importorskip("torch", reason="HF parity needs torch (pip install '.[hf]')")
 transformers = pytest.importorskip("transformers", reason="HF parity needs transformers")
+from test_hf_parity import assert_logits_match, hf_logits, randomized  # noqa: E402
 
 
 def hf_moe(seed=0, **kw):
@@ -112,19 +113,7 @@ def hf_moe(seed=0, **kw):
   config = transformers.Qwen3MoeConfig(**shape)
   config._attn_implementation = "eager"  # pylint: disable=protected-access
   torch.manual_seed(seed)
-  model = transformers.Qwen3MoeForCausalLM(config).eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
-  return model
-
-
-def hf_logits(model, tokens, mask=None, positions=None):
-  with torch.no_grad():
-    out = model(input_ids=torch.tensor(np.asarray(tokens)),
-                attention_mask=None if mask is None else torch.tensor(np.asarray(mask, np.int64)),
-                position_ids=None if positions is None else torch.tensor(np.asarray(positions)))
-  return out.logits.numpy()
+  return randomized(transformers.Qwen3MoeForCausalLM(config).eval())
 
 
 @pytest.fixture(scope="module", params=[dict(), dict(norm_topk_prob=False, decoder_sparse_step=2,
@@ -146,16 +135,7 @@ def test_logits_match_transformers(pair):
   want = ["MoE" if hf.config.decoder_sparse_step == 1 and i != 1 or
           hf.config.decoder_sparse_step == 2 and i == 1 else "MLP" for i in range(3)]
   assert sparse == want, sparse
-  tok = np.random.default_rng(0).integers(0, VOCAB, (2, 12))
-  g, p = nnx.split(ours)
-  logits, _ = FWD(g, p, jnp.asarray(tok), jnp.broadcast_to(jnp.arange(12), (2, 12)))
-  np.testing.assert_allclose(logits, hf_logits(hf, tok), atol=1e-4, rtol=1e-4)
-  mask = np.ones((2, 12), bool)
-  mask[1, :4] = False
-  pos = np.asarray(positions_from_mask(jnp.asarray(mask)))
-  logits, _ = FWD(g, p, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(mask))
-  ref = hf_logits(hf, tok, mask, pos)
-  np.testing.assert_allclose(np.asarray(logits)[mask], ref[mask], atol=1e-4, rtol=1e-4)
+  assert_logits_match(hf, ours, VOCAB)
 
 
 @pytest.mark.hf
