@@ -10,6 +10,7 @@ is imported.
 """
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -334,3 +335,29 @@ def test_sync_transient_compiled_and_analytic(config_only, tmp_path):
   # The analytic buffers (SYNC_TEMP x the largest step's shard, calibrated on 72B and 7B
   # shapes, where XLA:CPU keeps 1.7-2.0x) bound this tiny model's compiled ones.
   assert out["compiled"]["weight sync buffers"][0] <= out["analytic"]["weight sync buffers"][0]
+
+
+def test_a_cpu_engine_of_a_16_bit_model_is_counted_in_float32(config_only):
+  """rollout.cpu_compute=float32 (the default): on a CPU target the engine holds a bfloat16
+  model's weights and KV cache in float32, twice a GPU's bytes; =model keeps them 16-bit."""
+  base = [sys.executable, "-m", "distflow_jax.cli", "plan", *COMMON,
+          f"--config.model.path={config_only}", "--config.model.dtype=bfloat16",
+          "--memory", "--memory_source=analytic", "--device_memory=80GB"]
+
+  def rollout_bytes(*extra):
+    r = _run(base + list(extra))
+    assert r.returncode == 0, r.stderr[-2000:]
+    unit = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}
+    rows = [re.match(r"^  generate\s+(.+?)\s{2,}([\d.]+) (GB|MB|kB|B)\s", l)
+            for l in r.stdout.splitlines()]
+    got = {m[1]: float(m[2]) * unit[m[3]] for m in rows
+           if m and ("rollout weights" in m[1] or "KV cache (" in m[1])}
+    assert len(got) == 2, r.stdout
+    return got, r.stdout
+  gpu, _ = rollout_bytes("--target=h100")
+  cpu, out = rollout_bytes("--target=cpu")
+  kept, _ = rollout_bytes("--target=cpu", "--config.rollout.cpu_compute=model")
+  assert "holds the bfloat16 model's weights and KV cache in float32" in out
+  for key in gpu:
+    assert cpu[key] == pytest.approx(2 * gpu[key], rel=0.1), (key, gpu, cpu)  # 0.1 MB shown
+    assert kept[key] == pytest.approx(gpu[key], rel=0.1), key

@@ -95,8 +95,10 @@ def _advice(cfg: ml_collections.ConfigDict, fsdp: int, per_host: int,
 
 
 def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
-             source: str = "compiled") -> Estimate:
-  """Every consumer of every device of ``plan`` (jax must see the plan's device count)."""
+             source: str = "compiled", platform: str = "gpu") -> Estimate:
+  """Every consumer of every device of ``plan`` (jax must see the plan's device count), on
+  devices of ``platform`` (``gpu``, ``tpu`` or ``cpu``, as ``budget`` names them: what the
+  rollout engine holds a 16-bit model's weights in depends on it)."""
   import jax
   from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -176,7 +178,7 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
     dp = lay.dp_size
     if node.fn in ("generate", "generate.greedy"):
       items.extend(generate_items(cfg, plan, model_cfg, node.id, devs, comp, adv, notes,
-                                  shards))
+                                  shards, platform))
       if node.fn == "generate.greedy":
         notes.append(f"node {node.id!r} (generate.greedy): its own replica's sync and "
                      f"decode, as generate's; the weights generate synced count only while "
@@ -313,7 +315,7 @@ def run(cfg: ml_collections.ConfigDict, plan: Plan, device_memory: str | None,
     raise ConfigError(f"plan --memory simulates {topo.num_devices} devices but jax has "
                       f"{jax.device_count()}: run it on CPU (JAX_PLATFORMS=cpu), where the "
                       f"device count is simulated")
-  est = estimate(cfg, plan, model_shape(cfg), source)
+  est = estimate(cfg, plan, model_shape(cfg), source, "gpu" if dev is None else dev.platform)
   print(render(est, topo.num_devices, topo.num_processes, dev), flush=True)
   if dev is not None:
     check_fits(est, topo.num_devices, dev, device_memory)

@@ -23,7 +23,7 @@ from distflow_jax.config.response import response_width
 
 def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
                    node_id: str, devs: tuple[int, ...], comp: bool, adv: dict[str, str],
-                   notes: list[str], shards: int) -> list[Item]:
+                   notes: list[str], shards: int, platform: str = "gpu") -> list[Item]:
   """The rollout node's two phases on each training device.  Weight sync
   (``<node>/weight_sync``): the synced weights, the sync's largest step's buffers, with
   ``model.scan_layers`` the per-layer copy the engine makes first, and on the fallback
@@ -32,7 +32,9 @@ def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelC
   rollout weights are released before the sync (rollout/weight_sync.py): counted once.
   With LoRA every figure is the merged base's; under ``rollout.lora_sync=adapters`` the
   engine also keeps its own base copy for the run (rollout/lora_sync.py), unless the
-  rollout layout is the training one (one device, loop layers: aliased)."""
+  rollout layout is the training one (one device, loop layers: aliased).  On a CPU
+  ``platform`` the engine of a 16-bit model holds its weights and cache in float32 under
+  ``rollout.cpu_compute=float32`` (engine_config.compute_dtype): counted so."""
   from distflow_jax.dag import replicas
   from distflow_jax.memory import compiled as cp
   from distflow_jax.models import sharding
@@ -44,7 +46,14 @@ def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelC
   adapters = (model_cfg.lora is not None and LoraSync(cfg.rollout.get("lora_sync", "merged"))
               is LoraSync.ADAPTERS)
   aliased = shards == 1 and cfg.rollout.tensor_parallel == 1 and not model_cfg.scan_layers
-  model_cfg = model_cfg.replace(lora=None)
+  from distflow_jax.rollout.engine_config import CpuCompute, compute_dtype
+  engine_dtype = compute_dtype(model_cfg, EngineConfig(
+      cpu_compute=CpuCompute(cfg.rollout.get("cpu_compute", "float32")),
+      lora_sync=LoraSync(cfg.rollout.get("lora_sync", "merged"))), platform)
+  if engine_dtype != model_cfg.dtype:
+    notes.append(f"rollout on a CPU: the engine holds the {model_cfg.dtype} model's weights and "
+                 f"KV cache in {engine_dtype} (rollout.cpu_compute={cfg.rollout.cpu_compute})")
+  model_cfg = model_cfg.replace(lora=None, dtype=engine_dtype)
   src = "compiled" if comp else "analytic"
   sync = f"{node_id}/weight_sync"  # one word: the peak line reads "while <phase> runs"
   tp = cfg.rollout.tensor_parallel
