@@ -48,8 +48,8 @@ def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelC
   aliased = shards == 1 and cfg.rollout.tensor_parallel == 1 and not model_cfg.scan_layers
   from distflow_jax.rollout.engine_config import CpuCompute, compute_dtype
   engine_dtype = compute_dtype(model_cfg, EngineConfig(
-      cpu_compute=CpuCompute(cfg.rollout.get("cpu_compute", "float32")),
-      lora_sync=LoraSync(cfg.rollout.get("lora_sync", "merged"))), platform)
+      cpu_compute=CpuCompute(cfg.rollout.cpu_compute),
+      lora_sync=LoraSync(cfg.rollout.lora_sync)), platform)
   if engine_dtype != model_cfg.dtype:
     notes.append(f"rollout on a CPU: the engine holds the {model_cfg.dtype} model's weights and "
                  f"KV cache in {engine_dtype} (rollout.cpu_compute={cfg.rollout.cpu_compute})")
