@@ -8,8 +8,9 @@ Each input line is a JSON object whose ``data.prompt_key`` field (default
 user turn with ``data.chat_template``, or a list of ``{"role", "content"}``
 messages, always rendered with the chat template.  Each output line is
 ``{"index", "sample", "prompt", "completion", "tokens", "logprobs",
-"finish_reason"}`` ("stop" on an EOS token, else "length"), in input order,
-samples together.
+"finish_reason"}`` ("stop" on an EOS token, else "length"; ``logprobs`` are each token's
+under the softmax at the sampling temperature, untruncated), in input order, samples
+together.
 
 The model is ``--model``: a local Hugging Face dir (config.json, safetensors,
 tokenizer.json; checked before any weight is read), a run directory (its
