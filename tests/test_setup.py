@@ -10,19 +10,20 @@ from workflow_util import smoke_overrides
 
 
 def test_preset_table_is_the_one_every_user_reads():
-  assert model_configs.preset_names() == ["micro", "tiny"]
+  assert model_configs.preset_names() == ["micro", "tiny", "tiny_moe"]
   tiny = model_configs.preset("tiny", 100, "bfloat16")
   assert tiny == model_configs.ModelConfig.tiny(vocab_size=100).replace(dtype="bfloat16")
   assert model_configs.preset("micro", 64).num_layers == 1
+  assert model_configs.preset("tiny_moe", 64).moe.num_experts == 8
   with pytest.raises(ValueError, match=r"unknown model preset 'huge'; built-in: \['micro', "
-                                       r"'tiny'\]"):
+                                       r"'tiny', 'tiny_moe'\]"):
     model_configs.preset("huge", 64)
 
 
 def test_unknown_preset_lists_the_table(tmp_path):
   cfg = loading.load("grpo:tiny", smoke_overrides(tmp_path, "model.preset=huge"))
   with pytest.raises(loading.ConfigError, match=r"model.preset='huge' is not valid; choose one "
-                                                r"of \['tiny', 'micro'\]"):
+                                                r"of \['tiny', 'tiny_moe', 'micro'\]"):
     prepare_run(cfg, roles="actor", log=lambda m: None)
 
 
