@@ -39,14 +39,14 @@ def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelC
   from distflow_jax.memory import compiled as cp
   from distflow_jax.models import sharding
   from distflow_jax.rollout import cache_growth
-  from distflow_jax.rollout.engine_config import EngineConfig, LoraSync
+  from distflow_jax.rollout.engine_config import (CpuCompute, EngineConfig, LoraSync,
+                                                  compute_dtype)
   from distflow_jax.state import roles as roles_lib
   topo = plan.topology
   # LoRA: the engine holds the merged base, no adapters (rollout/engine)
   adapters = (model_cfg.lora is not None and LoraSync(cfg.rollout.get("lora_sync", "merged"))
               is LoraSync.ADAPTERS)
   aliased = shards == 1 and cfg.rollout.tensor_parallel == 1 and not model_cfg.scan_layers
-  from distflow_jax.rollout.engine_config import CpuCompute, compute_dtype
   engine_dtype = compute_dtype(model_cfg, EngineConfig(
       cpu_compute=CpuCompute(cfg.rollout.cpu_compute),
       lora_sync=LoraSync(cfg.rollout.lora_sync)), platform)
