@@ -14,7 +14,9 @@ import numpy as np
 
 from distflow_jax.dag.registry import FUNCTIONS
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, expand_groups, to_global, to_local
+from distflow_jax.nodes.common import NodeOut
 from distflow_jax.nodes.rollout import generate_node
+from distflow_jax.state.metrics import Metrics
 
 FIELDS = ("prompt_tokens", "prompt_mask", "response_tokens", "response_mask",
           "rollout_logprobs")
@@ -28,12 +30,13 @@ def _path(ctx, process):
 
 def tape(ctx, node, lay, prompts):
   if os.environ["DISTFLOW_TEST_TAPE_MODE"] == "record":
-    batch = generate_node(ctx, node, lay, prompts)
+    out = generate_node(ctx, node, lay, prompts)
+    batch = out.batch
     keys = (*FIELDS, *(k for k in OPTIONAL if k in batch.data), SAMPLE_ID, GROUP_ID)
     loc = to_local(Batch({k: batch.data[k] for k in keys}))
     os.makedirs(os.environ["DISTFLOW_TEST_TAPE"], exist_ok=True)
     np.savez(_path(ctx, ctx.process_index), **loc.data)
-    return batch
+    return out
   rows = {}
   for f in glob.glob(_path(ctx, "*")):
     with np.load(f) as z:
@@ -45,8 +48,9 @@ def tape(ctx, node, lay, prompts):
   picked = [rows[int(s)] for s in groups.data[SAMPLE_ID]]
   local = Batch({**groups.data, **{k: np.stack([r[k] for r in picked]) for k in picked[0]}},
                 prompts.host)
-  ctx.metrics.add_mean("response_length", local.data["response_mask"].sum(axis=1))
-  return to_global(local, lay)
+  metrics = Metrics()
+  metrics.add_mean("response_length", local.data["response_mask"].sum(axis=1))
+  return NodeOut(to_global(local, lay), metrics)
 
 
 FUNCTIONS.register(dataclasses.replace(FUNCTIONS.spec("generate"), name="generate.tape",

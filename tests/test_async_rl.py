@@ -90,9 +90,10 @@ def sequential_replay(cfg, k):
   actor = ctx.roles[Role.ACTOR]
 
   def generate(j, params):
-    mine = dataclasses.replace(ctx, step=j, metrics=Metrics(), roles={
+    mine = dataclasses.replace(ctx, step=j, roles={
         **ctx.roles, Role.ACTOR: dataclasses.replace(actor, params=params)})
-    return executor.run_steps(mine, prefix, next(loaders.train), None)[0], mine.metrics
+    metrics = Metrics()
+    return executor.run_steps(mine, prefix, next(loaders.train), None, metrics)[0], metrics
 
   batches = {}
   for i in range(STEPS):
@@ -101,8 +102,8 @@ def sequential_replay(cfg, k):
               [i + k] if i + k < STEPS else []):
       batches[j] = generate(j, copy)
     ctx.step = i
-    batch, ctx.metrics = batches.pop(i)
-    executor.run_rest(ctx, batch, lay, stage, time.perf_counter())
+    batch, metrics = batches.pop(i)
+    executor.run_rest(ctx, batch, lay, stage, time.perf_counter(), metrics)
   return weights(ctx)
 
 

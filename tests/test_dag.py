@@ -2,6 +2,7 @@
 
 import copy
 
+import numpy as np
 import pytest
 
 from distflow_jax.config import loading
@@ -167,13 +168,55 @@ def test_user_registered_function_without_package_edit():
   reg = default_registry()
   reg.register(FunctionSpec(name="reward.length", types=frozenset({NodeType.COMPUTE}),
                             roles=frozenset({None}), placement=Placement.INHERIT,
-                            section="reward", requires=frozenset({"tokens"}),
+                            section="reward",
+                            requires=frozenset({"response_tokens", "response_mask"}),
                             produces=frozenset({"rewards"})))
   nodes = with_change(1, fn="reward.length")
   dag = build_dag(nodes, reg)
   assert dag.node("rw").fn == "reward.length"
   with pytest.raises(DagError):
     build_dag(nodes, FUNCTIONS)  # the global registry is untouched
+
+
+@pytest.mark.parametrize("what, field, expect", [
+    ("requires", "response_token", r"requires 'response_token', which is not a batch field; "
+                                   r"did you mean 'response_tokens'"),
+    ("produces", "reward", r"produces 'reward', which is not a batch field; did you "
+                           r"mean 'rewards'"),
+    # the old pseudo-field of the rollout's token fields
+    ("requires", "tokens", r"requires 'tokens', which is not a batch field; the rollout's "
+                           r"tokens are the fields prompt_tokens, prompt_mask, "
+                           r"response_tokens, response_mask"),
+])
+def test_a_spec_naming_a_field_the_batch_lacks_fails_when_the_dag_is_built(what, field, expect):
+  reg = default_registry()
+  sets = {"requires": {"response_tokens"}, "produces": {"rewards"}}
+  sets[what] = {field}
+  reg.register(FunctionSpec(name="reward.length", types=frozenset({NodeType.COMPUTE}),
+                            roles=frozenset({None}), placement=Placement.INHERIT,
+                            section="reward", requires=frozenset(sets["requires"]),
+                            produces=frozenset(sets["produces"])))
+  with pytest.raises(DagError, match=r"DAG node 'rw': fn 'reward.length' " + expect):
+    build_dag(with_change(1, fn="reward.length"), reg)
+
+
+def test_a_plugin_field_registered_first_is_accepted():
+  from distflow_jax.data import fields
+  name = fields.register(fields.Field("length_bonus", (), np.float32, "a test field"))
+  try:
+    assert fields.register(fields.Field("length_bonus", (), np.float32, "a test field"))
+    with pytest.raises(ValueError, match="registered already"):
+      fields.register(fields.Field("length_bonus", ("N",), np.float32, "another"))
+    with pytest.raises(ValueError, match="built-in batch field"):
+      fields.unregister("rewards")
+    reg = default_registry()
+    reg.register(FunctionSpec(name="reward.length", types=frozenset({NodeType.COMPUTE}),
+                              roles=frozenset({None}), placement=Placement.INHERIT,
+                              section="reward", requires=frozenset({"response_tokens"}),
+                              produces=frozenset({"rewards", name})))
+    assert build_dag(with_change(1, fn="reward.length"), reg).node("rw").fn == "reward.length"
+  finally:
+    fields.unregister(name)
 
 
 def test_registry_impl_binding_errors():

@@ -2,7 +2,7 @@
 
 import random
 
-from distflow_jax.dag.registry import SUMMED_FIELDS
+from distflow_jax.data.fields import SUMMED as SUMMED_FIELDS
 
 REWARD_FNS = ("reward.math", "reward.format", "reward.model")
 ADVANTAGE_FNS = ("advantage.grpo", "advantage.rloo", "advantage.reinforce_pp",

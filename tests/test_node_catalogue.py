@@ -22,7 +22,6 @@ from distflow_jax.nodes import training
 from distflow_jax.nodes.advantages import register_estimator
 from distflow_jax.algos.estimators import BUILTIN_ESTIMATORS, AdvantageInput, Estimator
 from distflow_jax.run import trainer
-from distflow_jax.state.metrics import Metrics
 from workflow_util import smoke_overrides
 
 TEST_NAME = "advantage.test_constant"
@@ -100,7 +99,7 @@ class _Ctx:
   """The parts of a RunContext an advantage node reads."""
 
   def __init__(self, cfg):
-    self.cfg, self.kl_coef, self.metrics = cfg, None, Metrics()
+    self.cfg, self.kl_coef = cfg, None
 
   def section(self, node, name):
     return self.cfg[name]
@@ -120,7 +119,7 @@ def test_estimator_node_honours_its_whiten_flag(estimator, want):
                            "rollout_logprobs": np.zeros((b, t), np.float32),
                            SAMPLE_ID: ids, GROUP_ID: ids // 2}, {}), lay)
   node = Node(id="adv", fn=TEST_NAME, type=NodeType.COMPUTE, role=None)
-  out = FUNCTIONS.impl(TEST_NAME)(_Ctx(loading.load("grpo:tiny")), node, lay, batch)
+  out = FUNCTIONS.impl(TEST_NAME)(_Ctx(loading.load("grpo:tiny")), node, lay, batch).batch
   adv = to_local(Batch({k: out.data[k] for k in ("advantages", SAMPLE_ID, GROUP_ID)}))
   expect = mask.astype(np.float32) if want == "mask" else np.zeros((b, t), np.float32)
   np.testing.assert_array_equal(adv.data["advantages"], expect)

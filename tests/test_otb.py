@@ -115,7 +115,7 @@ def test_a_step_records_sum_pi_squared_and_trains(tmp_path):
 
   def spy(ctx_, node, lay, batch):
     out = real(ctx_, node, lay, batch)
-    seen.update({k: np.asarray(out.data[k]) for k in ("sum_pi_squared", "response_mask",
+    seen.update({k: np.asarray(out.batch.data[k]) for k in ("sum_pi_squared", "response_mask",
                                                       "old_logprobs", "rollout_logprobs")})
     return out
   FUNCTIONS.bind("logprob.stats", spy)

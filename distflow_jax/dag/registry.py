@@ -24,6 +24,9 @@ from collections.abc import Callable, Iterable
 
 from distflow_jax.dag.spec import DagError, NodeType, Role
 from distflow_jax.algos.estimators import BUILTIN_ESTIMATORS, Estimator
+from distflow_jax.data.fields import (ADVANTAGES, BASELINE_MASK, BASELINE_TOKENS, OLD_LOGPROBS,
+                                      REF_LOGPROBS, RESPONSE, RETURNS, REWARDS, ROLLOUT_LOGPROBS,
+                                      SEQ, SUM_PI_SQUARED, VALUES)
 
 
 class Placement(enum.Enum):
@@ -35,8 +38,6 @@ class Placement(enum.Enum):
   INHERIT = "inherit"
 
 
-# Batch fields that several nodes may produce; consumers see their sum.
-SUMMED_FIELDS = frozenset({"rewards"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,54 +138,50 @@ def estimator_spec(est: Estimator) -> FunctionSpec:
   by ``algo`` overrides; reads rewards (and values, and the greedy baseline's rollout),
   makes advantages (and returns)."""
   return _spec(est.name, [_COMP], [None], Placement.INHERIT, "algo",
-               requires=["rewards", *(["values"] if est.values else []),
-                         *([BASELINE] if est.baseline else []),
-                         *(["old_logprobs", SUM_PI_SQUARED] if est.token_stats else [])],
-               produces=["advantages", *(["returns"] if est.values else [])],
+               requires=[REWARDS, *([VALUES] if est.values else []),
+                         *([BASELINE_TOKENS] if est.baseline else []),
+                         *([OLD_LOGPROBS, SUM_PI_SQUARED] if est.token_stats else [])],
+               produces=[ADVANTAGES, *([RETURNS] if est.values else [])],
                needs_groups=est.needs_groups, kl_reward=est.token_rewards, doc=est.doc)
 
 
-_ROLLOUT_FIELDS = ("tokens", "rollout_logprobs")
-# The greedy baseline's responses (generate.greedy: 'baseline_tokens' and 'baseline_mask'),
-# scored by the rule rewards after it into 'baseline_rewards'.
-BASELINE = "baseline_tokens"
-# Each response token's position's sum_v pi_v^2 under the old policy (logprob.stats).
-SUM_PI_SQUARED = "sum_pi_squared"
+# The greedy baseline's responses (generate.greedy: 'baseline_tokens' and 'baseline_mask')
+# are scored by the rule rewards after it into 'baseline_rewards'.
 
 BUILTIN_SPECS = (
     _spec("generate", [_INF], [Role.ACTOR], Placement.ROLLOUT, "rollout",
-          produces=_ROLLOUT_FIELDS, doc="n samples per prompt with the rollout engine"),
+          produces=[*SEQ, ROLLOUT_LOGPROBS], doc="n samples per prompt with the rollout engine"),
     _spec("generate.greedy", [_INF], [Role.ACTOR], Placement.ROLLOUT, "rollout",
-          requires=["tokens"], produces=[BASELINE],
+          requires=SEQ, produces=[BASELINE_TOKENS, BASELINE_MASK],
           doc="one greedy response per prompt, the ReMax baseline (baseline_tokens)"),
     _spec("reward.math", [_COMP], [Role.REWARD, None], Placement.INHERIT, "reward",
-          requires=["tokens"], produces=["rewards"], scores_baseline=True,
+          requires=RESPONSE, produces=[REWARDS], scores_baseline=True,
           doc="rule verifier: final answer (#### / \\boxed{}) against the ground truth"),
     _spec("reward.math_lenient", [_COMP], [Role.REWARD, None], Placement.INHERIT, "reward",
-          requires=["tokens"], produces=["rewards"], scores_baseline=True,
+          requires=RESPONSE, produces=[REWARDS], scores_baseline=True,
           doc="reward.math, and an answer without #### / \\boxed{} is its last number"),
     _spec("reward.format", [_COMP], [Role.REWARD, None], Placement.INHERIT, "reward",
-          requires=["tokens"], produces=["rewards"], scores_baseline=True,
+          requires=RESPONSE, produces=[REWARDS], scores_baseline=True,
           doc="rule reward for answer format"),
     _spec("reward.env", [_COMP], [Role.REWARD, None], Placement.INHERIT, "reward",
-          requires=["tokens"], produces=["rewards"],
+          requires=RESPONSE, produces=[REWARDS],
           doc="the environment's rewards of multi-turn episodes (rollout.env)"),
     _spec("reward.model", [_INF], [Role.REWARD], Placement.ROLE_MESH, "reward",
-          requires=["tokens"], produces=["rewards"], doc="scalar-head reward model"),
+          requires=SEQ, produces=[REWARDS], doc="scalar-head reward model"),
     _spec("logprob", [_INF], [Role.ACTOR], Placement.ROLE_MESH, "actor",
-          requires=["tokens"], produces=["old_logprobs"], doc="actor log-probs before update"),
+          requires=SEQ, produces=[OLD_LOGPROBS], doc="actor log-probs before update"),
     _spec("logprob.stats", [_INF], [Role.ACTOR], Placement.ROLE_MESH, "actor",
-          requires=["tokens"], produces=["old_logprobs", SUM_PI_SQUARED],
+          requires=SEQ, produces=[OLD_LOGPROBS, SUM_PI_SQUARED],
           doc="logprob, always run, plus sum pi^2 per token (the optimal token baseline's)"),
     _spec("ref_logprob", [_INF], [Role.REFERENCE], Placement.ROLE_MESH, "reference",
-          requires=["tokens"], produces=["ref_logprobs"], doc="frozen reference log-probs"),
+          requires=SEQ, produces=[REF_LOGPROBS], doc="frozen reference log-probs"),
     _spec("values", [_INF], [Role.CRITIC], Placement.ROLE_MESH, "critic",
-          requires=["tokens"], produces=["values"], doc="critic values per token"),
+          requires=SEQ, produces=[VALUES], doc="critic values per token"),
     *(estimator_spec(est) for est in BUILTIN_ESTIMATORS),
     _spec("train.actor", [_TRAIN], [Role.ACTOR], Placement.ROLE_MESH, "actor",
-          requires=["advantages", "tokens"], doc="policy-gradient update"),
+          requires=[ADVANTAGES, *SEQ], doc="policy-gradient update"),
     _spec("train.critic", [_TRAIN], [Role.CRITIC], Placement.ROLE_MESH, "critic",
-          requires=["returns", "values"], doc="value regression update"),
+          requires=[RETURNS, VALUES], doc="value regression update"),
 )
 
 

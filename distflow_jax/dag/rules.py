@@ -24,8 +24,10 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from distflow_jax.dag.graph import short_list
-from distflow_jax.dag.registry import BASELINE, SUMMED_FIELDS, Registry
+from distflow_jax.dag.registry import Registry
 from distflow_jax.dag.spec import DagError, Node, NodeType, Role
+from distflow_jax.data.fields import (BASELINE_TOKENS, OLD_LOGPROBS, REF_LOGPROBS, REWARDS,
+                                      ROLLOUT_LOGPROBS, SUMMED)
 
 if TYPE_CHECKING:
   from distflow_jax.dag.graph import Dag
@@ -35,7 +37,6 @@ if TYPE_CHECKING:
 # advantages that subtract a per-token KL penalty from the rewards, in_reward True,
 # plugin estimators included).  Group advantages use outcome rewards only.
 KL_LOSS_FNS = frozenset({"train.actor"})
-REF_FIELD = "ref_logprobs"
 
 
 def check_workflow(dag: "Dag", registry: Registry) -> None:
@@ -51,7 +52,7 @@ def _check_one_producer(dag: "Dag", registry: Registry) -> None:
     for field in registry.spec(n.fn).produces:
       makers.setdefault(field, []).append(n.id)
   for field in sorted(makers):
-    if field not in SUMMED_FIELDS and len(makers[field]) > 1:
+    if field not in SUMMED and len(makers[field]) > 1:
       raise DagError(f"DAG nodes {short_list(makers[field])} all produce {field!r}; the "
                      f"batch holds one {field!r}, so one would overwrite the other (only "
                      f"rewards are summed): keep one producer")
@@ -110,8 +111,8 @@ def check_kl_reference(steps: Iterable[Any], registry: Registry, coef: Any,
       c, r = _number(coef, "actor.kl.coef", node), _flag(in_reward, "actor.kl.in_reward", node)
       if c > 0 and r:
         need = f"actor.kl.coef={c} > 0 with actor.kl.in_reward=True (a KL penalty in its rewards)"
-    if need and REF_FIELD not in made:
-      raise DagError(f"DAG node {node.id!r} (fn {node.fn!r}): {need} needs {REF_FIELD!r}, "
+    if need and REF_LOGPROBS not in made:
+      raise DagError(f"DAG node {node.id!r} (fn {node.fn!r}): {need} needs {REF_LOGPROBS!r}, "
                      f"but no ref_logprob node runs before it; add one to its deps, or set "
                      f"actor.kl.coef=0")
     made |= registry.spec(node.fn).produces
@@ -144,8 +145,8 @@ def _flag(value: Any, key: str, node: Node) -> bool:
 
 # What an off-policy correction (actor.off_policy.correction, algos/off_policy.py) reads,
 # and which kind of node makes it.
-OFF_POLICY_FIELDS = (("rollout_logprobs", "a rollout that records its log-probs (generate)"),
-                     ("old_logprobs", "a logprob node (the trainer's recomputed log-probs)"))
+OFF_POLICY_FIELDS = ((ROLLOUT_LOGPROBS, "a rollout that records its log-probs (generate)"),
+                     (OLD_LOGPROBS, "a logprob node (the trainer's recomputed log-probs)"))
 
 
 def check_off_policy_logprobs(steps: Iterable[Any], registry: Registry, correction: Any) -> None:
@@ -179,9 +180,9 @@ def check_baseline_rewards(steps: Iterable[Any], registry: Registry) -> None:
   made: set[str] = set()
   for step in steps:
     node, spec = step.node, registry.spec(step.node.fn)
-    if "rewards" in spec.produces:
-      rewards.append((node, BASELINE in made))
-    if BASELINE in spec.requires and spec.name.startswith("advantage."):
+    if REWARDS in spec.produces:
+      rewards.append((node, BASELINE_TOKENS in made))
+    if BASELINE_TOKENS in spec.requires and spec.name.startswith("advantage."):
       for reward, after in rewards:
         if not registry.spec(reward.fn).scores_baseline:
           raise DagError(f"DAG node {node.id!r} ({node.fn}) subtracts the greedy baseline's "

@@ -16,7 +16,9 @@ from typing import Any
 
 from distflow_jax.dag import graph, rules
 from distflow_jax.dag.graph import Dag  # noqa: F401 (re-exported: validate.Dag)
-from distflow_jax.dag.registry import SUMMED_FIELDS, FunctionSpec, Placement, Registry
+from distflow_jax.dag.registry import FunctionSpec, Placement, Registry
+from distflow_jax.data import fields
+from distflow_jax.data.fields import SUMMED
 from distflow_jax.dag.spec import DagError, Node, NodeType, Role, parse_node
 
 
@@ -137,7 +139,19 @@ def _check_sinks(dag: Dag) -> None:
                      f"train, so its output would be thrown away")
 
 
+def _check_field_names(dag: Dag, registry: Registry) -> None:
+  """Every field a node's spec requires or produces is a batch field (data/fields.py)."""
+  for n in dag.nodes:
+    spec = registry.spec(n.fn)
+    for what, names in (("requires", spec.requires), ("produces", spec.produces)):
+      for name in sorted(names):
+        message = fields.unknown_message(name, f"DAG node {n.id!r}: fn {n.fn!r} {what}")
+        if message is not None:
+          raise DagError(message)
+
+
 def _check_data_flow(dag: Dag, registry: Registry) -> None:
+  _check_field_names(dag, registry)
   produces = {n.id: registry.spec(n.fn).produces for n in dag.nodes}
   # field -> up to two ancestors making it (one for a summed field): enough to tell
   # "none", "one" and "several" apart in one pass over the edges.
@@ -156,14 +170,14 @@ def _check_data_flow(dag: Dag, registry: Registry) -> None:
       if not makers:
         raise DagError(f"DAG node {n.id!r} (fn {n.fn!r}) needs {field!r}, which none of its "
                        f"ancestors produces; add the node that makes it to its deps")
-      if field not in SUMMED_FIELDS and len(makers) > 1:
+      if field not in SUMMED and len(makers) > 1:
         every = sorted(a for a in dag.ancestors(n.id) if field in produces[a])
         raise DagError(f"DAG node {n.id!r} sees {field!r} from several ancestors "
                        f"{graph.short_list(every)}; only rewards are summed, keep one producer")
 
 
 def _add_makers(acc: dict[str, tuple[str, ...]], field: str, makers: tuple[str, ...]) -> None:
-  cap = 1 if field in SUMMED_FIELDS else 2
+  cap = 1 if field in SUMMED else 2
   cur = acc.get(field, ())
   for m in makers:
     if len(cur) >= cap:

@@ -23,9 +23,8 @@ import numpy as np
 
 from distflow_jax.data import redistribute as rd
 from distflow_jax.data.layout import Layout
+from distflow_jax.data.fields import GROUP_ID, SAMPLE_ID
 
-SAMPLE_ID = "sample_id"
-GROUP_ID = "group_id"
 
 
 @dataclasses.dataclass(frozen=True)

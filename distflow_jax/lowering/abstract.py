@@ -16,7 +16,6 @@ import os
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
@@ -30,6 +29,7 @@ from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.heads import Critic
 from distflow_jax.state import roles as roles_lib
 from distflow_jax.state.context import RunContext
+from distflow_jax.data.fields import BASELINE_REWARDS, BASELINE_TOKENS, FIELDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,29 +176,10 @@ def _vision(cfg: ml_collections.ConfigDict) -> Any:
   return VisionEncoder(vlc, graphdef, params)
 
 
-# Per-sample fields of a step's batch by name: (trailing shape key, dtype).  "P": prompt
-# columns, "N": response columns, "PN": both, "I"/"D": image tokens / their width.
-FIELDS: dict[str, tuple[tuple[str, ...], Any]] = {
-    "sample_id": ((), jnp.int32), "group_id": ((), jnp.int32),
-    "prompt_tokens": (("P",), jnp.int32), "prompt_mask": (("P",), jnp.bool_),
-    "response_tokens": (("N",), jnp.int32), "response_mask": (("N",), jnp.bool_),
-    "rollout_logprobs": (("N",), jnp.float32), "rewards": ((), jnp.float32),
-    "advantages": (("N",), jnp.float32), "returns": (("N",), jnp.float32),
-    "old_logprobs": (("N",), jnp.float32), "ref_logprobs": (("N",), jnp.float32),
-    "values": (("N",), jnp.float32),
-    # multi-turn episodes (nodes/rollout.EPISODE_FIELDS)
-    "loss_mask": (("N",), jnp.bool_), "env_rewards": ((), jnp.float32),
-    "env_turn_rewards": (("N",), jnp.float32),
-    # the greedy baseline (nodes/rollout.greedy_baseline_node, ReMax) and its rewards
-    "baseline_tokens": (("N",), jnp.int32), "baseline_mask": (("N",), jnp.bool_),
-    "baseline_rewards": ((), jnp.float32), "sum_pi_squared": (("N",), jnp.float32),
-    "image_embeds": (("I", "D"), jnp.float32), "image_slots": (("P",), jnp.bool_),
-    "rope_positions": (("3", "PN"), jnp.int32),
-}
-# What a registry "produces" name adds to the batch.
-PRODUCED = {"tokens": ("prompt_tokens", "prompt_mask", "response_tokens", "response_mask"),
-            # the rule rewards after generate.greedy add baseline_rewards
-            "baseline_tokens": ("baseline_tokens", "baseline_mask", "baseline_rewards")}
+# What a registry "produces" name adds to the batch beyond itself: the rule rewards after
+# generate.greedy add baseline_rewards.  Each field's trailing shape and dtype: data/fields.py
+# ("P": prompt columns, "N": response columns, "PN": both, "I"/"D": image tokens / width).
+PRODUCED = {BASELINE_TOKENS: (BASELINE_TOKENS, BASELINE_REWARDS)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +197,7 @@ def batch_fields(names, dims: Dims, layout: NamedSharding | None) -> dict[str, A
           "I": dims.image_tokens, "D": dims.image_width}
   out = {}
   for name in names:
-    trail, dtype = FIELDS[name]
+    trail, dtype = FIELDS[name].trail, FIELDS[name].dtype
     shape = (dims.rows,) + tuple(size[k] for k in trail)
     out[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=layout)
   return out

@@ -32,19 +32,19 @@ from distflow_jax.lowering.program import Catalogue, Program
 from distflow_jax.lowering.rollout_programs import rollout_programs, vision_programs
 from distflow_jax.nodes import passes, rollout as rollout_node, training
 from distflow_jax.train import packing, token_budget
-from distflow_jax.train.loss_mask import LOSS_MASK
 from distflow_jax.persist import checkpoint_contents, checksums
 from distflow_jax.run import executor
 from distflow_jax.state.context import RunContext, shared_prompt_group
 from distflow_jax.config.response import response_width
+from distflow_jax.data.fields import (ADVANTAGES, EPISODE, GROUP_ID, IMAGES, LOSS_MASK,
+                                      OLD_LOGPROBS, PROMPT_MASK, REF_LOGPROBS, RESPONSE_MASK,
+                                      RETURNS, ROLLOUT_LOGPROBS, SAMPLE_ID, SEQ, VALUES)
 
 
 def _widths(cfg: ml_collections.ConfigDict) -> tuple[int, ...]:
   return rollout_node.prompt_widths(cfg.rollout.prefill_buckets, cfg.data.max_prompt_len)
 
 
-SEQ = ("prompt_tokens", "prompt_mask", "response_tokens", "response_mask")
-IMAGES = ("image_embeds", "image_slots", "rope_positions")
 
 
 def _seq(dims: ab.Dims, lay) -> dict:
@@ -106,21 +106,21 @@ def train_programs(ctx: RunContext, node, lay, rows: int,
   gs = shared_prompt_group(cfg, rows, shape.parts) if role is Role.ACTOR else 1
   loss_fn, agg = training.loss_for(ctx, role, section, gs)
   step = training.train_step(ctx, role, section, lay, shape, loss_fn, agg, gs)
-  extra = ("values", "returns")
+  extra = (VALUES, RETURNS)
   if role is Role.ACTOR:
     lc = loss_fn.keywords["cfg"]
-    extra = ("advantages", "old_logprobs") + (("ref_logprobs",) if lc.kl_in_loss and
+    extra = (ADVANTAGES, OLD_LOGPROBS) + ((REF_LOGPROBS,) if lc.kl_in_loss and
                                                lc.kl_coef else ())
     if lc.correction is not OffPolicyCorrection.NONE:  # the loss reads mu too
-      extra += ("rollout_logprobs",)
+      extra += (ROLLOUT_LOGPROBS,)
     if cfg.rollout.get("env", ""):  # episodes: observation tokens are not trained on
       extra += (LOSS_MASK,)
   mb_rows = rows // shape.minis
   out = []
   if role is Role.ACTOR and not passes.on_policy(ctx) and {
-      "old_logprobs", "rollout_logprobs"} <= _made_before(ctx.plan, node):
+      OLD_LOGPROBS, ROLLOUT_LOGPROBS} <= _made_before(ctx.plan, node):
     # The step's log-prob gap and importance weights (nodes/training.off_policy_metrics).
-    fields = ab.batch_fields(("old_logprobs", "rollout_logprobs", "response_mask"),
+    fields = ab.batch_fields((OLD_LOGPROBS, ROLLOUT_LOGPROBS, RESPONSE_MASK),
                              _dims(ctx, rows, _widths(cfg)[0]), lay.sharding)
     out.append(Program(node.id, "off_policy_stats",
                        training.off_policy_stats(ctx, lay, lc), tuple(fields.values())))
@@ -273,7 +273,7 @@ def lengths_programs(ctx: RunContext, node_id: str, lay, fields, rows: int) -> l
   fn = executor.lengths_fn(ctx)
   out = []
   for w in _widths(ctx.cfg):
-    tree = ab.batch_fields(("prompt_mask", "response_mask"), _dims(ctx, rows, w),
+    tree = ab.batch_fields((PROMPT_MASK, RESPONSE_MASK), _dims(ctx, rows, w),
                            lay.sharding)
     out.append(Program(node_id, f"token_lengths[w={w}]", fn, (tree,)))
   return out
@@ -284,7 +284,7 @@ def programs(cfg: ml_collections.ConfigDict, plan: Plan, ctx: RunContext) -> Cat
   rows = cfg.data.prompts_per_step * cfg.rollout.n
   out: list[Program] = init_programs(ctx) + warmstart_programs(ctx)
   notes: list[str] = []
-  fields: list[str] = ["sample_id", "group_id"]
+  fields: list[str] = [SAMPLE_ID, GROUP_ID]
   current = None
   for step in plan.steps:
     node = step.node
@@ -296,7 +296,7 @@ def programs(cfg: ml_collections.ConfigDict, plan: Plan, ctx: RunContext) -> Cat
         out += vision_programs(ctx, node.id)
         fields += [f for f in IMAGES if f not in fields]
       if cfg.rollout.get("env", ""):  # multi-turn episodes: their masks and rewards
-        fields += [f for f in rollout_node.EPISODE_FIELDS if f not in fields]
+        fields += [f for f in EPISODE if f not in fields]
       out += rollout_programs(ctx, node, step.layout.devices)
       if cfg.trainer.eval_every and cfg.data.eval:
         out += rollout_programs(ctx, node, step.layout.devices, greedy=True)

@@ -28,6 +28,7 @@ from distflow_jax.models import lora, sharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import Transformer
 from distflow_jax.config.response import response_width
+from distflow_jax.data.fields import PROMPT_MASK, PROMPT_TOKENS, RESPONSE_MASK, RESPONSE_TOKENS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +86,10 @@ def abstract_opt_state(tx: Any, params: Any, mesh: Mesh) -> Any:
 def abstract_batch(rows: int, prompt_len: int, new_tokens: int, layout: NamedSharding,
                    extra: tuple[str, ...]) -> dict[str, jax.ShapeDtypeStruct]:
   """The sequence batch as the rollout node builds it (see ``train.steps``' docstring)."""
-  spec = {"prompt_tokens": ((rows, prompt_len), jnp.int32),
-          "prompt_mask": ((rows, prompt_len), jnp.bool_),
-          "response_tokens": ((rows, new_tokens), jnp.int32),
-          "response_mask": ((rows, new_tokens), jnp.bool_)}
+  spec = {PROMPT_TOKENS: ((rows, prompt_len), jnp.int32),
+          PROMPT_MASK: ((rows, prompt_len), jnp.bool_),
+          RESPONSE_TOKENS: ((rows, new_tokens), jnp.int32),
+          RESPONSE_MASK: ((rows, new_tokens), jnp.bool_)}
   spec.update({k: ((rows, new_tokens), jnp.float32) for k in extra})
   return {k: jax.ShapeDtypeStruct(s, d, sharding=layout) for k, (s, d) in spec.items()}
 

@@ -34,6 +34,7 @@ from distflow_jax.memory.render import check_fits, render
 from distflow_jax.memory.rollout_items import generate_items
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.config.response import response_width, response_width_key
+from distflow_jax.data.fields import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS, ROLLOUT_LOGPROBS
 
 
 def _prompt_len(cfg: ml_collections.ConfigDict) -> int:
@@ -229,8 +230,8 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
         g, params = role_params(Role.ACTOR)
         opt_abs = cp.abstract_opt_state(tx, params, roles_lib.jax_mesh(actor))
         kl = cfg.actor.kl.coef > 0 and not cfg.actor.kl.in_reward
-        extra = ("old_logprobs", "advantages") + (("ref_logprobs",) if kl else ()) + (
-            ("rollout_logprobs",) if OffPolicyCorrection.parse(cfg.actor.off_policy.correction)
+        extra = (OLD_LOGPROBS, ADVANTAGES) + ((REF_LOGPROBS,) if kl else ()) + (
+            (ROLLOUT_LOGPROBS,) if OffPolicyCorrection.parse(cfg.actor.off_policy.correction)
             is not OffPolicyCorrection.NONE else ())
         batch = cp.abstract_batch(samples // minis, plen, nlen, layout, extra)
         t0 = time.time()

@@ -17,16 +17,19 @@ import numpy as np
 
 from distflow_jax.algos import advantages as adv_lib
 from distflow_jax.algos import kl as kl_lib, masked
-from distflow_jax.dag.registry import FUNCTIONS, SUM_PI_SQUARED, Registry, estimator_spec
+from distflow_jax.dag.registry import FUNCTIONS, Registry, estimator_spec
 from distflow_jax.dag.spec import DagError, Node
 from distflow_jax.data import layout as dlayout
-from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch
-from distflow_jax.nodes.common import NodeFn, NodeTable, local_fields
-from distflow_jax.nodes.rewards import BASELINE_REWARDS, PLACED
+from distflow_jax.data.batch import Batch
+from distflow_jax.nodes.common import NodeFn, NodeOut, NodeTable, local_fields
 from distflow_jax.algos.estimators import BUILTIN_ESTIMATORS, AdvantageInput, Estimator
 from distflow_jax.state.context import RunContext, put_local
-from distflow_jax.state.metrics import gather_processes
-from distflow_jax.train.loss_mask import LOSS_MASK, loss_mask
+from distflow_jax.state.metrics import Metrics, gather_processes
+from distflow_jax.train.loss_mask import loss_mask
+from distflow_jax.data.fields import (ADVANTAGES, BASELINE_REWARDS, GROUP_ID, LOSS_MASK,
+                                      OLD_LOGPROBS, PLACED_REWARDS, REF_LOGPROBS, RESPONSE_MASK,
+                                      RETURNS, REWARDS, ROLLOUT_LOGPROBS, SAMPLE_ID,
+                                      SUM_PI_SQUARED, VALUES)
 
 
 def advantage_node(est: Estimator) -> NodeFn:
@@ -59,20 +62,22 @@ def token_rewards_of(rewards_B: jax.Array, placed_BxT: jax.Array | None, mask: j
   return adv_lib.outcome_to_token_rewards(rewards_B - placed.sum(1), mask) + placed
 
 
-def _token_rewards(ctx: RunContext, node: Node, loc: dict, mask: jax.Array) -> jax.Array:
-  token_rewards = token_rewards_of(jnp.asarray(loc["rewards"]),
-                                   None if PLACED not in loc else jnp.asarray(loc[PLACED]), mask)
+def _token_rewards(ctx: RunContext, node: Node, loc: dict, mask: jax.Array,
+                   metrics: Metrics) -> jax.Array:
+  placed = loc.get(PLACED_REWARDS)
+  token_rewards = token_rewards_of(jnp.asarray(loc[REWARDS]),
+                                   None if placed is None else jnp.asarray(placed), mask)
   kl_cfg = ctx.cfg.actor.kl
   coef = ctx.kl_coef if ctx.kl_coef is not None else kl_cfg.coef
   if kl_cfg.in_reward and coef:
-    if "ref_logprobs" not in loc:
+    if REF_LOGPROBS not in loc:
       raise DagError(f"DAG node {node.id!r}: actor.kl.in_reward needs 'ref_logprobs'; add a "
                      f"ref_logprob node to its dependencies")
-    logp = loc.get("old_logprobs", loc["rollout_logprobs"])
-    kl = kl_lib.kl_divergence(logp, loc["ref_logprobs"], kl_cfg.estimator, kl_cfg.k3_cap)
+    logp = loc.get(OLD_LOGPROBS, loc[ROLLOUT_LOGPROBS])
+    kl = kl_lib.kl_divergence(logp, loc[REF_LOGPROBS], kl_cfg.estimator, kl_cfg.k3_cap)
     token_rewards = kl_lib.apply_kl_penalty(token_rewards, kl, mask, coef)
-    ctx.metrics.add("kl_coef", coef)
-    ctx.metrics.add("kl_penalty", float(jnp.sum(kl * mask)), float(mask.sum()))
+    metrics.add("kl_coef", coef)
+    metrics.add("kl_penalty", float(jnp.sum(kl * mask)), float(mask.sum()))
   return token_rewards
 
 
@@ -85,10 +90,11 @@ def _baseline_rewards(node: Node, loc: dict) -> jax.Array:
 
 
 def _advantage(est: Estimator, ctx: RunContext, node: Node, lay: dlayout.Layout,
-               batch: Batch) -> Batch:
+               batch: Batch) -> NodeOut:
   algo, n = ctx.section(node, "algo"), ctx.cfg.rollout.n
-  keys = ["rewards", "response_mask", "rollout_logprobs"] + [
-      k for k in ("values", "old_logprobs", "ref_logprobs", LOSS_MASK, PLACED, BASELINE_REWARDS,
+  metrics = Metrics()
+  keys = [REWARDS, RESPONSE_MASK, ROLLOUT_LOGPROBS] + [
+      k for k in (VALUES, OLD_LOGPROBS, REF_LOGPROBS, LOSS_MASK, PLACED_REWARDS, BASELINE_REWARDS,
                   SUM_PI_SQUARED) if k in batch.data]
   loc = local_fields(batch, *keys)
   # The generated tokens: a multi-turn episode's observation tokens get no reward, no KL
@@ -97,25 +103,26 @@ def _advantage(est: Estimator, ctx: RunContext, node: Node, lay: dlayout.Layout,
   if est.needs_groups:
     _check_groups(node, loc[GROUP_ID], n)
   out = est.fn(AdvantageInput(
-      rewards_B=jnp.asarray(loc["rewards"]), mask_BxT=mask, group_size=n, algo=algo,
-      token_rewards_BxT=_token_rewards(ctx, node, loc, mask) if est.token_rewards else None,
-      values_BxT=jnp.asarray(loc["values"]) if est.values else None,
+      rewards_B=jnp.asarray(loc[REWARDS]), mask_BxT=mask, group_size=n, algo=algo,
+      token_rewards_BxT=(_token_rewards(ctx, node, loc, mask, metrics)
+                         if est.token_rewards else None),
+      values_BxT=jnp.asarray(loc[VALUES]) if est.values else None,
       baseline_rewards_B=_baseline_rewards(node, loc) if est.baseline else None,
-      old_logprobs_BxT=jnp.asarray(loc["old_logprobs"]) if est.token_stats else None,
+      old_logprobs_BxT=jnp.asarray(loc[OLD_LOGPROBS]) if est.token_stats else None,
       sum_pi_squared_BxT=jnp.asarray(loc[SUM_PI_SQUARED]) if est.token_stats else None))
   advantages = out.advantages_BxT
   if est.whiten:
     advantages = global_whiten(np.asarray(advantages), np.asarray(mask), loc[SAMPLE_ID])
-  ctx.metrics.add_mean("reward", loc["rewards"])
-  ctx.metrics.add("reward_sq", float(np.sum(np.square(loc["rewards"]))), loc["rewards"].size)
+  metrics.add_mean("reward", loc[REWARDS])
+  metrics.add("reward_sq", float(np.sum(np.square(loc[REWARDS]))), loc[REWARDS].size)
   # The observed range bounds the report's mean +- std band (0/1 rewards never go below 0).
   # The minimum travels negated because hosts reduce by maximum (executor.py turns it back);
   # every host sets both keys, rows or not, so the gathered vectors line up.
-  rewards = np.asarray(loc["rewards"], np.float64)
-  ctx.metrics.set_max("reward_max", float(np.max(rewards, initial=-np.inf)))
-  ctx.metrics.set_max("reward_min_neg", float(np.max(-rewards, initial=-np.inf)))
-  return put_local(batch, lay, advantages=np.asarray(advantages, np.float32),
-                   returns=np.asarray(out.returns_BxT, np.float32))
+  rewards = np.asarray(loc[REWARDS], np.float64)
+  metrics.set_max("reward_max", float(np.max(rewards, initial=-np.inf)))
+  metrics.set_max("reward_min_neg", float(np.max(-rewards, initial=-np.inf)))
+  return NodeOut(put_local(batch, lay, **{ADVANTAGES: np.asarray(advantages, np.float32)},
+                           **{RETURNS: np.asarray(out.returns_BxT, np.float32)}), metrics)
 
 
 def global_whiten(x: np.ndarray, mask: np.ndarray, sample_ids: np.ndarray) -> np.ndarray:

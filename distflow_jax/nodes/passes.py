@@ -21,11 +21,14 @@ from distflow_jax.dag.spec import Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch
 from distflow_jax.models import lora
-from distflow_jax.nodes.common import NodeTable, seq
+from distflow_jax.nodes.common import NodeOut, NodeTable, seq
 from distflow_jax.train import (deterministic, hidden, packing, placement, steps as steps_lib,
                                  token_budget)
 from distflow_jax.state.context import RunContext, shared_prompt_group
+from distflow_jax.state.metrics import Metrics
 from distflow_jax.state.roles import ModelState
+from distflow_jax.data.fields import (OLD_LOGPROBS, PROMPT_MASK, REF_LOGPROBS, RESPONSE_MASK,
+                                      ROLLOUT_LOGPROBS, SUM_PI_SQUARED, VALUES)
 
 
 def train_temperature(ctx: RunContext) -> float:
@@ -52,15 +55,17 @@ def corrects_off_policy(ctx: RunContext) -> bool:
              for s in ctx.plan.steps if s.node.fn == "train.actor")
 
 
-def prompt_group(ctx: RunContext, node: Node, data: dict, num_parts: int) -> int:
+def prompt_group(ctx: RunContext, node: Node, data: dict, num_parts: int,
+                 metrics: Metrics) -> int:
   """Rows per shared prompt for this pass: rollout.n when sharing is on, `num_parts` parts of
-  the batch hold whole groups and the rows are so grouped (checked on device), else 1."""
-  gs = shared_prompt_group(ctx.cfg, data["response_mask"].shape[0], num_parts)
+  the batch hold whole groups and the rows are so grouped (checked on device), else 1;
+  recorded in `metrics` as `prompt_group/<node>`."""
+  gs = shared_prompt_group(ctx.cfg, data[RESPONSE_MASK].shape[0], num_parts)
   if gs > 1:
     check = grouped_check(ctx, gs)
     if not bool(check(data)):
       gs = 1
-  ctx.metrics.add(f"prompt_group/{node.id}", float(gs))
+  metrics.add(f"prompt_group/{node.id}", float(gs))
   return gs
 
 
@@ -70,10 +75,10 @@ def grouped_check(ctx: RunContext, gs: int) -> Callable:
       functools.partial(hidden.prompts_grouped, group_size=gs)))
 
 
-def pack_plan(ctx: RunContext, node: Node, lay: dlayout.Layout, data: dict,
+def pack_plan(ctx: RunContext, node: Node, lay: dlayout.Layout, data: dict, metrics: Metrics,
               num_parts: int | None = None, block: int = 1, group_size: int = 1):
   """The packing plan of `data`'s rows under model.pack_sequences (None when off), put on
-  `lay`'s mesh (replicated); records `pad_fraction/<node>` (padding slots of the packed
+  `lay`'s mesh (replicated); records in `metrics` `pad_fraction/<node>` (padding slots of the packed
   rows) and `pad_fraction_padded/<node>` (of the padded rows the pass would run otherwise).
   `num_parts`: one plan per micro-batch of `train.micro_batches.deal_rows(data, num_parts,
   block)`, stacked on a leading axis (the train step's); None: one plan (a pass's).
@@ -82,39 +87,39 @@ def pack_plan(ctx: RunContext, node: Node, lay: dlayout.Layout, data: dict,
   m = ctx.cfg.model
   if not m.get("pack_sequences", False):
     return None
-  pm = packing.host_array(data["prompt_mask"])
-  rm = packing.host_array(data["response_mask"])
+  pm = packing.host_array(data[PROMPT_MASK])
+  rm = packing.host_array(data[RESPONSE_MASK])
   shards = lay.num_shards
   if num_parts is None:
     plan, stats = packing.plan(pm, rm, m.pack_len, shards if pm.shape[0] % shards == 0 else 1,
                                group_size)
   else:
     plan, stats = packing.plan_parts(pm, rm, m.pack_len, num_parts, block, shards, group_size)
-  return _placed(ctx, node, lay, plan, stats)
+  return _placed(node, lay, plan, stats, metrics)
 
 
-def budget_plan(ctx: RunContext, node: Node, lay: dlayout.Layout, data: dict, budget: int,
-                prefix: str, group_size: int = 1):
+def budget_plan(ctx: RunContext, node: Node, lay: dlayout.Layout, data: dict, metrics: Metrics,
+                budget: int, prefix: str, group_size: int = 1):
   """`pack_plan` for a train step with token-budget micro-batches (`<prefix>.micro_batch_tokens`
   = `budget`, train/token_budget.py); also records `<prefix>/micro_batches` (M) and
   `<prefix>/micro_batch_fill_max` / `_min` (the fullest and emptiest micro-batch on any
   shard, real tokens as a fraction of the budget; the max exceeds 1 only for a sample
   longer than the budget, alone in its micro-batch)."""
-  pm = packing.host_array(data["prompt_mask"])
-  rm = packing.host_array(data["response_mask"])
+  pm = packing.host_array(data[PROMPT_MASK])
+  rm = packing.host_array(data[RESPONSE_MASK])
   plan, stats, tokens_DxM = token_budget.plan(pm, rm, budget, ctx.cfg.model.pack_len,
                                               lay.num_shards, group_size)
-  ctx.metrics.add(f"{prefix}/micro_batches", float(tokens_DxM.shape[1]))
-  ctx.metrics.add(f"{prefix}/micro_batch_fill_max", float(tokens_DxM.max()) / budget)
-  ctx.metrics.add(f"{prefix}/micro_batch_fill_min", float(tokens_DxM.min()) / budget)
-  return _placed(ctx, node, lay, plan, stats)
+  metrics.add(f"{prefix}/micro_batches", float(tokens_DxM.shape[1]))
+  metrics.add(f"{prefix}/micro_batch_fill_max", float(tokens_DxM.max()) / budget)
+  metrics.add(f"{prefix}/micro_batch_fill_min", float(tokens_DxM.min()) / budget)
+  return _placed(node, lay, plan, stats, metrics)
 
 
-def _placed(ctx: RunContext, node: Node, lay: dlayout.Layout, plan, stats: packing.PackStats):
+def _placed(node: Node, lay: dlayout.Layout, plan, stats: packing.PackStats, metrics: Metrics):
   """Records `pad_fraction/<node>` and `pad_fraction_padded/<node>`; `plan` on `lay`'s mesh,
   replicated."""
-  ctx.metrics.add(f"pad_fraction/{node.id}", stats.pad_fraction)
-  ctx.metrics.add(f"pad_fraction_padded/{node.id}", stats.padded_pad_fraction)
+  metrics.add(f"pad_fraction/{node.id}", stats.pad_fraction)
+  metrics.add(f"pad_fraction_padded/{node.id}", stats.padded_pad_fraction)
   return jax.device_put(plan, NamedSharding(lay.mesh, PartitionSpec()))
 
 
@@ -165,37 +170,41 @@ def values_pass(ctx: RunContext, lay: dlayout.Layout) -> Callable:
 
 
 def _model_pass(field: str, role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout,
-                batch: Batch) -> Batch:
-  if field == "old_logprobs" and on_policy(ctx):
-    ctx.metrics.add("old_logprob_from_rollout", 1.0)
-    return batch.replace(old_logprobs=batch.data["rollout_logprobs"])
+                batch: Batch) -> NodeOut:
+  metrics = Metrics()
+  if field == OLD_LOGPROBS and on_policy(ctx):
+    metrics.add("old_logprob_from_rollout", 1.0)
+    return NodeOut(batch.replace(**{OLD_LOGPROBS: batch.data[ROLLOUT_LOGPROBS]}), metrics)
   state = pass_state(ctx, role)
   data = seq(batch)
   if role is Role.CRITIC:
     fn = values_pass(ctx, lay)
-    plan = pack_plan(ctx, node, lay, data)
+    plan = pack_plan(ctx, node, lay, data, metrics)
     out = fn(state.graphdef, state.params, data if plan is None else {**data, "pack": plan})
   else:
-    out = _logprobs(ctx, node, lay, data, role)
-  return batch.replace(**{field: out})
+    out = _logprobs(ctx, node, lay, data, role, metrics)
+  return NodeOut(batch.replace(**{field: out}), metrics)
 
 
 def _logprobs(ctx: RunContext, node: Node, lay: dlayout.Layout, data, role: Role,
-              stats: bool = False):
+              metrics: Metrics, stats: bool = False):
   """``role``'s log-prob pass over ``data`` (prompts shared, rows packed as configured)."""
   state = pass_state(ctx, role)
-  gs = prompt_group(ctx, node, data, pass_parts(ctx, lay, data["response_mask"].shape[0]))
-  plan = pack_plan(ctx, node, lay, data, group_size=gs)
+  gs = prompt_group(ctx, node, data, pass_parts(ctx, lay, data[RESPONSE_MASK].shape[0]),
+                    metrics)
+  plan = pack_plan(ctx, node, lay, data, metrics, group_size=gs)
   return logprob_pass(ctx, role, lay, gs, stats)(
       state.graphdef, state.params, data if plan is None else {**data, "pack": plan})
 
 
 def logprob_stats_node(ctx: RunContext, node: Node, lay: dlayout.Layout,
-                       batch: Batch) -> Batch:
+                       batch: Batch) -> NodeOut:
   """``logprob`` that always runs its pass and also records each response token's
   position's sum pi^2 (``sum_pi_squared``, the optimal token baseline's input)."""
-  out = _logprobs(ctx, node, lay, seq(batch), Role.ACTOR, stats=True)
-  return batch.replace(old_logprobs=out[..., 0], sum_pi_squared=out[..., 1])
+  metrics = Metrics()
+  out = _logprobs(ctx, node, lay, seq(batch), Role.ACTOR, metrics, stats=True)
+  return NodeOut(batch.replace(**{OLD_LOGPROBS: out[..., 0], SUM_PI_SQUARED: out[..., 1]}),
+                 metrics)
 
 
 def pass_parts(ctx: RunContext, lay: dlayout.Layout, rows: int) -> int:
@@ -207,8 +216,8 @@ def pass_parts(ctx: RunContext, lay: dlayout.Layout, rows: int) -> int:
 
 
 NODES: NodeTable = {
-    "logprob": functools.partial(_model_pass, "old_logprobs", Role.ACTOR),
+    "logprob": functools.partial(_model_pass, OLD_LOGPROBS, Role.ACTOR),
     "logprob.stats": logprob_stats_node,
-    "ref_logprob": functools.partial(_model_pass, "ref_logprobs", Role.REFERENCE),
-    "values": functools.partial(_model_pass, "values", Role.CRITIC),
+    "ref_logprob": functools.partial(_model_pass, REF_LOGPROBS, Role.REFERENCE),
+    "values": functools.partial(_model_pass, VALUES, Role.CRITIC),
 }

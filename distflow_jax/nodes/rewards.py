@@ -8,20 +8,18 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from distflow_jax.dag.registry import BASELINE
 from distflow_jax.dag.spec import DagError, Node, Role
 from distflow_jax.data import layout as dlayout
-from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, to_local
-from distflow_jax.nodes.common import NodeFn, NodeTable, seq
+from distflow_jax.data.batch import Batch, to_local
+from distflow_jax.nodes.common import NodeFn, NodeOut, NodeTable, seq
 from distflow_jax.nodes.passes import pass_fn
 from distflow_jax.rewards import registry as reward_registry
+from distflow_jax.state.metrics import Metrics
 from distflow_jax.train import steps as steps_lib
 from distflow_jax.state.context import RunContext, put_local
-
-
-# The greedy baseline's mask (its tokens: dag.registry.BASELINE, from generate.greedy) and
-# rewards (ReMax).
-BASELINE_MASK, BASELINE_REWARDS = "baseline_mask", "baseline_rewards"
+from distflow_jax.data.fields import (BASELINE_MASK, BASELINE_REWARDS, BASELINE_TOKENS,
+                                      ENV_REWARDS, ENV_TURN_REWARDS, GROUP_ID, PLACED_REWARDS,
+                                      RESPONSE_MASK, RESPONSE_TOKENS, REWARDS, SAMPLE_ID)
 
 
 def _texts(ctx: RunContext, toks: np.ndarray, mask: np.ndarray) -> list[str]:
@@ -29,12 +27,12 @@ def _texts(ctx: RunContext, toks: np.ndarray, mask: np.ndarray) -> list[str]:
 
 
 def _rule_reward(name: str, ctx: RunContext, node: Node, lay: dlayout.Layout,
-                 batch: Batch) -> Batch:
-  baseline = BASELINE in batch.data
-  keys = ("response_tokens", "response_mask", SAMPLE_ID, GROUP_ID) + (
-      (BASELINE, BASELINE_MASK) if baseline else ())
+                 batch: Batch) -> NodeOut:
+  baseline = BASELINE_TOKENS in batch.data
+  keys = (RESPONSE_TOKENS, RESPONSE_MASK, SAMPLE_ID, GROUP_ID) + (
+      (BASELINE_TOKENS, BASELINE_MASK) if baseline else ())
   local = to_local(Batch({k: batch.data[k] for k in keys}, batch.host))
-  texts = _texts(ctx, local.data["response_tokens"], local.data["response_mask"])
+  texts = _texts(ctx, local.data[RESPONSE_TOKENS], local.data[RESPONSE_MASK])
   fields = local.host_fields(local.data[GROUP_ID])
   missing = [int(g) for g, f in zip(local.data[GROUP_ID], fields) if f is None]
   if missing:
@@ -46,16 +44,17 @@ def _rule_reward(name: str, ctx: RunContext, node: Node, lay: dlayout.Layout,
   fn = reward_registry.configured_reward(name, ctx.section(node, "reward"))
   scores = reward_registry.score_batch(fn, texts, truths,
                                        sample_ids=local.data[SAMPLE_ID].tolist())
-  ctx.metrics.add_mean(f"reward/{node.id}", scores)
+  metrics = Metrics()
+  metrics.add_mean(f"reward/{node.id}", scores)
   if name in ("math", "math_lenient"):  # the verifier's score is correctness: the accuracy
-    ctx.metrics.add_mean("accuracy", scores > 0)
-  out = {"rewards": _weighted(ctx, node, scores, local.data[SAMPLE_ID], "sample id")}
+    metrics.add_mean("accuracy", scores > 0)
+  out = {REWARDS: _weighted(ctx, node, scores, local.data[SAMPLE_ID], "sample id")}
   if baseline:  # each group's greedy response once (its rows all hold it), then to its rows
     _, first, inverse = np.unique(local.data[GROUP_ID], return_index=True, return_inverse=True)
     b_scores = reward_registry.score_batch(
-        fn, _texts(ctx, local.data[BASELINE][first], local.data[BASELINE_MASK][first]),
+        fn, _texts(ctx, local.data[BASELINE_TOKENS][first], local.data[BASELINE_MASK][first]),
         [truths[i] for i in first])
-    ctx.metrics.add_mean(f"reward/{node.id}_baseline", b_scores)
+    metrics.add_mean(f"reward/{node.id}_baseline", b_scores)
     out[BASELINE_REWARDS] = _weighted(ctx, node, b_scores, local.data[GROUP_ID][first],
                                       "the greedy baseline of group")[inverse.reshape(-1)]
   for key in out:
@@ -63,7 +62,7 @@ def _rule_reward(name: str, ctx: RunContext, node: Node, lay: dlayout.Layout,
       out[key] = out[key] + to_local(Batch({key: batch.data[key],
                                             SAMPLE_ID: batch.data[SAMPLE_ID],
                                             GROUP_ID: batch.data[GROUP_ID]})).data[key]
-  return put_local(batch, lay, **out)
+  return NodeOut(put_local(batch, lay, **out), metrics)
 
 
 def _weighted(ctx: RunContext, node: Node, scores: np.ndarray, ids: np.ndarray,
@@ -87,7 +86,7 @@ def rule_reward_node(name: str) -> NodeFn:
   return functools.partial(_rule_reward, name)
 
 
-def reward_model(ctx: RunContext, node: Node, lay: dlayout.Layout, batch: Batch) -> Batch:
+def reward_model(ctx: RunContext, node: Node, lay: dlayout.Layout, batch: Batch) -> NodeOut:
   """The learned reward model's score of prompt + response, on the reward mesh; added to
   any rewards already in the batch (rule rewards), times ``reward.weight``."""
   state = ctx.roles[Role.REWARD]
@@ -95,36 +94,33 @@ def reward_model(ctx: RunContext, node: Node, lay: dlayout.Layout, batch: Batch)
       ctx, lay, steps_lib.sequence_scores, ctx.cfg.actor.micro_batch_size))
   scores = fn(state.graphdef, state.params, seq(batch))
   weight = ctx.section(node, "reward").weight
-  ctx.metrics.add(f"reward/{node.id}", float(jnp.sum(scores)), scores.shape[0])
+  metrics = Metrics()
+  metrics.add(f"reward/{node.id}", float(jnp.sum(scores)), scores.shape[0])
   rewards = weight * scores
-  if "rewards" in batch.data:
-    rewards = rewards + batch.data["rewards"]
-  return batch.replace(rewards=rewards)
+  if REWARDS in batch.data:
+    rewards = rewards + batch.data[REWARDS]
+  return NodeOut(batch.replace(**{REWARDS: rewards}), metrics)
 
 
-# The part of each sample's reward that was earned at given tokens ([B, N]): advantages
-# with per-token rewards (GAE, REINFORCE++) put it there, the rest on the last token.
-PLACED = "placed_rewards"
-
-
-def env_reward(ctx: RunContext, node: Node, lay: dlayout.Layout, batch: Batch) -> Batch:
+def env_reward(ctx: RunContext, node: Node, lay: dlayout.Layout, batch: Batch) -> NodeOut:
   """The environment's rewards of each episode (summed over its turns, rollout.env), times
   ``reward.weight``, added to any rewards already in the batch; each turn's also placed on
   its last generated token (``placed_rewards``)."""
-  if "env_rewards" not in batch.data:
+  if ENV_REWARDS not in batch.data:
     raise DagError(f"DAG node {node.id!r}: reward.env reads the environment's rewards of "
                    f"multi-turn episodes; set rollout.env (an environment) or use another "
                    f"reward")
-  scores = batch.data["env_rewards"]
-  ctx.metrics.add(f"reward/{node.id}", float(jnp.sum(scores)), scores.shape[0])
+  scores = batch.data[ENV_REWARDS]
+  metrics = Metrics()
+  metrics.add(f"reward/{node.id}", float(jnp.sum(scores)), scores.shape[0])
   weight = ctx.section(node, "reward").weight
-  rewards, placed = weight * scores, weight * batch.data["env_turn_rewards"]
-  if "rewards" in batch.data:
-    rewards = rewards + batch.data["rewards"]
-  if PLACED in batch.data:
-    placed = placed + batch.data[PLACED]
+  rewards, placed = weight * scores, weight * batch.data[ENV_TURN_REWARDS]
+  if REWARDS in batch.data:
+    rewards = rewards + batch.data[REWARDS]
+  if PLACED_REWARDS in batch.data:
+    placed = placed + batch.data[PLACED_REWARDS]
   # The same rewards, also where each turn earned them (per-token rewards: GAE).
-  return batch.replace(rewards=rewards, **{PLACED: placed})
+  return NodeOut(batch.replace(**{REWARDS: rewards}, **{PLACED_REWARDS: placed}), metrics)
 
 
 NODES: NodeTable = {

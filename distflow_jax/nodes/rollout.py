@@ -6,28 +6,30 @@ from __future__ import annotations
 
 import numpy as np
 
-from distflow_jax.dag.registry import BASELINE
 from distflow_jax.dag.spec import DagError, Node, Role
 from distflow_jax.data import layout as dlayout
-from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, expand_groups, to_global, to_local
-from distflow_jax.nodes.common import NodeTable
-from distflow_jax.nodes.rewards import BASELINE_MASK
+from distflow_jax.data.batch import Batch, expand_groups, to_global, to_local
+from distflow_jax.nodes.common import NodeOut, NodeTable
 from distflow_jax.rollout import episodes
 from distflow_jax.state import vision as vision_lib
 from distflow_jax.state.context import RunContext, put_local
-from distflow_jax.state.metrics import gather_processes
+from distflow_jax.state.metrics import Metrics, gather_processes
 from distflow_jax.config.response import response_width
+from distflow_jax.data.fields import (BASELINE_MASK, BASELINE_TOKENS, EPISODE, GROUP_ID, LOSS_MASK,
+                                      PROMPT_MASK, PROMPT_TOKENS, RESPONSE_MASK, RESPONSE_TOKENS,
+                                      ROLLOUT_LOGPROBS, SAMPLE_ID)
 
 
-def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Batch) -> Batch:
+def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Batch) -> NodeOut:
   """n samples per prompt on this host's rollout replica (the ``rollout.backend``);
   weight sync first."""
   rollout = ctx.section(node, "rollout")
   backend = ctx.backend(rollout)
   params = backend.update_weights(ctx.roles[Role.ACTOR].params)
+  metrics = Metrics()
   # Bytes the sync resharded (LoRA with rollout.lora_sync=adapters: the adapters alone from
   # the second step on).
-  ctx.metrics.set_max("sync/bytes_moved", backend.sync_bytes)
+  metrics.set_max("sync/bytes_moved", backend.sync_bytes)
   ids, lens = np.asarray(prompts.data["prompt_ids"]), np.asarray(prompts.data["prompt_len"])
   plist = [ids[i, :lens[i]] for i in range(len(lens))]
   n = rollout.n
@@ -42,7 +44,7 @@ def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Bat
   episode_fields: dict = {}
   if rollout.get("env", ""):  # multi-turn episodes (rollout/episodes.py)
     ro, episode_fields = _episodes(ctx, rollout, backend, params, prompts, plist,
-                                   sample_ids.reshape(-1), ctx.step_rng(node))
+                                   sample_ids.reshape(-1), ctx.step_rng(node), metrics)
   else:
     ro = backend.generate(params, plist, n, rng=ctx.step_rng(node),
                           pad_id=ctx.tokenizer.pad_id, request_ids=sample_ids.reshape(-1),
@@ -57,28 +59,28 @@ def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Bat
     prompt_mask[r, p_max - lens[i]:] = True
   groups = expand_groups(Batch({SAMPLE_ID: prompts.data[SAMPLE_ID],
                                 GROUP_ID: prompts.data[GROUP_ID]}, prompts.host), n)
-  local = Batch({**groups.data, "prompt_tokens": prompt_tokens, "prompt_mask": prompt_mask,
-                 "response_tokens": ro.tokens_RxN, "response_mask": ro.mask_RxN,
-                 "rollout_logprobs": ro.logprobs_RxN, **episode_fields}, prompts.host)
+  local = Batch({**groups.data, PROMPT_TOKENS: prompt_tokens, PROMPT_MASK: prompt_mask,
+                 RESPONSE_TOKENS: ro.tokens_RxN, RESPONSE_MASK: ro.mask_RxN,
+                 ROLLOUT_LOGPROBS: ro.logprobs_RxN, **episode_fields}, prompts.host)
   if images is not None:  # features travel with their samples (state/vision.py)
     feats, grids = images
     local = local.replace(**vision_lib.image_fields(
         ctx.vision.cfg, [feats[i] for i in rows], prompt_tokens, prompt_mask,
         [grids[i] for i in rows], np.asarray(ro.tokens_RxN).shape[1]))
-  ctx.metrics.add_mean("response_length", ro.lengths_R)
-  ctx.metrics.add_mean("prompt_length", lens[rows])
-  ctx.metrics.set_max("prompt_width", p_max)
-  ctx.metrics.add_mean("response_stopped", ro.stopped_R)
+  metrics.add_mean("response_length", ro.lengths_R)
+  metrics.add_mean("prompt_length", lens[rows])
+  metrics.set_max("prompt_width", p_max)
+  metrics.add_mean("response_stopped", ro.stopped_R)
   # The sampled tokens' mean negative log-prob under the policy: an estimate of its entropy
   # per token that needs no extra pass (the health monitor's entropy signal reads it).
-  mask = np.asarray(episode_fields.get("loss_mask", ro.mask_RxN), bool)  # generated tokens
-  ctx.metrics.add("rollout_nll", float(-np.asarray(ro.logprobs_RxN, np.float64)[mask].sum()),
-                  float(mask.sum()))
-  return to_global(local, lay)
+  mask = np.asarray(episode_fields.get(LOSS_MASK, ro.mask_RxN), bool)  # generated tokens
+  metrics.add("rollout_nll", float(-np.asarray(ro.logprobs_RxN, np.float64)[mask].sum()),
+              float(mask.sum()))
+  return NodeOut(to_global(local, lay), metrics)
 
 
 def greedy_baseline_node(ctx: RunContext, node: Node, lay: dlayout.Layout,
-                         batch: Batch) -> Batch:
+                         batch: Batch) -> NodeOut:
   """ReMax's baseline: one greedy response per prompt group of the batch (the held-out
   evaluation's greedy replica, weights synced first), on every row of its group as
   ``baseline_tokens`` / ``baseline_mask``; the rule rewards after it score it
@@ -90,13 +92,13 @@ def greedy_baseline_node(ctx: RunContext, node: Node, lay: dlayout.Layout,
   backend = ctx.backend(rollout, greedy=True)
   params = backend.update_weights(ctx.roles[Role.ACTOR].params)
   local = to_local(Batch({k: batch.data[k] for k in (
-      "prompt_tokens", "prompt_mask", "response_tokens", SAMPLE_ID, GROUP_ID)}, batch.host))
+      PROMPT_TOKENS, PROMPT_MASK, RESPONSE_TOKENS, SAMPLE_ID, GROUP_ID)}, batch.host))
   groups = np.asarray(local.data[GROUP_ID])
   _, first, inverse = np.unique(groups, return_index=True, return_inverse=True)
-  toks, pmask = np.asarray(local.data["prompt_tokens"]), np.asarray(local.data["prompt_mask"])
+  toks, pmask = np.asarray(local.data[PROMPT_TOKENS]), np.asarray(local.data[PROMPT_MASK])
   ro = backend.generate(params, [toks[r][pmask[r]] for r in first], 1,
                         pad_id=ctx.tokenizer.pad_id, request_ids=groups[first].tolist())
-  width = np.asarray(local.data["response_tokens"]).shape[1]
+  width = np.asarray(local.data[RESPONSE_TOKENS]).shape[1]
   got = np.asarray(ro.tokens_RxN).shape[1]
   if got > width:
     raise DagError(f"DAG node {node.id!r}: its greedy responses are {got} tokens wide, the "
@@ -105,30 +107,32 @@ def greedy_baseline_node(ctx: RunContext, node: Node, lay: dlayout.Layout,
   tokens = np.pad(np.asarray(ro.tokens_RxN), pad, constant_values=ctx.tokenizer.pad_id)
   mask = np.pad(np.asarray(ro.mask_RxN, bool), pad)
   rows = inverse.reshape(-1)
-  ctx.metrics.add_mean("baseline_length", ro.lengths_R)
-  return put_local(batch, lay, **{BASELINE: tokens[rows], BASELINE_MASK: mask[rows]})
+  metrics = Metrics()
+  metrics.add_mean("baseline_length", ro.lengths_R)
+  made = {BASELINE_TOKENS: tokens[rows], BASELINE_MASK: mask[rows]}
+  return NodeOut(put_local(batch, lay, **made), metrics)
 
 
 # The batch fields episodes add (plan --lower's catalogue moves and trains them too).
-EPISODE_FIELDS = ("loss_mask", "env_rewards", "env_turn_rewards")
 
 
-def _episodes(ctx: RunContext, rollout, backend, params, prompts: Batch, plist, ids, rng):
+def _episodes(ctx: RunContext, rollout, backend, params, prompts: Batch, plist, ids, rng,
+              metrics: Metrics):
   """``rollout.n`` episodes per prompt with ``rollout.env``: the rollout, the batch fields
   ``loss_mask`` (generated tokens; observation tokens are never trained on),
-  ``env_rewards`` and ``env_turn_rewards`` (``reward.env`` reads them), and the ``env/*``
-  metrics."""
+  ``env_rewards`` and ``env_turn_rewards`` (``reward.env`` reads them); the ``env/*``
+  metrics go into ``metrics``."""
   rows = [f or {} for f in prompts.host_fields(prompts.data[GROUP_ID])]
   ep = episodes.run_episodes(backend, params, plist, rows, rollout.n,
                              env=episodes.EnvSetup.from_config(rollout),
                              tokenizer=ctx.tokenizer, width=response_width(rollout),
                              rng=rng, request_ids=ids,
                              pad_id=ctx.tokenizer.pad_id)
-  ctx.metrics.add_mean("env/turns_mean", ep.turns_R)
-  ctx.metrics.add_mean("env/truncated", ep.truncated_R)
-  ctx.metrics.add("env/errors", float(ep.errors), float(len(ep.reward_R)))  # per episode
-  ctx.metrics.add_mean("env/reward", ep.reward_R)
-  return ep.rollout, dict(zip(EPISODE_FIELDS,
+  metrics.add_mean("env/turns_mean", ep.turns_R)
+  metrics.add_mean("env/truncated", ep.truncated_R)
+  metrics.add("env/errors", float(ep.errors), float(len(ep.reward_R)))  # per episode
+  metrics.add_mean("env/reward", ep.reward_R)
+  return ep.rollout, dict(zip(EPISODE,
                               (ep.loss_mask_RxN, ep.reward_R, ep.turn_rewards_RxN)))
 
 

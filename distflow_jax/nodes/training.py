@@ -1,7 +1,8 @@
 """Train nodes: ``train.actor`` (policy gradient) and ``train.critic`` (value regression).
 
 Each runs ``ppo_epochs`` epochs over ``mini_batches`` mini-batches of the step's batch,
-updating the role's parameters and optimizer state in place on ``ctx.roles``.  The actor's
+and returns the role's new parameters and optimizer state (the executor puts them in
+place of the old; the step donates the old ones).  The actor's
 also records the rollout-training log-prob gap and, with an off-policy correction, its
 importance weights (``off_policy_metrics``).
 """
@@ -19,14 +20,17 @@ from distflow_jax.algos import off_policy
 from distflow_jax.algos.losses import LossAggMode
 from distflow_jax.dag.spec import DagError, Node, Role
 from distflow_jax.data import layout as dlayout
-from distflow_jax.data.batch import SAMPLE_ID, Batch
-from distflow_jax.nodes.common import NodeTable, seq
+from distflow_jax.data.batch import Batch
+from distflow_jax.nodes.common import NodeOut, NodeTable, TrainedState, seq
 from distflow_jax.nodes.passes import (budget_plan, on_policy, pack_plan, prompt_group,
                                       train_temperature)
 from distflow_jax.train import deterministic, micro_batches, steps as steps_lib
-from distflow_jax.train.loss_mask import LOSS_MASK
 from distflow_jax.state.context import RunContext
+from distflow_jax.state.metrics import Metrics
 from distflow_jax.config.response import response_width
+from distflow_jax.data.fields import (ADVANTAGES, LOSS_MASK, OLD_LOGPROBS, PROMPT_MASK,
+                                      REF_LOGPROBS, RESPONSE_MASK, RETURNS, ROLLOUT_LOGPROBS,
+                                      SAMPLE_ID, VALUES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,34 +103,36 @@ def minibatch_take(ctx: RunContext, minis: int, gs: int, lay: dlayout.Layout):
       take_minibatch, out_shardings=lay.sharding))
 
 
-def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: Batch) -> Batch:
+def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout,
+           batch: Batch) -> NodeOut:
+  metrics = Metrics()
   if role is Role.ACTOR and ctx.step < ctx.cfg.critic.warmup_steps:
-    ctx.metrics.add("actor/critic_warmup", 1.0)  # the critic learns first; actor unchanged
-    return batch
+    metrics.add("actor/critic_warmup", 1.0)  # the critic learns first; actor unchanged
+    return NodeOut(batch, metrics)
   state = ctx.roles[role]
   section = ctx.section(node, role.value.lower())
   data = seq(batch)
-  shape = step_shape(ctx, role, section, lay, data["response_mask"].shape[0])
+  shape = step_shape(ctx, role, section, lay, data[RESPONSE_MASK].shape[0])
   minis, micro, budget = shape.minis, shape.micro, shape.budget
   # on the sequence fields alone: the same compiled check as the log-prob passes'
-  gs = prompt_group(ctx, node, data, shape.parts) if role is Role.ACTOR else 1
+  gs = prompt_group(ctx, node, data, shape.parts, metrics) if role is Role.ACTOR else 1
   if LOSS_MASK in batch.data:  # multi-turn episodes: observation tokens are not trained on
     data[LOSS_MASK] = batch.data[LOSS_MASK]
   loss_fn, agg = loss_for(ctx, role, section, gs)
   if role is Role.ACTOR:
-    data["advantages"] = batch.data["advantages"]
-    data["old_logprobs"] = batch.data.get("old_logprobs", batch.data["rollout_logprobs"])
+    data[ADVANTAGES] = batch.data[ADVANTAGES]
+    data[OLD_LOGPROBS] = batch.data.get(OLD_LOGPROBS, batch.data[ROLLOUT_LOGPROBS])
     loss_cfg = loss_fn.keywords["cfg"]
     if loss_cfg.correction is not off_policy.OffPolicyCorrection.NONE:
-      data["rollout_logprobs"] = batch.data["rollout_logprobs"]  # mu, the behaviour policy
-    off_policy_metrics(ctx, lay, batch, loss_cfg)
+      data[ROLLOUT_LOGPROBS] = batch.data[ROLLOUT_LOGPROBS]  # mu, the behaviour policy
+    off_policy_metrics(ctx, lay, batch, loss_cfg, metrics)
     if loss_cfg.kl_in_loss and loss_cfg.kl_coef:
-      if "ref_logprobs" not in batch.data:
+      if REF_LOGPROBS not in batch.data:
         raise DagError(f"DAG node {node.id!r}: actor.kl.coef > 0 needs 'ref_logprobs'; add a "
                        f"ref_logprob node to its deps or set actor.kl.coef=0")
-      data["ref_logprobs"] = batch.data["ref_logprobs"]
+      data[REF_LOGPROBS] = batch.data[REF_LOGPROBS]
   else:
-    data.update(values=batch.data["values"], returns=batch.data["returns"])
+    data.update({VALUES: batch.data[VALUES], RETURNS: batch.data[RETURNS]})
   if shape.det:
     data = row_order(ctx, lay)(data, batch.data[SAMPLE_ID])
   step = train_step(ctx, role, section, lay, shape, loss_fn, agg, gs)
@@ -135,30 +141,32 @@ def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout, batch: 
   # model.pack_sequences: one packing plan per mini-batch (its micro-batches' plans stacked;
   # with <role>.micro_batch_tokens, its token-budget micro-batches); gs > 1 lays each
   # group's prompt once.
-  masks = {k: data[k] for k in ("prompt_mask", "response_mask")}
+  masks = {k: data[k] for k in (PROMPT_MASK, RESPONSE_MASK)}
   plans = [None] * minis
   if budget:
-    plans = [budget_plan(ctx, node, lay, masks if minis == 1 else take(masks, i), budget,
-                         prefix, gs) for i in range(minis)]
+    plans = [budget_plan(ctx, node, lay, masks if minis == 1 else take(masks, i), metrics,
+                         budget, prefix, gs) for i in range(minis)]
   elif ctx.cfg.model.get("pack_sequences", False):
-    plans = [pack_plan(ctx, node, lay, masks if minis == 1 else take(masks, i), micro, gs, gs)
-             for i in range(minis)]
+    plans = [pack_plan(ctx, node, lay, masks if minis == 1 else take(masks, i), metrics,
+                       micro, gs, gs) for i in range(minis)]
+  params, opt_state = state.params, state.opt_state
   for epoch in range(section.ppo_epochs):
     for i in range(minis):
       mb = data if minis == 1 else take(data, i)
       if plans[i] is not None:
         mb = {**mb, "pack": plans[i]}
       rng = dropout_rng(ctx, node, role, lay, epoch * minis + i)
-      state.params, state.opt_state, stats = step(state.params, state.opt_state, mb, rng)
+      params, opt_state, stats = step(params, opt_state, mb, rng)
       result = steps_lib.finalize_stats(jax.device_get(stats), node.id)
       for k, v in result.items():
-        ctx.metrics.add(f"{prefix}/{k}", v)
-  return batch
+        metrics.add(f"{prefix}/{k}", v)
+  return NodeOut(batch, metrics, {role: TrainedState(params, opt_state)})
 
 
 def off_policy_metrics(ctx: RunContext, lay: dlayout.Layout, batch: Batch,
-                       loss_cfg: steps_lib.ActorLoss) -> None:
-  """Where the trainer recomputed the old log-probs: ``off_policy/logprob_gap`` (mean
+                       loss_cfg: steps_lib.ActorLoss, metrics: Metrics) -> None:
+  """Where the trainer recomputed the old log-probs, records in ``metrics``
+  ``off_policy/logprob_gap`` (mean
   |logp_old - logp_mu| over response tokens, the rollout-training mismatch); with a
   correction also ``off_policy/is_weight_mean`` / ``_max`` (of r = pi_old / mu) and
   ``off_policy/clipped_frac`` (tokens with r > actor.off_policy.tis_cap),
@@ -167,23 +175,23 @@ def off_policy_metrics(ctx: RunContext, lay: dlayout.Layout, batch: Batch,
   small reduction per step: the weights do not change with the parameters, so every epoch
   and mini-batch shares them."""
   d = batch.data
-  if "old_logprobs" not in d or "rollout_logprobs" not in d or on_policy(ctx):
+  if OLD_LOGPROBS not in d or ROLLOUT_LOGPROBS not in d or on_policy(ctx):
     return  # the old log-probs are the rollout's own: nothing to compare
   fn = off_policy_stats(ctx, lay, loss_cfg)
   # bool, as the program plan --lower lowers; episodes: their generated tokens only
-  mask = d["response_mask"] if LOSS_MASK not in d else d["response_mask"] & d[LOSS_MASK]
-  s = jax.device_get(fn(d["old_logprobs"], d["rollout_logprobs"], mask))
+  mask = d[RESPONSE_MASK] if LOSS_MASK not in d else d[RESPONSE_MASK] & d[LOSS_MASK]
+  s = jax.device_get(fn(d[OLD_LOGPROBS], d[ROLLOUT_LOGPROBS], mask))
   tokens = float(s["tokens"])
   if tokens <= 0:
     return
-  ctx.metrics.add("off_policy/logprob_gap", float(s["gap_sum"]), tokens)
-  ctx.metrics.set_max("off_policy/logprob_gap_max", float(s["gap_max"]))
+  metrics.add("off_policy/logprob_gap", float(s["gap_sum"]), tokens)
+  metrics.set_max("off_policy/logprob_gap_max", float(s["gap_max"]))
   if loss_cfg.correction is off_policy.OffPolicyCorrection.NONE:
     return
-  ctx.metrics.add("off_policy/is_weight_mean", float(s["ratio_sum"]), tokens)
-  ctx.metrics.set_max("off_policy/is_weight_max", float(s["ratio_max"]))
-  ctx.metrics.add("off_policy/clipped_frac", float(s["above_cap"]), tokens)
-  ctx.metrics.add("off_policy/dropped_frac", float(s["dropped"]), tokens)
+  metrics.add("off_policy/is_weight_mean", float(s["ratio_sum"]), tokens)
+  metrics.set_max("off_policy/is_weight_max", float(s["ratio_max"]))
+  metrics.add("off_policy/clipped_frac", float(s["above_cap"]), tokens)
+  metrics.add("off_policy/dropped_frac", float(s["dropped"]), tokens)
 
 
 def off_policy_stats(ctx: RunContext, lay: dlayout.Layout, loss_cfg: steps_lib.ActorLoss):

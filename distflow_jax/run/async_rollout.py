@@ -43,13 +43,13 @@ import numpy as np
 from distflow_jax.config import async_checks
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.spec import Role
-from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, to_global, to_local
+from distflow_jax.data.batch import Batch, to_global, to_local
 from distflow_jax.persist import in_flight
 from distflow_jax.run import executor
 from distflow_jax.state.context import RunContext, put_local
 from distflow_jax.state.metrics import Metrics
+from distflow_jax.data.fields import GROUP_ID, POLICY_VERSION, SAMPLE_ID
 
-VERSION = "policy_version"  # the per-sample field: the policy version that generated it
 
 
 def max_staleness(cfg: ml_collections.ConfigDict) -> int:
@@ -140,13 +140,14 @@ class AsyncRollout:
     """The rollout thread: batch ``index``'s rollout stage under policy ``version``."""
     ctx = self.ctx
     actor = dataclasses.replace(ctx.roles[Role.ACTOR], params=params)
-    mine = dataclasses.replace(ctx, step=index, metrics=Metrics(), algo_state=algo_state,
+    mine = dataclasses.replace(ctx, step=index, algo_state=algo_state,
                                roles={**ctx.roles, Role.ACTOR: actor})
-    batch, lay = executor.run_steps(mine, self.prefix, prompts, None)
+    metrics = Metrics()
+    batch, lay = executor.run_steps(mine, self.prefix, prompts, None, metrics)
     rows = to_local(Batch({k: batch.data[k] for k in (SAMPLE_ID, GROUP_ID)})).num_samples
-    batch = put_local(batch, lay, **{VERSION: np.full(rows, version, np.int32)})
+    batch = put_local(batch, lay, **{POLICY_VERSION: np.full(rows, version, np.int32)})
     jax.block_until_ready([v for v in batch.data.values() if isinstance(v, jax.Array)])
-    return batch, mine.metrics
+    return batch, metrics
 
   def step(self, step: int) -> dict[str, float]:
     """Step ``step``: queue what the schedule allows, wait for batch ``step``, train it."""
@@ -159,8 +160,7 @@ class AsyncRollout:
     metrics = Metrics(dict(metrics.sums), dict(metrics.counts), dict(metrics.maxima))
     metrics.add_time("time/async_wait", time.perf_counter() - t0)
     add_staleness(metrics, step, batch.data, self.k)
-    self.ctx.metrics = metrics
-    return executor.run_rest(self.ctx, batch, self.layout, self.stage, start)
+    return executor.run_rest(self.ctx, batch, self.layout, self.stage, start, metrics)
 
   def wait_all(self) -> None:
     """Waits for every queued batch (before work that must not race the thread)."""
@@ -205,7 +205,7 @@ def add_staleness(metrics: Metrics, step: int, data: dict, k: int) -> None:
   ``async/dropped`` (samples older than ``k`` versions: 0 by the schedule) into
   ``metrics``, from the batch's ``policy_version`` field."""
   stale = step - np.asarray(to_local(Batch({n: data[n] for n in (
-      SAMPLE_ID, GROUP_ID, VERSION)})).data[VERSION], np.int64)
+      SAMPLE_ID, GROUP_ID, POLICY_VERSION)})).data[POLICY_VERSION], np.int64)
   metrics.add_mean("async/staleness", stale)
   metrics.set_max("async/staleness_max", float(stale.max(initial=0)))
   metrics.add("async/dropped", float((stale > k).sum()))

@@ -52,10 +52,11 @@ import numpy as np
 from distflow_jax import groups
 from distflow_jax.config import async_checks
 from distflow_jax.dag.spec import Role
-from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch, to_local
+from distflow_jax.data.batch import Batch, to_local
 from distflow_jax.run import disjoint_state, executor, links, transfer
 from distflow_jax.run import evaluate as eval_lib
-from distflow_jax.run.async_rollout import VERSION, add_staleness
+from distflow_jax.run.async_rollout import add_staleness
+from distflow_jax.data.fields import GROUP_ID, POLICY_VERSION, SAMPLE_ID
 from distflow_jax.state import roles as roles_lib
 from distflow_jax.state.context import RunContext, put_local
 from distflow_jax.state.metrics import Metrics
@@ -147,7 +148,7 @@ def run_rollout(ctx: RunContext, loader: Any, k: int, total: int,
   prefix, held, params = ctx.plan.steps[:stage], None, None
 
   def at(step: int, params: Any) -> RunContext:  # the context with this version's actor
-    return dataclasses.replace(ctx, step=step, metrics=Metrics(), roles={
+    return dataclasses.replace(ctx, step=step, roles={
         **ctx.roles, Role.ACTOR: dataclasses.replace(actor, mesh=link.weights.mesh,
                                                      params=params)})
 
@@ -165,10 +166,10 @@ def run_rollout(ctx: RunContext, loader: Any, k: int, total: int,
         params, held = versions.take(version), version
         if version in evals:
           evaluate(version, params)
-      mine = at(j, params)
-      batch, lay = executor.run_steps(mine, prefix, next(loader), None)
+      mine, step_metrics = at(j, params), Metrics()
+      batch, lay = executor.run_steps(mine, prefix, next(loader), None, step_metrics)
       rows = to_local(Batch({n: batch.data[n] for n in (SAMPLE_ID, GROUP_ID)})).num_samples
-      batch = put_local(batch, lay, **{VERSION: np.full(rows, version, np.int32)})
+      batch = put_local(batch, lay, **{POLICY_VERSION: np.full(rows, version, np.int32)})
       data = {n: v for n, v in batch.data.items()}
       bad = [n for n, v in data.items() if not isinstance(v, jax.Array)]
       if bad:
@@ -177,7 +178,7 @@ def run_rollout(ctx: RunContext, loader: Any, k: int, total: int,
       jax.block_until_ready(list(data.values()))
       bad_rows = float(sum(v for n, v in getattr(loader, "counts", {}).items() if n != "ok"))
       transfer.publish(str(run), j, {**transfer.batch_meta(data),
-                                     "metrics": _metrics_json(mine.metrics),
+                                     "metrics": _metrics_json(step_metrics),
                                      "bad_rows": bad_rows,
                                      "loader": disjoint_state.prompt_state(loader)})
       outgoing.put(j, link.batch.make_parts(data))  # a program over the rollout's devices
@@ -263,8 +264,7 @@ class TrainerSide:
     self.bad_rows = sum(m["bad_rows"] for m in metas)
     batch = Batch(data, {})
     add_staleness(metrics, step, data, self.k)
-    ctx.metrics = metrics
-    return executor.run_rest(ctx, batch, lay, self.stage, start)
+    return executor.run_rest(ctx, batch, lay, self.stage, start, metrics)
 
   def _snapshot(self, version: int) -> None:
     """Version ``version`` (the actor now), a copy for the thread to send when the

@@ -26,6 +26,8 @@ from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch, to_global, to_local
 from distflow_jax.state.context import RunContext
 from distflow_jax.state.metrics import Metrics, gather_processes
+from distflow_jax.data.fields import (IMAGE_SLOTS, PROMPT_MASK, PROMPT_TOKENS, REWARDS,
+                                      ROPE_POSITIONS)
 
 
 def prefix_length(plan: Plan) -> int:
@@ -34,7 +36,7 @@ def prefix_length(plan: Plan) -> int:
   for s in plan.steps:
     if s.move_in is Move.REPARTITION or not s.groups_intact:
       break
-    if "rewards" in FUNCTIONS.spec(s.node.fn).produces:
+    if REWARDS in FUNCTIONS.spec(s.node.fn).produces:
       last = s.index
   return last + 1
 
@@ -44,7 +46,8 @@ RunSteps = Callable[[Sequence[Step], Batch, dlayout.Layout | None],
 
 
 def sample_prefix(ctx: RunContext, prompts: Batch, more_prompts: Callable[[], Batch] | None,
-                  run_steps: RunSteps) -> tuple[Batch, dlayout.Layout | None, int]:
+                  metrics: Metrics, run_steps: RunSteps
+                  ) -> tuple[Batch, dlayout.Layout | None, int]:
   """The executor's hook before the chain: (batch, its layout, chain steps already run).
 
   With ``algo.dynamic_sampling_tries`` the chain's sampling prefix runs here (see
@@ -58,7 +61,7 @@ def sample_prefix(ctx: RunContext, prompts: Batch, more_prompts: Callable[[], Ba
     raise ValueError("dynamic sampling needs a source of more prompts")
   prefix = ctx.plan.steps[:k]
   batch, lay = sample(lambda p: run_steps(prefix, p, None), prompts, more_prompts,
-                      n=ctx.cfg.rollout.n, max_tries=tries, metrics=ctx.metrics)
+                      n=ctx.cfg.rollout.n, max_tries=tries, metrics=metrics)
   return batch, lay, k
 
 
@@ -69,19 +72,19 @@ def _all_have(have: int, need: int) -> bool:
 def _same_prompt_width(groups: list[dict[str, np.ndarray]]) -> None:
   """Tries may pad prompts to different bucket widths: left-pad all to the widest
   (masked out; the pad value is each row's own first column, padding or not)."""
-  if "prompt_tokens" not in groups[0]:
+  if PROMPT_TOKENS not in groups[0]:
     return
-  width = max(g["prompt_tokens"].shape[1] for g in groups)
+  width = max(g[PROMPT_TOKENS].shape[1] for g in groups)
   for g in groups:
-    extra = width - g["prompt_tokens"].shape[1]
+    extra = width - g[PROMPT_TOKENS].shape[1]
     if extra:
-      g["prompt_tokens"] = np.concatenate(
-          [np.repeat(g["prompt_tokens"][:, :1], extra, axis=1), g["prompt_tokens"]], axis=1)
-      g["prompt_mask"] = np.concatenate(
-          [np.zeros((len(g["prompt_mask"]), extra), bool), g["prompt_mask"]], axis=1)
-      if "image_slots" in g:  # images (train/image_inputs.py): no slot, position 0 there
-        g["image_slots"] = np.pad(g["image_slots"], ((0, 0), (extra, 0)))
-        g["rope_positions"] = np.pad(g["rope_positions"], ((0, 0), (0, 0), (extra, 0)))
+      g[PROMPT_TOKENS] = np.concatenate(
+          [np.repeat(g[PROMPT_TOKENS][:, :1], extra, axis=1), g[PROMPT_TOKENS]], axis=1)
+      g[PROMPT_MASK] = np.concatenate(
+          [np.zeros((len(g[PROMPT_MASK]), extra), bool), g[PROMPT_MASK]], axis=1)
+      if IMAGE_SLOTS in g:  # images (train/image_inputs.py): no slot, position 0 there
+        g[IMAGE_SLOTS] = np.pad(g[IMAGE_SLOTS], ((0, 0), (extra, 0)))
+        g[ROPE_POSITIONS] = np.pad(g[ROPE_POSITIONS], ((0, 0), (0, 0), (extra, 0)))
 
 
 def sample(run_prefix: Callable[[Batch], tuple[Batch, dlayout.Layout]], prompts: Batch,
@@ -96,7 +99,7 @@ def sample(run_prefix: Callable[[Batch], tuple[Batch, dlayout.Layout]], prompts:
     batch, lay = run_prefix(prompts if attempt == 0 else more_prompts())
     local = to_local(batch)
     host.update(local.host)
-    rewards = np.asarray(local.data["rewards"]).reshape(-1, n)
+    rewards = np.asarray(local.data[REWARDS]).reshape(-1, n)
     varied = rewards.max(axis=1) > rewards.min(axis=1)
     need = need or len(varied)
     generated += len(varied)

@@ -28,6 +28,7 @@ from distflow_jax.observe.heartbeat import heartbeat, interval as heartbeat_inte
 from distflow_jax.state import vision as vision_lib
 from distflow_jax.state.context import RunContext
 from distflow_jax.state.metrics import Metrics
+from distflow_jax.data.fields import GROUP_ID
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -61,7 +62,7 @@ def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1, reward: str = "math
   params = backend.update_weights(ctx.roles[Role.ACTOR].params)
   ids, lens = np.asarray(prompts.data["prompt_ids"]), np.asarray(prompts.data["prompt_len"])
   plist = [ids[i, :lens[i]] for i in range(len(lens))]
-  fields = prompts.host_fields(prompts.data["group_id"])
+  fields = prompts.host_fields(prompts.data[GROUP_ID])
   extra = {}
   if ctx.vision is not None:  # each prompt's features once (state/vision.py)
     feats, grids = vision_lib.batch_images(ctx.vision, fields, plist)

@@ -7,6 +7,11 @@ all-to-all to the next node's layout, length-balanced by prompt + response
 tokens.  Host-side nodes work on their own rows; nothing waits on a central
 process.  Per-node wall time is recorded (the slowest host's).
 
+A node returns what it made (``nodes.common.NodeOut``: the batch, its metrics, the new
+train state of a role it trained); this loop is the one place that applies it: the
+step's metrics are a local ``Metrics`` that ``run_step`` returns reduced, and a trained
+role's parameters and optimizer state are put in its ``ModelState`` here.
+
 Algorithm variants hook in at two named points instead of branching here:
 ``dynamic_sampling.sample_prefix`` before the chain (DAPO's filter) and
 ``algo_state.after_step`` after it (the adaptive KL coefficient).
@@ -27,13 +32,16 @@ from distflow_jax.dag.registry import FUNCTIONS
 from distflow_jax.data import redistribute as rd
 from distflow_jax.data.batch import Batch, redistribute_batch
 from distflow_jax.state import algo_state
+from distflow_jax.nodes.common import NodeOut, node_out
 from distflow_jax.run import dynamic_sampling
 from distflow_jax.state.context import RunContext, shared_prompt_group
+from distflow_jax.state.metrics import Metrics
+from distflow_jax.data.fields import PROMPT_MASK, RESPONSE_MASK
 
 
 def _lengths(masks: dict) -> jax.Array:
-  return (masks["prompt_mask"].sum(axis=1, dtype=jnp.int32)
-          + masks["response_mask"].sum(axis=1, dtype=jnp.int32))
+  return (masks[PROMPT_MASK].sum(axis=1, dtype=jnp.int32)
+          + masks[RESPONSE_MASK].sum(axis=1, dtype=jnp.int32))
 
 
 def lengths_fn(ctx: RunContext):
@@ -45,7 +53,7 @@ def lengths_fn(ctx: RunContext):
 def _token_lengths(ctx: RunContext, batch: Batch) -> np.ndarray:
   """Prompt + response tokens per sample, replicated on every process (one small gather)."""
   fn = lengths_fn(ctx)
-  return rd.replicate_lengths(fn({k: batch.data[k] for k in ("prompt_mask", "response_mask")}))
+  return rd.replicate_lengths(fn({k: batch.data[k] for k in (PROMPT_MASK, RESPONSE_MASK)}))
 
 
 def move_group(ctx: RunContext, to_rollout: bool, rows: int, lay) -> int:
@@ -72,10 +80,21 @@ def _recorder(ctx: RunContext, dst, mode: str):
   return on_plan
 
 
-def run_steps(ctx: RunContext, steps, batch: Batch, current,
+def apply(ctx: RunContext, out: NodeOut, metrics: Metrics) -> Batch:
+  """Applies a node's output: its metrics into the step's ``metrics``, each trained role's
+  new parameters and optimizer state into ``ctx.roles``; returns its batch."""
+  metrics.merge(out.metrics)
+  for role, new in out.states.items():
+    state = ctx.roles[role]
+    state.params, state.opt_state = new.params, new.opt_state
+  return out.batch
+
+
+def run_steps(ctx: RunContext, steps, batch: Batch, current, metrics: Metrics,
               before_training: Callable[[], None] | None = None):
-  """Runs ``steps`` of the chain; returns the batch and its layout.  ``before_training``
-  runs once, before the first step off the rollout layout (run/compile_overlap.py)."""
+  """Runs ``steps`` of the chain, recording into ``metrics``; returns the batch and its
+  layout.  ``before_training`` runs once, before the first step off the rollout layout
+  (run/compile_overlap.py)."""
   for step in steps:
     node = step.node
     lay = ctx.layout(step.layout)
@@ -100,13 +119,13 @@ def run_steps(ctx: RunContext, steps, batch: Batch, current,
                                       mode=ctx.cfg.data.redistribute,
                                       on_plan=_recorder(ctx, lay, ctx.cfg.data.redistribute))
       _block(batch)
-      ctx.metrics.add_time(f"time/move_to/{node.id}", time.perf_counter() - t0)
+      metrics.add_time(f"time/move_to/{node.id}", time.perf_counter() - t0)
       t0 = time.perf_counter()
     elif current is not None and step.move_in is Move.FAST:
       batch, _ = redistribute_batch(batch, np.zeros(0, np.int32), current, lay)
-    batch = FUNCTIONS.impl(node.fn)(ctx, node, lay, batch)
+    batch = apply(ctx, node_out(node, FUNCTIONS.impl(node.fn)(ctx, node, lay, batch)), metrics)
     _block(batch)
-    ctx.metrics.add_time(f"time/{node.id}", time.perf_counter() - t0)
+    metrics.add_time(f"time/{node.id}", time.perf_counter() - t0)
     current = lay
   return batch, current
 
@@ -119,22 +138,25 @@ def run_step(ctx: RunContext, prompts: Batch,
   ``more_prompts`` feeds DAPO's dynamic sampling (``algo.dynamic_sampling_tries``);
   ``before_training`` as ``run_steps``'.
   """
-  ctx.metrics = type(ctx.metrics)()
+  metrics = Metrics()
   start = time.perf_counter()
   batch, current, done = dynamic_sampling.sample_prefix(
-      ctx, prompts, more_prompts, lambda part, b, lay: run_steps(ctx, part, b, lay))
-  return run_rest(ctx, batch, current, done, start, before_training)
+      ctx, prompts, more_prompts, metrics,
+      lambda part, b, lay: run_steps(ctx, part, b, lay, metrics))
+  return run_rest(ctx, batch, current, done, start, metrics, before_training)
 
 
 def run_rest(ctx: RunContext, batch: Batch, current, done: int, start: float,
-             before_training: Callable[[], None] | None = None) -> dict[str, float]:
+             metrics: Metrics, before_training: Callable[[], None] | None = None
+             ) -> dict[str, float]:
   """The chain's steps from ``done`` on (``batch`` laid out as ``current``), then the
-  step's metrics (``ctx.metrics``, reduced over hosts; ``time/step`` since ``start``)."""
+  step's metrics (``metrics`` and the rest of the step's, reduced over hosts; ``time/step``
+  since ``start``)."""
   steps = ctx.plan.steps
-  batch, _ = run_steps(ctx, steps[done:], batch, current, before_training)
+  batch, _ = run_steps(ctx, steps[done:], batch, current, metrics, before_training)
   tokens = float(_token_lengths(ctx, batch).sum())
-  ctx.metrics.set_max("time/step", time.perf_counter() - start)
-  out = ctx.metrics.reduce()
+  metrics.set_max("time/step", time.perf_counter() - start)
+  out = metrics.reduce()
   out["tokens"] = tokens
   out["tokens_per_s"] = tokens / max(out["time/step"], 1e-9)
   for step in steps:  # DistFlow's throughput: prompt + response tokens per second

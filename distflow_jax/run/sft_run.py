@@ -45,6 +45,7 @@ from distflow_jax.state import roles as roles_lib
 from distflow_jax.warmstart import sft
 from distflow_jax.warmstart import sft_data
 from distflow_jax.state.metrics import JsonlWriter
+from distflow_jax.data.fields import GROUP_ID, PROMPT_MASK, PROMPT_TOKENS, SAMPLE_ID
 
 
 def sft_dir(cfg: ml_collections.ConfigDict) -> str:
@@ -118,13 +119,13 @@ def load_data(cfg: ml_collections.ConfigDict, eval_data: str, log: Callable[[str
 def _accuracy_batch(held: sft_data.Encoded, rows: list[int]) -> Batch:
   """This process's share of the verifiable held-out rows as an evaluation prompt batch."""
   mine = rows[jax.process_index()::jax.process_count()]
-  ptok, pmask = held.data["prompt_tokens"][mine], held.data["prompt_mask"][mine]
+  ptok, pmask = held.data[PROMPT_TOKENS][mine], held.data[PROMPT_MASK][mine]
   ids = np.zeros_like(ptok)
   for i in range(len(mine)):  # the loader's layout: prompts left-aligned
     ids[i, :pmask[i].sum()] = ptok[i][pmask[i]]
   gid = np.asarray(mine, np.int32)
   return Batch({"prompt_ids": ids, "prompt_len": pmask.sum(1).astype(np.int32),
-                "group_id": gid, "sample_id": gid},
+                GROUP_ID: gid, SAMPLE_ID: gid},
                {int(g): {"answer": held.pairs[g].completion} for g in mine})
 
 

@@ -180,8 +180,8 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
                                            is_writer, wandb=wandb)
   try:
     with groups.within(split.training if split is not None else None):
-      yield from _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer,
-                        sample_writer, programs_at)
+      yield from StepLoop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer,
+                          sample_writer, programs_at).run()
   except GeneratorExit:  # the caller stopped early: not a failure
     wandb.close()
     raise
@@ -191,119 +191,139 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
   wandb.close()
 
 
-def _steps(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, sample_writer,
-           programs_at) -> Iterator[dict[str, float]]:
-  counter = compile_cache.CompileCounter()
-  since = counter.snapshot()
-  split, _ = disjoint.process_role(ctx)
-  has_eval = loaders.eval is not None
-  # On disjoint processes the rollout processes evaluate (disjoint.run_rollout): a training
-  # process draws no held-out batch (no rows parsed, no images decoded for nothing).
-  eval_batch = next(iter(loaders.eval)) if has_eval and split is None else None
+class StepLoop:
+  """The step loop of one run on this process: the held-out evaluation, the steps (each
+  ``one_step`` then ``finish``), the compile tally and the checkpoint saves.  The run's
+  parts are its attributes; every method reads them, none takes a long argument list."""
 
-  def compiles(first: bool = False) -> dict[str, float]:
+  def __init__(self, cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
+               start_step: int, checkpointer: "checkpoint.Checkpointer | None",
+               log: Callable[[str], None] | None, monitor: health_lib.HealthMonitor,
+               writer: Writers, sample_writer: samples_lib.SampleWriter,
+               programs_at: compile_overlap.ProgramsAt | None):
+    self.cfg, self.ctx, self.loaders, self.start_step = cfg, ctx, loaders, start_step
+    self.checkpointer, self.log, self.monitor = checkpointer, log, monitor
+    self.writer, self.sample_writer, self.programs_at = writer, sample_writer, programs_at
+    self.counter = compile_cache.CompileCounter()
+    self.since = self.counter.snapshot()
+    self.split, _ = disjoint.process_role(ctx)
+    self.has_eval = loaders.eval is not None
+    # On disjoint processes the rollout processes evaluate (disjoint.run_rollout): a
+    # training process draws no held-out batch (no rows parsed, no images decoded for
+    # nothing).
+    self.eval_batch = (next(iter(loaders.eval)) if self.has_eval and self.split is None
+                       else None)
+    self.pipeline = None  # set by run(): the asynchronous rollout, or None (synchronous)
+    self.after_step: Callable[[bool], None] = lambda first: None
+
+  def compiles(self, first: bool = False) -> dict[str, float]:
     """The compiles since the previous row (checkpoint saves and the eval included); on
     the first step's row also ``compile/programs``, the programs (compiled or loaded,
     eager operations aside) built since the job started (``plan --programs``' count)."""
-    nonlocal since
-    tally = counter.since(since).metrics()
+    tally = self.counter.since(self.since).metrics()
     if first:
-      tally["compile/programs"] = float(counter.snapshot().programs)
+      tally["compile/programs"] = float(self.counter.snapshot().programs)
     names = sorted(tally)
     most = gather_processes(np.array([tally[n] for n in names], np.float64)).max(0)
-    since = counter.snapshot()  # after the gather: its own first compile is not counted
+    self.since = self.counter.snapshot()  # after the gather: its own compile not counted
     return {n: float(v) for n, v in zip(names, most)}
 
-  pipeline = (disjoint.TrainerSide(ctx, loaders.train, async_rollout.max_staleness(cfg),
-                                   start_step, cfg.trainer.total_steps, split,
-                                   has_eval=has_eval)
-              if split is not None
-              else async_rollout.start(cfg, ctx, loaders.train, start_step))  # None: sync
-
-  def run_eval(step: int) -> dict[str, float]:
-    phase(log, "evaluation")
-    if split is not None:  # the rollout processes evaluate version `step` (disjoint.py)
-      out, kept = pipeline.evaluate(step)
+  def evaluate(self, step: int) -> dict[str, float]:
+    phase(self.log, "evaluation")
+    if self.split is not None:  # the rollout processes evaluate version `step` (disjoint.py)
+      out, kept = self.pipeline.evaluate(step)
     else:  # only process 0 keeps samples: the others skip decoding prompts never written
       kept = []
-      out = eval_lib.evaluate(ctx, eval_batch, samples=kept,
-                              num_samples=sample_writer.num_samples,
-                              reward=cfg.trainer.eval_reward)
-    sample_writer.write(step, kept)
+      out = eval_lib.evaluate(self.ctx, self.eval_batch, samples=kept,
+                              num_samples=self.sample_writer.num_samples,
+                              reward=self.cfg.trainer.eval_reward)
+    self.sample_writer.write(step, kept)
     return out
 
-  after_step = compile_ahead(cfg, ctx, checkpointer)
-  try:
-    if has_eval and start_step == 0:
-      with heartbeat(log, "evaluation at step 0 (compiling the rollout)",
-                     heartbeat_interval(cfg), compiles=True):
-        first = {"step": 0, **run_eval(0)}
-      first.update(compiles())
-      monitor.update(0, first)  # the start is the first best held-out accuracy (eval_fall)
-      writer.write(first)
-      yield first
-    yield from _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer,
-                     pipeline, run_eval, after_step, compiles, has_eval, programs_at)
-    if pipeline is not None:
-      pipeline.end()
-  finally:
-    if pipeline is not None:
-      pipeline.close()
-  if checkpointer is not None:
-    checkpointer.wait()
+  def run(self) -> Iterator[dict[str, float]]:
+    cfg, ctx, loaders = self.cfg, self.ctx, self.loaders
+    self.pipeline = (disjoint.TrainerSide(ctx, loaders.train, async_rollout.max_staleness(cfg),
+                                          self.start_step, cfg.trainer.total_steps, self.split,
+                                          has_eval=self.has_eval)
+                     if self.split is not None
+                     else async_rollout.start(cfg, ctx, loaders.train, self.start_step))
+    self.after_step = compile_ahead(cfg, ctx, self.checkpointer)
+    try:
+      if self.has_eval and self.start_step == 0:
+        with heartbeat(self.log, "evaluation at step 0 (compiling the rollout)",
+                       heartbeat_interval(cfg), compiles=True):
+          first = {"step": 0, **self.evaluate(0)}
+        first.update(self.compiles())
+        self.monitor.update(0, first)  # the start: the first best held-out accuracy
+        self.writer.write(first)
+        yield first
+      for step in range(self.start_step, cfg.trainer.total_steps):
+        metrics = self.one_step(step)
+        self.finish(step, metrics)
+        yield metrics
+      if self.pipeline is not None:
+        self.pipeline.end()
+    finally:
+      if self.pipeline is not None:
+        self.pipeline.close()
+    if self.checkpointer is not None:
+      self.checkpointer.wait()
 
-
-def _loop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer, pipeline,
-          run_eval, after_step, compiles, has_eval, programs_at) -> Iterator[dict[str, float]]:
-  for step in range(start_step, cfg.trainer.total_steps):
+  def one_step(self, step: int) -> dict[str, float]:
+    """Step ``step`` of the workflow (rollout to training), its metrics reduced over hosts."""
+    ctx, first = self.ctx, step == self.start_step
     ctx.step = step
-    if step == start_step:
-      phase(log, "compile/first step")  # the first step compiles every node: the slow one
-    with heartbeat(log if step == start_step else None, "compile and first step",
-                   heartbeat_interval(cfg), compiles=True):
-      if pipeline is None:
-        prompts = next(loaders.train)
-        overlap = (compile_overlap.start(ctx, prompts, programs_at, log)
-                   if step == start_step else None)
-        metrics = executor.run_step(ctx, prompts, more_prompts=lambda: next(loaders.train),
-                                    before_training=overlap and overlap.wait)
-        if overlap is not None:
-          overlap.wait()  # a chain that never left the rollout layout
-          metrics.update(overlap.metrics())
-      else:
-        metrics = pipeline.step(step)
+    if first:
+      phase(self.log, "compile/first step")  # the first step compiles every node: the slow one
+    with heartbeat(self.log if first else None, "compile and first step",
+                   heartbeat_interval(self.cfg), compiles=True):
+      if self.pipeline is not None:
+        return self.pipeline.step(step)
+      train = self.loaders.train
+      prompts = next(train)
+      overlap = compile_overlap.start(ctx, prompts, self.programs_at, self.log) if first else None
+      metrics = executor.run_step(ctx, prompts, more_prompts=lambda: next(train),
+                                  before_training=overlap and overlap.wait)
+      if overlap is not None:
+        overlap.wait()  # a chain that never left the rollout layout
+        metrics.update(overlap.metrics())
+    return metrics
+
+  def finish(self, step: int, metrics: dict[str, float]) -> None:
+    """After step ``step``: data counts, the evaluation when due, compiling ahead, the
+    compile tally, health alarms, the metrics row and the checkpoint when due."""
+    cfg, first, counts = self.cfg, step == self.start_step, self.loaders.train.counts
     metrics["step"] = step + 1
-    metrics["data/bad_rows"] = float(getattr(pipeline, "bad_rows", None) or sum(
-        v for k, v in loaders.train.counts.items()
-        if k not in ("ok", UNK_PROMPTS)))  # the rollout's own
-    metrics["data/unk_prompts"] = float(loaders.train.counts.get(UNK_PROMPTS, 0))
-    if has_eval and ((step + 1) % cfg.trainer.eval_every == 0
-                     or step + 1 == cfg.trainer.total_steps):
-      metrics.update(run_eval(step + 1))
+    metrics["data/bad_rows"] = float(getattr(self.pipeline, "bad_rows", None) or sum(
+        v for k, v in counts.items() if k not in ("ok", UNK_PROMPTS)))  # the rollout's own
+    metrics["data/unk_prompts"] = float(counts.get(UNK_PROMPTS, 0))
+    if self.has_eval and ((step + 1) % cfg.trainer.eval_every == 0
+                          or step + 1 == cfg.trainer.total_steps):
+      metrics.update(self.evaluate(step + 1))
     t0 = time.perf_counter()
-    if pipeline is not None and step == start_step:
-      pipeline.wait_all()  # the first after_step compiles the rollout's shapes
-    with heartbeat(log if step == start_step else None,
+    if self.pipeline is not None and first:
+      self.pipeline.wait_all()  # the first after_step compiles the rollout's shapes
+    with heartbeat(self.log if first else None,
                    "compiling ahead (the shapes later steps may meet)", heartbeat_interval(cfg),
                    compiles=True):
-      after_step(step == start_step)  # counted in this step, not when a shape first shows
-    if step == start_step:  # outside time/step: the first step's whole cost is the sum
+      self.after_step(first)  # counted in this step, not when a shape first shows
+    if first:  # outside time/step: the first step's whole cost is the sum
       metrics["compile/ahead_s"] = time.perf_counter() - t0
-    metrics.update(compiles(first=step == start_step))
-    alarms = monitor.update(step + 1, metrics)
-    writer.write(metrics)
+    metrics.update(self.compiles(first=first))
+    alarms = self.monitor.update(step + 1, metrics)
+    self.writer.write(metrics)
     for alarm in alarms:
-      if log is not None:
-        log(alarm.line())
+      if self.log is not None:
+        self.log(alarm.line())
     collapse = next((a for a in alarms if a.signal.is_collapse), None)
     if collapse is not None and cfg.trainer.stop_on_collapse:
-      raise health_lib.CollapseError(_collapse_message(collapse, checkpointer))
-    if checkpointer is not None and checkpointer.due(step + 1, cfg.trainer.total_steps):
-      phase(log, "checkpoint save")
+      raise health_lib.CollapseError(_collapse_message(collapse, self.checkpointer))
+    ckpt = self.checkpointer
+    if ckpt is not None and ckpt.due(step + 1, cfg.trainer.total_steps):
+      phase(self.log, "checkpoint save")
       with deferred_signals.deferred():  # a Ctrl-C now lets this save start, then finish
-        checkpointer.save(step + 1, ctx.roles, loaders.train, cfg, ctx.model_cfg,
-                          ctx.tokenizer)
-    yield metrics
+        ckpt.save(step + 1, self.ctx.roles, self.loaders.train, cfg, self.ctx.model_cfg,
+                  self.ctx.tokenizer)
 
 
 def compile_ahead(cfg: ml_collections.ConfigDict, ctx: RunContext,

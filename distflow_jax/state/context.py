@@ -32,7 +32,6 @@ from distflow_jax.rollout.sampling import SamplingParams
 from distflow_jax.rollout.spanning import SpanningReplica
 from distflow_jax.state import roles as roles_lib, vision as vision_lib, warm_shapes
 from distflow_jax.state.algo_state import AlgoState
-from distflow_jax.state.metrics import Metrics
 from distflow_jax.config.response import response_width
 
 
@@ -50,12 +49,18 @@ class RunContext:
   vision: vision_lib.VisionEncoder | None = None
   # State that changes from step to step (saved with the checkpoint): see algo_state.py.
   algo_state: AlgoState = dataclasses.field(default_factory=AlgoState)
-  metrics: Metrics = dataclasses.field(default_factory=Metrics)
   _layouts: dict[NodeLayout, dlayout.Layout] = dataclasses.field(default_factory=dict)
   _backends: dict[Any, RolloutBackend] = dataclasses.field(default_factory=dict)
   _jitted: dict[Any, Callable] = dataclasses.field(default_factory=dict)
   # Calls of the jitted functions, to compile their other prompt widths (warm_shapes.py).
   shapes: warm_shapes.Recorder = dataclasses.field(default_factory=warm_shapes.Recorder)
+
+  @property
+  def metrics(self):
+    # Node functions return their metrics; a plugin written against the old contract
+    # (ctx.metrics.add(...)) gets this line instead of an AttributeError.
+    raise AttributeError("RunContext has no metrics: a node function returns them, "
+                         "nodes.common.NodeOut(batch, metrics) with a state.metrics.Metrics")
 
   @property
   def kl_coef(self) -> float | None:

@@ -57,6 +57,14 @@ class Metrics:
   def set_max(self, name: str, value: float) -> None:
     self.maxima[name] = max(self.maxima.get(name, float("-inf")), float(value))
 
+  def merge(self, other: "Metrics") -> None:
+    """Adds ``other``'s records to these: sums and counts add, maxima keep the larger (a
+    node's metrics into its step's; nodes record no timings, the executor does)."""
+    for name, total in other.sums.items():
+      self.add(name, total, other.counts[name])
+    for name, value in other.maxima.items():
+      self.set_max(name, value)
+
   def reduce(self) -> dict[str, float]:
     """Means over all processes (every process must call it, in the same order)."""
     names = sorted(self.sums)

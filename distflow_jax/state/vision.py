@@ -28,6 +28,7 @@ from distflow_jax.models.vision import VisionTower, vision_layout
 from distflow_jax.models.vl import (HF_ARCH, VLConfig, load_vl_pretrained, read_vl_config,
                                     rope_index)
 from distflow_jax.rollout.images import PromptImages
+from distflow_jax.data.fields import IMAGE_EMBEDS, IMAGE_SLOTS, ROPE_POSITIONS
 
 SAME_GRID = ("images: every image of a run must have the same grid in this version "
              "(sample {a} has {ga}, sample {b} has {gb}); use one image size (e.g. one "
@@ -85,9 +86,9 @@ def image_fields(cfg: VLConfig, feats: Sequence[np.ndarray], prompt_tokens_BxP: 
                                         gb=np.asarray(g).tolist()))
   tokens = np.asarray(prompt_tokens_BxP)
   slots = (tokens == cfg.image_token_id) & np.asarray(prompt_mask_BxP, bool)
-  return {"image_embeds": np.stack([np.asarray(f, np.float32) for f in feats]),
-          "image_slots": slots,
-          "rope_positions": rope_fields(cfg, tokens, prompt_mask_BxP, grids, n_new)}
+  return {IMAGE_EMBEDS: np.stack([np.asarray(f, np.float32) for f in feats]),
+          IMAGE_SLOTS: slots,
+          ROPE_POSITIONS: rope_fields(cfg, tokens, prompt_mask_BxP, grids, n_new)}
 
 
 def prompt_images(cfg: VLConfig, feats: Sequence[np.ndarray], prompts: Sequence[np.ndarray],

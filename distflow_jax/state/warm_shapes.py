@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from distflow_jax.data.fields import PROMPT_MASK, PROMPT_TOKENS
 
 class CompileAhead(enum.Enum):
   """``trainer.compile_ahead``: when a run compiles the shapes it has not met yet (every
@@ -46,7 +47,7 @@ class CompileAhead(enum.Enum):
     return self is CompileAhead.ALWAYS or (self is CompileAhead.AUTO and cache_active)
 
 
-WIDTH_KEYS = ("prompt_tokens", "prompt_mask")
+WIDTH_KEYS = (PROMPT_TOKENS, PROMPT_MASK)
 _UNVARIED_KEYS = ("pack",)
 
 

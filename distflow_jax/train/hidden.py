@@ -38,22 +38,23 @@ from flax import nnx
 
 from distflow_jax.models.transformer import forward, positions_from_mask
 from distflow_jax.train import image_inputs, packing
+from distflow_jax.data.fields import PROMPT_MASK, PROMPT_TOKENS, RESPONSE_MASK, RESPONSE_TOKENS
 
 Batch = Mapping[str, jax.Array]
 
 
 def sequence_inputs(batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(tokens, mask, positions)`` of ``prompt ++ response``, ``[B, P + N]``."""
-  tokens = jnp.concatenate([batch["prompt_tokens"], batch["response_tokens"]], axis=1)
-  mask = jnp.concatenate([batch["prompt_mask"], batch["response_mask"]], axis=1).astype(bool)
+  tokens = jnp.concatenate([batch[PROMPT_TOKENS], batch[RESPONSE_TOKENS]], axis=1)
+  mask = jnp.concatenate([batch[PROMPT_MASK], batch[RESPONSE_MASK]], axis=1).astype(bool)
   return tokens.astype(jnp.int32), mask, positions_from_mask(mask)
 
 
 def _response_hidden_plain(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch
                            ) -> jax.Array:
   tokens, mask, positions = sequence_inputs(batch)
-  p = batch["prompt_tokens"].shape[1]
-  n = batch["response_tokens"].shape[1]
+  p = batch[PROMPT_TOKENS].shape[1]
+  n = batch[RESPONSE_TOKENS].shape[1]
   hidden, _ = forward(graphdef, params, tokens[:, :-1], positions[:, :-1], mask[:, :-1],
                       return_hidden=True,
                       **image_inputs.sequence_kwargs(graphdef, params, batch, tokens[:, :-1]))
@@ -63,10 +64,10 @@ def _response_hidden_plain(graphdef: nnx.GraphDef, params: nnx.State, batch: Bat
 def _response_hidden_shared(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch,
                             group_size: int) -> jax.Array:
   """`_response_hidden_plain` with each group's prompt (that of its first row) run once."""
-  prompt_mask_GxP = batch["prompt_mask"][::group_size].astype(bool)
-  prompt_GxP = batch["prompt_tokens"][::group_size].astype(jnp.int32)
-  resp_BxN = batch["response_tokens"].astype(jnp.int32)
-  resp_mask_BxN = batch["response_mask"].astype(bool)
+  prompt_mask_GxP = batch[PROMPT_MASK][::group_size].astype(bool)
+  prompt_GxP = batch[PROMPT_TOKENS][::group_size].astype(jnp.int32)
+  resp_BxN = batch[RESPONSE_TOKENS].astype(jnp.int32)
+  resp_mask_BxN = batch[RESPONSE_MASK].astype(bool)
   hidden_GxPxD, kv = forward(
       graphdef, params, prompt_GxP, positions_from_mask(prompt_mask_GxP), prompt_mask_GxP,
       return_hidden=True, return_kv=True, **image_inputs.sequence_kwargs(
@@ -96,7 +97,7 @@ def prompts_grouped(batch: Batch, group_size: int) -> jax.Array:
   def same(x):
     x = x.reshape(-1, group_size, *x.shape[1:])
     return jnp.all(x == x[:, :1])
-  return same(batch["prompt_tokens"]) & same(batch["prompt_mask"])
+  return same(batch[PROMPT_TOKENS]) & same(batch[PROMPT_MASK])
 
 
 def _response_hidden_packed(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch
@@ -122,7 +123,7 @@ def response_hidden(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch,
     return _response_hidden_packed(graphdef, params, batch)
   if group_size <= 1:
     return _response_hidden_plain(graphdef, params, batch)
-  b = batch["prompt_tokens"].shape[0]
+  b = batch[PROMPT_TOKENS].shape[0]
   if b % group_size:
     raise ValueError(f"shared prompts: {b} rows are not whole groups of {group_size}")
   return _response_hidden_shared(graphdef, params, batch, group_size)

@@ -25,12 +25,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from distflow_jax.data.fields import IMAGES, IMAGE_EMBEDS, IMAGE_SLOTS, ROPE_POSITIONS
 
-IMAGE_FIELDS = ("image_embeds", "image_slots", "rope_positions")
 
 
 def has_images(batch: Mapping[str, Any]) -> bool:
-  return "image_embeds" in batch
+  return IMAGE_EMBEDS in batch
 
 
 def merge_row_features(embeds_BxTxD: jax.Array, slots_BxT: jax.Array,
@@ -50,16 +50,16 @@ def sequence_kwargs(graphdef: nnx.GraphDef, params: nnx.State, batch: Mapping[st
   if not has_images(batch):
     return {}
   t = tokens_BxT.shape[1]
-  b, p = batch["image_slots"].shape
+  b, p = batch[IMAGE_SLOTS].shape
   slots_BxS = jnp.concatenate(
-      [batch["image_slots"].astype(bool),
-       jnp.zeros((b, batch["rope_positions"].shape[2] - p), bool)], axis=1)
+      [batch[IMAGE_SLOTS].astype(bool),
+       jnp.zeros((b, batch[ROPE_POSITIONS].shape[2] - p), bool)], axis=1)
   embeds = nnx.merge(graphdef, params).embed(tokens_BxT)
-  merged = merge_row_features(embeds, slots_BxS[:, start:start + t], batch["image_embeds"])
-  rope_3xBxT = jnp.moveaxis(batch["rope_positions"][:, :, start:start + t], 1, 0)
+  merged = merge_row_features(embeds, slots_BxS[:, start:start + t], batch[IMAGE_EMBEDS])
+  rope_3xBxT = jnp.moveaxis(batch[ROPE_POSITIONS][:, :, start:start + t], 1, 0)
   return {"inputs_embeds_BxTxD": merged, "rope_positions_3xBxT": rope_3xBxT}
 
 
 def group_rows(batch: Mapping[str, Any], group_size: int) -> dict[str, jax.Array]:
   """The image fields of each group's first row (shared prompts: one prompt per group)."""
-  return {k: batch[k][::group_size] for k in IMAGE_FIELDS if k in batch}
+  return {k: batch[k][::group_size] for k in IMAGES if k in batch}

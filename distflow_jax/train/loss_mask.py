@@ -19,12 +19,12 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-LOSS_MASK = "loss_mask"
+from distflow_jax.data.fields import LOSS_MASK, RESPONSE_MASK
 
 
 def loss_mask(batch: Mapping[str, jax.Array]) -> jax.Array:
   """Float32 ``[B, N]``: 1 on the response tokens the losses read (see module doc)."""
-  m = batch["response_mask"].astype(jnp.float32)
+  m = batch[RESPONSE_MASK].astype(jnp.float32)
   if LOSS_MASK in batch:
     m = m * batch[LOSS_MASK].astype(jnp.float32)
   return m

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+from distflow_jax.data.fields import PROMPT_MASK, RESPONSE_MASK
 
 Batch = Mapping[str, jax.Array]
 
@@ -50,7 +51,7 @@ def gather_micro_batches(batch: Batch, pack: Mapping[str, jax.Array]) -> Batch:
   padding slot adds nothing to a loss sum, a count or a gradient."""
   idx_MxS, valid_MxS = pack["idx"], pack["valid"].astype(bool)
   mbs = {k: v[idx_MxS] for k, v in batch.items()}
-  for k in ("prompt_mask", "response_mask"):
+  for k in (PROMPT_MASK, RESPONSE_MASK):
     x = mbs[k]
     mbs[k] = jnp.where(valid_MxS[..., None], x, jnp.zeros_like(x))
   return mbs

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from distflow_jax.train import packing_shared
+from distflow_jax.data.fields import PROMPT_TOKENS, RESPONSE_TOKENS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +258,7 @@ def host_array(x) -> np.ndarray:
 
 def packed_inputs(batch, pack) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(tokens, positions, segment_ids)`` of the packed rows, ``[rows, pack_len]``."""
-  tokens = jnp.concatenate([batch["prompt_tokens"], batch["response_tokens"]], axis=1)
+  tokens = jnp.concatenate([batch[PROMPT_TOKENS], batch[RESPONSE_TOKENS]], axis=1)
   tokens = tokens.astype(jnp.int32).reshape(-1)[pack["src"]]
   seg = pack["seg"].astype(jnp.int32)
   return jnp.where(seg > 0, tokens, 0), pack["pos"].astype(jnp.int32), seg

@@ -34,6 +34,9 @@ from distflow_jax.algos import losses, off_policy
 from distflow_jax.models import heads, lora, lora_layer
 from distflow_jax.train import hidden as hidden_lib, micro_batches, optim, packing, placement
 from distflow_jax.train.loss_mask import loss_mask
+from distflow_jax.data.fields import (ADVANTAGES, OLD_LOGPROBS, PROMPT_TOKENS, REF_LOGPROBS,
+                                      RESPONSE_MASK, RESPONSE_TOKENS, RETURNS, ROLLOUT_LOGPROBS,
+                                      VALUES)
 
 Batch = Mapping[str, jax.Array]
 
@@ -49,9 +52,9 @@ def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, *
   hidden = hidden_lib.response_hidden(graphdef, params, batch, group_size)
   model = nnx.merge(graphdef, params)
   logp, ent = heads.token_logprobs_and_entropy(hidden, model.unembed_matrix(),
-                                               batch["response_tokens"], chunk_size=chunk_size,
+                                               batch[RESPONSE_TOKENS], chunk_size=chunk_size,
                                                temperature=temperature)
-  m = batch["response_mask"].astype(jnp.float32)
+  m = batch[RESPONSE_MASK].astype(jnp.float32)
   return logp * m, ent * m
 
 
@@ -64,9 +67,9 @@ def response_logprob_stats(graphdef: nnx.GraphDef, params: nnx.State, batch: Bat
   hidden = hidden_lib.response_hidden(graphdef, params, batch, group_size)
   model = nnx.merge(graphdef, params)
   logp, sq = heads.token_logprobs_and_sum_pi_squared(
-      hidden, model.unembed_matrix(), batch["response_tokens"], chunk_size=chunk_size,
+      hidden, model.unembed_matrix(), batch[RESPONSE_TOKENS], chunk_size=chunk_size,
       temperature=temperature)
-  m = batch["response_mask"].astype(jnp.float32)
+  m = batch[RESPONSE_MASK].astype(jnp.float32)
   return jnp.stack([logp * m, sq * m], axis=-1)
 
 
@@ -76,13 +79,13 @@ def response_values(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch) -> 
     tokens, positions, seg = packing.packed_inputs(batch, batch["pack"])
     values = heads.critic_values(graphdef, params, tokens, positions, seg > 0, seg)
     return (packing.unpack(values, batch["pack"]["out"])
-            * batch["response_mask"].astype(jnp.float32))
+            * batch[RESPONSE_MASK].astype(jnp.float32))
   tokens, mask, positions = hidden_lib.sequence_inputs(batch)
-  p = batch["prompt_tokens"].shape[1]
-  n = batch["response_tokens"].shape[1]
+  p = batch[PROMPT_TOKENS].shape[1]
+  n = batch[RESPONSE_TOKENS].shape[1]
   values = heads.critic_values(graphdef, params, tokens[:, :-1], positions[:, :-1],
                                mask[:, :-1])
-  return values[:, p - 1:p - 1 + n] * batch["response_mask"].astype(jnp.float32)
+  return values[:, p - 1:p - 1 + n] * batch[RESPONSE_MASK].astype(jnp.float32)
 
 
 def sequence_scores(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch) -> jax.Array:
@@ -143,13 +146,13 @@ def actor_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, cfg: ActorL
   use_kl = cfg.kl_in_loss and cfg.kl_coef > 0
   weights = None  # none: the loss is built exactly as without a correction
   if cfg.correction is not off_policy.OffPolicyCorrection.NONE:
-    weights = off_policy.token_weights(mb["old_logprobs"], mb["rollout_logprobs"],
+    weights = off_policy.token_weights(mb[OLD_LOGPROBS], mb[ROLLOUT_LOGPROBS],
                                        loss_mask(mb), cfg.correction, cfg.tis_cap,
                                        cfg.reject_low, cfg.reject_high)
   return losses.actor_loss(
-      logp, mb["old_logprobs"], mb["advantages"], loss_mask(mb),
+      logp, mb[OLD_LOGPROBS], mb[ADVANTAGES], loss_mask(mb),
       entropy_BxT=ent, entropy_coef=cfg.entropy_coef,  # entropy is always reported
-      ref_logprobs_BxT=mb["ref_logprobs"] if use_kl else None,
+      ref_logprobs_BxT=mb[REF_LOGPROBS] if use_kl else None,
       kl_coef=cfg.kl_coef if use_kl else 0.0, kl_estimator=cfg.kl_estimator,
       k3_cap=cfg.k3_cap,
       agg_mode=cfg.loss_agg, clip_ratio_low=cfg.clip_ratio_low,
@@ -161,7 +164,7 @@ def actor_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, cfg: ActorL
 def critic_loss(graphdef: nnx.GraphDef, params: nnx.State, mb: Batch, value_clip: float,
                 loss_agg: str = "token-mean") -> losses.LossOutput:
   values = response_values(graphdef, params, mb)
-  return losses.value_loss(values, mb["values"], mb["returns"], loss_mask(mb),
+  return losses.value_loss(values, mb[VALUES], mb[RETURNS], loss_mask(mb),
                            clip_range=value_clip or None, agg_mode=loss_agg)
 
 

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from distflow_jax.algos import losses
 from distflow_jax.train import steps as steps_lib
 from distflow_jax.state.roles import ModelState
+from distflow_jax.data.fields import RESPONSE_MASK
 
 Data = Mapping[str, np.ndarray]
 
@@ -33,7 +34,7 @@ Data = Mapping[str, np.ndarray]
 def sft_loss(graphdef, params, mb) -> losses.LossOutput:
   """Summed NLL of the completion tokens (``response_mask``); the step divides by their count."""
   logp, _ = steps_lib.response_logprobs(graphdef, params, mb)
-  m = mb["response_mask"].astype(jnp.float32)
+  m = mb[RESPONSE_MASK].astype(jnp.float32)
   return losses.LossOutput(-jnp.sum(logp * m), jnp.sum(m), jnp.sum(m), {})
 
 
@@ -86,7 +87,7 @@ def train(state: ModelState, data: Data, *, steps: int, batch_size: int, seed: i
   """
   if state.tx is None or state.opt_state is None:
     raise ValueError("sft.train: the state needs an optimizer (tx) and its opt_state")
-  n = len(data["response_mask"])
+  n = len(data[RESPONSE_MASK])
   order = batch_order(n, batch_size, seed)
   for _ in range(start):  # the batches the checkpointed steps already took
     next(order)
@@ -119,12 +120,12 @@ def heldout_loss_fn(state: ModelState, batch_size: int) -> Callable[[Data], floa
   nll = jax.jit(lambda params, mb: sft_loss(state.graphdef, params, mb))
 
   def fn(data: Data) -> float:
-    n = len(data["response_mask"])
+    n = len(data[RESPONSE_MASK])
     total = count = 0.0
     for s in range(0, n, batch_size):
       idx = np.arange(s, s + batch_size) % n
       mb = {k: v[idx] for k, v in data.items()}
-      mb["response_mask"] = mb["response_mask"] & (np.arange(s, s + batch_size) < n)[:, None]
+      mb[RESPONSE_MASK] = mb[RESPONSE_MASK] & (np.arange(s, s + batch_size) < n)[:, None]
       out = jax.device_get(nll(state.params, {k: jax.device_put(v, sharding)
                                               for k, v in mb.items()}))
       total, count = total + float(out.total), count + float(out.count)

@@ -26,6 +26,7 @@ from distflow_jax.data.loader import OnBadRow
 from distflow_jax.data.rows import parse_row
 from distflow_jax.data.sources import BadRow, open_source
 from distflow_jax.models.tokenizer import Tokenizer
+from distflow_jax.data.fields import PROMPT_MASK, PROMPT_TOKENS, RESPONSE_MASK, RESPONSE_TOKENS
 
 MESSAGES = "messages"
 
@@ -153,15 +154,15 @@ def encode(pairs: Sequence[Pair], tokenizer: Tokenizer, cfg: Any, bad: BadRows) 
     rows.append((ex.prompt_ids, out))
     kept.append(p)
   n = len(rows)
-  data = {"prompt_tokens": np.full((n, plen), tokenizer.pad_id, np.int32),
-          "prompt_mask": np.zeros((n, plen), bool),
-          "response_tokens": np.full((n, rlen), tokenizer.pad_id, np.int32),
-          "response_mask": np.zeros((n, rlen), bool)}
+  data = {PROMPT_TOKENS: np.full((n, plen), tokenizer.pad_id, np.int32),
+          PROMPT_MASK: np.zeros((n, plen), bool),
+          RESPONSE_TOKENS: np.full((n, rlen), tokenizer.pad_id, np.int32),
+          RESPONSE_MASK: np.zeros((n, rlen), bool)}
   for i, (ids, out) in enumerate(rows):
-    data["prompt_tokens"][i, plen - len(ids):] = ids
-    data["prompt_mask"][i, plen - len(ids):] = True
-    data["response_tokens"][i, :len(out)] = out
-    data["response_mask"][i, :len(out)] = True
+    data[PROMPT_TOKENS][i, plen - len(ids):] = ids
+    data[PROMPT_MASK][i, plen - len(ids):] = True
+    data[RESPONSE_TOKENS][i, :len(out)] = out
+    data[RESPONSE_MASK][i, :len(out)] = True
   return Encoded(data, kept)
 
 

@@ -42,6 +42,7 @@ from distflow_jax.train import placement
 from distflow_jax.state import roles as roles_lib
 from distflow_jax.warmstart import sft
 from distflow_jax.state.roles import ModelState
+from distflow_jax.data.fields import PROMPT_MASK, PROMPT_TOKENS, RESPONSE_MASK, RESPONSE_TOKENS
 
 # The loss, shared with `distflow-jax sft` (kept importable here).
 sft_loss = sft.sft_loss
@@ -96,8 +97,8 @@ def encode_examples(records: Sequence[dict], tokenizer: Tokenizer, *, max_prompt
     prompt_mask[i, max_prompt_len - len(ids):] = True
     resp[i, :len(out)] = out
     resp_mask[i, :len(out)] = True
-  return {"prompt_tokens": prompt, "prompt_mask": prompt_mask, "response_tokens": resp,
-          "response_mask": resp_mask}
+  return {PROMPT_TOKENS: prompt, PROMPT_MASK: prompt_mask, RESPONSE_TOKENS: resp,
+          RESPONSE_MASK: resp_mask}
 
 
 def optimizer(lr: float, steps: int):
@@ -114,7 +115,7 @@ def run(state: ModelState, data: dict[str, np.ndarray], *, steps: int, batch_siz
   Returns the final loss (mean token NLL); ``on_step(i, loss)`` every 10 steps and at the
   last.  AdamW, warm-up over a tenth of the steps, cosine decay, clip 1, no weight decay.
   """
-  n = len(data["response_mask"])
+  n = len(data[RESPONSE_MASK])
   if batch_size > n:
     raise ConfigError(f"model.warmstart.batch_size={batch_size} exceeds the {n} warm-start "
                       f"examples (the demonstrations that fit rollout.max_new_tokens)")
