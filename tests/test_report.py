@@ -125,6 +125,11 @@ def test_plots_draw_the_series_values(tmp_path):
   assert report.plot_time(ax2, rows)
   heights = sorted({round(p.get_height(), 6) for p in ax2.patches})
   assert heights == [0.5, 1.0, 2.0]
+  fig4, ax4 = plt.subplots()  # a lenient run's strict accuracy is drawn beside it
+  assert report.plot_accuracy(ax4, rows + [{"step": 13, "eval/accuracy": 0.7,
+                                            "eval/accuracy_strict": 0.4}])
+  strict = [line for line in ax4.get_lines() if "strict" in line.get_label()]
+  assert len(strict) == 1 and list(strict[0].get_ydata()) == [0.4]
   fig3, ax3 = plt.subplots()
   assert not report.plot_kl(ax3, [{"step": 1, "reward": 1.0}])
   plt.close("all")

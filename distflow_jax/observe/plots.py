@@ -80,6 +80,8 @@ def plot_reward(ax, rows: Rows) -> bool:
 def plot_accuracy(ax, rows: Rows) -> bool:
   drew = _line(ax, rows, "accuracy", "train accuracy")
   drew |= _line(ax, rows, "eval/accuracy", "held-out accuracy", smooth=False, marker="o")
+  drew |= _line(ax, rows, "eval/accuracy_strict", "held-out accuracy, strict ('#### N' or "
+                "\\boxed anywhere)", smooth=False, marker="s")
   drew |= _line(ax, rows, "eval/formatted", "held-out answers in '#### N' form", smooth=False,
                 marker="^")
   for k in sorted({k for r in rows for k in r if k.startswith("eval/pass@")}):
