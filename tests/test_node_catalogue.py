@@ -61,6 +61,38 @@ def test_estimator_table_is_the_advantage_family_and_specs_come_from_it():
       "advantage.gae", "advantage.reinforce_pp", "advantage.remax", "advantage.otb"}
 
 
+def test_rule_reward_specs_and_nodes_come_from_the_reward_table():
+  from distflow_jax.dag.registry import rule_reward_spec
+  from distflow_jax.rewards.registry import BUILTIN_RULE_NODES
+  names = {f"reward.{r.name}" for r in BUILTIN_RULE_NODES}
+  assert names == {"reward.math", "reward.math_lenient", "reward.format"}
+  assert names <= set(nodes.tables()["rewards"])
+  for rule in BUILTIN_RULE_NODES:
+    assert FUNCTIONS.spec(f"reward.{rule.name}") == rule_reward_spec(rule)
+  assert {r.name for r in BUILTIN_RULE_NODES if r.verifier} == {"math", "math_lenient"}
+
+
+def test_a_rule_reward_is_one_call_and_a_verifier_logs_accuracy():
+  from distflow_jax.dag.registry import Registry
+  from distflow_jax.nodes.rewards import register_rule_reward
+  from distflow_jax.rewards import registry as rewards
+  reg = Registry("node function")
+  register_rule_reward("test_is_seven", lambda c, t: float(c.strip() == "7"),
+                       "test: 1 when the answer is 7", verifier=True, registry=reg)
+  try:
+    spec = reg.spec("reward.test_is_seven")
+    assert spec.doc == "test: 1 when the answer is 7" and spec.produces == {"rewards"}
+    assert spec.scores_baseline and reg.impl("reward.test_is_seven").args == ("test_is_seven",)
+    assert rewards.rule_node("test_is_seven").verifier
+    with pytest.raises(ValueError, match="'math' is built in"):
+      register_rule_reward("math", lambda c, t: 1.0, "a second math", registry=reg)
+    rewards.register_reward("test_is_seven", lambda c, t: 0.0, overwrite=True)
+    assert rewards.rule_node("test_is_seven") is None  # a scoring function only now
+  finally:
+    rewards._REGISTRY.pop("test_is_seven", None)
+    rewards._NODES.pop("test_is_seven", None)
+
+
 # ---- (b) a test-only estimator, one call ----------------------------------------------------
 
 def _constant(x: AdvantageInput) -> AdvantageOutput:

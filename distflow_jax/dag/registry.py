@@ -12,7 +12,9 @@ estimator: ``nodes.advantages.register_estimator(Estimator(...))``).
 
 The advantage estimators' specs are derived from their table
 (``algos.estimators``, which imports no jax) by ``estimator_spec``, so a spec and its
-estimator cannot disagree on group needs or inputs.
+estimator cannot disagree on group needs or inputs; the rule rewards' from theirs
+(``rewards.registry``) by ``rule_reward_spec``.  The other built-in functions' specs are
+listed here, beside no code, because the planner imports no jax and their nodes do.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable, Iterable
 
 from distflow_jax.dag.spec import DagError, NodeType, Role
 from distflow_jax.algos.estimators import BUILTIN_ESTIMATORS, Estimator
+from distflow_jax.rewards.registry import BUILTIN_RULE_NODES, RuleNode
 from distflow_jax.data.fields import (ADVANTAGES, BASELINE_MASK, BASELINE_TOKENS, OLD_LOGPROBS,
                                       REF_LOGPROBS, RESPONSE, RETURNS, REWARDS, ROLLOUT_LOGPROBS,
                                       SEQ, SUM_PI_SQUARED, VALUES)
@@ -145,6 +148,14 @@ def estimator_spec(est: Estimator) -> FunctionSpec:
                needs_groups=est.needs_groups, kl_reward=est.token_rewards, doc=est.doc)
 
 
+def rule_reward_spec(rule: RuleNode) -> FunctionSpec:
+  """The DAG function ``reward.<name>`` of a rule reward; it scores the greedy baseline's
+  responses too when there are some (generate.greedy, ReMax)."""
+  return _spec(f"reward.{rule.name}", [_COMP], [Role.REWARD, None], Placement.INHERIT,
+               "reward", requires=RESPONSE, produces=[REWARDS], scores_baseline=True,
+               doc=rule.doc)
+
+
 # The greedy baseline's responses (generate.greedy: 'baseline_tokens' and 'baseline_mask')
 # are scored by the rule rewards after it into 'baseline_rewards'.
 
@@ -154,15 +165,7 @@ BUILTIN_SPECS = (
     _spec("generate.greedy", [_INF], [Role.ACTOR], Placement.ROLLOUT, "rollout",
           requires=SEQ, produces=[BASELINE_TOKENS, BASELINE_MASK],
           doc="one greedy response per prompt, the ReMax baseline (baseline_tokens)"),
-    _spec("reward.math", [_COMP], [Role.REWARD, None], Placement.INHERIT, "reward",
-          requires=RESPONSE, produces=[REWARDS], scores_baseline=True,
-          doc="rule verifier: final answer (#### / \\boxed{}) against the ground truth"),
-    _spec("reward.math_lenient", [_COMP], [Role.REWARD, None], Placement.INHERIT, "reward",
-          requires=RESPONSE, produces=[REWARDS], scores_baseline=True,
-          doc="reward.math, and an answer without #### / \\boxed{} is its last number"),
-    _spec("reward.format", [_COMP], [Role.REWARD, None], Placement.INHERIT, "reward",
-          requires=RESPONSE, produces=[REWARDS], scores_baseline=True,
-          doc="rule reward for answer format"),
+    *(rule_reward_spec(rule) for rule in BUILTIN_RULE_NODES),
     _spec("reward.env", [_COMP], [Role.REWARD, None], Placement.INHERIT, "reward",
           requires=RESPONSE, produces=[REWARDS],
           doc="the environment's rewards of multi-turn episodes (rollout.env)"),

@@ -8,6 +8,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
+from distflow_jax.dag.registry import FUNCTIONS, Registry, rule_reward_spec
 from distflow_jax.dag.spec import DagError, Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch, to_local
@@ -46,7 +47,8 @@ def _rule_reward(name: str, ctx: RunContext, node: Node, lay: dlayout.Layout,
                                        sample_ids=local.data[SAMPLE_ID].tolist())
   metrics = Metrics()
   metrics.add_mean(f"reward/{node.id}", scores)
-  if name in ("math", "math_lenient"):  # the verifier's score is correctness: the accuracy
+  rule = reward_registry.rule_node(name)
+  if rule is not None and rule.verifier:  # its score is correctness: the accuracy
     metrics.add_mean("accuracy", scores > 0)
   out = {REWARDS: _weighted(ctx, node, scores, local.data[SAMPLE_ID], "sample id")}
   if baseline:  # each group's greedy response once (its rows all hold it), then to its rows
@@ -84,6 +86,17 @@ def rule_reward_node(name: str) -> NodeFn:
   """The node function of a rule reward registered in ``distflow_jax.rewards`` as ``name``;
   plugins use it to expose their own rewards as DAG functions."""
   return functools.partial(_rule_reward, name)
+
+
+def register_rule_reward(name: str, fn: reward_registry.RewardFn, doc: str, *,
+                         verifier: bool = False, registry: Registry = FUNCTIONS) -> None:
+  """Makes ``fn(completion, ground_truth) -> float`` the DAG function ``reward.<name>``:
+  registers the reward, its spec (derived from the entry) and its node, in one call.  A
+  built-in reward's name is refused; a plugin loaded again replaces its own entry."""
+  if name in reward_registry.BUILTIN_REWARDS:
+    raise ValueError(f"reward {name!r} is built in; give the plugin's reward another name")
+  reward_registry.register_reward(name, fn, overwrite=True, node_doc=doc, verifier=verifier)
+  registry.register(rule_reward_spec(reward_registry.rule_node(name)), rule_reward_node(name))
 
 
 def reward_model(ctx: RunContext, node: Node, lay: dlayout.Layout, batch: Batch) -> NodeOut:
@@ -125,8 +138,7 @@ def env_reward(ctx: RunContext, node: Node, lay: dlayout.Layout, batch: Batch) -
 
 NODES: NodeTable = {
     "reward.env": env_reward,
-    "reward.math": rule_reward_node("math"),
-    "reward.math_lenient": rule_reward_node("math_lenient"),
-    "reward.format": rule_reward_node("format"),
+    **{f"reward.{rule.name}": rule_reward_node(rule.name)
+       for rule in reward_registry.BUILTIN_RULE_NODES},
     "reward.model": reward_model,
 }

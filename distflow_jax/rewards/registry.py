@@ -8,10 +8,16 @@ math-verify package), ``format`` (ends with a ``#### <number>`` line).
 ``configured_reward(name, section)`` is what a reward node or ``eval`` scores
 with: ``math`` follows the section's ``reward.match``.  ``register_reward`` adds
 more; ``weighted_reward`` builds a weighted sum of registered ones.
+
+A reward registered with ``node_doc`` is also the DAG function ``reward.<name>``: its spec
+(dag/registry.rule_reward_spec) and its node (nodes/rewards) are derived from its entry
+here, so a built-in rule reward is one ``register_reward`` line (a plugin's:
+``nodes.rewards.register_rule_reward``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Callable, Mapping, Sequence
@@ -25,11 +31,27 @@ RewardFn = Callable[[str, str], float]
 _REGISTRY: dict[str, RewardFn] = {}
 
 
+@dataclasses.dataclass(frozen=True)
+class RuleNode:
+  """A rule reward that is the DAG function ``reward.<name>``: ``doc`` its one line in the
+  function list; ``verifier`` when its score is correctness (the node logs it as the
+  step's ``accuracy`` too)."""
+  name: str
+  doc: str
+  verifier: bool = False
+
+
+_NODES: dict[str, RuleNode] = {}
+
+
 class RewardFunctionError(RuntimeError):
   """A reward function raised or returned a non-finite / non-numeric score."""
 
 
-def register_reward(name: str, fn: RewardFn, *, overwrite: bool = False) -> RewardFn:
+def register_reward(name: str, fn: RewardFn, *, overwrite: bool = False,
+                    node_doc: str | None = None, verifier: bool = False) -> RewardFn:
+  """Registers ``fn`` as reward ``name``; with ``node_doc`` also as the rule-reward node
+  ``reward.<name>`` (module docstring)."""
   if not name or not isinstance(name, str):
     raise ValueError(f"reward name must be a non-empty string, got {name!r}")
   if name in _REGISTRY and not overwrite:
@@ -38,7 +60,16 @@ def register_reward(name: str, fn: RewardFn, *, overwrite: bool = False) -> Rewa
   if not callable(fn):
     raise TypeError(f"reward {name!r} must be callable, got {type(fn).__name__}")
   _REGISTRY[name] = fn
+  if node_doc is not None:
+    _NODES[name] = RuleNode(name, node_doc, verifier)
+  else:
+    _NODES.pop(name, None)
   return fn
+
+
+def rule_node(name: str) -> RuleNode | None:
+  """The node entry of reward ``name`` (None: a scoring function only)."""
+  return _NODES.get(name)
 
 
 def reward_names() -> list[str]:
@@ -143,11 +174,16 @@ def score_batch(reward: "str | RewardFn", completions: Sequence[str],
   return scores
 
 
-register_reward("math", math_answer.math_reward)
+register_reward("math", math_answer.math_reward, verifier=True,
+                node_doc="rule verifier: final answer (#### / \\boxed{}) against the ground truth")
 register_reward("math_lenient", functools.partial(math_answer.math_reward,
-                                                  last_number_fallback=True))
+                                                  last_number_fallback=True), verifier=True,
+                node_doc="reward.math, and an answer without #### / \\boxed{} is its last number")
 register_reward("math_string", functools.partial(math_answer.math_reward,
                                                  numeric=False))
 register_reward("math_exact", math_answer.exact_reward)
 register_reward("math_verify", math_answer.math_verify_reward)
-register_reward("format", math_answer.format_reward)
+register_reward("format", math_answer.format_reward, node_doc="rule reward for answer format")
+
+BUILTIN_RULE_NODES = tuple(_NODES.values())  # the package's own (a plugin's come later)
+BUILTIN_REWARDS = frozenset(_REGISTRY)
