@@ -29,10 +29,14 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-from distflow_jax import io_errors
-from distflow_jax.commands import NAMES
+from distflow_jax import distributed, io_errors
+from distflow_jax.commands import NAMES, usage
 from distflow_jax.config import loading
+from distflow_jax.dag.registry import unknown_name_message
 from distflow_jax.dag.spec import DagError
+from distflow_jax.envs.guard import EnvFailure
+from distflow_jax.persist import run_lock
+from distflow_jax.rewards.registry import RewardFunctionError
 
 
 def _command(name: str) -> Callable[[Sequence[str]], int]:
@@ -121,20 +125,14 @@ def _main(argv: Sequence[str] | None) -> int:
   if argv[:1] == ["help"] and len(argv) > 1 and argv[1] in COMMANDS:
     argv = [argv[1], "--help"]  # `distflow-jax help train` = `distflow-jax train --help`
   if not argv or argv[0] in ("-h", "--help", "help"):
-    from distflow_jax.commands import usage
     print(usage.readable(f"{__doc__.strip()}\n\ncommands: {', '.join(COMMANDS)}"))
     return 0 if argv else 2
   cmd, rest = argv[0], argv[1:]
   if cmd not in COMMANDS:
-    from distflow_jax.dag.registry import unknown_name_message
     print(f"distflow-jax: {unknown_name_message('command', cmd, COMMANDS)}", file=sys.stderr)
     return 2
-  from distflow_jax.commands import usage
   if usage.wants_help(rest):
     return usage.show(cmd, COMMANDS[cmd])
-  from distflow_jax.rewards.registry import RewardFunctionError
-  from distflow_jax.envs.guard import EnvFailure
-  from distflow_jax.persist import run_lock
   try:
     return COMMANDS[cmd](rest)
   except BrokenPipeError:
@@ -162,7 +160,6 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def entry() -> None:
-  from distflow_jax import distributed
   distributed.run_main(main)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import sys
 import traceback
 from typing import Callable, NoReturn
@@ -105,7 +106,6 @@ def coordination_client():
 def _record_self() -> None:
   """Publishes ``host:pid`` so a survivor can tell at once which local peer died
   (``peers``)."""
-  import socket
 
   import jax
   from distflow_jax.peers import HOST_PID_KEY

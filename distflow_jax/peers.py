@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import socket
+import sys
 import threading
 
 import jax
+from jax._src import distributed as jdist
 
 # Errors a collective raises when its peer went away (not a bug of this process); the last
 # two: a cross-process array copy's socket (run/transfer.py) whose other end died.
@@ -48,7 +51,6 @@ _KEY = HOST_PID_KEY
 
 def coordination_client():
   """JAX's coordination-service client (None before initialize)."""
-  from jax._src import distributed as jdist  # the only handle on it
   return jdist.global_state.client
 
 
@@ -146,7 +148,6 @@ def _exit_mark(client, i: int) -> bool | None:
 def _pid_waker(pids):
   """``wait(timeout_s)``: returns when one of ``pids`` ends (once per process), or after
   ``timeout_s`` (a plain sleep where pidfds are not available)."""
-  import select
   fds = []
   if hasattr(os, "pidfd_open") and hasattr(select, "poll"):
     for pid in pids:
@@ -215,7 +216,6 @@ def start_watchdog(interval_s: float = 0.5, timeout_s: float = 10.0) -> bool:
           continue
         if i != 0 and _exit_mark(client, i) is not False:  # marked, or cannot tell
           continue
-        import sys
         hosted = "; it hosted the coordination service" if i == 0 else ""
         print(f"distflow-jax: lost process {i} of {jax.process_count()}: it died "
               f"(pid {pid} is gone{hosted}); process {me} stops", file=sys.stderr, flush=True)

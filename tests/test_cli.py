@@ -72,8 +72,8 @@ def test_user_error_deep_in_a_command_is_one_line_and_debug_shows_the_traceback(
 def test_dispatcher_imports_commands_only_when_they_run():
   """train/eval set the simulated device count before jax is imported; report needs no jax."""
   code = ("import sys; from distflow_jax import cli; "
-          "assert 'jax' not in sys.modules and not any(m.startswith('distflow_jax.commands.') "
-          "for m in sys.modules), sorted(sys.modules); "
+          "assert 'jax' not in sys.modules and not any(f'distflow_jax.commands.{n}' in "
+          "sys.modules for n in cli.COMMANDS), sorted(sys.modules); "
           "assert list(cli.COMMANDS) == ['plan', 'launch', 'train', 'sft', 'generate', 'export', "
           "'convert', 'report', 'eval', 'config']")
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

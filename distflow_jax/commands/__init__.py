@@ -22,6 +22,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import ml_collections
+from absl import flags
+
+from distflow_jax import distributed
+from distflow_jax.observe import progress
+from distflow_jax.persist import run_lock
+from distflow_jax.run import compile_cache
 
 NAMES = ("plan", "launch", "train", "sft", "generate", "export", "convert", "report", "eval",
          "config")
@@ -30,7 +36,6 @@ NAMES = ("plan", "launch", "train", "sft", "generate", "export", "convert", "rep
 def define_run_flags(fv, what: str) -> None:
   """The flags every command that runs a job shares: ``--distributed`` and ``--resume``
   (``what``: the checkpoints it resumes from, for the help text)."""
-  from absl import flags
   flags.DEFINE_enum("distributed", "env", ["env", "auto", "none"],
                     "env: join the group our launcher describes (or run alone); auto: "
                     "jax.distributed.initialize() cluster auto-detection (Slurm, TPU pods)",
@@ -46,20 +51,16 @@ def start_job(fv, command: str, run_dir: str, job: str | None = None):
   it, default ``command``; cli.main releases it), turns on the persistent compilation
   cache (``trainer.compile_cache_dir``) and returns ``(process info, process-0 logger)``,
   having logged where the job runs."""
-  from distflow_jax import distributed
   cfg = fv.config
   distributed.simulate_cpu_devices(cfg.cluster.devices_per_process)
-  from distflow_jax.observe import progress
   info = distributed.initialize(auto=fv.distributed == "auto")
   from distflow_jax import peers
   peers.start_watchdog()  # a local peer's death stops this process with one line
   log = progress.Logger(info.process_index == 0)
   if info.process_index == 0:  # before anything is written into the run dir
-    from distflow_jax.persist import run_lock
     run_lock.take(run_dir, job or command, log)
   log(f"{command} {cfg.name}: {info.process_count} process(es) x {info.local_device_count} "
       f"device(s); run dir {run_dir}")
-  from distflow_jax.run import compile_cache
   compile_cache.enable(cfg, log)  # before anything compiles (trainer.compile_cache_dir)
   compile_cache.CompileCounter()  # counts the job's programs from here (compile/programs)
   return info, log
@@ -80,5 +81,4 @@ def use_local_devices(cfg: ml_collections.ConfigDict, argv: Sequence[str]) -> No
   with cfg.unlocked():
     if not any(a.startswith("--config.cluster.") for a in argv):
       cfg.cluster.num_processes = cfg.cluster.devices_per_process = 0
-  from distflow_jax import distributed
   distributed.simulate_cpu_devices(cfg.cluster.devices_per_process)

@@ -18,15 +18,14 @@ from typing import Any
 from absl import flags
 
 from distflow_jax.commands import with_default_config
-from distflow_jax.config import loading
+from distflow_jax.config import defaults, loading, values
+from distflow_jax.observe import run_config
 
 DEFAULT_CONFIG = "grpo:tiny"
 
 
 def resolved(argv: Sequence[str]) -> tuple[dict[str, Any], bool, bool]:
   """The resolved config as flat JSON values, and the --diff and --json flags."""
-  from distflow_jax.config import defaults
-  from distflow_jax.observe import run_config
 
   fv = flags.FlagValues()
   flags.DEFINE_boolean("diff", False, "only the keys that differ from the defaults, "
@@ -36,7 +35,6 @@ def resolved(argv: Sequence[str]) -> tuple[dict[str, Any], bool, bool]:
   rest = loading.parse(fv, with_default_config(argv, DEFAULT_CONFIG))
   if rest:
     raise loading.ConfigError(f"config takes no positional arguments, got {rest}")
-  from distflow_jax.config import values  # pylint: disable=import-outside-toplevel
   values.check_values(fv.config)  # a config plan and train refuse is not printed as fine
   flat = run_config.flatten(run_config.as_plain(fv.config))
   if fv.diff:

@@ -34,9 +34,14 @@ from collections.abc import Sequence
 
 from absl import flags
 
+from distflow_jax import distributed
 from distflow_jax.commands import use_local_devices, with_default_config
 from distflow_jax.config import loading
 from distflow_jax.config.loading import ConfigError
+from distflow_jax.observe import hints, progress
+from distflow_jax.persist import destination
+from distflow_jax.rewards import registry as reward_registry
+from distflow_jax.run import model_source
 
 DEFAULT_CONFIG = "grpo:tiny"
 
@@ -71,12 +76,10 @@ def run(argv: Sequence[str]) -> int:
     raise ConfigError("eval needs --model (HF_DIR, a run directory or RUN_DIR/checkpoints/"
                       "<step>) and --data=FILE.jsonl")
   if fv.out:  # before any model is read or any prompt decoded
-    from distflow_jax.persist import destination
     destination.check_file(fv.out, overwrite=fv.overwrite)
   if fv.k < 1 or fv.batch_size < 1 or fv.limit < 0:
     raise ConfigError(f"--k={fv.k} and --batch_size={fv.batch_size} must be >= 1, "
                       f"--limit={fv.limit} >= 0")
-  from distflow_jax.run import model_source
   source = model_source.kind(model, flag)
   cfg = fv.config
   with cfg.unlocked():
@@ -85,21 +88,17 @@ def run(argv: Sequence[str]) -> int:
   # Before anything imports jax (hints and the rewards registry do).
   use_local_devices(cfg, argv)
 
-  from distflow_jax.rewards import registry as reward_registry
   if fv.reward not in reward_registry.reward_names():
     raise ConfigError(f"--reward={fv.reward!r} is unknown; valid: "
                       f"{reward_registry.reward_names()}")
   if not os.path.exists(fv.data):
     raise ConfigError(f"--data={fv.data!r} does not exist")
-  from distflow_jax.observe import hints
   if source == "hf":
     hints.check_model_dir(model, flag)
   hints.check_dataset_fields(fv.data, cfg.data.prompt_key, cfg.data.answer_key, "--data")
 
-  from distflow_jax import distributed
   info = distributed.initialize()
   from distflow_jax.run import evaluate
-  from distflow_jax.observe import progress
   from distflow_jax.run.setup import prepare_run
   log = progress.Logger(info.process_index == 0)
   if source == "checkpoint":

@@ -36,11 +36,18 @@ import sys
 import time
 from collections.abc import Sequence
 
+import ml_collections
 from absl import flags
 
+from distflow_jax import distributed
 from distflow_jax.commands import use_local_devices, with_default_config
 from distflow_jax.config import loading
+from distflow_jax.dag.spec import Role
 from distflow_jax.data.sources import BadRow, field_value, messages_of
+from distflow_jax.observe import hints
+from distflow_jax.observe.heartbeat import heartbeat, interval
+from distflow_jax.persist import destination
+from distflow_jax.run import model_source
 
 DEFAULT_CONFIG = "grpo:tiny"
 Prompt = str | list[dict[str, str]]
@@ -109,8 +116,6 @@ def run(argv: Sequence[str]) -> int:
     raise loading.ConfigError(f"generate takes no positional arguments, got {rest}")
   if not fv.prompts:
     raise loading.ConfigError("generate needs --prompts=file.jsonl")
-  from distflow_jax import distributed
-  from distflow_jax.persist import destination
   if fv.out != "-":  # before any model is read or any token generated (launcher's env: its file)
     env = os.environ
     count = int(env.get(distributed.ENV_NUM_PROCESSES, "1") or 1)
@@ -122,7 +127,6 @@ def run(argv: Sequence[str]) -> int:
   if n <= 0 or new <= 0:
     raise loading.ConfigError(f"--n={n} and --max_new_tokens={new} must be positive")
   texts = _read_prompts(fv.prompts, cfg.data.prompt_key)
-  from distflow_jax.run import model_source
   source = model_source.kind(fv.model) if fv.model else None
   if source == "hf":
     with cfg.unlocked():
@@ -136,13 +140,10 @@ def run(argv: Sequence[str]) -> int:
   if cfg.model.path:
     # A folder without tokenizer files (or config, or weights) fails here in one line,
     # before jax starts and any weight is read.
-    from distflow_jax.observe import hints
     hints.check_model_dir(cfg.model.path)
 
   import jax
-  import ml_collections
 
-  from distflow_jax.dag.spec import Role
   from distflow_jax.run.setup import prepare_run
 
   info = distributed.initialize()
@@ -180,7 +181,6 @@ def run(argv: Sequence[str]) -> int:
   rng = jax.random.key(cfg.seed)
   request_ids = [i * n + s for i in mine for s in range(n)]
   start = time.perf_counter()
-  from distflow_jax.observe.heartbeat import heartbeat, interval
   # One call compiles the rollout and decodes every prompt: say it is alive meanwhile.
   with heartbeat(_log, f"generate: compiling the rollout and decoding {len(ids)} prompt(s)",
                  interval(cfg), compiles=True):

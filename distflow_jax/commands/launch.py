@@ -19,9 +19,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from distflow_jax import launcher
+
 
 def run(argv: Sequence[str]) -> int:
-  from distflow_jax import launcher
 
   parser = argparse.ArgumentParser(
       prog="distflow-jax launch",

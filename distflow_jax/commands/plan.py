@@ -27,16 +27,18 @@ logs the number it built as ``compile/programs``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from absl import flags
 
-from distflow_jax.config import loading
+from distflow_jax import distributed
+from distflow_jax.commands import with_default_config
+from distflow_jax.config import async_checks, checks, loading, temperature
+from distflow_jax.dag import FUNCTIONS, render
 
 
 def run(argv: Sequence[str]) -> int:
-  from distflow_jax.config import checks, temperature
-  from distflow_jax.dag import FUNCTIONS, render
 
   fv = flags.FlagValues()
   flags.DEFINE_integer("process", None, "print only this process's portion", flag_values=fv)
@@ -58,7 +60,6 @@ def run(argv: Sequence[str]) -> int:
                        "by node (on abstract shapes)", flag_values=fv)
   flags.DEFINE_string("lower", None, "lower every program of a run for this device "
                       "(h100, a100, tpu, ...) on abstract shapes", flag_values=fv)
-  from distflow_jax.commands import with_default_config  # pylint: disable=import-outside-toplevel
   rest = loading.parse(fv, with_default_config(argv, "grpo:tiny"))  # as train: grpo:tiny
   if rest:
     raise loading.ConfigError(f"plan takes no positional arguments, got {rest}")
@@ -105,7 +106,6 @@ def run(argv: Sequence[str]) -> int:
 
 def _print_process_split(cfg, plan) -> None:
   """An asynchronous run on disjoint processes: the two groups and a weight sync's bytes."""
-  from distflow_jax.config import async_checks
   from distflow_jax.memory import analytic, report
   split = async_checks.process_split(plan)
   if split is None:
@@ -139,7 +139,6 @@ def _count(cfg, plan) -> None:
 
 def _lower(cfg, plan, target) -> None:
   """Lowers every program of a run for ``target`` (see the module docstring)."""
-  import time
 
   from distflow_jax.lowering import abstract, catalogue, gate
   t0 = time.perf_counter()
@@ -163,7 +162,6 @@ def _simulate_devices(cfg, num_processes: int | None, devices_per_process: int |
                       ) -> tuple[int, int]:
   """The target topology (the flags, else the config's cluster block, else 1 x 1, said in one
   line) as simulated CPU devices, before jax is imported."""
-  from distflow_jax import distributed
   np_ = num_processes or cfg.cluster.num_processes
   dpp = devices_per_process or cfg.cluster.devices_per_process
   where = ("the flags" if num_processes or devices_per_process else

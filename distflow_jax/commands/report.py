@@ -10,16 +10,18 @@ empty metrics file, or no matplotlib, is one line and exit 2.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from collections.abc import Sequence
+
+from distflow_jax.observe import report
+from distflow_jax.observe.metrics_file import METRICS_FILE
 
 
 def _say_unread_tail(run_dir: str) -> None:
   """The metrics file's last line, when it is not JSON, is left out (a run may be writing
   it): say so, so a damaged file is not plotted without a word."""
-  import os  # pylint: disable=import-outside-toplevel
-  import json  # pylint: disable=import-outside-toplevel
-  from distflow_jax.observe.metrics_file import METRICS_FILE  # pylint: disable=import-outside-toplevel
   path = os.path.join(run_dir, METRICS_FILE) if os.path.isdir(run_dir) else run_dir
   lines = [l for l in open(path, encoding="utf-8", errors="replace").read().splitlines()
            if l.strip()]
@@ -34,7 +36,6 @@ def _say_unread_tail(run_dir: str) -> None:
 
 def run(argv: Sequence[str]) -> int:
   """Entry point of ``distflow-jax report``; returns the exit code."""
-  from distflow_jax.observe import report
 
   parser = argparse.ArgumentParser(prog="distflow-jax report",
                                    description="PNG plots + report.md of a run's metrics.")

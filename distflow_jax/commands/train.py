@@ -18,14 +18,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
 from absl import flags
 
+from distflow_jax import groups
 from distflow_jax.commands import define_run_flags, start_job, with_default_config
 from distflow_jax.config import loading
+from distflow_jax.observe import health, hints, progress, run_config, wandb_log
 
 DEFAULT_CONFIG = "grpo:tiny"
 
@@ -48,12 +52,10 @@ def _run(argv: Sequence[str]) -> int:
   if rest:
     raise loading.ConfigError(f"train takes no positional arguments, got {rest}")
   cfg = fv.config
-  from distflow_jax.observe import wandb_log
   wandb_log.check(cfg)  # logging.wandb without the wandb package: one line, before any work
   info, log = start_job(fv, "config", cfg.run_dir, job="train")
   terminated = _on_sigterm_as_ctrl_c()
   from distflow_jax.persist import checkpoint
-  from distflow_jax.observe import progress, run_config
   from distflow_jax.run import trainer
   # Before any weights: a refused config change or a finished run costs no warm start.
   resumed = run_config.preflight(cfg, resume=fv.resume, allow_change=fv.allow_config_change,
@@ -79,7 +81,6 @@ def _run(argv: Sequence[str]) -> int:
       log.enabled = info.process_index == split.training[0]
       ckpt, start = None, 0
       if info.process_index in split.training:
-        from distflow_jax import groups
         from distflow_jax.run import disjoint_state
         try:
           with groups.within(split.training):
@@ -118,7 +119,6 @@ def _run(argv: Sequence[str]) -> int:
     log.end_line()
     if wandb is not None:
       wandb.close(exit_code=1)
-    from distflow_jax.observe import health, hints
     from distflow_jax import peers
     if isinstance(e, health.CollapseError):
       print(f"distflow-jax train: {e}", file=sys.stderr)
@@ -148,8 +148,6 @@ def _on_sigterm_as_ctrl_c() -> list:
   released and one line says which checkpoint is left (exit 143).  Returns a list that
   is non-empty once SIGTERM came (the handler raises KeyboardInterrupt in the main
   thread).  Not installed off the main thread (signal handlers cannot be)."""
-  import signal
-  import threading
   came: list = []
   if threading.current_thread() is not threading.main_thread():
     return came
@@ -169,7 +167,6 @@ def _interrupted(ckpt, cfg, how: str = "interrupted (Ctrl-C)") -> str:
   """What Ctrl-C leaves: a save in flight is let finish (a second Ctrl-C abandons it; the
   half-written step is ignored by the next run)."""
   from distflow_jax.persist import checkpoint
-  from distflow_jax.observe import progress
   last = None
   if ckpt is not None:
     try:
@@ -179,7 +176,6 @@ def _interrupted(ckpt, cfg, how: str = "interrupted (Ctrl-C)") -> str:
       last = None  # then say what is on disk
   directory = checkpoint.checkpoint_dir(cfg.run_dir)
   if last is None and os.path.isdir(directory):
-    from distflow_jax.observe import run_config
     steps = run_config.committed_steps(cfg.run_dir)
     last = steps[-1] if steps else None
   return progress.interrupted_line(last, directory, how)

@@ -16,6 +16,8 @@ import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from distflow_jax.config import loading
+
 HELP_FLAGS = ("-h", "--help")
 WIDTH = 100  # help text columns
 CONFIG_LINE = ("  --config=FILE[:ARG]  config file or built-in name (grpo:tiny); "
@@ -64,7 +66,6 @@ def _argparse_lines(parser: argparse.ArgumentParser) -> list[str]:
 
 def flag_lines(run: Callable[[Sequence[str]], int]) -> list[str]:
   """The flags ``run`` defines, one line each (stopped before it parses anything)."""
-  from distflow_jax.config import loading
 
   found: list[str] = []
 

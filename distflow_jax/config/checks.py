@@ -12,13 +12,17 @@ from collections.abc import Mapping
 
 import ml_collections
 
-from distflow_jax.config import user_modules, validators, values
+from distflow_jax.config import (async_checks, consistency, env_checks, lora_checks, user_modules,
+                                 validators, values, vision_checks)
 from distflow_jax.config.loading import ConfigError
-from distflow_jax.dag import planner as planner_lib
+from distflow_jax.config.response import response_width, response_width_key
+from distflow_jax.dag import planner as planner_lib, replicas
 from distflow_jax.dag.registry import Placement, Registry, unknown_name_message
+from distflow_jax.dag.rules import (check_baseline_rewards, check_kl_reference,
+                                    check_off_policy_logprobs)
 from distflow_jax.dag.spec import DagError, NodeType, Role
 from distflow_jax.dag.validate import Dag, build_dag
-from distflow_jax.config.response import response_width, response_width_key
+from distflow_jax.rewards.registry import reward_names
 
 
 def topology(cfg: ml_collections.ConfigDict, num_processes: int | None = None,
@@ -48,7 +52,6 @@ def check_runtime_topology(cfg: ml_collections.ConfigDict, process_count: int,
   """Refuses a config whose cluster block disagrees with the running jax, or that differs
   from another process's (a collective when there are several processes)."""
   if process_count > 1:
-    from distflow_jax.config import consistency
     consistency.check_same_config(cfg)
   for key, want, got in (("num_processes", cfg.cluster.num_processes, process_count),
                          ("devices_per_process", cfg.cluster.devices_per_process,
@@ -77,10 +80,8 @@ def plan_from_config(cfg: ml_collections.ConfigDict, topo: planner_lib.Topology,
   _check_overrides(dag, cfg, registry)
   plan = planner_lib.make_plan(dag, registry, topo, placement=_placement_dict(cfg),
                                rollout_tensor_parallel=cfg.rollout.tensor_parallel)
-  from distflow_jax.dag.rules import check_kl_reference  # KL > 0 needs ref_logprobs first
   check_kl_reference(plan.steps, registry, cfg.actor.kl.coef, cfg.actor.kl.in_reward)
   values.check_values(cfg)
-  from distflow_jax.rewards.registry import reward_names  # after the plugins: theirs count
   validators.one_of(cfg.trainer.eval_reward, reward_names(), "trainer.eval_reward")
   from distflow_jax.algos import policy_losses  # after the plugins: theirs count
   validators.one_of(cfg.actor.policy_loss, policy_losses.names(), "actor.policy_loss")
@@ -89,19 +90,14 @@ def plan_from_config(cfg: ml_collections.ConfigDict, topo: planner_lib.Topology,
                         cfg.actor.ratio_level)
   except ValueError as e:
     raise ConfigError(str(e)) from None
-  from distflow_jax.config import async_checks  # trainer.max_staleness > 0: overlap possible?
   async_checks.check(cfg, plan)
-  from distflow_jax.config import env_checks  # rollout.env and its keys (after the plugins)
   env_checks.check(cfg)
   if cfg.critic.warmup_steps and not any(n.fn == "train.critic" for n in dag.nodes):
     raise ConfigError(f"critic.warmup_steps={cfg.critic.warmup_steps} but no train.critic node "
                       f"trains a critic; set it to 0 or add the critic to the DAG")
   _check_node_values(dag, cfg, registry)
-  from distflow_jax.config import lora_checks
   lora_checks.check_critic(cfg, any(n.fn == "train.critic" for n in dag.nodes))
-  from distflow_jax.dag.rules import check_off_policy_logprobs  # after the values' checks
   check_off_policy_logprobs(plan.steps, registry, cfg.actor.off_policy.correction)
-  from distflow_jax.dag.rules import check_baseline_rewards  # ReMax: rewards score it too
   check_baseline_rewards(plan.steps, registry)
   _check_batches(cfg, plan, dag, registry)
   _check_spanning_replicas(cfg, plan, registry)
@@ -113,8 +109,6 @@ def _check_spanning_replicas(cfg: ml_collections.ConfigDict, plan: planner_lib.P
   """A rollout replica across hosts (dag/replicas.py) pools its processes' prompts; what
   cannot be pooled yet is refused, naming the key to change.  Each rollout node with its own overrides is checked as it
   will run, its ``tensor_parallel`` too (the plan checked the global one)."""
-  from distflow_jax.config import vision_checks
-  from distflow_jax.dag import replicas
   actor = next((m.devices for m in plan.meshes if m.role is Role.ACTOR), None)
   for step in plan.steps:
     if registry.spec(step.node.fn).placement is not Placement.ROLLOUT:

@@ -6,6 +6,8 @@ config is locked after loading, so only keys defined here exist.
 
 from __future__ import annotations
 
+from importlib import metadata
+
 import ml_collections
 
 
@@ -24,7 +26,6 @@ def optimizer(lr: float) -> ml_collections.ConfigDict:
 def compile_cache_dir() -> str:
   """The default ``trainer.compile_cache_dir``: one folder per user and jax version (read
   from the installed package's metadata: importing this module does not import jax)."""
-  from importlib import metadata
   try:
     version = metadata.version("jax")
   except metadata.PackageNotFoundError:

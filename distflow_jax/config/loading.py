@@ -9,6 +9,7 @@ absl/ml_collections exceptions are long tracebacks that bury the culprit).
 
 from __future__ import annotations
 
+import ast
 import difflib
 import os
 import re
@@ -71,7 +72,6 @@ def resolve_config_path(spec: str) -> str:
 def _check_has_get_config(path: str) -> None:
   """A config file must define ``get_config`` (ml_collections calls it): read without
   running the file, so a missing one is one line, not ml_collections' RecursionError."""
-  import ast  # pylint: disable=import-outside-toplevel
   try:
     tree = ast.parse(open(path, encoding="utf-8").read(), path)
   except (SyntaxError, UnicodeDecodeError, ValueError):
@@ -145,7 +145,6 @@ def _check_lora_keys_while_off(cfg, argv: Sequence[str]) -> None:
   given = [a.split("=", 1)[0][len("--config."):] for a in argv
            if a.startswith("--config.model.lora.") and not a.startswith(
                "--config.model.lora.enabled")]
-  from distflow_jax.config import defaults  # pylint: disable=import-outside-toplevel
   base = defaults.base().model.lora
   changed = [f"model.lora.{k}" for k in sorted(lora.keys())
              if k != "enabled" and k in base and lora[k] != base[k]]

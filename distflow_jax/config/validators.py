@@ -17,6 +17,7 @@ import math
 from collections.abc import Iterable
 
 from distflow_jax.config.loading import ConfigError
+from distflow_jax.rewards.math_answer import MATCH_MODES
 
 
 @functools.cache
@@ -31,7 +32,6 @@ def option_types() -> dict[str, type[enum.Enum] | tuple[str, ...]]:
   from distflow_jax.models.config import ATTENTION_IMPLS, DTYPES, PRESETS, REMATS
   from distflow_jax.rollout.backend import BACKENDS
   from distflow_jax.rollout.engine_config import CpuCompute, FuseProjections, LoraSync
-  from distflow_jax.rewards.math_answer import MATCH_MODES
   from distflow_jax.train.optim import Optimizer, Schedule
   from distflow_jax.state.warm_shapes import CompileAhead
   return {

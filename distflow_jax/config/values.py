@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 
-from distflow_jax.config import response
+from distflow_jax.config import lora_checks, response, vision_checks
 from distflow_jax.config.loading import ConfigError
-from distflow_jax.config import lora_checks, vision_checks
 from distflow_jax.config.validators import in_range, option, positive
+from distflow_jax.observe import wandb_log
+from distflow_jax.rewards import math_answer
+from distflow_jax.tasks import registry as tasks
 
 # Largest learning rate accepted: a step above 1 makes any of the optimizers in
 # train.optim.OPTIMIZERS diverge on a transformer (adam's update is ~lr per weight).
@@ -55,7 +57,6 @@ def check_values(cfg) -> None:
   _check_algo(cfg.algo)
   _check_trainer(cfg.trainer)
   if "logging" in cfg:
-    from distflow_jax.observe import wandb_log
     wandb_log.check(cfg)
     in_range(cfg.logging.get("heartbeat_s", 0.0), "logging.heartbeat_s", 0,
              note=" (seconds between the lines of a long phase; 0 = off)")
@@ -89,7 +90,6 @@ def _check_data(d) -> None:
   option(d.on_bad_row, "data.on_bad_row", "on_bad_row")
   option(d.redistribute, "data.redistribute", "redistribute")
   positive(d.get("max_image_pixels", 1), "data.max_image_pixels")
-  from distflow_jax.tasks import registry as tasks
   for split in ("train", "eval"):
     spec = d[split]
     if isinstance(spec, str) and tasks.is_builtin(spec):
@@ -219,7 +219,6 @@ def _check_reward(r) -> None:
   in_range(r.tolerance, "reward.tolerance", 0)
   option(r.match, "reward.match", "match")
   if r.match == "math_verify":
-    from distflow_jax.rewards import math_answer
     if not math_answer.has_math_verify():
       raise ConfigError(math_answer.MATH_VERIFY_MISSING)
 

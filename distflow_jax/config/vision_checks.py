@@ -11,10 +11,10 @@ silently ignored the images would train on the questions alone.
 from __future__ import annotations
 
 from distflow_jax.config.loading import ConfigError
+from distflow_jax.tasks import registry as tasks
 
 
 def _task_image_key(spec) -> str:
-  from distflow_jax.tasks import registry as tasks  # pylint: disable=import-outside-toplevel
   if not isinstance(spec, str) or not tasks.is_builtin(spec):
     return ""
   try:

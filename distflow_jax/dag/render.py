@@ -7,17 +7,14 @@ text is what tests and users compare, so it stays stable.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-  from distflow_jax.dag.planner import Plan
+from distflow_jax.dag import replicas
+from distflow_jax.dag.planner import LayoutKind, Plan
+from distflow_jax.dag.spec import Role
 
 
 def render(plan: Plan, process: int | None = None) -> str:
   """Deterministic text form of the plan, for all processes or one."""
-  from distflow_jax.dag import replicas
-  from distflow_jax.dag.planner import LayoutKind
-  from distflow_jax.dag.spec import Role
   t = plan.topology
   lines = [f"topology: {t.num_processes} process(es) x {t.devices_per_process} device(s) "
            f"= {t.num_devices} devices"]

@@ -36,6 +36,7 @@ import os
 from typing import Any
 
 import grain
+import jax
 import numpy as np
 
 from distflow_jax.config.loading import ConfigError
@@ -90,7 +91,7 @@ class PromptLoader:
                image_processor: images_lib.ImageProcessor | None = None,
                max_image_pixels: int = images_lib.DEFAULT_MAX_IMAGE_PIXELS):
     if process_index is None or process_count is None:
-      import jax  # after distributed.initialize(), like grain's ShardByJaxProcess
+      # after distributed.initialize(), like grain's ShardByJaxProcess
       process_index, process_count = jax.process_index(), jax.process_count()
     if not 0 <= process_index < process_count:
       raise ValueError(f"process_index {process_index} is not in "

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from distflow_jax.data import layout as layout_lib
@@ -273,5 +274,4 @@ def replicate_lengths(lengths: jax.Array) -> np.ndarray:
   """The full ``[B]`` lengths on every process (one small all-gather)."""
   if not isinstance(lengths, jax.Array) or lengths.is_fully_addressable:
     return np.asarray(lengths)
-  from jax.experimental import multihost_utils
   return np.asarray(multihost_utils.process_allgather(lengths, tiled=True))

@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 from distflow_jax.config import user_modules
 from distflow_jax.config.loading import ConfigError
+from distflow_jax.envs import calc
 
 
 @runtime_checkable
@@ -93,7 +94,6 @@ def env_factory(name: str) -> EnvFactory:
 
 def _register_builtins() -> None:
   """The built-in environments (a plugin may not reuse their names)."""
-  from distflow_jax.envs import calc
   register_env(calc.TOOL, calc.CalcEnv, overwrite=True)
 
 

@@ -21,15 +21,23 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from distflow_jax.config import vision_checks
+from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.planner import Plan
 from distflow_jax.dag.spec import NodeType, Role
-from distflow_jax.memory import compiled as cp
+from distflow_jax.data.fields import BASELINE_REWARDS, BASELINE_TOKENS, FIELDS
+from distflow_jax.data.image_processor import ImageProcessor
+from distflow_jax.memory import compiled as cp, report
 from distflow_jax.models import sharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.heads import Critic
-from distflow_jax.state import roles as roles_lib
+from distflow_jax.models.vision import VisionTower
+from distflow_jax.models.vl import read_vl_config
+from distflow_jax.state import roles as roles_lib, vision
 from distflow_jax.state.context import RunContext
-from distflow_jax.data.fields import BASELINE_REWARDS, BASELINE_TOKENS, FIELDS
+from distflow_jax.state.vision import VisionEncoder
+from distflow_jax.tasks import registry, shapes
+from distflow_jax.warmstart import vl as vl_warmstart
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +50,6 @@ class StopIds:
   def encode(self, text: str) -> list[int]:
     """Text cannot be tokenized without the tokenizer: the one thing a run needs it for
     here is a tool parser's closing tag (rollout.env), which shapes the decode program."""
-    from distflow_jax.config.loading import ConfigError
     raise ConfigError(f"rollout.env: the tool parser's closing tag {text!r} needs the "
                       f"model's tokenizer, and model.path={self.path!r} has none (config.json "
                       f"only); point model.path at a folder with its tokenizer files")
@@ -51,10 +58,6 @@ class StopIds:
 def vl_config(cfg: ml_collections.ConfigDict) -> Any:
   """The run's Qwen2.5-VL config when its rows carry images (else None): the built-in tiny
   one (``model.path=builtin:tiny-vl``) or ``model.path``'s config.json."""
-  from distflow_jax.config import vision_checks
-  from distflow_jax.models.vl import read_vl_config
-  from distflow_jax.state import vision
-  from distflow_jax.warmstart import vl as vl_warmstart
   if not vision_checks.run_image_key(cfg):
     return None
   if cfg.model.path == vl_warmstart.BUILTIN:
@@ -66,8 +69,6 @@ def vl_config(cfg: ml_collections.ConfigDict) -> Any:
 
 def model_shape(cfg: ml_collections.ConfigDict) -> ModelConfig:
   """The (text) model's shape from config.json alone, the built-in tiny VL model's too."""
-  from distflow_jax.memory import report
-  from distflow_jax.warmstart import vl as vl_warmstart
   if cfg.model.path == vl_warmstart.BUILTIN:
     return roles_lib.levers(cfg, vl_config(cfg).text)
   return report.model_shape(cfg)
@@ -75,7 +76,6 @@ def model_shape(cfg: ml_collections.ConfigDict) -> ModelConfig:
 
 def image_processor(vlc: Any) -> Any:
   """The image processor of a vision-language config's tower (patch, merge, frames)."""
-  from distflow_jax.data.image_processor import ImageProcessor
   vc = vlc.vision
   return ImageProcessor(patch_size=vc.patch_size, merge_size=vc.spatial_merge_size,
                         temporal_patch_size=vc.temporal_patch_size)
@@ -85,7 +85,6 @@ def image_dims(cfg: ml_collections.ConfigDict, vlc: Any) -> tuple[int, int, tupl
   """``(image tokens per sample, feature width, one image's patch grid)``: a built-in
   ``shapes`` level's image size, else one 448 x 448 image (other data's images are
   sized by their rows; the gate lowers that size)."""
-  from distflow_jax.tasks import registry, shapes
   side = 448
   if registry.is_builtin(cfg.data.train):
     task, level = registry.parse(cfg.data.train)
@@ -99,7 +98,6 @@ def image_dims(cfg: ml_collections.ConfigDict, vlc: Any) -> tuple[int, int, tupl
 def stop_ids(cfg: ml_collections.ConfigDict) -> Any:
   """The run's tokenizer where it loads, else the end-of-sequence ids of ``model.path``'s
   config.json (a folder holding only config.json is enough to lower a run)."""
-  from distflow_jax.warmstart import vl as vl_warmstart
   if cfg.model.path == vl_warmstart.BUILTIN:
     return vl_warmstart.tokenizer()
   try:
@@ -166,8 +164,6 @@ def abstract_context(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: Mode
 def _vision(cfg: ml_collections.ConfigDict) -> Any:
   """The frozen tower of a vision-language run, abstract (unsharded: it runs on each
   process's default device), else None."""
-  from distflow_jax.models.vision import VisionTower
-  from distflow_jax.state.vision import VisionEncoder
   vlc = vl_config(cfg)
   if vlc is None:
     return None

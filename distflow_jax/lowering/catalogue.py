@@ -19,26 +19,32 @@ import dataclasses
 import jax
 import ml_collections
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding
 
+from distflow_jax.algos import advantages as adv
 from distflow_jax.algos.off_policy import OffPolicyCorrection
+from distflow_jax.config.response import response_width
 from distflow_jax.dag.planner import LayoutKind, Move, Plan
 from distflow_jax.dag.registry import FUNCTIONS
 from distflow_jax.dag.spec import Role
 from distflow_jax.data import plan as data_plan, redistribute as rd
-from distflow_jax.lowering import abstract as ab
-from distflow_jax.memory import compiled as cp
-from distflow_jax.lowering.program import Catalogue, Program
-from distflow_jax.lowering.rollout_programs import rollout_programs, vision_programs
-from distflow_jax.nodes import passes, rollout as rollout_node, training
-from distflow_jax.train import packing, token_budget
-from distflow_jax.persist import checkpoint_contents, checksums
-from distflow_jax.run import executor
-from distflow_jax.state.context import RunContext, shared_prompt_group
-from distflow_jax.config.response import response_width
 from distflow_jax.data.fields import (ADVANTAGES, EPISODE, GROUP_ID, IMAGES, LOSS_MASK,
                                       OLD_LOGPROBS, PROMPT_MASK, REF_LOGPROBS, RESPONSE_MASK,
                                       RETURNS, ROLLOUT_LOGPROBS, SAMPLE_ID, SEQ, VALUES)
+from distflow_jax.lowering import abstract as ab
+from distflow_jax.lowering.program import Catalogue, Program
+from distflow_jax.lowering.rollout_programs import rollout_programs, vision_programs
+from distflow_jax.memory import compiled as cp
+from distflow_jax.models import lora, sharding as msharding
+from distflow_jax.models.heads import Critic
+from distflow_jax.models.transformer import Transformer
+from distflow_jax.nodes import passes, rollout as rollout_node, training
+from distflow_jax.persist import checkpoint_contents, checksums
+from distflow_jax.run import executor
+from distflow_jax.state.context import RunContext, shared_prompt_group
+from distflow_jax.train import packing, token_budget
+from distflow_jax.warmstart import sft, text, vl as vl_warmstart
 
 
 def _widths(cfg: ml_collections.ConfigDict) -> tuple[int, ...]:
@@ -201,11 +207,7 @@ def warmstart_programs(ctx: RunContext) -> list[Program]:
   ws = cfg.model.warmstart
   if cfg.model.path or ws.steps <= 0:
     return []
-  from distflow_jax.warmstart import sft, text
-  from flax import nnx
 
-  from distflow_jax.models import lora
-  from distflow_jax.models.transformer import Transformer
   state = ctx.roles[Role.ACTOR]
   if lora.has_adapters(state.params):
     base_cfg = ctx.model_cfg.replace(lora=None)
@@ -226,7 +228,6 @@ def advantage_programs(ctx: RunContext, node, rows: int) -> list[Program]:
   """The jitted scans of the per-token estimators (GAE, REINFORCE++), over this host's
   rows on its default device (nodes/advantages.py; the rest of an advantage node is
   single host-side operations)."""
-  from distflow_jax.algos import advantages as adv
   algo = ctx.section(node, "algo")
   local = rows // ctx.topo.num_processes
   x = np.zeros((local, response_width(ctx.cfg.rollout)), np.float32)
@@ -242,11 +243,7 @@ def advantage_programs(ctx: RunContext, node, rows: int) -> list[Program]:
 def init_programs(ctx: RunContext) -> list[Program]:
   """Fresh initialisers: the built-in model's (no model.path: the warm start starts from
   it) and the critic's (its value head is always fresh)."""
-  from flax import nnx
 
-  from distflow_jax.models import sharding as msharding
-  from distflow_jax.models.heads import Critic
-  from distflow_jax.models.transformer import Transformer
   cfg, out = ctx.cfg, []
   rules = msharding.fsdp_tp_rules()
   if not cfg.model.path:
@@ -255,7 +252,6 @@ def init_programs(ctx: RunContext) -> list[Program]:
                                      mesh, rules)
     out.append(Program("setup", "init_params[actor]", init, ()))
   if ctx.model_cfg.lora is not None:  # the fresh adapters, one program (models/lora.attach)
-    from distflow_jax.models import lora
     _, init = lora.adapter_init(ctx.model_cfg, ctx.roles[Role.ACTOR].mesh, rules)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
     out.append(Program("setup", "init_adapters[actor]", init, (key,)))
@@ -319,7 +315,6 @@ def programs(cfg: ml_collections.ConfigDict, plan: Plan, ctx: RunContext) -> Cat
   if current is not None:
     out += lengths_programs(ctx, "step end", current, fields, rows)
   out += checksum_programs(ctx)
-  from distflow_jax.warmstart import vl as vl_warmstart
   if cfg.model.path == vl_warmstart.BUILTIN:
     notes.append("the built-in tiny VL model's warm start (warmstart/vl.py) is not "
                  "lowered: it runs once on a CPU-sized model and is cached")

@@ -15,6 +15,7 @@ import numpy as np
 from distflow_jax.dag.spec import Role
 from distflow_jax.lowering import abstract as ab
 from distflow_jax.lowering.program import Program, _Refused
+from distflow_jax.models.vision import vision_layout
 from distflow_jax.rollout.engine_backend import EngineBackend
 from distflow_jax.rollout.reference import ReferenceSampler
 from distflow_jax.state import roles as roles_lib
@@ -71,7 +72,6 @@ def _reference_programs(ctx: RunContext, sampler: ReferenceSampler, tag: str) ->
 def vision_programs(ctx: RunContext, node_id: str) -> list[Program]:
   """The frozen vision tower's forward over one prompt's image (state/vision.py: once
   per prompt, on this process's default device)."""
-  from distflow_jax.models.vision import vision_layout
   enc = ctx.vision
   _, _, grid = ab.image_dims(ctx.cfg, enc.cfg)
   patches = int(np.prod(grid))

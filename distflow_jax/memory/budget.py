@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.memory import analytic as an
+from distflow_jax.models import target as target_lib
 
 # What comes off jax's share of a device beside the compiled figures (stated allowances,
 # not measured here).  GPU: XLA:GPU allocates cuBLAS/cuBLASLt workspaces (up to 32 MiB
@@ -61,7 +62,6 @@ def budget(device_memory: int, target: str | None = None,
   h100, a100, tpu, cpu, ...; default a GPU), read with this process's environment
   (``env``) as jax would read it on the device.  ConfigError (one line) on a bad name or
   setting."""
-  from distflow_jax.models import target as target_lib
   env = os.environ if env is None else env
   name = target or "gpu"
   try:

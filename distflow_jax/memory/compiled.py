@@ -24,11 +24,16 @@ import ml_collections
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from distflow_jax.config.response import response_width
+from distflow_jax.data.fields import PROMPT_MASK, PROMPT_TOKENS, RESPONSE_MASK, RESPONSE_TOKENS
 from distflow_jax.models import lora, sharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import Transformer
-from distflow_jax.config.response import response_width
-from distflow_jax.data.fields import PROMPT_MASK, PROMPT_TOKENS, RESPONSE_MASK, RESPONSE_TOKENS
+from distflow_jax.nodes import training
+from distflow_jax.rollout import decode
+from distflow_jax.rollout.engine_config import decode_state_shardings
+from distflow_jax.rollout.weight_sync import WeightSync
+from distflow_jax.train import placement, steps as steps_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +102,6 @@ def abstract_batch(rows: int, prompt_len: int, new_tokens: int, layout: NamedSha
 def grad_bytes(params: Any) -> int:
   """One device's gradient buffers in the train step: the float32 accumulator (16-bit
   parameters accumulate in float32, train/steps.py) plus one micro-batch's gradients."""
-  from distflow_jax.train import steps as steps_lib
   params = lora.split_trainable(params)[0]  # LoRA: the adapters' gradients only
   acc = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       x.shape, steps_lib.accumulator_dtype(x.dtype), sharding=x.sharding), params)
@@ -115,8 +119,6 @@ def train_step_memory(cfg: ml_collections.ConfigDict, graphdef: nnx.GraphDef, pa
                       ) -> StepMemory:
   """The actor train node's step, compiled by the ``PinnedStep`` the node uses (state
   donated, outputs pinned to the inputs' shardings, rows split over data and fsdp)."""
-  from distflow_jax.nodes import training
-  from distflow_jax.train import steps as steps_lib
   loss_cfg = steps_lib.ActorLoss.from_config(cfg.actor, response_width(cfg.rollout),
                                              group_size)
   loss_fn = functools.partial(training._actor_loss, cfg=loss_cfg)  # the node's own loss
@@ -127,7 +129,6 @@ def train_step_memory(cfg: ml_collections.ConfigDict, graphdef: nnx.GraphDef, pa
 def logprob_memory(graphdef: nnx.GraphDef, params: Any, batch: dict, group_size: int,
                    layout: NamedSharding) -> StepMemory:
   """The log-prob pass (``logprob`` / ``ref_logprob`` nodes) over the whole step's batch."""
-  from distflow_jax.train import placement, steps as steps_lib
   fn = lambda p, b: steps_lib.response_logprobs(graphdef, p, b, group_size=group_size)[0]  # noqa: E731
   fn = placement.rows_sharded_on(fn, placement.params_mesh(params))
   return _stats(jax.jit(fn, out_shardings=layout).lower(params, batch).compile())
@@ -138,8 +139,6 @@ def rollout_state_bytes(model_cfg: ModelConfig, mesh: Mesh, slots: int, cache_le
   """``(parameter bytes, decode-state bytes)`` per device of one rollout replica on ``mesh``
   (``data`` x ``tensor``): the engine's own shardings of the synced weights and the state
   ``rollout.decode.empty_state`` builds (KV cache, slot bookkeeping)."""
-  from distflow_jax.rollout import decode
-  from distflow_jax.rollout.engine_config import decode_state_shardings
   _, params = abstract_model(model_cfg, mesh)
   state = jax.eval_shape(functools.partial(decode.empty_state, model_cfg, slots, cache_len))
   state = jax.tree.map(_sds, state, decode_state_shardings(mesh, model_cfg))
@@ -152,7 +151,6 @@ def sync_memory(model_cfg: ModelConfig, train_mesh: Mesh, replica: Mesh,
   actor's parameters laid out on ``train_mesh`` (one array per layer, as the engine hands
   them over) into a replica on ``replica``, with each device's process from the plan's
   topology (``process_of``: the simulation runs in one process)."""
-  from distflow_jax.rollout.weight_sync import WeightSync
   loop = model_cfg.replace(scan_layers=False)
   _, train = abstract_model(loop, train_mesh)
   _, dst = abstract_model(loop, replica)

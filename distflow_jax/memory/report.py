@@ -21,20 +21,25 @@ from __future__ import annotations
 
 import time
 
+import jax
 import ml_collections
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distflow_jax.algos.off_policy import OffPolicyCorrection
 from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.response import response_width, response_width_key
 from distflow_jax.dag.planner import Plan
 from distflow_jax.dag.spec import Role
-from distflow_jax.memory import analytic as an, traffic
+from distflow_jax.data.fields import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS, ROLLOUT_LOGPROBS
+from distflow_jax.memory import analytic as an, compiled as cp, traffic
 from distflow_jax.memory.budget import budget
 from distflow_jax.memory.consumers import RESIDENT, Estimate, Item
 from distflow_jax.memory.render import check_fits, render
 from distflow_jax.memory.rollout_items import generate_items
+from distflow_jax.models import sharding
 from distflow_jax.models.config import ModelConfig
-from distflow_jax.config.response import response_width, response_width_key
-from distflow_jax.data.fields import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS, ROLLOUT_LOGPROBS
+from distflow_jax.state import roles as roles_lib
+from distflow_jax.state.context import shared_prompt_group
 
 
 def _prompt_len(cfg: ml_collections.ConfigDict) -> int:
@@ -100,13 +105,7 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
   """Every consumer of every device of ``plan`` (jax must see the plan's device count), on
   devices of ``platform`` (``gpu``, ``tpu`` or ``cpu``, as ``budget`` names them: what the
   rollout engine holds a 16-bit model's weights in depends on it)."""
-  import jax
-  from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from distflow_jax.memory import compiled as cp
-  from distflow_jax.models import sharding
-  from distflow_jax.state import roles as roles_lib
-  from distflow_jax.state.context import shared_prompt_group
 
   comp = source == "compiled"
   master = bool(cfg.model.get("master_weights", False))
@@ -289,7 +288,6 @@ def _packed_train_items(cfg, model_cfg, node_id, devs, dp, minis, micro, plen, n
 def model_shape(cfg: ml_collections.ConfigDict) -> ModelConfig:
   """The model's shape from ``model.path``'s config.json alone (no weights, no tokenizer),
   else the preset sized to the built-in tokenizer."""
-  from distflow_jax.state import roles as roles_lib
   if cfg.model.path:
     try:
       return roles_lib.model_config(cfg, tokenizer=None)
@@ -310,7 +308,6 @@ def run(cfg: ml_collections.ConfigDict, plan: Plan, device_memory: str | None,
   except ValueError as e:
     raise ConfigError(str(e)) from None
   dev = budget(limit, target) if limit is not None else None
-  import jax
   topo = plan.topology
   if jax.device_count() != topo.num_devices:
     raise ConfigError(f"plan --memory simulates {topo.num_devices} devices but jax has "

@@ -14,12 +14,17 @@ import time
 
 import ml_collections
 
+from distflow_jax.config.response import response_width
+from distflow_jax.dag import replicas
 from distflow_jax.dag.planner import Plan
 from distflow_jax.dag.spec import Role
-from distflow_jax.memory import analytic as an
+from distflow_jax.memory import analytic as an, compiled as cp
 from distflow_jax.memory.consumers import RESIDENT, Item
+from distflow_jax.models import sharding
 from distflow_jax.models.config import ModelConfig
-from distflow_jax.config.response import response_width
+from distflow_jax.rollout import cache_growth
+from distflow_jax.rollout.engine_config import CpuCompute, EngineConfig, LoraSync, compute_dtype
+from distflow_jax.state import roles as roles_lib
 
 def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
                    node_id: str, devs: tuple[int, ...], comp: bool, adv: dict[str, str],
@@ -35,13 +40,6 @@ def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelC
   rollout layout is the training one (one device, loop layers: aliased).  On a CPU
   ``platform`` the engine of a 16-bit model holds its weights and cache in float32 under
   ``rollout.cpu_compute=float32`` (engine_config.compute_dtype): counted so."""
-  from distflow_jax.dag import replicas
-  from distflow_jax.memory import compiled as cp
-  from distflow_jax.models import sharding
-  from distflow_jax.rollout import cache_growth
-  from distflow_jax.rollout.engine_config import (CpuCompute, EngineConfig, LoraSync,
-                                                  compute_dtype)
-  from distflow_jax.state import roles as roles_lib
   topo = plan.topology
   # LoRA: the engine holds the merged base, no adapters (rollout/engine)
   adapters = (model_cfg.lora is not None and LoraSync(cfg.rollout.get("lora_sync", "merged"))

@@ -11,10 +11,16 @@ its adapters alone (``adapters``; rollout/lora_sync.py).
 from __future__ import annotations
 
 import ml_collections
+import numpy as np
 
 from distflow_jax.dag.planner import Move, Plan
+from distflow_jax.data import layout as dlayout
+from distflow_jax.data.plan import make_repartition_plan
 from distflow_jax.memory import analytic as an
+from distflow_jax.models import sharding
 from distflow_jax.models.config import ModelConfig
+from distflow_jax.rollout.engine_config import LoraSync
+from distflow_jax.state import roles as roles_lib
 
 
 def per_step(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig, shards: int,
@@ -67,7 +73,6 @@ def _lora_line(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig, full: flo
                ) -> tuple[str, bool]:
   """What a LoRA actor's sync moves a step under its ``rollout.lora_sync`` (whole arrays),
   and whether the base moves once only (``adapters``)."""
-  from distflow_jax.rollout.engine_config import LoraSync
   adapters = 4 * an.adapter_params(model_cfg)
   if LoraSync(cfg.rollout.get("lora_sync", "merged")) is LoraSync.ADAPTERS:
     return (f"weight sync (rollout.lora_sync=adapters): the adapters' {an.fmt(adapters)} a "
@@ -83,12 +88,7 @@ def _repartition_bytes(plan: Plan, src, dst, rows: int, length: int, row_bytes: 
   """``process -> (bytes sent, received)`` across hosts of one re-partition: the data
   plane's own plan (data.plan) on the simulated devices, with each device's process taken
   from the plan's topology (the simulation runs in one process)."""
-  import numpy as np
 
-  from distflow_jax.data import layout as dlayout
-  from distflow_jax.data.plan import make_repartition_plan
-  from distflow_jax.models import sharding
-  from distflow_jax.state import roles as roles_lib
   devs = roles_lib.ordered_devices()
 
   def layout(lay):

@@ -34,6 +34,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from distflow_jax.models.errors import GGUFError  # noqa: F401  (raised here; callers catch it)
@@ -232,7 +233,6 @@ def _expected_names(config: dict[str, Any]) -> set[str]:
 
 def _cast(w: np.ndarray, dtype: str) -> np.ndarray:
   if dtype == "bfloat16":
-    import ml_dtypes  # pylint: disable=import-outside-toplevel  (jax's dependency)
     return w.astype(ml_dtypes.bfloat16)
   return w.astype(DTYPES[dtype])
 

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from safetensors.numpy import save_file
 
 from distflow_jax import io_errors
@@ -30,7 +31,6 @@ from distflow_jax.models.transformer import Transformer
 
 def _host_array(x: jax.Array) -> np.ndarray:
   if not x.is_fully_addressable:
-    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     x = multihost_utils.process_allgather(x, tiled=True)
   return np.asarray(jax.device_get(x))
 

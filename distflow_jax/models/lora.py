@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from distflow_jax.config.loading import ConfigError
@@ -164,7 +164,6 @@ def _module_names(owner: str, layers: int | None) -> list[str]:
 
 def _host(x: jax.Array) -> np.ndarray:
   if not x.is_fully_addressable:
-    from jax.experimental import multihost_utils  # noqa: PLC0415 (multi-process only)
     x = multihost_utils.process_allgather(x, tiled=True)
   return np.asarray(jax.device_get(x), np.float32)
 

@@ -23,6 +23,8 @@ import enum
 import functools
 from collections.abc import Iterator
 
+import jax
+
 
 class Platform(enum.Enum):
   """What XLA compiles for (``lowering_platforms`` takes ``.value``)."""
@@ -97,7 +99,6 @@ def current() -> Target:
 def detected() -> Target:
   """The running backend as a Target (its first device's compute capability and the
   installed cuDNN's version on a CUDA GPU)."""
-  import jax
   backend = jax.default_backend()
   if backend == "gpu":
     dev = jax.devices()[0]
@@ -125,7 +126,6 @@ def lowering_for(target: Target) -> Iterator[Target]:
   """``current()`` is ``target`` inside; for a CUDA target on a machine without that GPU,
   jax's cuDNN detection answers with the target's figures.  jax's trace caches are
   cleared on entry and exit, so no program traced for another device is reused."""
-  import jax
   jax.clear_caches()
   token = _ACTIVE.set(target)
   patched = _patch_cudnn_detection(target) if target.is_cuda and not _real_cuda() else {}

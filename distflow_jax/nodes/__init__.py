@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from distflow_jax.dag.registry import FUNCTIONS
+
 if TYPE_CHECKING:
   from distflow_jax.dag.registry import Registry
   from distflow_jax.nodes.common import NodeTable
@@ -29,7 +31,6 @@ def tables() -> dict[str, NodeTable]:
 def bind_builtins(registry: Registry | None = None) -> None:
   """Binds every family's node functions to their names in ``registry`` (default: the
   global ``FUNCTIONS``)."""
-  from distflow_jax.dag.registry import FUNCTIONS  # the registry imports this package
   registry = FUNCTIONS if registry is None else registry
   for table in tables().values():
     for name, fn in table.items():

@@ -15,26 +15,26 @@ from collections.abc import Callable
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from distflow_jax.config.response import pass_temperature
 from distflow_jax.algos.off_policy import OffPolicyCorrection
+from distflow_jax.config.response import pass_temperature
+from distflow_jax.dag import FUNCTIONS
 from distflow_jax.dag.spec import Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch
+from distflow_jax.data.fields import (OLD_LOGPROBS, PROMPT_MASK, REF_LOGPROBS, RESPONSE_MASK,
+                                      ROLLOUT_LOGPROBS, SUM_PI_SQUARED, VALUES)
 from distflow_jax.models import lora
 from distflow_jax.nodes.common import NodeOut, NodeTable, seq
-from distflow_jax.train import (deterministic, hidden, packing, placement, steps as steps_lib,
-                                 token_budget)
 from distflow_jax.state.context import RunContext, shared_prompt_group
 from distflow_jax.state.metrics import Metrics
 from distflow_jax.state.roles import ModelState
-from distflow_jax.data.fields import (OLD_LOGPROBS, PROMPT_MASK, REF_LOGPROBS, RESPONSE_MASK,
-                                      ROLLOUT_LOGPROBS, SUM_PI_SQUARED, VALUES)
+from distflow_jax.train import (deterministic, hidden, packing, placement, steps as steps_lib,
+                                token_budget)
 
 
 def train_temperature(ctx: RunContext) -> float:
   """The temperature every training pass reads the policy at: the rollout's (1 for greedy;
   config/temperature.py)."""
-  from distflow_jax.dag import FUNCTIONS  # pylint: disable=import-outside-toplevel
   temps = [ctx.section(s.node, "rollout").temperature for s in ctx.plan.steps
            if FUNCTIONS.spec(s.node.fn).section == "rollout"]
   return pass_temperature(temps[0] if temps else ctx.cfg.rollout.temperature)

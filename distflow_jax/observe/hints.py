@@ -16,6 +16,7 @@ import ml_collections
 
 from distflow_jax import io_errors
 from distflow_jax.config.loading import ConfigError
+from distflow_jax.data.sources import BadRow, field_value, open_source
 
 PROMPT_KEYS = ("prompt", "question", "problem", "query", "instruction", "input")
 ANSWER_KEYS = ("answer", "solution", "ground_truth", "target", "final_answer", "output",
@@ -60,14 +61,12 @@ def check_model_dir(path: str, key: str = "model.path") -> None:
 
 
 def _suggest(row: dict[str, Any], candidates: tuple[str, ...], flag: str) -> str:
-  from distflow_jax.data.sources import field_value
   present = [k for k in candidates if field_value(row, k) is not None]
   return f"; set --config.{flag}={present[0]}" if present else ""
 
 
 def first_row(path: str) -> dict[str, Any] | None:
   """The first readable row of a JSONL/Parquet file (None if it has none)."""
-  from distflow_jax.data.sources import BadRow, open_source
   src = open_source(path)
   for i in range(min(len(src), 8)):
     row = src[i]
@@ -79,7 +78,6 @@ def first_row(path: str) -> dict[str, Any] | None:
 def check_dataset_fields(path: str, prompt_key: str, answer_key: str,
                          key: str = "data.train") -> None:
   """Refuses a dataset whose rows lack the prompt or answer field (before every row is skipped)."""
-  from distflow_jax.data.sources import field_value
   row = first_row(path)
   if row is None:
     return  # the loader reports unreadable rows itself, with counts by reason

@@ -10,6 +10,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from distflow_jax.observe.metrics_file import Rows, compiling_steps, ema, node_times, series
 
 def _line(ax, rows: Rows, key: str, label: str | None = None, *, smooth: bool = True,
@@ -133,7 +135,6 @@ def plot_time(ax, rows: Rows) -> bool:
   names = node_times(rows)
   if not names:
     return False
-  import numpy as np
   steps = [int(r["step"]) for r in rows if any(f"time/{n}" in r for n in names)]
   bottom = np.zeros(len(steps))
   by_step = {int(r["step"]): r for r in rows}

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO
 
+from distflow_jax.observe import invocation
 from distflow_jax.observe.heartbeat import Sink
 
 # (metric, format, drop priority: higher goes first when the line is too long)
@@ -283,7 +284,6 @@ def summary_lines(run_dir: str, *, checkpoint_dir: str, last_checkpoint: int | N
     out.append(f"checkpoint: {os.path.join(checkpoint_dir, str(last_checkpoint))}")
   out.append(f"metrics:    {os.path.join(run_dir, 'metrics.jsonl')}")
   hf = os.path.join(run_dir, "hf")
-  from distflow_jax.observe import invocation
   cmd = invocation.command()  # the venv's script by its full path where PATH lacks it
   out += ["next:", f"  {cmd} report {run_dir}"]
   if last_checkpoint is None:  # eval and export read a checkpoint: none was written

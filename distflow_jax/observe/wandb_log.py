@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from distflow_jax.config.loading import ConfigError
+from distflow_jax.observe.run_config import as_plain
 
 MODES = ("", "online", "offline")  # "": wandb's own choice (WANDB_MODE, else online)
 ID_FILE = "wandb_run_id"
@@ -81,7 +82,6 @@ class WandbWriter:
     check(cfg)
     w = cfg.logging.wandb
     import wandb  # pylint: disable=import-outside-toplevel
-    from distflow_jax.observe.run_config import as_plain  # pylint: disable=import-outside-toplevel
     os.makedirs(cfg.run_dir, exist_ok=True)
     id_path = os.path.join(cfg.run_dir, ID_FILE)
     run_id = None

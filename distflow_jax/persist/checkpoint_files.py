@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 
 from distflow_jax import groups
 from distflow_jax.persist import checkpoint_contents as ck, checksums
@@ -198,7 +199,6 @@ def read_arrays(directory: str, step: int | None = None
 
   The arrays are verified against the checksums saved with them.
   """
-  from absl import logging as absl_logging
   verbosity = absl_logging.get_verbosity()
   # orbax warns that it skips the loader item (not wanted here): no warning for a reader.
   absl_logging.set_verbosity(absl_logging.ERROR)

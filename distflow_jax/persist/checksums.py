@@ -196,7 +196,6 @@ def checksum(figures: list[int]) -> str:
 def gather_json(obj: Any) -> list[Any]:
   """Every process's JSON-able ``obj``, in process order (a collective among the calling
   thread's process group, ``groups.within``; every process outside one)."""
-  from distflow_jax import groups
   group = groups.current()
   if jax.process_count() == 1 or (group is not None and len(group) == 1):
     return [obj]

@@ -12,15 +12,19 @@ from __future__ import annotations
 import os
 
 import jax
+import ml_collections
 from flax import nnx
 
+from distflow_jax.config import vision_checks
 from distflow_jax.models import hf_io
 from distflow_jax.models.lora import adapter_arrays
 from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.models.transformer import Transformer
+from distflow_jax.models.vl import load_vl_pretrained, save_vl_pretrained
 from distflow_jax.persist import actor_arrays, checkpoint, destination, lora_actor
 from distflow_jax.persist.actor_arrays import PREFIX  # noqa: F401 (re-exported)
 from distflow_jax.persist.lora_export import LoraExport, export_mode, save_adapter
+from distflow_jax.state import vision
 
 
 
@@ -43,9 +47,6 @@ def whole_actor(arrays: dict, meta: dict, where: str, root: str) -> Transformer:
 def vision_base(meta: dict, where: str) -> str:
   """The Qwen2.5-VL folder a vision-language run started from ('' for a text run): its
   frozen tower is the run's, so the export puts the trained decoder back beside it."""
-  import ml_collections  # pylint: disable=import-outside-toplevel
-  from distflow_jax.config import vision_checks  # pylint: disable=import-outside-toplevel
-  from distflow_jax.state import vision  # pylint: disable=import-outside-toplevel
   run_cfg = meta.get("config") or {}
   start = (run_cfg.get("model") or {}).get("path", "")
   if vision.is_vl_checkpoint(start):
@@ -71,7 +72,6 @@ def save_actor(out: str, model: Transformer, tokenizer: Tokenizer | None, meta: 
   if not base:
     hf_io.save_pretrained(out, model, tokenizer)
     return
-  from distflow_jax.models.vl import load_vl_pretrained, save_vl_pretrained  # pylint: disable=import-outside-toplevel
   vl = load_vl_pretrained(base, dtype=model.cfg.dtype)
   vl.language = model
   save_vl_pretrained(out, vl)

@@ -32,6 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from distflow_jax.dag.planner import LayoutKind
+from distflow_jax.nodes import rollout as rollout_node
 from distflow_jax.state.context import RunContext
 
 # (ctx, prompt width) -> programs with ``fn``, ``args`` and ``kwargs``
@@ -93,7 +94,6 @@ def start(ctx: RunContext, prompts: Any, programs_at: ProgramsAt | None,
     return None
   if not any(s.layout.kind is LayoutKind.ROLLOUT for s in ctx.plan.steps):
     return None
-  from distflow_jax.nodes import rollout as rollout_node
   cfg = ctx.cfg
   width = rollout_node.prompt_width(int(np.asarray(prompts.data["prompt_len"]).max(initial=0)),
                                     cfg.rollout.prefill_buckets, cfg.data.max_prompt_len)

@@ -15,20 +15,23 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 
 from distflow_jax.config import vision_checks
-from distflow_jax.config.response import response_width
 from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.response import response_width
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.batch import Batch
-from distflow_jax.rewards import registry as reward_registry
-from distflow_jax.rollout import episodes
+from distflow_jax.data.fields import GROUP_ID
+from distflow_jax.data.loader import PromptLoader
+from distflow_jax.data.sources import open_source
 from distflow_jax.observe import samples as samples_lib
 from distflow_jax.observe.heartbeat import heartbeat, interval as heartbeat_interval
+from distflow_jax.rewards import registry as reward_registry
+from distflow_jax.rollout import episodes
 from distflow_jax.state import vision as vision_lib
 from distflow_jax.state.context import RunContext
 from distflow_jax.state.metrics import Metrics
-from distflow_jax.data.fields import GROUP_ID
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -142,15 +145,12 @@ def _concat(batches: list[Batch]) -> Batch:
 def _global_sum(x: float) -> float:
   if jax.process_count() == 1:
     return float(x)
-  from jax.experimental import multihost_utils
   return float(np.asarray(multihost_utils.process_allgather(np.array([x], np.float64))).sum())
 
 
 def load_shard(ctx: RunContext, path: str, limit: int = 0
                ) -> tuple[list[Batch], dict[str, int], int]:
   """This process's valid prompts as one-row batches, the loader's counts, and the row count."""
-  from distflow_jax.data.loader import PromptLoader
-  from distflow_jax.data.sources import open_source
   cfg = ctx.cfg
   source = open_source(path)
   if limit:

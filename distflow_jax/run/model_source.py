@@ -23,6 +23,8 @@ import shutil
 import tempfile
 from typing import Any, Literal
 
+from absl import logging as absl_logging
+
 from distflow_jax.config.loading import ConfigError
 
 Kind = Literal["hf", "checkpoint"]
@@ -78,7 +80,6 @@ def checkpoint_as_hf(path: str, flag: str = "--model") -> tuple[str, int]:
     raise ConfigError(f"{flag}={path!r}: a run checkpoint is read on one process; under "
                       f"several, export it first (distflow-jax export --checkpoint {path} "
                       f"--out HF_DIR) and pass {flag}=HF_DIR")
-  from absl import logging as absl_logging
   root, step = checkpoint.resolve(path)
   verbosity = absl_logging.get_verbosity()
   # orbax warns that it skips the loader item, which is not wanted here.

@@ -31,17 +31,18 @@ from typing import Any, Literal
 
 import jax
 import ml_collections
+from flax import nnx
 
-from distflow_jax.config import checks, temperature
+from distflow_jax import nodes
+from distflow_jax.config import async_checks, checks, temperature
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag import FUNCTIONS
 from distflow_jax.dag.planner import Plan, Topology
 from distflow_jax.dag.spec import Role
-from distflow_jax import nodes
 from distflow_jax.observe import hints
 from distflow_jax.state import roles as roles_lib, vision
-from distflow_jax.warmstart import vl as vl_warmstart, text as warmstart
 from distflow_jax.state.context import RunContext
+from distflow_jax.warmstart import text as warmstart, vl as vl_warmstart
 
 RoleSet = Literal["all", "actor"]
 ROLE_SETS: tuple[str, ...] = ("all", "actor")
@@ -70,7 +71,6 @@ def check_plan_spans_hosts(plan: Plan, topo: Topology) -> None:
   process, so such a placement cannot be executed yet (it can be planned).  An
   asynchronous run's rollout on processes of its own is the exception (run/disjoint.py;
   config/async_checks.py checks it)."""
-  from distflow_jax.config import async_checks
   if async_checks.process_split(plan) is not None:
     return
   for s in plan.steps:
@@ -83,7 +83,6 @@ def check_plan_spans_hosts(plan: Plan, topo: Topology) -> None:
 
 def _actor_only(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg, model_path: str
                 ) -> dict[Role, roles_lib.ModelState]:
-  from flax import nnx
   mesh = roles_lib.jax_mesh(next(m for m in plan.meshes if m.role is Role.ACTOR))
   actor = roles_lib.build_actor(model_cfg, mesh, model_path, cfg.seed)
   roles_lib.start_adapters(cfg, actor)

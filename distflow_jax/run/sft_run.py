@@ -31,21 +31,21 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+from flax import nnx
 
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.batch import Batch
+from distflow_jax.data.fields import GROUP_ID, PROMPT_MASK, PROMPT_TOKENS, SAMPLE_ID
 from distflow_jax.models import hf_io, lora
-from distflow_jax.rewards.math_answer import extract_answer
-from distflow_jax.tasks import registry as tasks
-from distflow_jax.train import placement
 from distflow_jax.persist import checkpoint
+from distflow_jax.rewards.math_answer import extract_answer
 from distflow_jax.run import evaluate, setup
 from distflow_jax.state import roles as roles_lib
-from distflow_jax.warmstart import sft
-from distflow_jax.warmstart import sft_data
 from distflow_jax.state.metrics import JsonlWriter
-from distflow_jax.data.fields import GROUP_ID, PROMPT_MASK, PROMPT_TOKENS, SAMPLE_ID
+from distflow_jax.tasks import registry as tasks
+from distflow_jax.train import placement
+from distflow_jax.warmstart import sft, sft_data
 
 
 def sft_dir(cfg: ml_collections.ConfigDict) -> str:
@@ -187,7 +187,6 @@ def run(cfg: ml_collections.ConfigDict, *, eval_data: str = "", resume: bool | N
   sft.train(state, train.data, steps=s.steps, batch_size=s.batch_size, seed=cfg.seed,
             start=start, on_step=on_step, adapter_dropout=lo.enabled and lo.dropout > 0)
   ck.close()
-  from flax import nnx
   out = out_dir(cfg)
   # LoRA: the adapters merged into the base (a plain folder `train` loads); the adapters
   # alone: `export --checkpoint <run_dir>/sft --lora=adapter`.

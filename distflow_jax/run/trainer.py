@@ -19,26 +19,24 @@ import jax
 import ml_collections
 import numpy as np
 
+from distflow_jax import groups
 from distflow_jax.config import vision_checks
 from distflow_jax.config.loading import ConfigError
+from distflow_jax.dag import FUNCTIONS
 from distflow_jax.data.loader import UNK_PROMPTS, PromptLoader
-from distflow_jax.tasks import registry as tasks
-from distflow_jax.tasks import split_cache
 from distflow_jax.nodes import rollout as rollout_nodes
-from distflow_jax.persist import checkpoint, deferred_signals
-from distflow_jax import groups
-from distflow_jax.run import async_rollout, compile_cache, compile_overlap, disjoint
-from distflow_jax.run import disjoint_state
-from distflow_jax.state import warm_shapes
-from distflow_jax.run import evaluate as eval_lib
-from distflow_jax.run import executor
-from distflow_jax.observe import health as health_lib, hints
+from distflow_jax.observe import (health as health_lib, hints, samples as samples_lib, tensorboard,
+                                  wandb_log)
 from distflow_jax.observe.heartbeat import heartbeat, interval as heartbeat_interval
 from distflow_jax.observe.progress import phase
-from distflow_jax.state.context import RunContext
-from distflow_jax.observe import samples as samples_lib, tensorboard, wandb_log
-from distflow_jax.state.metrics import JsonlWriter, Writers, gather_processes
+from distflow_jax.persist import checkpoint, deferred_signals
+from distflow_jax.run import (async_rollout, compile_cache, compile_overlap, disjoint,
+                              disjoint_state, evaluate as eval_lib, executor)
 from distflow_jax.run.setup import prepare_run
+from distflow_jax.state import warm_shapes
+from distflow_jax.state.context import RunContext
+from distflow_jax.state.metrics import JsonlWriter, Writers, gather_processes
+from distflow_jax.tasks import registry as tasks, split_cache
 
 # Rows written for a built-in task's train split: its questions may repeat (small question
 # spaces), the loader cycles through them.
@@ -338,7 +336,6 @@ def compile_ahead(cfg: ml_collections.ConfigDict, ctx: RunContext,
   choice = warm_shapes.CompileAhead(cfg.trainer.get("compile_ahead", "auto"))
   if not choice.on(compile_cache.active()):
     return lambda first: None
-  from distflow_jax.dag import FUNCTIONS
   widths = set(rollout_nodes.prompt_widths(cfg.rollout.prefill_buckets, cfg.data.max_prompt_len))
   for s in ctx.plan.steps:  # a rollout node's own prefill_buckets override
     if FUNCTIONS.spec(s.node.fn).section == "rollout":

@@ -31,6 +31,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from distflow_jax import peers
+
 # How long a transfer thread waits for a batch's metadata before it gives up (a dead peer
 # is noticed sooner by the peer watchdog; this bounds a hang it cannot see).
 META_TIMEOUT_MS = 30 * 60 * 1000
@@ -125,7 +127,6 @@ def await_acks(run: str, kind: Kind, index: int, receivers: list[int]) -> None:
 # -- batch metadata through the coordination service -----------------------------------
 
 def _client():
-  from distflow_jax import peers
   client = peers.coordination_client()
   if client is None:
     raise RuntimeError("cross-process transfers need jax.distributed to be initialized")

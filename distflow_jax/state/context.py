@@ -17,7 +17,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from distflow_jax.dag import replicas
+from distflow_jax.config.response import response_width
+from distflow_jax.dag import FUNCTIONS, replicas
 from distflow_jax.dag.planner import LayoutKind, NodeLayout, Plan, Topology
 from distflow_jax.dag.spec import Node, Role
 from distflow_jax.data import layout as dlayout
@@ -32,7 +33,6 @@ from distflow_jax.rollout.sampling import SamplingParams
 from distflow_jax.rollout.spanning import SpanningReplica
 from distflow_jax.state import roles as roles_lib, vision as vision_lib, warm_shapes
 from distflow_jax.state.algo_state import AlgoState
-from distflow_jax.config.response import response_width
 
 
 @dataclasses.dataclass
@@ -70,7 +70,6 @@ class RunContext:
 
   def section(self, node: Node, name: str) -> ml_collections.ConfigDict:
     """``config.<name>`` with the node's overrides applied (when it is the node's section)."""
-    from distflow_jax.dag import FUNCTIONS
     base = self.cfg[name]
     if FUNCTIONS.spec(node.fn).section != name or not node.overrides:
       return base

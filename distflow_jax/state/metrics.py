@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from distflow_jax import groups
+
 
 def gather_processes(local: np.ndarray) -> np.ndarray:
   """``[process_count, ...]``: every process's copy of a small array (one all-gather);
@@ -27,7 +29,6 @@ def gather_processes(local: np.ndarray) -> np.ndarray:
   local = np.ascontiguousarray(local)
   import jax
 
-  from distflow_jax import groups
   if jax.process_count() == 1:
     return local[None]
   if local.dtype.itemsize != 8:

@@ -21,16 +21,16 @@ from jax.sharding import Mesh
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.planner import Plan, RoleMesh, Topology
 from distflow_jax.dag.spec import NodeType, Role
-from distflow_jax.models import hf_io, lora, sharding
-from distflow_jax.models import config as model_configs
+from distflow_jax.models import (attention_choice, config as model_configs, hf_io, lora, peft_files,
+                                 sharding, target)
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.heads import Critic
 from distflow_jax.models.lora_layer import LoraSpec
 from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.models.transformer import Transformer
 from distflow_jax.models.vl import read_vl_config
-from distflow_jax.train import optim, placement
 from distflow_jax.state import vision
+from distflow_jax.train import optim, placement
 
 
 def ordered_devices() -> list[jax.Device]:
@@ -121,7 +121,6 @@ def levers(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig) -> ModelConfi
   if out.lora is not None:
     lora.check(out.lora, out)  # the targets and rank against this model's layers
   if out.attention_impl == "cudnn":  # refused here, not at the first step's compile
-    from distflow_jax.models import attention_choice, target
     why = attention_choice.cudnn_refusal(out.jnp_dtype, out.head_dim, target.current())
     if why is not None:
       raise ConfigError(f"model.attention_impl=cudnn: {why}; set model.attention_impl=auto "
@@ -156,7 +155,6 @@ def start_adapters(cfg: ml_collections.ConfigDict, actor: nnx.Module) -> None:
   path = cfg.model.lora.get("path", "")
   if not (cfg.model.lora.enabled and path):
     return
-  from distflow_jax.models import peft_files  # pylint: disable=import-outside-toplevel
   where = f"model.lora.path={path!r}"
   meta = peft_files.read_meta(path)
   spec = actor.cfg.lora
@@ -182,7 +180,6 @@ def start_adapters(cfg: ml_collections.ConfigDict, actor: nnx.Module) -> None:
 def _check_base(cfg: ml_collections.ConfigDict, path: str, base: str | None) -> None:
   """An adapter trained on another base of the same shapes (an instruct model's adapter on
   its base model, say) is refused where both name a model and the names differ."""
-  from distflow_jax.models import peft_files  # pylint: disable=import-outside-toplevel
   model = cfg.model.get("path", "")
   if not (base and model and cfg.model.lora.get("base_check", True)):
     return

@@ -23,12 +23,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from distflow_jax.config import vision_checks
+from distflow_jax.config.loading import ConfigError
+from distflow_jax.data.fields import IMAGE_EMBEDS, IMAGE_SLOTS, ROPE_POSITIONS
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.vision import VisionTower, vision_layout
-from distflow_jax.models.vl import (HF_ARCH, VLConfig, load_vl_pretrained, read_vl_config,
-                                    rope_index)
+from distflow_jax.models.vl import HF_ARCH, VLConfig, load_vl_pretrained, read_vl_config, rope_index
 from distflow_jax.rollout.images import PromptImages
-from distflow_jax.data.fields import IMAGE_EMBEDS, IMAGE_SLOTS, ROPE_POSITIONS
 
 SAME_GRID = ("images: every image of a run must have the same grid in this version "
              "(sample {a} has {ga}, sample {b} has {gb}); use one image size (e.g. one "
@@ -154,8 +155,6 @@ def batch_images(enc: VisionEncoder, hosts: Sequence[Any], prompts: Sequence[np.
 def run_encoder(cfg: Any, model_path: str) -> VisionEncoder | None:
   """The run's frozen tower: loaded when its data has images (config/vision_checks.py),
   None for a text-only run; images with a text-only model are refused (ConfigError)."""
-  from distflow_jax.config import vision_checks  # pylint: disable=import-outside-toplevel
-  from distflow_jax.config.loading import ConfigError  # pylint: disable=import-outside-toplevel
   key = vision_checks.run_image_key(cfg)
   if not key:
     return None

@@ -44,9 +44,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
-from distflow_jax.train import packing_shared
 from distflow_jax.data.fields import PROMPT_TOKENS, RESPONSE_TOKENS
+from distflow_jax.train import packing_shared
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +251,6 @@ def host_array(x) -> np.ndarray:
   """The whole of a (possibly multi-process) global array on this host."""
   if jax.process_count() == 1 or not isinstance(x, jax.Array):
     return np.asarray(jax.device_get(x))
-  from jax.experimental import multihost_utils
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 

@@ -28,21 +28,24 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
-import numpy as np
 import ml_collections
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
 
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.dag.planner import Plan
 from distflow_jax.dag.spec import Role
+from distflow_jax.data.fields import PROMPT_MASK, PROMPT_TOKENS, RESPONSE_MASK, RESPONSE_TOKENS
 from distflow_jax.data.loader import parse_row
 from distflow_jax.models import hf_io
 from distflow_jax.models.tokenizer import Tokenizer
+from distflow_jax.observe import progress
+from distflow_jax.state import roles as roles_lib
+from distflow_jax.state.roles import ModelState
 from distflow_jax.tasks import registry as tasks
 from distflow_jax.train import placement
-from distflow_jax.state import roles as roles_lib
 from distflow_jax.warmstart import sft
-from distflow_jax.state.roles import ModelState
-from distflow_jax.data.fields import PROMPT_MASK, PROMPT_TOKENS, RESPONSE_MASK, RESPONSE_TOKENS
 
 # The loss, shared with `distflow-jax sft` (kept importable here).
 sft_loss = sft.sft_loss
@@ -201,7 +204,6 @@ def ensure_model(cfg: ml_collections.ConfigDict, plan: Plan, tokenizer: Tokenize
   if os.path.isfile(os.path.join(wdir, "config.json")) and _saved_key(wdir) == key:
     log(f"warm start: using the cached model in {wdir}")
     return wdir
-  from distflow_jax.observe import progress
   progress.phase(log, "warm start")
   model_cfg = roles_lib.model_config(cfg, tokenizer, "").replace(lora=None)  # full SFT
   mesh = _warm_start_mesh(plan)
@@ -216,7 +218,6 @@ def ensure_model(cfg: ml_collections.ConfigDict, plan: Plan, tokenizer: Tokenize
                       f"rollout on processes of its own every device of the run takes part, "
                       f"so use a device count that divides the model's sizes, or set "
                       f"model.path") from None
-  from flax import nnx
   graphdef, params = nnx.split(model)
   state = ModelState(Role.ACTOR, actor_mesh, graphdef, params)
   ws = cfg.model.warmstart
@@ -237,7 +238,6 @@ def ensure_model(cfg: ml_collections.ConfigDict, plan: Plan, tokenizer: Tokenize
       json.dump(key, f, indent=2, sort_keys=True)
     os.replace(os.path.join(wdir, KEY_FILE + ".tmp"), os.path.join(wdir, KEY_FILE))
   if jax.process_count() > 1:  # only process 0 writes; the others read it next
-    from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("distflow_warmstart_written")
   return wdir
 
@@ -257,7 +257,6 @@ def _warm_start_mesh(plan: Plan):
 
 def _show(log: Callable[[str], None], done: int, total: int, loss: float) -> None:
   """The warm start's bar on a progress Logger, a plain line on any other callable."""
-  from distflow_jax.observe import progress
   if isinstance(log, progress.Logger):
     log.progress("warm start", done, total, f"loss {loss:.3f}")
   else:

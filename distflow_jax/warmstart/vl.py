@@ -29,6 +29,7 @@ import ml_collections
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from distflow_jax.config.loading import ConfigError
 from distflow_jax.data import images as im
@@ -217,6 +218,5 @@ def ensure_model(cfg: ml_collections.ConfigDict, log: Callable[[str], None]) -> 
       json.dump(key, f, indent=2, sort_keys=True)
     os.replace(key_file + ".tmp", key_file)
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     multihost_utils.sync_global_devices("distflow_vl_warmstart_written")
   return wdir
