@@ -59,8 +59,6 @@ NodeFn = Callable[["RunContext", Node, "Layout", Batch], "NodeOut | Batch"]
 # A family's table: registry name -> node function.
 NodeTable = Mapping[str, NodeFn]
 
-# The token fields every model pass and train step reads.
-
 
 def seq(batch: Batch) -> dict:
   """The batch's token fields (``fields.SEQ``), and its image fields when it has them

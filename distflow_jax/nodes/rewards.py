@@ -133,7 +133,7 @@ def env_reward(ctx: RunContext, node: Node, lay: dlayout.Layout, batch: Batch) -
   if PLACED_REWARDS in batch.data:
     placed = placed + batch.data[PLACED_REWARDS]
   # The same rewards, also where each turn earned them (per-token rewards: GAE).
-  return NodeOut(batch.replace(**{REWARDS: rewards}, **{PLACED_REWARDS: placed}), metrics)
+  return NodeOut(batch.replace(**{REWARDS: rewards, PLACED_REWARDS: placed}), metrics)
 
 
 NODES: NodeTable = {
