@@ -22,7 +22,7 @@ import time
 from typing import IO, Sequence
 
 from distflow_jax import distributed
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 
 
 @dataclasses.dataclass

@@ -25,6 +25,7 @@ import ml_collections
 from absl import flags
 
 from distflow_jax import distributed
+from distflow_jax.config import loading
 from distflow_jax.observe import progress
 from distflow_jax.persist import run_lock
 from distflow_jax.run import compile_cache
@@ -74,11 +75,13 @@ def with_default_config(argv: Sequence[str], default: str) -> list[str]:
   return argv
 
 
-def use_local_devices(cfg: ml_collections.ConfigDict, argv: Sequence[str]) -> None:
-  """For commands that run a model without the training topology (eval, generate): the
-  devices this machine has, unless ``--config.cluster.*`` asks for a layout.  Call it before
-  anything imports jax: a simulated CPU device count only takes effect then."""
-  with cfg.unlocked():
-    if not any(a.startswith("--config.cluster.") for a in argv):
-      cfg.cluster.num_processes = cfg.cluster.devices_per_process = 0
+def use_local_devices(cfg: ml_collections.ConfigDict, argv: Sequence[str]
+                      ) -> ml_collections.ConfigDict:
+  """For commands that run a model without the training topology (eval, generate): ``cfg``
+  with the devices this machine has, unless ``--config.cluster.*`` asks for a layout.  Call
+  it before anything imports jax: a simulated CPU device count only takes effect then."""
+  if not any(a.startswith("--config.cluster.") for a in argv):
+    cfg = loading.with_values(cfg, {"cluster.num_processes": 0,
+                                    "cluster.devices_per_process": 0})
   distributed.simulate_cpu_devices(cfg.cluster.devices_per_process)
+  return cfg

@@ -37,7 +37,7 @@ from absl import flags
 from distflow_jax import distributed
 from distflow_jax.commands import use_local_devices, with_default_config
 from distflow_jax.config import loading
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.observe import hints, progress
 from distflow_jax.persist import destination
 from distflow_jax.rewards import registry as reward_registry
@@ -81,12 +81,10 @@ def run(argv: Sequence[str]) -> int:
     raise ConfigError(f"--k={fv.k} and --batch_size={fv.batch_size} must be >= 1, "
                       f"--limit={fv.limit} >= 0")
   source = model_source.kind(model, flag)
-  cfg = fv.config
-  with cfg.unlocked():
-    cfg.model.path = model if source == "hf" else ""
-    cfg.data.eval = fv.data
+  cfg = loading.with_values(fv.config, {"model.path": model if source == "hf" else "",
+                                         "data.eval": fv.data})
   # Before anything imports jax (hints and the rewards registry do).
-  use_local_devices(cfg, argv)
+  cfg = use_local_devices(cfg, argv)
 
   if fv.reward not in reward_registry.reward_names():
     raise ConfigError(f"--reward={fv.reward!r} is unknown; valid: "
@@ -104,10 +102,10 @@ def run(argv: Sequence[str]) -> int:
   if source == "checkpoint":
     folder, step = model_source.checkpoint_as_hf(model, flag)
     log(f"{flag}={model}: the actor of step {step}")
-    with cfg.unlocked():
-      cfg.model.path = folder
+    cfg = loading.with_values(cfg, {"model.path": folder})
   try:
     ctx = prepare_run(cfg, roles="actor", log=log).ctx
+    cfg = ctx.cfg
     log(f"eval {model} on {fv.data} ({'greedy' if fv.k == 1 else f'pass@{fv.k}'}), "
         f"{info.process_count} process(es) x {info.local_device_count} device(s)")
     result = evaluate.evaluate_file(ctx, fv.data, k=fv.k, batch_size=fv.batch_size,

@@ -129,14 +129,13 @@ def run(argv: Sequence[str]) -> int:
   texts = _read_prompts(fv.prompts, cfg.data.prompt_key)
   source = model_source.kind(fv.model) if fv.model else None
   if source == "hf":
-    with cfg.unlocked():
-      cfg.model.path = fv.model
+    cfg = loading.with_values(cfg, {"model.path": fv.model})
   if not fv.model and not cfg.model.path and not fv.random_init:
     raise loading.ConfigError(
         "generate has no model: give --model=HF_DIR (or a run directory, or RUN_DIR/checkpoints/"
         "<step>) or --config.model.path=HF_DIR; --random_init generates from the built-in "
         "model.preset with random weights")
-  use_local_devices(cfg, list(argv))
+  cfg = use_local_devices(cfg, list(argv))
   if cfg.model.path:
     # A folder without tokenizer files (or config, or weights) fails here in one line,
     # before jax starts and any weight is read.
@@ -153,9 +152,9 @@ def run(argv: Sequence[str]) -> int:
   if source == "checkpoint":
     folder, step = model_source.checkpoint_as_hf(fv.model)
     _log(f"--model={fv.model}: the actor of step {step}")
-    with cfg.unlocked():
-      cfg.model.path = folder
+    cfg = loading.with_values(cfg, {"model.path": folder})
   ctx = prepare_run(cfg, roles="actor", log=_log).ctx
+  cfg = ctx.cfg
   tok = ctx.tokenizer
   texts_in = [_render(tok, t, cfg.data.chat_template) for t in texts]
   mine = list(range(info.process_index, len(texts), info.process_count))

@@ -71,6 +71,7 @@ def _run(argv: Sequence[str]) -> int:
     wandb = wandb_log.WandbWriter(cfg, info.process_index == 0,
                                   resuming=resumed.latest is not None and fv.resume is not False)
     ctx, loaders = trainer.setup(cfg, log)
+    cfg = ctx.cfg  # the run's config: model.path resolved (the built-in VL model's folder)
     log.nodes = [s.node.id for s in ctx.plan.steps]  # the times line in run order
     from distflow_jax.run import disjoint
     split = disjoint.process_role(ctx)[0]

@@ -28,7 +28,7 @@ import math
 
 import ml_collections
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.dag.planner import LayoutKind, Move, Plan
 
 
@@ -102,7 +102,7 @@ def _check_split(cfg: ml_collections.ConfigDict, plan: Plan, split: ProcessSplit
 
 def check(cfg: ml_collections.ConfigDict, plan: Plan) -> None:
   """Refuses, in one line, a config that ``trainer.max_staleness`` cannot run."""
-  k = cfg.trainer.get("max_staleness", 0)
+  k = cfg.trainer.max_staleness
   split = process_split(plan)
   if not k and split is None:
     return
@@ -117,7 +117,7 @@ def check(cfg: ml_collections.ConfigDict, plan: Plan) -> None:
                       f"role's devices to the others, or use --num_processes=1")
   if split is not None:
     _check_split(cfg, plan, split, name)
-  if cfg.rollout.get("env", ""):
+  if cfg.rollout.env:
     raise ConfigError(f"{name} with multi-turn episodes (rollout.env={cfg.rollout.env!r}) is "
                       f"not built yet (in-flight episodes are not saved with checkpoints); "
                       f"set trainer.max_staleness=0 or rollout.env=''")

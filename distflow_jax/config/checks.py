@@ -14,7 +14,7 @@ import ml_collections
 
 from distflow_jax.config import (async_checks, consistency, env_checks, lora_checks, user_modules,
                                  validators, values, vision_checks)
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.config.response import response_width, response_width_key
 from distflow_jax.dag import planner as planner_lib, replicas
 from distflow_jax.dag.registry import Placement, Registry, unknown_name_message
@@ -128,7 +128,7 @@ def _check_spanning_replicas(cfg: ml_collections.ConfigDict, plan: planner_lib.P
                 f"images ({images!r}) take the reference backend, which does not pool prompts"),
                ("rollout.backend", r.backend != "engine",
                 f"{r.backend!r}: only the engine backend pools prompts; set it to engine"),
-               ("rollout.env", bool(r.get("env", "")),
+               ("rollout.env", bool(r.env),
                 "multi-turn episodes are not pooled yet; unset it"))
     for key, hit, why in blocked:
       if hit:
@@ -215,7 +215,7 @@ def check_group_sampling(cfg, plan: planner_lib.Plan, registry: Registry) -> Non
     if registry.spec(node.fn).section != "rollout":
       continue
     r = node_section(cfg, node, registry)
-    if r.get("env", ""):
+    if r.env:
       continue
     greedy = ("rollout.temperature=0" if float(r.temperature) == 0
               else "rollout.top_k=1" if int(r.top_k) == 1 else None)
@@ -251,12 +251,12 @@ def _check_batches(cfg, plan: planner_lib.Plan, dag: Dag, registry: Registry) ->
     if step.node.role is not None and step.node.type is NodeType.MODEL_TRAIN:
       section = node_section(cfg, step.node, registry)
       per_shard = samples // lay.dp_size
-      mini = section.get("mini_batches", 1)
+      mini = section.mini_batches if "mini_batches" in section else 1  # the critic: none
       if per_shard % mini:
         raise ConfigError(f"{spec.section}.mini_batches={mini} does not divide the "
                           f"{per_shard} samples per data-parallel shard of node "
                           f"{step.node.id!r}")
-      budget = section.get("micro_batch_tokens", 0)
+      budget = section.micro_batch_tokens
       by_rows = not budget  # else micro-batches by tokens
       if budget:
         _check_token_budget(cfg, f"{spec.section}.micro_batch_tokens", budget, step.node.id,

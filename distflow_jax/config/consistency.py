@@ -27,7 +27,7 @@ from typing import Any
 
 import ml_collections
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 
 # Flattened keys (or prefixes ending in '.') allowed to differ between processes.
 # The compile cache is a folder of this host's (its own disk, its user's home).

@@ -5,7 +5,7 @@ ConfigError line each."""
 from __future__ import annotations
 
 from distflow_jax.config.response import response_width
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.config.validators import in_range, one_of, positive
 from distflow_jax.envs import base as env_base, guard as env_guard, parsers
 
@@ -20,7 +20,7 @@ def check(cfg) -> None:
   positive(r.max_turns, "rollout.max_turns")
   in_range(r.env_timeout_s, "rollout.env_timeout_s", 0, lo_open=True,
            note=" (seconds each reset / step call may take)")
-  episode = r.get("max_episode_tokens", 0)
+  episode = r.max_episode_tokens
   if not isinstance(episode, int) or isinstance(episode, bool) or episode < 0:
     raise ConfigError(f"rollout.max_episode_tokens={episode!r} must be an int >= 0 (0: an "
                       f"episode's response is at most rollout.max_new_tokens)")
@@ -53,13 +53,13 @@ def check(cfg) -> None:
   context = cfg.data.max_prompt_len + response_width(r) - 1
   # The engine backend appends each turn to its slot's cache (rollout/episode_engine.py,
   # whose cache the episode width sizes); the round backends re-prefill every turn.
-  if r.get("backend", "engine") != "engine" and max(r.prefill_buckets) < context:
+  if r.backend != "engine" and max(r.prefill_buckets) < context:
     raise ConfigError(
         f"rollout.env={r.env!r} with rollout.backend={r.backend!r}: each turn re-prefills "
         f"the prompt and the episode so far, up to data.max_prompt_len + {width} - 1 = "
         f"{context} tokens, but the largest of rollout.prefill_buckets="
         f"{list(r.prefill_buckets)} is smaller; add a bucket >= {context}, or use "
         f"rollout.backend=engine (it appends each turn to its cache instead)")
-  if cfg.data.get("image_key", ""):
+  if cfg.data.image_key:
     raise ConfigError(f"rollout.env={r.env!r} does not take images yet; unset data.image_key "
                       f"or rollout.env")

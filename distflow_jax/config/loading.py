@@ -20,10 +20,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from distflow_jax.config import defaults, flag_checks, schema
-
-
-class ConfigError(ValueError):
-  """A config, config file or override that cannot be used; names the key."""
+from distflow_jax.config.errors import ConfigError
 
 
 def configs_dir() -> str:
@@ -139,8 +136,8 @@ def _check_lora_keys_while_off(cfg, argv: Sequence[str]) -> None:
   """A ``model.lora.*`` key given on the command line, or set by the file to other than the
   default, while ``model.lora.enabled`` is False: the full model would train without a
   word, so it is refused."""
-  lora = cfg.get("model", {}).get("lora") if hasattr(cfg, "get") else None
-  if lora is None or lora.get("enabled", False):
+  lora = cfg.model.lora
+  if lora.enabled:
     return
   given = [a.split("=", 1)[0][len("--config."):] for a in argv
            if a.startswith("--config.model.lora.") and not a.startswith(
@@ -186,6 +183,7 @@ def _check_loaded(cfg, path: str | None) -> None:
     raise ConfigError("no config given: pass --config=configs/grpo.py:tiny (or another file)")
   problem = (_type_problem(cfg, path or "--config")
              or schema.file_keys_problem(cfg, defaults.base(), path or "--config")
+             or schema.file_missing_problem(cfg, defaults.base(), path or "--config")
              or schema.paths_problem(cfg))
   if problem:
     raise ConfigError(problem)
@@ -248,3 +246,22 @@ def _first_and_last_line(msg: str) -> str:
   if len(lines) <= 1:
     return msg
   return f"{lines[0].rstrip(':')}: {lines[-1].strip()}"
+
+
+def with_values(cfg: ml_collections.ConfigDict, updates: dict[str, object]
+                ) -> ml_collections.ConfigDict:
+  """A locked copy of ``cfg`` with the dotted keys of ``updates`` set: how a command puts
+  its own flags (``--model``, ``--data``) or a resolved path into a config; the loaded
+  config itself is never changed."""
+  new = cfg.copy_and_resolve_references()
+  with new.unlocked():
+    for dotted, value in updates.items():
+      *parents, leaf = dotted.split(".")
+      node = new
+      for p in parents:
+        node = node[p]
+      if leaf not in node:
+        raise KeyError(f"with_values: {dotted!r} is not a config key")
+      node[leaf] = value
+  new.lock()
+  return new

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 
 
 CRITIC = ("", "full")  # model.lora.critic
@@ -47,9 +47,9 @@ def check(cfg) -> None:
       or not all(isinstance(t, str) and t for t in targets)):
     raise ConfigError(f"model.lora.targets={targets!r} must be a non-empty tuple of module "
                       f"name patterns, e.g. ('q_proj', 'v_proj')")
-  rollout = cfg.get("rollout") or {}
-  fuse = rollout.get("fuse_projections", "none")
-  if rollout.get("lora_sync", "merged") == "adapters" and fuse != "none":
+  rollout = cfg.rollout
+  fuse = rollout.fuse_projections
+  if rollout.lora_sync == "adapters" and fuse != "none":
     raise ConfigError(f"rollout.fuse_projections={fuse!r} cannot go with "
                       "rollout.lora_sync='adapters' (that route merges the adapters into the "
                       "engine's kernels by name, unfused); set rollout.fuse_projections=none "

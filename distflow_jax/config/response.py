@@ -12,8 +12,8 @@ def response_width(rollout: ml_collections.ConfigDict) -> int:
   """Tokens after the prompt in a training row (the passes' response width, the engine's
   cache beyond the longest prompt bucket): ``rollout.max_episode_tokens`` for multi-turn
   episodes (``rollout.env``) when set, else ``rollout.max_new_tokens``."""
-  episode = int(rollout.get("max_episode_tokens", 0) or 0)
-  return episode if rollout.get("env", "") and episode else int(rollout.max_new_tokens)
+  episode = int(rollout.max_episode_tokens or 0)
+  return episode if rollout.env and episode else int(rollout.max_new_tokens)
 
 
 def pass_temperature(rollout_temperature: float) -> float:
@@ -25,5 +25,5 @@ def pass_temperature(rollout_temperature: float) -> float:
 
 def response_width_key(rollout: ml_collections.ConfigDict) -> str:
   """The key ``response_width`` reads (for messages)."""
-  episode = rollout.get("env", "") and rollout.get("max_episode_tokens", 0)
+  episode = rollout.env and rollout.max_episode_tokens
   return "rollout.max_episode_tokens" if episode else "rollout.max_new_tokens"

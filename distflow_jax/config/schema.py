@@ -131,7 +131,7 @@ def unknown_key_message(key: str, valid: Iterable[str], source: str) -> str:
   """``unknown config key 'a.b' (<source>); did you mean 'a.c'?`` in one line."""
   near = suggest(key, valid)
   hint = (f"did you mean {near!r}?" if near else
-          "`distflow-jax config` lists every key (defaults: distflow_jax/config/defaults.py)")
+          "`distflow-jax config --keys` lists every key with its doc")
   return f"unknown config key {key!r} ({source}); {hint}"
 
 
@@ -143,6 +143,43 @@ def file_keys_problem(cfg, schema, path: str) -> str | None:
   more = f" (and {len(bad) - 1} more: {bad[1:4]})" if len(bad) > 1 else ""
   return f"{path}: " + unknown_key_message(bad[0], keys(schema),
                                            "set by the config file") + more
+
+
+# Sections whose inner keys a config may leave out, and who reads them with their meaning:
+# a role's placement may name only its devices, or some mesh axes (the others are 1).
+PARTIAL: tuple[OpenKey, ...] = (
+    OpenKey("placement", "dag/planner.role_mesh (devices 'all', mesh {'fsdp': -1}, an axis "
+                         "left out is 1)"),
+)
+
+
+def missing_keys(cfg, schema) -> list[str]:
+  """Dotted keys of ``schema`` that ``cfg`` lacks (the first missing level only; inside a
+  ``PARTIAL`` section only its own keys)."""
+  out: list[str] = []
+
+  def walk(node, ref, prefix: str) -> None:
+    for k, v in ref.items():
+      key = prefix + str(k)
+      if k not in node:
+        out.append(key)
+      elif (_is_section(v) and _is_section(node[k]) and not _open(key)
+            and not any(key == p.key for p in PARTIAL)):
+        walk(node[k], v, key + ".")
+
+  walk(cfg, schema, "")
+  return out
+
+
+def file_missing_problem(cfg, schema, path: str) -> str | None:
+  """What is wrong when the config file ``path`` returned a config lacking schema keys: the
+  code reads every key, so a config is the schema's defaults plus what the file sets."""
+  gone = missing_keys(cfg, schema)
+  if not gone:
+    return None
+  more = f" (and {len(gone) - 1} more: {gone[1:4]})" if len(gone) > 1 else ""
+  return (f"{path}: the config lacks key {gone[0]!r}{more}; start get_config() from "
+          f"distflow_jax.config.defaults.base() and set what differs")
 
 
 def paths_problem(cfg) -> str | None:

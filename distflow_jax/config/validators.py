@@ -11,12 +11,13 @@ so importing this module does not import jax.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import math
 from collections.abc import Iterable
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.rewards.math_answer import MATCH_MODES
 
 
@@ -99,3 +100,57 @@ def in_range(value, key: str, lo: float | None = None, hi: float | None = None, 
   if ((lo is not None and (value <= lo if lo_open else value < lo))
       or (hi is not None and (value >= hi if hi_open else value > hi))):
     raise ConfigError(f"{key}={value!r} must be {rule}{note}")
+
+
+# The checks a key declares beside its default (config/sections.py): each is called with the
+# key's value and its dotted name, and says in a few words what it accepts (`config --keys`).
+
+@dataclasses.dataclass(frozen=True)
+class Positive:
+  """``positive``: > 0, or >= 0 with ``allow_zero``."""
+  allow_zero: bool = False
+  note: str = ""
+
+  def __call__(self, value, key: str) -> None:
+    positive(value, key, self.allow_zero, self.note)
+
+  def __str__(self) -> str:
+    return (">= 0" if self.allow_zero else "> 0") + self.note
+
+
+@dataclasses.dataclass(frozen=True)
+class InRange:
+  """``in_range``: a finite number within [lo, hi] (open ends exclude the bound)."""
+  lo: float | None = None
+  hi: float | None = None
+  lo_open: bool = False
+  hi_open: bool = False
+  note: str = ""
+
+  def __call__(self, value, key: str) -> None:
+    in_range(value, key, self.lo, self.hi, lo_open=self.lo_open, hi_open=self.hi_open,
+             note=self.note)
+
+  def __str__(self) -> str:
+    if self.lo is not None and self.hi is not None:
+      rule = (f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}"
+              f"{')' if self.hi_open else ']'}")
+    elif self.lo is not None:
+      rule = f"{'>' if self.lo_open else '>='} {self.lo:g}"
+    elif self.hi is not None:
+      rule = f"{'<' if self.hi_open else '<='} {self.hi:g}"
+    else:
+      rule = "finite"
+    return rule + self.note
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+  """``option``: one of the names of option ``name`` of ``option_types``."""
+  name: str
+
+  def __call__(self, value, key: str) -> None:
+    option(value, key, self.name)
+
+  def __str__(self) -> str:
+    return "one of " + " | ".join(options()[self.name])

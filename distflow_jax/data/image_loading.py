@@ -20,7 +20,7 @@ import os
 import re
 from typing import Any
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.data.image_processor import ImageError
 
 DEFAULT_MAX_IMAGE_PIXELS = 40_000_000

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 
 # OpenAI CLIP's per-channel mean and std (RGB), the Qwen2-VL processors' defaults.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.data.image_loading import (  # noqa: F401 (re-exported)
     DEFAULT_MAX_IMAGE_PIXELS, image_values, load_image, require_pillow)
 from distflow_jax.data.image_processor import (  # noqa: F401 (re-exported)

@@ -39,7 +39,7 @@ import grain
 import jax
 import numpy as np
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.data import images as images_lib
 from distflow_jax.data.batch import GROUP_ID, SAMPLE_ID, Batch
 from distflow_jax.data.rows import REASONS, Example, Tokenizer, parse_row

@@ -15,7 +15,7 @@ import json
 import os
 from typing import Any, Protocol
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 

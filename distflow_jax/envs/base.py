@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 from distflow_jax.config import user_modules
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.envs import calc
 
 

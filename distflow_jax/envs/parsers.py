@@ -21,7 +21,7 @@ import json
 import re
 from typing import Any
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distflow_jax.config import vision_checks
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.dag.planner import Plan
 from distflow_jax.dag.spec import NodeType, Role
 from distflow_jax.data.fields import BASELINE_REWARDS, BASELINE_TOKENS, FIELDS

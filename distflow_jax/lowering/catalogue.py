@@ -90,7 +90,7 @@ def pass_programs(ctx: RunContext, node, lay, rows: int,
       if gs > 1:
         out.append(Program(node.id, f"prompts_grouped[w={w}]", passes.grouped_check(ctx, gs),
                            (data,)))
-    if cfg.model.get("pack_sequences", False):
+    if cfg.model.pack_sequences:
       pm, rm = ab.full_masks(rows, w, response_width(cfg.rollout))
       shards = lay.num_shards if rows % lay.num_shards == 0 else 1
       plan, _ = packing.plan(pm, rm, cfg.model.pack_len, shards, gs)
@@ -119,7 +119,7 @@ def train_programs(ctx: RunContext, node, lay, rows: int,
                                                lc.kl_coef else ())
     if lc.correction is not OffPolicyCorrection.NONE:  # the loss reads mu too
       extra += (ROLLOUT_LOGPROBS,)
-    if cfg.rollout.get("env", ""):  # episodes: observation tokens are not trained on
+    if cfg.rollout.env:  # episodes: observation tokens are not trained on
       extra += (LOSS_MASK,)
   mb_rows = rows // shape.minis
   out = []
@@ -148,7 +148,7 @@ def train_programs(ctx: RunContext, node, lay, rows: int,
     if shape.budget:
       plan, _, _ = token_budget.plan(pm, rm, shape.budget, cfg.model.pack_len, shards, gs)
       mb["pack"] = ab.replicated(plan, lay.mesh)
-    elif cfg.model.get("pack_sequences", False):
+    elif cfg.model.pack_sequences:
       plan, _ = packing.plan_parts(pm, rm, cfg.model.pack_len, shape.micro, gs, shards, gs)
       mb["pack"] = ab.replicated(plan, lay.mesh)
     out.append(Program(node.id, f"train_step[w={w}]", step.jitted_for(state.params,
@@ -291,7 +291,7 @@ def programs(cfg: ml_collections.ConfigDict, plan: Plan, ctx: RunContext) -> Cat
       if ctx.vision is not None:
         out += vision_programs(ctx, node.id)
         fields += [f for f in IMAGES if f not in fields]
-      if cfg.rollout.get("env", ""):  # multi-turn episodes: their masks and rewards
+      if cfg.rollout.env:  # multi-turn episodes: their masks and rewards
         fields += [f for f in EPISODE if f not in fields]
       out += rollout_programs(ctx, node, step.layout.devices)
       if cfg.trainer.eval_every and cfg.data.eval:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import jax
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.lowering.program import Catalogue, Program
 from distflow_jax.models import attention_choice
 from distflow_jax.models.target import Target, lowering_for

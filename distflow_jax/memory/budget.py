@@ -14,7 +14,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.memory import analytic as an
 from distflow_jax.models import target as target_lib
 

@@ -10,7 +10,7 @@ peak.
 
 from __future__ import annotations
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.memory import analytic as an
 from distflow_jax.memory.budget import Budget, as_budget
 from distflow_jax.memory.consumers import RESIDENT, Estimate

@@ -26,7 +26,7 @@ import ml_collections
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distflow_jax.algos.off_policy import OffPolicyCorrection
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.config.response import response_width, response_width_key
 from distflow_jax.dag.planner import Plan
 from distflow_jax.dag.spec import Role
@@ -53,7 +53,7 @@ def _advice(cfg: ml_collections.ConfigDict, fsdp: int, per_host: int,
   """What to change for each consumer; never a value that is already set (each names
   the setting's current value as "now")."""
   r, a = cfg.rollout, cfg.actor
-  remat = str(cfg.model.get("remat", "none"))
+  remat = str(cfg.model.remat)
   more = (f"shard it over more devices (fsdp={fsdp} now: more hosts with --num_processes, "
           f"or placement.actor.mesh)")
   sgd = str(a.optimizer.name) == "sgd"
@@ -108,9 +108,9 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
 
 
   comp = source == "compiled"
-  master = bool(cfg.model.get("master_weights", False))
-  remat = str(cfg.model.get("remat", "none"))
-  impl = str(cfg.model.get("attention_impl", "auto"))
+  master = bool(cfg.model.master_weights)
+  remat = str(cfg.model.remat)
+  impl = str(cfg.model.attention_impl)
   src = "compiled" if comp else "analytic"
   topo = plan.topology
   meshes = {m.role: m for m in plan.meshes}
@@ -221,7 +221,7 @@ def estimate(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
       micro = max(samples // dp // minis // cfg.actor.micro_batch_size, 1)
       gs = shared_prompt_group(cfg, samples, dp * minis * micro)
       gb = an.grad_bytes(model_cfg, shards)
-      if cfg.model.get("pack_sequences", False):
+      if cfg.model.pack_sequences:
         items.extend(_packed_train_items(cfg, model_cfg, node.id, devs, dp, minis, micro, plen,
                                          nlen, tp, remat, impl, gb, adv, notes))
         continue
@@ -269,8 +269,8 @@ def _packed_train_items(cfg, model_cfg, node_id, devs, dp, minis, micro, plen, n
   """The actor's train step under model.pack_sequences, analytic: a micro-batch is
   ceil(actor.micro_batch_tokens / pack_len) packed rows per device, or (no token budget)
   at most its micro_batch_size samples, each in at most one row."""
-  pack_len = cfg.model.get("pack_len", 0) or plen + nlen - 1
-  budget = cfg.actor.get("micro_batch_tokens", 0)
+  pack_len = cfg.model.pack_len or plen + nlen - 1
+  budget = cfg.actor.micro_batch_tokens
   rows = -(-budget // pack_len) if budget else cfg.actor.micro_batch_size
   what = (f"{rows} packed row(s) of {pack_len} per device (micro_batch_tokens={budget})"
           if budget else f"at most {rows} packed row(s) of {pack_len} per device")

@@ -42,7 +42,7 @@ def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelC
   ``rollout.cpu_compute=float32`` (engine_config.compute_dtype): counted so."""
   topo = plan.topology
   # LoRA: the engine holds the merged base, no adapters (rollout/engine)
-  adapters = (model_cfg.lora is not None and LoraSync(cfg.rollout.get("lora_sync", "merged"))
+  adapters = (model_cfg.lora is not None and LoraSync(cfg.rollout.lora_sync)
               is LoraSync.ADAPTERS)
   aliased = shards == 1 and cfg.rollout.tensor_parallel == 1 and not model_cfg.scan_layers
   engine_dtype = compute_dtype(model_cfg, EngineConfig(

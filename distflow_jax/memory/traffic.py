@@ -74,7 +74,7 @@ def _lora_line(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig, full: flo
   """What a LoRA actor's sync moves a step under its ``rollout.lora_sync`` (whole arrays),
   and whether the base moves once only (``adapters``)."""
   adapters = 4 * an.adapter_params(model_cfg)
-  if LoraSync(cfg.rollout.get("lora_sync", "merged")) is LoraSync.ADAPTERS:
+  if LoraSync(cfg.rollout.lora_sync) is LoraSync.ADAPTERS:
     return (f"weight sync (rollout.lora_sync=adapters): the adapters' {an.fmt(adapters)} a "
             f"step, merged on the rollout devices; the base's {an.fmt(full)} once, on the "
             f"first sync (none where the rollout layout is the training one)"), True

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 
 
 class ModelFileError(ConfigError):

@@ -28,7 +28,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.models import stacking
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.hf_names import hf_name

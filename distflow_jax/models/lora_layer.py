@@ -61,7 +61,7 @@ class LoraSpec:
   @classmethod
   def from_config(cls, section) -> "LoraSpec | None":
     """The spec of a config's ``model.lora`` section (None when off)."""
-    if not section or not section.get("enabled", False):
+    if not section.enabled:
       return None
     return cls(rank=section["rank"], alpha=float(section["alpha"]),
                targets=tuple(section["targets"]), dropout=float(section["dropout"]),

@@ -85,7 +85,7 @@ def pack_plan(ctx: RunContext, node: Node, lay: dlayout.Layout, data: dict, metr
   `group_size` (`prompt_group`'s, rows checked grouped): each group's prompt laid once in
   its row."""
   m = ctx.cfg.model
-  if not m.get("pack_sequences", False):
+  if not m.pack_sequences:
     return None
   pm = packing.host_array(data[PROMPT_MASK])
   rm = packing.host_array(data[RESPONSE_MASK])

@@ -42,7 +42,7 @@ def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Bat
   extra = {} if images is None else {
       "images": vision_lib.prompt_images(ctx.vision.cfg, images[0], plist, images[1])}
   episode_fields: dict = {}
-  if rollout.get("env", ""):  # multi-turn episodes (rollout/episodes.py)
+  if rollout.env:  # multi-turn episodes (rollout/episodes.py)
     ro, episode_fields = _episodes(ctx, rollout, backend, params, prompts, plist,
                                    sample_ids.reshape(-1), ctx.step_rng(node), metrics)
   else:
@@ -86,7 +86,7 @@ def greedy_baseline_node(ctx: RunContext, node: Node, lay: dlayout.Layout,
   ``baseline_tokens`` / ``baseline_mask``; the rule rewards after it score it
   (``baseline_rewards``).  Text, single-turn rollouts only."""
   rollout = ctx.section(node, "rollout")
-  if rollout.get("env", "") or ctx.vision is not None:
+  if rollout.env or ctx.vision is not None:
     raise DagError(f"DAG node {node.id!r} (generate.greedy): the greedy baseline is built "
                    f"for single-turn text rollouts only; unset rollout.env / use a text model")
   backend = ctx.backend(rollout, greedy=True)

@@ -48,7 +48,7 @@ class StepShape:
 def step_shape(ctx: RunContext, role: Role, section, lay: dlayout.Layout, rows: int
                ) -> StepShape:
   minis = section.mini_batches if role is Role.ACTOR else 1
-  budget = section.get("micro_batch_tokens", 0)  # > 0: micro-batches by tokens, M per plan
+  budget = section.micro_batch_tokens  # > 0: micro-batches by tokens, M per plan
   micro = None if budget else max(rows // lay.num_shards // minis // section.micro_batch_size, 1)
   det = ctx.cfg.trainer.deterministic
   parts = rows // section.micro_batch_size if det else lay.num_shards * minis * (micro or 1)
@@ -146,7 +146,7 @@ def _train(role: Role, ctx: RunContext, node: Node, lay: dlayout.Layout,
   if budget:
     plans = [budget_plan(ctx, node, lay, masks if minis == 1 else take(masks, i), metrics,
                          budget, prefix, gs) for i in range(minis)]
-  elif ctx.cfg.model.get("pack_sequences", False):
+  elif ctx.cfg.model.pack_sequences:
     plans = [pack_plan(ctx, node, lay, masks if minis == 1 else take(masks, i), metrics,
                        micro, gs, gs) for i in range(minis)]
   params, opt_state = state.params, state.opt_state

@@ -177,10 +177,5 @@ def heartbeat(log: Callable[[str], None] | None, name: str, every_s: float,
 
 
 def interval(cfg) -> float:
-  """``logging.heartbeat_s`` of a config (the default where a config has none)."""
-  logging_cfg = cfg.get("logging") if hasattr(cfg, "get") else None
-  value = logging_cfg.get("heartbeat_s") if logging_cfg is not None else None
-  return float(DEFAULT_S if value is None else value)
-
-
-DEFAULT_S = 15.0
+  """``logging.heartbeat_s`` of a run config."""
+  return float(cfg.logging.heartbeat_s)

@@ -15,7 +15,7 @@ from typing import Any
 import ml_collections
 
 from distflow_jax import io_errors
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.data.sources import BadRow, field_value, open_source
 
 PROMPT_KEYS = ("prompt", "question", "problem", "query", "instruction", "input")
@@ -130,13 +130,13 @@ def _micro_batch_knobs(cfg: ml_collections.ConfigDict) -> list[str]:
   """The key that sizes each trained role's micro-batches: its token budget when one is set
   (micro_batch_size is then unused), else micro_batch_size; the critic's only when the DAG
   trains it."""
-  fns = {n.get("fn") for n in (cfg.get("dag") or []) if isinstance(n, dict)}
+  fns = {n.get("fn") for n in cfg.dag if isinstance(n, dict)}
   out = []
   for role, fn in (("actor", "train.actor"), ("critic", "train.critic")):
     if role == "critic" and fn not in fns:
       continue
     s = cfg[role]
-    budget = s.get("micro_batch_tokens", 0)
+    budget = s.micro_batch_tokens
     out.append(f"{role}.micro_batch_tokens={budget} (tokens per training micro-batch: "
                f"activations and logits)" if budget else
                f"{role}.micro_batch_size={s.micro_batch_size} (training activations and logits)")

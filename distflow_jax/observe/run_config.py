@@ -30,7 +30,7 @@ from typing import Any
 
 import ml_collections
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 
 CONFIG_FILE = "config.json"
 HISTORY_FILE = "config_history.jsonl"

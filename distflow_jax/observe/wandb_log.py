@@ -25,7 +25,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.observe.run_config import as_plain
 
 MODES = ("", "online", "offline")  # "": wandb's own choice (WANDB_MODE, else online)

@@ -19,7 +19,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.loader import PromptLoader
 from distflow_jax.models import lora

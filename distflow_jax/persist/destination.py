@@ -18,7 +18,7 @@ import fnmatch
 import os
 import tempfile
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 
 # What marks a folder as a run dir (any one of them).
 RUN_MARKERS = ("checkpoints", "metrics.jsonl", "config_history.jsonl", "run.lock")

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.models import lora, sharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import Transformer

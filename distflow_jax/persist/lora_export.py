@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.models import peft_files
 from distflow_jax.persist.checkpoint_contents import CheckpointError
 

@@ -26,7 +26,7 @@ import socket
 import time
 from collections.abc import Callable
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 
 LOCK_FILE = "run.lock"
 

@@ -34,7 +34,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.rollout import driver
 from distflow_jax.rollout.engine_backend import EngineBackend

@@ -158,9 +158,9 @@ class EngineConfig:
                stop_sequences=tuple(map(tuple, stop_sequences)),
                sampling=SamplingParams(temperature=float(rollout.temperature),
                                        top_p=float(rollout.top_p), top_k=int(rollout.top_k)),
-               seed=int(seed), lora_sync=LoraSync(rollout.get("lora_sync", "merged")),
-               fuse_projections=FuseProjections(rollout.get("fuse_projections", "none")),
-               cpu_compute=CpuCompute(rollout.get("cpu_compute", "float32")))
+               seed=int(seed), lora_sync=LoraSync(rollout.lora_sync),
+               fuse_projections=FuseProjections(rollout.fuse_projections),
+               cpu_compute=CpuCompute(rollout.cpu_compute))
 
   @property
   def history(self) -> int:

@@ -81,7 +81,7 @@ def call_stops(rollout: Any, tokenizer) -> tuple[tuple[int, ...], ...]:
   decode loop against each slot's last tokens, ``decode.ends_sequence``), so a turn ends at
   its call inside the decode loop, not at the next chunk's end.  The model may spell the
   tag with other tokens; the host still finds those calls after each chunk."""
-  if not rollout.get("env", ""):
+  if not rollout.env:
     return ()
   ids = tuple(int(i) for i in tokenizer.encode(parsers.tool_parser(rollout.tool_parser).close))
   return (ids,) if ids else ()

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.models import sharding as msharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.rollout import driver, jetstream_adapter

@@ -41,7 +41,7 @@ import ml_collections
 import numpy as np
 
 from distflow_jax.config import async_checks
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.batch import Batch, to_global, to_local
 from distflow_jax.persist import in_flight
@@ -53,7 +53,7 @@ from distflow_jax.data.fields import GROUP_ID, POLICY_VERSION, SAMPLE_ID
 
 
 def max_staleness(cfg: ml_collections.ConfigDict) -> int:
-  return int(cfg.trainer.get("max_staleness", 0))
+  return int(cfg.trainer.max_staleness)
 
 
 class InFlightLoader:

@@ -90,7 +90,7 @@ def start(ctx: RunContext, prompts: Any, programs_at: ProgramsAt | None,
           log: Log | None = None) -> Overlap | None:
   """Starts the background compiles for a first step on ``prompts`` (None: off, no
   ``programs_at`` handed in, or a catalogue that failed, said in one line to ``log``)."""
-  if programs_at is None or not ctx.cfg.trainer.get("compile_overlap", True):
+  if programs_at is None or not ctx.cfg.trainer.compile_overlap:
     return None
   if not any(s.layout.kind is LayoutKind.ROLLOUT for s in ctx.plan.steps):
     return None

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 
 from distflow_jax.config import async_checks
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.data.batch import Batch, to_global
 from distflow_jax.persist import in_flight
 from distflow_jax.persist.checkpoint_contents import CheckpointError

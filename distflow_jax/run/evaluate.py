@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from distflow_jax.config import vision_checks
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.config.response import response_width
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.batch import Batch
@@ -71,7 +71,7 @@ def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1, reward: str = "math
     feats, grids = vision_lib.batch_images(ctx.vision, fields, plist)
     extra["images"] = vision_lib.prompt_images(ctx.vision.cfg, feats, plist, grids)
   m = Metrics()
-  if rollout.get("env", ""):  # episodes: the model's own tokens are scored, not observations
+  if rollout.env:  # episodes: the model's own tokens are scored, not observations
     ep = episodes.run_episodes(backend, params, plist, [f or {} for f in fields], k,
                                env=episodes.EnvSetup.from_config(rollout),
                                tokenizer=ctx.tokenizer, width=response_width(rollout),
@@ -161,7 +161,7 @@ def load_shard(ctx: RunContext, path: str, limit: int = 0
                         use_chat_template=cfg.data.chat_template,
                         on_bad_row=cfg.data.on_bad_row,
                         image_key=vision_checks.run_image_key(cfg),
-                        image_root=cfg.data.get("image_root", ""))
+                        image_root=cfg.data.image_root)
   return list(loader), loader.counts, len(source)
 
 

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from absl import logging as absl_logging
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 
 Kind = Literal["hf", "checkpoint"]
 HOW = ("a Hugging Face folder (config.json + *.safetensors + tokenizer.json), a run directory, "

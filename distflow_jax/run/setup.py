@@ -34,8 +34,8 @@ import ml_collections
 from flax import nnx
 
 from distflow_jax import nodes
-from distflow_jax.config import async_checks, checks, temperature
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config import async_checks, checks, loading, temperature
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.dag import FUNCTIONS
 from distflow_jax.dag.planner import Plan, Topology
 from distflow_jax.dag.spec import Role
@@ -108,8 +108,9 @@ def prepare_run(cfg: ml_collections.ConfigDict, *, roles: RoleSet = "all",
     nodes.bind_builtins()
   if cfg.model.path == vl_warmstart.BUILTIN:
     # The built-in tiny VL model: made and warm-started now (or cached); from here on the
-    # run loads that folder as any Qwen2.5-VL checkpoint.
-    cfg.model.path = vl_warmstart.ensure_model(cfg, log)
+    # run loads that folder as any Qwen2.5-VL checkpoint (the context's config says so; the
+    # caller's is not changed).
+    cfg = loading.with_values(cfg, {"model.path": vl_warmstart.ensure_model(cfg, log)})
   if cfg.model.path:
     # Tokenizer files included: a folder without one fails here, before weights are read.
     hints.check_model_dir(cfg.model.path)

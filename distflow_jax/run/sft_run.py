@@ -33,7 +33,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config import loading
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.batch import Batch
 from distflow_jax.data.fields import GROUP_ID, PROMPT_MASK, PROMPT_TOKENS, SAMPLE_ID
@@ -79,10 +80,9 @@ class Position:
 
 def run_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The config ``checkpoint.open_run`` sees: the sft dir and the sft save policy."""
-  c = ml_collections.ConfigDict(cfg.to_dict())
-  c.run_dir = sft_dir(cfg)
-  c.trainer.save_every, c.trainer.keep = cfg.sft.save_every, cfg.sft.keep
-  return c
+  return loading.with_values(cfg, {"run_dir": sft_dir(cfg),
+                                   "trainer.save_every": cfg.sft.save_every,
+                                   "trainer.keep": cfg.sft.keep})
 
 
 def load_data(cfg: ml_collections.ConfigDict, eval_data: str, log: Callable[[str], None]
@@ -138,6 +138,7 @@ def run(cfg: ml_collections.ConfigDict, *, eval_data: str = "", resume: bool | N
   prepared = setup.prepare_run(cfg, roles="actor",
                                check_inputs=lambda: load_data(cfg, eval_data, log), log=log)
   ctx, (train, held) = prepared.ctx, prepared.inputs
+  cfg = ctx.cfg  # model.path resolved
   state = ctx.roles[Role.ACTOR]
   _, dp = sft.data_parallel(state.mesh)
   if s.batch_size % dp:

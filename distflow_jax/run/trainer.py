@@ -21,7 +21,7 @@ import numpy as np
 
 from distflow_jax import groups
 from distflow_jax.config import vision_checks
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.dag import FUNCTIONS
 from distflow_jax.data.loader import UNK_PROMPTS, PromptLoader
 from distflow_jax.nodes import rollout as rollout_nodes
@@ -108,7 +108,7 @@ def setup(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print
                 pad_id=tokenizer.pad_id, use_chat_template=cfg.data.chat_template,
                 prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
                 on_bad_row=cfg.data.on_bad_row, image_key=vision_checks.run_image_key(cfg),
-                image_root=cfg.data.get("image_root", ""))
+                image_root=cfg.data.image_root)
   train = PromptLoader(train_path, batch_size=cfg.data.prompts_per_step // nproc,
                        seed=cfg.data.shuffle_seed, process_index=rank, process_count=nproc,
                        **common)
@@ -333,7 +333,7 @@ def compile_ahead(cfg: ml_collections.ConfigDict, ctx: RunContext,
   each, the other prompt widths of each function signature first seen in it.  So no later step compiles when
   its prompts fall in a bucket an earlier step did not use, and with the persistent
   cache on a second run loads them all.  A no-op when compile_ahead is off."""
-  choice = warm_shapes.CompileAhead(cfg.trainer.get("compile_ahead", "auto"))
+  choice = warm_shapes.CompileAhead(cfg.trainer.compile_ahead)
   if not choice.on(compile_cache.active()):
     return lambda first: None
   widths = set(rollout_nodes.prompt_widths(cfg.rollout.prefill_buckets, cfg.data.max_prompt_len))

@@ -120,11 +120,11 @@ class RunContext:
   def backend(self, rollout: ml_collections.ConfigDict, greedy: bool = False,
               devices: list[jax.Device] | None = None) -> RolloutBackend:
     """This host's rollout replica for these rollout settings (built once), of the kind
-    ``rollout.backend`` names (rollout/backend.py; a config without the key: "engine")."""
+    ``rollout.backend`` names (rollout/backend.py)."""
     # With rollout.env, a tool call's closing tag (one token or several) ends a turn too.
     conf = engine_config(self.cfg, rollout, tuple(self.tokenizer.eos_ids), greedy,
                          episodes.call_stops(rollout, self.tokenizer))
-    name = rollout.get("backend", "engine")
+    name = rollout.backend
     make = backend_factory(name)  # refuses an unknown name, listing the valid ones
     key = (name, conf, rollout.tensor_parallel)
     if key not in self._backends:
@@ -197,7 +197,7 @@ def engine_config(cfg: ml_collections.ConfigDict, rollout: ml_collections.Config
                                   stop_sequences=stop_sequences)
   return dataclasses.replace(
       conf, fixed_shapes=cfg.trainer.deterministic,
-      episode_tokens=response_width(rollout) if rollout.get("env", "") else 0,
+      episode_tokens=response_width(rollout) if rollout.env else 0,
       sampling=SamplingParams(temperature=0.0) if greedy else conf.sampling)
 
 

@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.dag.planner import Plan, RoleMesh, Topology
 from distflow_jax.dag.spec import NodeType, Role
 from distflow_jax.models import (attention_choice, config as model_configs, hf_io, lora, peft_files,
@@ -113,11 +113,11 @@ def levers(cfg: ml_collections.ConfigDict, model_cfg: ModelConfig) -> ModelConfi
   """``model_cfg`` with the config's memory and compile levers (model.scan_layers, remat,
   attention_impl, attention_block): how the model runs, not what it computes."""
   m = cfg.model
-  out = model_cfg.replace(scan_layers=bool(m.get("scan_layers", False)),
-                          remat=m.get("remat", "none"),
-                          attention_impl=m.get("attention_impl", "auto"),
-                          attention_block=m.get("attention_block", 512),
-                          lora=LoraSpec.from_config(m.get("lora")))
+  out = model_cfg.replace(scan_layers=bool(m.scan_layers),
+                          remat=m.remat,
+                          attention_impl=m.attention_impl,
+                          attention_block=m.attention_block,
+                          lora=LoraSpec.from_config(m.lora))
   if out.lora is not None:
     lora.check(out.lora, out)  # the targets and rank against this model's layers
   if out.attention_impl == "cudnn":  # refused here, not at the first step's compile
@@ -152,7 +152,7 @@ def start_adapters(cfg: ml_collections.ConfigDict, actor: nnx.Module) -> None:
   """``model.lora.path``: the adapters a run starts from (a PEFT LoRA folder), set in place.
   Its r / lora_alpha must be model.lora.rank / alpha and it must adapt exactly the modules
   model.lora.targets names, at this model's shapes; otherwise one line naming the file."""
-  path = cfg.model.lora.get("path", "")
+  path = cfg.model.lora.path
   if not (cfg.model.lora.enabled and path):
     return
   where = f"model.lora.path={path!r}"
@@ -180,8 +180,8 @@ def start_adapters(cfg: ml_collections.ConfigDict, actor: nnx.Module) -> None:
 def _check_base(cfg: ml_collections.ConfigDict, path: str, base: str | None) -> None:
   """An adapter trained on another base of the same shapes (an instruct model's adapter on
   its base model, say) is refused where both name a model and the names differ."""
-  model = cfg.model.get("path", "")
-  if not (base and model and cfg.model.lora.get("base_check", True)):
+  model = cfg.model.path
+  if not (base and model and cfg.model.lora.base_check):
     return
   if peft_files.model_name(base) != peft_files.model_name(model):
     raise ConfigError(f"model.lora.path={path!r}: {os.path.join(path, peft_files.CONFIG)} was "
@@ -225,7 +225,7 @@ def optimizer(cfg: ml_collections.ConfigDict, section: ml_collections.ConfigDict
     section = dict(section, grad_clip=0.0)
   tx = optim.from_config(section, total_steps)
   adapters = cfg.model.lora.enabled  # float32 already: no master copy
-  if cfg.model.get("master_weights", False) and cfg.model.dtype != "float32" and not adapters:
+  if cfg.model.master_weights and cfg.model.dtype != "float32" and not adapters:
     tx = optim.with_master_weights(tx)  # float32 master params + moments for 16-bit params
   return tx
 

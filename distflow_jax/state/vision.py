@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from distflow_jax.config import vision_checks
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.data.fields import IMAGE_EMBEDS, IMAGE_SLOTS, ROPE_POSITIONS
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.vision import VisionTower, vision_layout

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.data.loader import OnBadRow
 from distflow_jax.data.rows import parse_row
 from distflow_jax.data.sources import BadRow, open_source

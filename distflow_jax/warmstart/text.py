@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.dag.planner import Plan
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.fields import PROMPT_MASK, PROMPT_TOKENS, RESPONSE_MASK, RESPONSE_TOKENS

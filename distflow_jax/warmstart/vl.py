@@ -31,7 +31,7 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from distflow_jax.config.loading import ConfigError
+from distflow_jax.config.errors import ConfigError
 from distflow_jax.data import images as im
 from distflow_jax.data.rows import parse_row
 from distflow_jax.models.config import ModelConfig
