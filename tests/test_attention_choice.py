@@ -17,6 +17,7 @@ from flax import nnx
 from distflow_jax.models import ModelConfig, Transformer, attention, attention_choice as ac
 from distflow_jax.models import target as target_lib
 from distflow_jax.train import steps
+from loss_settings import actor_loss_settings
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -113,7 +114,7 @@ def _train_step_lowered(p: int, n: int, tgt) -> str:
            "response_tokens": ((rows, n), jnp.int32), "response_mask": ((rows, n), jnp.bool_),
            "old_logprobs": ((rows, n), jnp.float32), "advantages": ((rows, n), jnp.float32)}
   batch = {k: jax.ShapeDtypeStruct(*v) for k, v in batch.items()}
-  loss_cfg = steps.ActorLoss()
+  loss_cfg = actor_loss_settings()
   step = steps.make_train_step(lambda g, pp, mb: steps.actor_loss(g, pp, mb, loss_cfg, 512),
                                graphdef, tx, 1, loss_cfg.loss_agg)
   with target_lib.lowering_for(tgt), ac.recording() as seen:

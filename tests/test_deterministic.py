@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distflow_jax.models import sharding
 from distflow_jax.train import deterministic, placement, steps
+from loss_settings import actor_loss_settings
 from test_train_steps import CFG, make_batch, model_and_params, with_old_logprobs
 
 B = 8
@@ -26,7 +27,7 @@ def _place(graphdef, params, batch, d):
 def _run(d, *, steps_n=2, agg="token-mean", clip=1.0, unit_rows=1, lr=0.5):
   graphdef, params = model_and_params()
   batch = with_old_logprobs(graphdef, params, make_batch())
-  loss_cfg = steps.ActorLoss(loss_agg=agg, kl_coef=0.1)
+  loss_cfg = actor_loss_settings(loss_agg=agg, kl_coef=0.1)
   loss_fn = lambda g, p, mb: steps.actor_loss(g, p, mb, loss_cfg, 512)  # noqa: E731
   tx = optax.adamw(lr)
   p, b, bmesh = _place(graphdef, params, batch, d)
@@ -62,7 +63,7 @@ def test_deterministic_step_agrees_with_the_default_step():
   """Same maths as the default step, only the order of the sums differs."""
   graphdef, params = model_and_params()
   batch = with_old_logprobs(graphdef, params, make_batch())
-  loss_cfg = steps.ActorLoss(kl_coef=0.1)
+  loss_cfg = actor_loss_settings(kl_coef=0.1)
   loss_fn = lambda g, p, mb: steps.actor_loss(g, p, mb, loss_cfg, 512)  # noqa: E731
   p, b, bmesh = _place(graphdef, params, batch, 4)
   tx = optax.sgd(1.0)
@@ -105,7 +106,7 @@ def test_infinite_learning_rate_is_a_skipped_step_not_nan_weights():
   """A finite gradient times lr=inf is not finite: the step is refused (issue 16)."""
   graphdef, params = model_and_params()
   batch = with_old_logprobs(graphdef, params, make_batch())
-  loss_cfg = steps.ActorLoss()
+  loss_cfg = actor_loss_settings()
   loss_fn = lambda g, p, mb: steps.actor_loss(g, p, mb, loss_cfg, 512)  # noqa: E731
   for lr in (float("inf"), float("nan")):
     tx = optax.sgd(lr)

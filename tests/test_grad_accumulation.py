@@ -14,6 +14,7 @@ from flax import nnx
 
 from distflow_jax.models import Transformer
 from distflow_jax.train import optim, steps
+from loss_settings import actor_loss_settings
 from test_train_steps import CFG, make_batch
 
 M = 8
@@ -41,7 +42,7 @@ def _setup():
   batch = make_batch(1)
   lp, _ = jax.jit(steps.response_logprobs, static_argnums=0)(graphdef, params, batch)
   batch = {**batch, "old_logprobs": np.asarray(lp) - 0.05}  # ratios off 1: unclipped terms
-  loss_cfg = steps.ActorLoss()
+  loss_cfg = actor_loss_settings()
   loss_fn = lambda g, p, mb: steps.actor_loss(g, p, mb, loss_cfg, 512)  # noqa: E731
   return graphdef, params, batch, loss_fn
 

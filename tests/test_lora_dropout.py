@@ -23,6 +23,7 @@ from distflow_jax.models.lora_layer import LoraSpec
 from distflow_jax.nodes import training
 from distflow_jax.state.context import RunContext
 from distflow_jax.train import deterministic, placement, steps
+from loss_settings import actor_loss_settings
 from test_bad_inputs_corpus import run
 from test_lora import ALL, cfg, randomize_b
 from test_train_steps import make_batch
@@ -53,7 +54,7 @@ def _batch(graphdef, params):
 
 
 def _loss(g, p, mb):
-  return steps.actor_loss(g, p, mb, steps.ActorLoss(kl_coef=0.1), 512)
+  return steps.actor_loss(g, p, mb, actor_loss_settings(kl_coef=0.1), 512)
 
 
 def _key(*fold) -> jax.Array:

@@ -23,6 +23,7 @@ from distflow_jax.rollout.engine import Engine
 from distflow_jax.rollout.engine_config import EngineConfig, LoraSync, replica_mesh
 from distflow_jax.rollout.lora_sync import BaseChanged
 from distflow_jax.train import placement, steps
+from loss_settings import actor_loss_settings
 from test_train_steps import CFG, make_batch, with_old_logprobs
 
 pytestmark = pytest.mark.timeout(300)
@@ -70,7 +71,7 @@ def test_adapters_route_matches_the_merged_route_over_train_steps(where, scan):
   engines = {r: _engine(r, tp, scan) for r in LoraSync}
   tx = optax.adam(1e-2)
   step = steps.make_train_step(
-      lambda g, p, mb: steps.actor_loss(g, p, mb, steps.ActorLoss(kl_coef=0.1), 512),
+      lambda g, p, mb: steps.actor_loss(g, p, mb, actor_loss_settings(kl_coef=0.1), 512),
       graphdef, tx, 2, "token-mean")
   opt = placement.init_opt_state(tx, params)
   rows = NamedSharding(sharding.make_mesh({"data": train_devices},

@@ -17,6 +17,7 @@ from distflow_jax.models import lora, sharding
 from distflow_jax.models.lora_layer import LoraSpec
 from distflow_jax.models.transformer import Transformer
 from distflow_jax.train import placement, steps
+from loss_settings import actor_loss_settings
 from test_train_steps import CFG, make_batch, with_old_logprobs
 
 pytestmark = pytest.mark.timeout(300)
@@ -75,7 +76,7 @@ def test_adapters_shard_like_their_base_and_a_step_keeps_them(placement_name, sc
 
   batch = with_old_logprobs(graphdef, params, make_batch())
   batch = jax.device_put(batch, NamedSharding(sharding.make_mesh({"data": 8}), P("data")))
-  loss_cfg = steps.ActorLoss(kl_coef=0.1)
+  loss_cfg = actor_loss_settings(kl_coef=0.1)
   tx = optax.adam(1e-2)
   step = steps.make_train_step(lambda g, p, mb: steps.actor_loss(g, p, mb, loss_cfg, 512),
                                graphdef, tx, 2, "token-mean")

@@ -10,6 +10,7 @@ import pytest
 
 from distflow_jax.algos import advantages as adv_lib
 from distflow_jax.train import steps
+from loss_settings import actor_loss_settings
 from distflow_jax.train.loss_mask import loss_mask
 from test_train_steps import B, N, make_batch, model_and_params, with_old_logprobs
 
@@ -29,7 +30,7 @@ def episode_batch(seed=0):
 
 
 def _step(graphdef, params, batch, agg="token-mean"):
-  cfg = steps.ActorLoss(loss_agg=agg, kl_coef=0.5, entropy_coef=0.01)
+  cfg = actor_loss_settings(loss_agg=agg, kl_coef=0.5, entropy_coef=0.01)
   loss_fn = lambda g, p, mb: steps.actor_loss(g, p, mb, cfg, 512)  # noqa: E731
   tx = optax.sgd(1.0)
   p = jax.tree.map(jnp.copy, params)

@@ -12,6 +12,7 @@ import pytest
 from distflow_jax.algos import losses, off_policy
 from distflow_jax.algos.off_policy import OffPolicyCorrection as OPC
 from distflow_jax.train import steps
+from loss_settings import actor_loss_settings
 from test_train_steps import make_batch, model_and_params, with_old_logprobs
 from test_algorithm_configs import shared_compiles  # noqa: F401 (a fixture)
 
@@ -140,7 +141,7 @@ def test_none_is_today_s_loss_bitwise_whatever_mu_is():
   bit for bit, even with a rollout_logprobs far from the old log-probs in the batch."""
   batch = _batch_with_mu(1.0)
   graphdef, params = model_and_params()
-  cfg = steps.ActorLoss(kl_coef=0.1)
+  cfg = actor_loss_settings(kl_coef=0.1)
 
   def today(p):  # losses.actor_loss as train/steps.py called it before the correction
     logp, ent = steps.response_logprobs(graphdef, p, batch, chunk_size=512)
@@ -155,12 +156,12 @@ def test_none_is_today_s_loss_bitwise_whatever_mu_is():
 
 def test_tis_with_every_weight_below_the_cap_is_none_s_gradient():
   batch = _batch_with_mu(0.0)  # identical log-probs: every weight is exp(0) = 1 < C
-  none = _step_grads(steps.ActorLoss(), batch)
-  _equal(_step_grads(steps.ActorLoss(off_policy="tis", tis_cap=2.0), batch), none)
+  none = _step_grads(actor_loss_settings(), batch)
+  _equal(_step_grads(actor_loss_settings(off_policy="tis", tis_cap=2.0), batch), none)
   # ... and a real mismatch changes it (the weights are applied).
   moved = _batch_with_mu(0.5)
-  _, g = _step_grads(steps.ActorLoss(off_policy="tis", tis_cap=2.0), moved)
-  _, g0 = _step_grads(steps.ActorLoss(), moved)
+  _, g = _step_grads(actor_loss_settings(off_policy="tis", tis_cap=2.0), moved)
+  _, g0 = _step_grads(actor_loss_settings(), moved)
   assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)))
 
 
@@ -169,7 +170,7 @@ def test_train_step_micro_batches_give_the_full_batch_update(correction):
   """The weights are per token, so the corrected loss accumulates exactly over micro-batches."""
   graphdef, params = model_and_params()
   batch = _batch_with_mu(1.0)
-  cfg = steps.ActorLoss(off_policy=correction, tis_cap=1.5)
+  cfg = actor_loss_settings(off_policy=correction, tis_cap=1.5)
   loss_fn = lambda g, p, mb: steps.actor_loss(g, p, mb, cfg, 512)  # noqa: E731
   tx = optax.sgd(1.0)
   out = []

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distflow_jax.models import ModelConfig, Transformer, heads, sharding
 from distflow_jax.train import micro_batches, packing, placement, steps
+from loss_settings import actor_loss_settings
 
 CFG = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True)
@@ -123,7 +124,7 @@ def test_packed_values_match_padded():
 
 
 def _actor_loss_fn():
-  loss_cfg = steps.ActorLoss(kl_coef=0.1, entropy_coef=0.01)
+  loss_cfg = actor_loss_settings(kl_coef=0.1, entropy_coef=0.01)
   return lambda g, p, mb: steps.actor_loss(g, p, mb, loss_cfg, 512)  # noqa: E731
 
 

@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distflow_jax.models import ModelConfig, Transformer, heads, segments, sharding
 from distflow_jax.train import packing, placement, steps, token_budget
+from loss_settings import actor_loss_settings
 
 CFG = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True)
@@ -155,7 +156,7 @@ def test_packed_shared_values_match_padded():
 
 
 def _loss_fn(gs=GS):
-  cfg = steps.ActorLoss(kl_coef=0.1, entropy_coef=0.01, group_size=gs)
+  cfg = actor_loss_settings(kl_coef=0.1, entropy_coef=0.01, group_size=gs)
   return lambda g, p, mb: steps.actor_loss(g, p, mb, cfg, 512)  # noqa: E731
 
 

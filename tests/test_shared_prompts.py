@@ -10,6 +10,7 @@ from flax import nnx
 from distflow_jax.models import ModelConfig, Transformer
 from distflow_jax.models.transformer import forward, positions_from_mask
 from distflow_jax.train import hidden, micro_batches, steps
+from loss_settings import actor_loss_settings
 
 CFG = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True)
@@ -111,7 +112,7 @@ def test_train_step_refuses_an_ungrouped_batch(model):
   lp, _ = _logprobs(graphdef, params, batch)
   batch = {**batch, "old_logprobs": np.asarray(lp), "ref_logprobs": np.asarray(lp)}
   batch["prompt_tokens"] = np.roll(batch["prompt_tokens"], 1, axis=0)
-  cfg = steps.ActorLoss(group_size=NS)
+  cfg = actor_loss_settings(group_size=NS)
   tx = optax.sgd(1.0)
   step = steps.make_train_step(lambda g, p, mb: steps.actor_loss(g, p, mb, cfg, 512),
                                graphdef, tx, 1, "token-mean", NS)
@@ -148,7 +149,7 @@ def test_shared_train_step_gives_the_plain_update(model, micro):
   tx = optax.sgd(1.0)
   out = []
   for gs in (1, NS):
-    cfg = steps.ActorLoss(kl_coef=0.1, group_size=gs)
+    cfg = actor_loss_settings(kl_coef=0.1, group_size=gs)
     step = steps.make_train_step(lambda g, p, mb, c=cfg: steps.actor_loss(g, p, mb, c, 512),
                                  graphdef, tx, micro, "token-mean", gs)
     p = jax.tree.map(jnp.copy, params)

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distflow_jax.models import heads, sharding
 from distflow_jax.train import packing, placement, steps, token_budget
+from loss_settings import actor_loss_settings
 from test_packing import CFG, N, _old, make_batch, model
 
 PACK_LEN = 16
@@ -112,7 +113,7 @@ def _step(graphdef, params, batch, m, agg="token-mean", critic=False, ratio_leve
   if critic:
     fn = lambda g, p, mb: steps.critic_loss(g, p, mb, 0.2)  # noqa: E731
   else:
-    cfg = steps.ActorLoss(kl_coef=0.1, entropy_coef=0.01, loss_agg=agg, norm_length=float(N),
+    cfg = actor_loss_settings(kl_coef=0.1, entropy_coef=0.01, loss_agg=agg, norm_length=float(N),
                           ratio_level=ratio_level)
     fn = lambda g, p, mb: steps.actor_loss(g, p, mb, cfg, 512)  # noqa: E731
   step = steps.make_train_step(fn, graphdef, tx, m, agg)

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from distflow_jax.models import ModelConfig, Transformer
 from distflow_jax.models import heads, sharding
 from distflow_jax.train import hidden, steps
+from loss_settings import actor_loss_settings
 
 # Small enough to compile fast; Qwen2-shaped (QKV bias, GQA).
 CFG = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128,
@@ -70,7 +71,7 @@ def test_response_logprobs_match_full_forward():
 def test_micro_batches_give_the_full_batch_update(agg):
   graphdef, params = model_and_params()
   batch = with_old_logprobs(graphdef, params, make_batch())
-  loss_cfg = steps.ActorLoss(loss_agg=agg, kl_coef=0.1)
+  loss_cfg = actor_loss_settings(loss_agg=agg, kl_coef=0.1)
   loss_fn = lambda g, p, mb: steps.actor_loss(g, p, mb, loss_cfg, 512)  # noqa: E731
   tx = optax.sgd(1.0)
   results = []
@@ -91,7 +92,7 @@ def test_nan_step_is_skipped_and_params_unchanged():
   batch = with_old_logprobs(graphdef, params, make_batch())
   batch["advantages"] = batch["advantages"].copy()
   batch["advantages"][0, 0] = np.nan  # a real token (every response has >= 1)
-  loss_cfg = steps.ActorLoss()
+  loss_cfg = actor_loss_settings()
   tx = optax.sgd(0.5)  # test_sharded_fsdp_step_equals_unsharded's step: one compile for both
   step = steps.make_train_step(lambda g, p, mb: steps.actor_loss(g, p, mb, loss_cfg, 512),
                                graphdef, tx, 2, "token-mean")
@@ -108,7 +109,7 @@ def test_policy_improves_and_compiles_once():
   graphdef, params = model_and_params()
   batch = make_batch()
   batch["advantages"] = batch["response_mask"].astype(np.float32)  # reinforce everything
-  loss_cfg = steps.ActorLoss(clip_ratio_low=10.0 / 11, clip_ratio_high=10.0)
+  loss_cfg = actor_loss_settings(clip_ratio_low=10.0 / 11, clip_ratio_high=10.0)
   tx = optax.adam(3e-3)
   step = steps.make_train_step(lambda g, p, mb: steps.actor_loss(g, p, mb, loss_cfg, 512),
                                graphdef, tx, 2, "token-mean")
@@ -145,7 +146,7 @@ def test_critic_step_reduces_value_error():
 def test_sharded_fsdp_step_equals_unsharded():
   graphdef, params = model_and_params()
   batch = with_old_logprobs(graphdef, params, make_batch())
-  loss_cfg = steps.ActorLoss()
+  loss_cfg = actor_loss_settings()
   tx = optax.sgd(0.5)
   fn = lambda g, p, mb: steps.actor_loss(g, p, mb, loss_cfg, 512)  # noqa: E731
   ref_p, _, _ = steps.make_train_step(fn, graphdef, tx, 2, "token-mean")(

@@ -145,8 +145,10 @@ def actor_step(graphdef, tx, num_micro: int = 1, group_size: int = 1):
   """The ``train_actor`` node's step: ``train/steps.make_train_step`` on the GRPO actor loss
   (clipped ratio + k3 KL to the reference, coef 0.001), ``num_micro`` micro-batches
   accumulated in one jitted scan, each group of ``group_size`` rows' prompt run once."""
+  from distflow_jax.config import defaults
   from distflow_jax.train import steps
-  loss_cfg = steps.ActorLoss(kl_coef=0.001, group_size=group_size)
+  loss_cfg = dataclasses.replace(steps.ActorLoss.from_config(defaults.base().actor),
+                                 kl_coef=0.001, group_size=group_size)
   loss = lambda g, p, mb: steps.actor_loss(g, p, mb, loss_cfg, 512)  # noqa: E731
   return steps.make_train_step(loss, graphdef, tx, num_micro, loss_cfg.loss_agg, group_size)
 

@@ -57,6 +57,7 @@ def train_step_memory(length: int, attention_impl: str, block: int = 512,
   import optax
   from flax import nnx
 
+  from distflow_jax.config import defaults
   from distflow_jax.models.config import preset
   from distflow_jax.models.transformer import Transformer
   from distflow_jax.train import steps as steps_lib
@@ -68,7 +69,7 @@ def train_step_memory(length: int, attention_impl: str, block: int = 512,
   graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
   tx = optax.adamw(1e-4)
   opt_state = tx.init(params)
-  loss_cfg = steps_lib.ActorLoss()
+  loss_cfg = steps_lib.ActorLoss.from_config(defaults.base().actor)
   step = steps_lib.make_train_step(
       lambda g, p, mb: steps_lib.actor_loss(g, p, mb, loss_cfg, 512), graphdef, tx, 1,
       loss_cfg.loss_agg)

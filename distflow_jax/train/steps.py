@@ -96,25 +96,27 @@ def sequence_scores(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch) -> 
 
 @dataclasses.dataclass(frozen=True)
 class ActorLoss:
-  """The actor objective's settings (the keys of config.actor that the loss reads)."""
-  clip_ratio_low: float = 0.2
-  clip_ratio_high: float = 0.2
-  dual_clip: float = 0.0
-  ratio_level: str = "token"
-  policy_loss: str = "ppo"           # by name: algos/policy_losses.py
-  loss_args: tuple[tuple[str, float], ...] = ()  # actor.loss_args, sorted (hashable)
-  loss_agg: str = "token-mean"
-  entropy_coef: float = 0.0
-  kl_coef: float = 0.0
-  kl_estimator: str = "k3"
-  k3_cap: float = 10.0               # actor.kl.k3_cap (algos/kl.py; 0 = none)
-  kl_in_loss: bool = True
+  """The actor objective's settings: the keys of config.actor the loss reads (their defaults
+  are the config's, declared once in config/sections.py; ``from_config`` reads them), and
+  what the step adds."""
+  clip_ratio_low: float
+  clip_ratio_high: float
+  dual_clip: float
+  ratio_level: str
+  policy_loss: str                   # by name: algos/policy_losses.py
+  loss_args: tuple[tuple[str, float], ...]  # actor.loss_args, sorted (hashable)
+  loss_agg: str
+  entropy_coef: float
+  kl_coef: float
+  kl_estimator: str
+  k3_cap: float                      # actor.kl.k3_cap (algos/kl.py; 0 = none)
+  kl_in_loss: bool
+  off_policy: str                    # correction (algos/off_policy.py); else reads
+  tis_cap: float                     # the batch's 'rollout_logprobs'
+  reject_low: float                  # actor.off_policy.reject_low / _high: the rejection
+  reject_high: float                 # corrections' bounds on pi_old / mu
   norm_length: float | None = None  # for seq-mean-token-sum-norm (Dr.GRPO)
   group_size: int = 1                # rows per shared prompt (train/hidden.py)
-  off_policy: str = "none"           # correction (algos/off_policy.py); else reads
-  tis_cap: float = 2.0               # the batch's 'rollout_logprobs'
-  reject_low: float = 0.5            # actor.off_policy.reject_low / _high: the rejection
-  reject_high: float = 2.0           # corrections' bounds on pi_old / mu
   temperature: float = 1.0           # the rollout's: log-probs of softmax(logits / T)
 
   @classmethod
