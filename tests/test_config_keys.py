@@ -11,7 +11,8 @@ import pytest
 
 from distflow_jax.config import declare, defaults, loading, schema, values
 from distflow_jax.config.run_sections import Config
-from distflow_jax.config.validators import InRange, Option, Positive
+from distflow_jax.config.validators import (Dataset, Flag, Float32, Folder, Increasing, InRange,
+                                            LearningRate, OffOrAbove, Option, Positive, Whole)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,10 +46,15 @@ def test_config_keys_lists_every_key_core_first(capsys):
 
 
 def _bad_value(check, value):
-  """A value of ``value``'s type that ``check`` refuses."""
-  if isinstance(check, Option):
-    return "no-such-option"
-  if isinstance(check, Positive):
+  """A value of ``value``'s type that ``check`` refuses (None: the config's type lock already
+  refuses every wrong value: a non-bool flag, a non-string folder)."""
+  if isinstance(check, (Flag, Folder)):
+    return None
+  bad = {Option: "no-such-option", Dataset: "builtin:no_such_task", Increasing: (64, 32),
+         Float32: 1e39, OffOrAbove: 0.5, LearningRate: 2.0}.get(type(check))
+  if bad is not None:
+    return bad
+  if isinstance(check, (Positive, Whole)):
     bad = -1 if check.allow_zero else 0
   elif isinstance(check, InRange):
     bad = (check.lo - 1 if check.lo is not None else check.hi + 1 if check.hi is not None
@@ -60,16 +66,41 @@ def _bad_value(check, value):
 
 def test_each_declared_check_refuses_through_check_values():
   checked = [e for e in _leaves() if e.info.check is not None]
-  assert len(checked) > 60
+  assert len(checked) > 70
   for e in checked:
     cfg = defaults.base()
     *parents, leaf = e.key.split(".")
     node = cfg
     for p in parents:
       node = node[p]
-    node[leaf] = _bad_value(e.info.check, node[leaf])
+    bad = _bad_value(e.info.check, node[leaf])
+    if bad is None:
+      continue
+    node[leaf] = bad
     with pytest.raises(loading.ConfigError, match=rf"^{e.key}="):
       values.check_values(cfg)
+
+
+def test_the_type_checks_refuse_what_a_type_lock_would_let_through():
+  for check, bad in ((Flag(), 1), (Folder("x"), 3), (Whole(), True), (Whole(True), 2.5)):
+    with pytest.raises(loading.ConfigError, match=r"^k="):
+      check(bad, "k")
+    assert str(check)
+
+
+def test_spanning_rules_refuse_with_their_line():
+  cases = {("rollout.prefill_buckets", "data.max_prompt_len"): {"rollout.prefill_buckets": (16,)},
+           ("model.pack_sequences", "trainer.deterministic"): {
+               "model.pack_sequences": True, "trainer.deterministic": True},
+           ("critic.warmup_steps", "trainer.total_steps"): {"critic.warmup_steps": 30},
+           ("sft.warmup_steps", "sft.steps"): {"sft.warmup_steps": 300}}
+  rows = {r.keys: r for r in values.SPANNING}
+  for keys, change in cases.items():
+    cfg = loading.with_values(defaults.base(), change)
+    assert rows[keys].refuses(cfg)
+    with pytest.raises(loading.ConfigError, match=rf"^{keys[0]}"):
+      values.check_values(cfg)
+  assert not any(r.refuses(defaults.base()) for r in values.SPANNING)
 
 
 def test_the_typed_view_is_frozen_and_holds_the_declared_types():

@@ -47,7 +47,7 @@ def test_math_verify_missing_is_refused_in_one_line(monkeypatch):
   cfg = defaults.base()
   cfg.reward.match = "math_verify"
   with pytest.raises(loading.ConfigError) as e:
-    values._check_reward(cfg.reward)  # pylint: disable=protected-access
+    values.check_values(cfg)
   msg = str(e.value)
   assert "\n" not in msg and "pip install 'distflow-jax[math]'" in msg
   assert msg.startswith("reward.match='math_verify' needs the math-verify package")

@@ -10,7 +10,7 @@ import dataclasses
 from distflow_jax.config.declare import key, open_key, section
 from distflow_jax.config.sections import (Actor, Algo, Cluster, Critic, Data, Model,
                                           Reference, Reward, Rollout, compile_cache_dir)
-from distflow_jax.config.validators import InRange, Option, Positive
+from distflow_jax.config.validators import Folder, InRange, LearningRate, Option, Positive, Whole
 
 frozen = dataclasses.dataclass(frozen=True)
 P = Positive()
@@ -73,7 +73,8 @@ class Trainer:
                         check=Positive(allow_zero=True, note=" (0 = no evaluation)"))
   eval_reward: str = key("math", "the evaluation's verifier: math | math_lenient | any "
                          "registered reward", core=True)
-  log_samples: int = key(4, "held-out samples logged per evaluation (samples.jsonl); 0 = off")
+  log_samples: int = key(4, "held-out samples logged per evaluation (samples.jsonl)",
+                         check=Whole(True, " (0 = no samples)"))
   save_every: int = key(10, "checkpoint every K steps and at the end", core=True,
                         check=Positive(allow_zero=True,
                                        note=" (0 = a checkpoint only at the end)"))
@@ -86,8 +87,8 @@ class Trainer:
                            check=Positive(allow_zero=True, note=" (0 = the synchronous loop)"))
   health: Health = section(Health, "training-health warnings (observe/health.py)")
   stop_on_collapse: bool = key(False, "stop on a collapse signal, naming the last checkpoint")
-  compile_cache_dir: str = key(compile_cache_dir(), "JAX's persistent compilation cache; '' = "
-                               "off", core=True)
+  compile_cache_dir: str = key(compile_cache_dir(), "JAX's persistent compilation cache",
+                               core=True, check=Folder("no compile cache"))
   compile_ahead: str = key("auto", "compile every shape a run can meet up front: auto (with "
                            "the cache) | always | never", check=Option("compile_ahead"))
   compile_overlap: bool = key(True, "compile the first step's training programs while its "
@@ -113,7 +114,7 @@ class Logging:
 @frozen
 class Sft:
   steps: int = key(200, "`distflow-jax sft` steps", check=P)
-  lr: float = key(1e-4, "the peak learning rate")
+  lr: float = key(1e-4, "the peak learning rate", check=LearningRate())
   batch_size: int = key(16, "global rows per step", check=P)
   warmup_steps: int = key(20, "linear warm-up to lr, then cosine decay",
                           check=Positive(allow_zero=True, note=" (0 = no warm-up)"))

@@ -12,7 +12,8 @@ import dataclasses
 from importlib import metadata
 
 from distflow_jax.config.declare import key, section
-from distflow_jax.config.validators import InRange, Option, Positive
+from distflow_jax.config.validators import (Dataset, Flag, Float32, Folder, Increasing, InRange,
+                                            LearningRate, OffOrAbove, Option, Positive, Whole)
 
 frozen = dataclasses.dataclass(frozen=True)
 P, P0 = Positive(), Positive(allow_zero=True)
@@ -40,7 +41,7 @@ class Cluster:
 class Warmstart:
   steps: int = key(300, "supervised warm-start steps of the built-in model (cached in run_dir)",
                    check=P0)
-  lr: float = key(1e-3, "the warm start's learning rate")
+  lr: float = key(1e-3, "the warm start's learning rate", check=LearningRate())
   batch_size: int = key(64, "the warm start's rows per step", check=P)
   examples: int = key(8000, "the warm start's demonstrations", check=P)
   plain_answer_prob: float = key(
@@ -84,16 +85,17 @@ class Model:
   train_vision: bool = key(False, "vision-language runs: train the vision tower too (not built "
                            "yet: refused)")
   scan_layers: bool = key(True, "parameters stacked on a layer axis, layers under lax.scan "
-                          "(compile time flat in depth)")
+                          "(compile time flat in depth)", check=Flag())
   remat: str = key("none", "recompute each layer in the backward pass: none | full | "
                    "dots_saveable", check=Option("remat"))
   attention_impl: str = key("auto", "multi-token attention: auto | xla | cudnn | einsum | "
                             "blockwise", check=Option("attention_impl"))
-  attention_block: int = key(512, "blockwise attention's query and key block, in tokens")
+  attention_block: int = key(512, "blockwise attention's query and key block, in tokens",
+                             check=Whole(what=" (tokens: blockwise attention's block)"))
   master_weights: bool = key(True, "with a 16-bit dtype, trained roles keep float32 master "
-                             "parameters and moments")
+                             "parameters and moments", check=Flag())
   pack_sequences: bool = key(False, "padding-free passes: real tokens packed into rows with "
-                             "segment ids (docs/long_context.md)")
+                             "segment ids (docs/long_context.md)", check=Flag())
   pack_len: int = key(0, "packed row length; 0 = the padded row's length", check=P0)
   lora: Lora = section(Lora, "LoRA adapters on the actor (models/lora.py)", core=True)
 
@@ -101,8 +103,9 @@ class Model:
 @frozen
 class Data:
   train: str = key("builtin:arithmetic", "training prompts: a JSONL/Parquet path or "
-                   "builtin:<task>", core=True)
-  eval: str = key("builtin:arithmetic", "held-out prompts ('' = no evaluation)", core=True)
+                   "builtin:<task>", core=True, check=Dataset())
+  eval: str = key("builtin:arithmetic", "held-out prompts ('' = no evaluation)", core=True,
+                  check=Dataset())
   prompt_key: str = key("prompt", "the rows' prompt field", core=True)
   answer_key: str = key("answer", "the rows' ground-truth field", core=True)
   chat_template: bool = key(False, "wrap prompts in the tokenizer's chat template", core=True)
@@ -115,8 +118,8 @@ class Data:
                         "error", check=Option("on_bad_row"))
   image_key: str = key("", "vision-language rows: the field holding a row's image(s); '' = "
                        "text-only")
-  image_root: str = key("", "the folder image paths resolve inside; '' = the data file's "
-                        "folder")
+  image_root: str = key("", "the folder image paths resolve inside",
+                        check=Folder("the data file's folder"))
   max_image_pixels: int = key(40_000_000, "images over this many pixels are bad rows", check=P)
   eval_size: int = key(128, "held-out prompts per evaluation", check=P)
   redistribute: str = key("distributed", "how re-partitions move data: distributed (one "
@@ -136,7 +139,8 @@ class Rollout:
   max_concurrent_decodes: int = key(16, "decode slots of one engine", check=P)
   decode_chunk: int = key(16, "tokens per compiled decode call (the host refills slots between "
                           "calls)", check=P)
-  prefill_buckets: tuple = key((32, 64), "prompt widths prefill compiles for, increasing")
+  prefill_buckets: tuple = key((32, 64), "prompt widths prefill compiles for",
+                               check=Increasing())
   tensor_parallel: int = key(1, "devices per rollout replica, inside one host", check=P)
   backend: str = key("engine", "engine (KV cache, continuous batching) | reference (no cache: "
                      "the tests' oracle) | jetstream", check=Option("backend"))
@@ -208,7 +212,9 @@ class Actor:
   optimizer: Optimizer = section(Optimizer, "the actor's optimizer", core=True)
   micro_batch_size: int = key(8, "rows per micro-batch of the train step", core=True, check=P)
   micro_batch_tokens: int = key(0, "> 0: micro-batches filled by real tokens (needs "
-                                "model.pack_sequences); 0 = by micro_batch_size rows")
+                                "model.pack_sequences); 0 = by micro_batch_size rows",
+                                check=Whole(True, " (tokens; 0 = micro-batches of "
+                                                  "micro_batch_size rows)"))
   ppo_epochs: int = key(1, "passes over each step's batch", core=True, check=P)
   mini_batches: int = key(1, "optimizer steps per epoch", core=True, check=P)
   policy_loss: str = key("ppo", "a registered policy loss: ppo | gpg | cispo | gmpo | sapo | "
@@ -217,7 +223,7 @@ class Actor:
   clip_ratio_low: float = key(0.2, "PPO clip's lower epsilon", core=True, check=InRange(0))
   clip_ratio_high: float = key(0.2, "PPO clip's upper epsilon (> low = DAPO clip-higher)",
                                core=True, check=InRange(0))
-  dual_clip: float = key(0.0, "the dual-clip constant c > 1; 0 = off")
+  dual_clip: float = key(0.0, "the dual-clip constant c", check=OffOrAbove(1.0))
   ratio_level: str = key("token", "the importance ratio per token, or per sequence (GSPO)", check=Option("ratio_level"))
   loss_agg: str = key("token-mean", "how token losses average into the step's loss", core=True, check=Option("loss_agg"))
   entropy_coef: float = key(0.0, "the entropy bonus's coefficient", check=InRange())
@@ -231,7 +237,9 @@ class Actor:
 class Critic:
   optimizer: Optimizer = section(Optimizer, "the critic's optimizer")
   micro_batch_size: int = key(8, "rows per micro-batch of the critic's train step", check=P)
-  micro_batch_tokens: int = key(0, "as actor.micro_batch_tokens, for the critic's train step")
+  micro_batch_tokens: int = key(0, "as actor.micro_batch_tokens, for the critic's train step",
+                                check=Whole(True, " (tokens; 0 = micro-batches of "
+                                                  "micro_batch_size rows)"))
   ppo_epochs: int = key(1, "passes over each step's batch", check=P)
   value_clip: float = key(0.2, "the value loss's clip", check=InRange(0))
   warmup_steps: int = key(0, "steps at the start in which only the critic trains",
@@ -246,9 +254,9 @@ class Reference:
 
 @frozen
 class Reward:
-  weight: float = key(1.0, "the rule reward's weight in the sum of rewards")
-  correct: float = key(1.0, "the reward of a correct answer")
-  wrong: float = key(0.0, "the reward of a wrong answer")
+  weight: float = key(1.0, "the rule reward's weight in the sum of rewards", check=Float32())
+  correct: float = key(1.0, "the reward of a correct answer", check=Float32())
+  wrong: float = key(0.0, "the reward of a wrong answer", check=Float32())
   tolerance: float = key(1e-6, "numeric match's tolerance", check=InRange(0))
   match: str = key("numeric", "how reward.math compares answers (numeric: equal values; exact: "
                    "equal strings; math_verify: symbolic, needs math-verify)",

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 from distflow_jax.config.errors import ConfigError
 from distflow_jax.rewards.math_answer import MATCH_MODES
+from distflow_jax.tasks import registry as tasks
 
 
 @functools.cache
@@ -154,3 +155,128 @@ class Option:
 
   def __str__(self) -> str:
     return "one of " + " | ".join(options()[self.name])
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+  """True or False (a 0/1 or a string is refused: it would read as a truth value)."""
+
+  def __call__(self, value, key: str) -> None:
+    if not isinstance(value, bool):
+      raise ConfigError(f"{key}={value!r} must be true or false")
+
+  def __str__(self) -> str:
+    return "true | false"
+
+
+@dataclasses.dataclass(frozen=True)
+class Whole:
+  """A whole number (not a bool) > 0, or >= 0 with ``allow_zero``; ``what`` says of what."""
+  allow_zero: bool = False
+  what: str = ""
+
+  def __call__(self, value, key: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if self.allow_zero
+                                                                          else 1):
+      raise ConfigError(f"{key}={value!r} must be a whole number "
+                        f"{'>= 0' if self.allow_zero else '> 0'}{self.what}")
+
+  def __str__(self) -> str:
+    return f"a whole number {'>= 0' if self.allow_zero else '> 0'}{self.what}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Folder:
+  """A folder path (a string); ``empty`` says what '' means."""
+  empty: str
+
+  def __call__(self, value, key: str) -> None:
+    if not isinstance(value, str):
+      raise ConfigError(f"{key}={value!r} must be a folder path ('' = {self.empty})")
+
+  def __str__(self) -> str:
+    return f"a folder ('' = {self.empty})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Increasing:
+  """A non-empty tuple of positive, strictly increasing whole numbers."""
+
+  def __call__(self, value, key: str) -> None:
+    items = list(value) if isinstance(value, (tuple, list)) else None
+    if (not items or any(isinstance(v, bool) or not isinstance(v, int) for v in items)
+        or items != sorted(set(items)) or items[0] <= 0):
+      raise ConfigError(f"{key}={items if items is not None else value!r} must be positive "
+                        f"and strictly increasing")
+
+  def __str__(self) -> str:
+    return "positive, strictly increasing"
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+@dataclasses.dataclass(frozen=True)
+class Float32:
+  """A finite number within float32's range (what rewards are kept in)."""
+
+  def __call__(self, value, key: str) -> None:
+    in_range(value, key)
+    if abs(value) > FLOAT32_MAX:
+      raise ConfigError(f"{key}={value!r} is beyond float32's range (|x| <= "
+                        f"{FLOAT32_MAX:.4g}), which rewards are kept in")
+
+  def __str__(self) -> str:
+    return "finite, within float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class OffOrAbove:
+  """0 (off) or a finite number above ``lo``."""
+  lo: float
+
+  def __call__(self, value, key: str) -> None:
+    if value and not (isinstance(value, (int, float)) and math.isfinite(value)
+                      and value > self.lo):
+      raise ConfigError(f"{key}={value} must be 0 (off) or > {self.lo:g}")
+
+  def __str__(self) -> str:
+    return f"0 (off) or > {self.lo:g}"
+
+
+MAX_LR = 1.0  # a step above 1 makes any optimizer of train.optim diverge on a transformer
+
+
+def check_lr(lr, key: str, optimizer: str) -> None:
+  """A finite learning rate in (0, MAX_LR]."""
+  too_big = isinstance(lr, (int, float)) and math.isfinite(lr) and lr > MAX_LR
+  in_range(lr, key, 0, MAX_LR, lo_open=True,
+           note=f" (a step above {MAX_LR:g} diverges with {optimizer})" if too_big else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class LearningRate:
+  """A learning rate in (0, MAX_LR] for ``optimizer`` (an optimizer section's own ``lr``
+  names its ``name`` instead: config/values.py)."""
+  optimizer: str = "adamw"
+
+  def __call__(self, value, key: str) -> None:
+    check_lr(value, key, self.optimizer)
+
+  def __str__(self) -> str:
+    return f"in (0, {MAX_LR:g}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+  """A data path, or a ``builtin:<task>`` that names a registered task."""
+
+  def __call__(self, value, key: str) -> None:
+    if isinstance(value, str) and tasks.is_builtin(value):
+      try:
+        tasks.parse(value)
+      except tasks.UnknownTaskError as e:
+        raise ConfigError(f"{key}={value!r}: {e}") from None
+
+  def __str__(self) -> str:
+    return "a JSONL/Parquet path | builtin:<task>"
