@@ -15,7 +15,7 @@ import ml_collections
 from distflow_jax.config import (async_checks, consistency, env_checks, lora_checks, user_modules,
                                  validators, values, vision_checks)
 from distflow_jax.config.errors import ConfigError
-from distflow_jax.config.response import response_width, response_width_key
+from distflow_jax.config.response import longest_sample, response_width_key
 from distflow_jax.dag import planner as planner_lib, replicas
 from distflow_jax.dag.registry import Placement, Registry, unknown_name_message
 from distflow_jax.dag.rules import (check_baseline_rewards, check_kl_reference,
@@ -273,7 +273,7 @@ def _check_token_budget(cfg, key: str, budget: int, node_id: str, per_mini: int)
   micro-batches) and everything one shard's mini-batch can hold: below it every long sample
   sits alone in its own micro-batch (a step of one micro-batch per sample), above it each
   micro-batch allocates ``ceil(budget / pack_len)`` packed rows that no data could fill."""
-  longest = cfg.data.max_prompt_len + response_width(cfg.rollout) - 1  # what a pass feeds
+  longest = longest_sample(cfg)
   most = per_mini * longest
   where = f"node {node_id!r}"
   if budget < longest:

@@ -4,7 +4,7 @@ ConfigError line each."""
 
 from __future__ import annotations
 
-from distflow_jax.config.response import response_width
+from distflow_jax.config.response import longest_sample
 from distflow_jax.config.errors import ConfigError
 from distflow_jax.config.validators import in_range, one_of, positive
 from distflow_jax.envs import base as env_base, guard as env_guard, parsers
@@ -50,7 +50,7 @@ def check(cfg) -> None:
         f"dict(id='env_reward', fn='reward.env', deps=[{gen!r}]) to the DAG beside or "
         f"instead of the other reward (configs/grpo.py:calc)")
   width = "rollout.max_episode_tokens" if episode else "rollout.max_new_tokens"
-  context = cfg.data.max_prompt_len + response_width(r) - 1
+  context = longest_sample(cfg)
   # The engine backend appends each turn to its slot's cache (rollout/episode_engine.py,
   # whose cache the episode width sizes); the round backends re-prefill every turn.
   if r.backend != "engine" and max(r.prefill_buckets) < context:

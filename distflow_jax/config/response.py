@@ -27,3 +27,14 @@ def response_width_key(rollout: ml_collections.ConfigDict) -> str:
   """The key ``response_width`` reads (for messages)."""
   episode = rollout.env and rollout.max_episode_tokens
   return "rollout.max_episode_tokens" if episode else "rollout.max_new_tokens"
+
+
+def row_tokens(cfg: ml_collections.ConfigDict) -> int:
+  """A padded training row's tokens: the longest prompt plus the response width."""
+  return int(cfg.data.max_prompt_len) + response_width(cfg.rollout)
+
+
+def longest_sample(cfg: ml_collections.ConfigDict) -> int:
+  """The tokens a pass feeds for the longest sample (its last token is only a target): what a
+  packed row, a token budget or an episode's context must hold."""
+  return row_tokens(cfg) - 1

@@ -76,7 +76,8 @@ class Model:
                   "built-in model.preset", core=True)
   preset: str = key("tiny", "the built-in architecture when path is '': tiny | micro",
                     core=True)
-  dtype: str = key("float32", "the parameters' (and computation's) dtype", core=True, check=Option("dtype"))
+  dtype: str = key("float32", "the parameters' (and computation's) dtype", core=True,
+                   check=Option("dtype"))
   max_seq_len: int = key(256, "the longest row: prompt + response", core=True, check=P)
   warmstart: Warmstart = section(Warmstart, "supervised warm start of the built-in model "
                                  "(when path is '')")
@@ -169,7 +170,8 @@ class Optimizer:
   b1: float = key(0.9, "adam's first-moment decay", check=InRange(0, 1, hi_open=True))
   b2: float = key(0.999, "adam's second-moment decay", check=InRange(0, 1, hi_open=True))
   eps: float = key(1e-8, "adam's epsilon", check=InRange(0, lo_open=True))
-  schedule: str = key("constant", "the learning-rate schedule after warm-up", check=Option("schedule"))
+  schedule: str = key("constant", "the learning-rate schedule after warm-up",
+                      check=Option("schedule"))
   warmup_steps: int = key(0, "linear warm-up steps", check=P0)
   grad_clip: float = key(1.0, "global-norm clip", check=InRange(0, note=" (0 = no clipping)"))
 
@@ -189,7 +191,8 @@ class LossArgs:
 class KL:
   coef: float = key(0.0, "the KL-to-reference coefficient; 0 = no KL", core=True,
                     check=InRange(0))
-  estimator: str = key("k3", "the per-token KL estimator (k3: low-variance, >= 0)", check=Option("kl_estimator"))
+  estimator: str = key("k3", "the per-token KL estimator (k3: low-variance, >= 0)",
+                       check=Option("kl_estimator"))
   in_reward: bool = key(False, "subtract the KL from the reward instead of adding a loss term")
   target: float = key(0.0, "adaptive KL's target", check=InRange(0, note=" (0 = a fixed "
                                                                         "coefficient)"))
@@ -213,7 +216,7 @@ class Actor:
   micro_batch_size: int = key(8, "rows per micro-batch of the train step", core=True, check=P)
   micro_batch_tokens: int = key(0, "> 0: micro-batches filled by real tokens (needs "
                                 "model.pack_sequences); 0 = by micro_batch_size rows",
-                                check=Whole(True, " (tokens; 0 = micro-batches of "
+                                check=Whole(True, " (0 = micro-batches of "
                                                   "micro_batch_size rows)"))
   ppo_epochs: int = key(1, "passes over each step's batch", core=True, check=P)
   mini_batches: int = key(1, "optimizer steps per epoch", core=True, check=P)
@@ -224,8 +227,10 @@ class Actor:
   clip_ratio_high: float = key(0.2, "PPO clip's upper epsilon (> low = DAPO clip-higher)",
                                core=True, check=InRange(0))
   dual_clip: float = key(0.0, "the dual-clip constant c", check=OffOrAbove(1.0))
-  ratio_level: str = key("token", "the importance ratio per token, or per sequence (GSPO)", check=Option("ratio_level"))
-  loss_agg: str = key("token-mean", "how token losses average into the step's loss", core=True, check=Option("loss_agg"))
+  ratio_level: str = key("token", "the importance ratio per token, or per sequence (GSPO)",
+                         check=Option("ratio_level"))
+  loss_agg: str = key("token-mean", "how token losses average into the step's loss", core=True,
+                      check=Option("loss_agg"))
   entropy_coef: float = key(0.0, "the entropy bonus's coefficient", check=InRange())
   kl: KL = section(KL, "the KL to the reference model", core=True)
   recompute_old_logprobs: bool = key(False, "force the old-log-prob pass (skipped with one "
@@ -238,7 +243,7 @@ class Critic:
   optimizer: Optimizer = section(Optimizer, "the critic's optimizer")
   micro_batch_size: int = key(8, "rows per micro-batch of the critic's train step", check=P)
   micro_batch_tokens: int = key(0, "as actor.micro_batch_tokens, for the critic's train step",
-                                check=Whole(True, " (tokens; 0 = micro-batches of "
+                                check=Whole(True, " (0 = micro-batches of "
                                                   "micro_batch_size rows)"))
   ppo_epochs: int = key(1, "passes over each step's batch", check=P)
   value_clip: float = key(0.2, "the value loss's clip", check=InRange(0))

@@ -176,10 +176,9 @@ class Whole:
   what: str = ""
 
   def __call__(self, value, key: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if self.allow_zero
-                                                                          else 1):
-      raise ConfigError(f"{key}={value!r} must be a whole number "
-                        f"{'>= 0' if self.allow_zero else '> 0'}{self.what}")
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise ConfigError(f"{key}={value!r} must be a whole number{self.what}")
+    positive(value, key, self.allow_zero, self.what)
 
   def __str__(self) -> str:
     return f"a whole number {'>= 0' if self.allow_zero else '> 0'}{self.what}"

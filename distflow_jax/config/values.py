@@ -32,11 +32,6 @@ class Spanning:
   message: Callable[[Any], str]
 
 
-def _total(c) -> int:
-  """Prompt + response tokens of a training row."""
-  return c.data.max_prompt_len + response.response_width(c.rollout)
-
-
 def _budget_rows(role: str) -> tuple[Spanning, ...]:
   key = f"{role}.micro_batch_tokens"
   return (
@@ -59,9 +54,9 @@ SPANNING: tuple[Spanning, ...] = (
                        f"bucket is smaller than data.max_prompt_len={c.data.max_prompt_len}"),
     Spanning(("data.max_prompt_len", "rollout.max_new_tokens", "rollout.max_episode_tokens",
               "model.max_seq_len"),
-             lambda c: _total(c) > c.model.max_seq_len,
+             lambda c: response.row_tokens(c) > c.model.max_seq_len,
              lambda c: f"data.max_prompt_len + {response.response_width_key(c.rollout)} = "
-                       f"{_total(c)} exceeds model.max_seq_len={c.model.max_seq_len}"),
+                       f"{response.row_tokens(c)} exceeds model.max_seq_len={c.model.max_seq_len}"),
     *_budget_rows("actor"),
     *_budget_rows("critic"),
     Spanning(("model.pack_sequences", "trainer.deterministic"),
@@ -69,11 +64,13 @@ SPANNING: tuple[Spanning, ...] = (
              lambda c: "model.pack_sequences=True does not work with trainer.deterministic="
                        "True (its passes run unit by unit, padded); turn one of them off"),
     Spanning(("model.pack_len", "data.max_prompt_len", "rollout.max_new_tokens"),
-             lambda c: c.model.pack_sequences and 0 < c.model.pack_len < _total(c) - 1,
+             lambda c: (c.model.pack_sequences
+                        and 0 < c.model.pack_len < response.longest_sample(c)),
              lambda c: f"model.pack_len={c.model.pack_len} is shorter than the longest "
                        f"sample, data.max_prompt_len + "
-                       f"{response.response_width_key(c.rollout)} - 1 = {_total(c) - 1}; "
-                       f"raise it or set model.pack_len=0 (the padded row's length)"),
+                       f"{response.response_width_key(c.rollout)} - 1 = "
+                       f"{response.longest_sample(c)}; raise it or set model.pack_len=0 (the "
+                       f"padded row's length)"),
     Spanning(("actor.kl.target", "actor.kl.in_reward"),
              lambda c: c.actor.kl.target > 0 and not c.actor.kl.in_reward,
              lambda c: "actor.kl.target > 0 (adaptive KL) needs actor.kl.in_reward=True: the "
