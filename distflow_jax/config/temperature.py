@@ -8,7 +8,7 @@ to the reference and the entropy are those of that distribution: every training 
 (old log-probs, reference log-probs, the actor's loss) divides the logits by T, as verl
 and TRL do.  The rollout records its tokens' log-probs at the same T, untruncated
 (``rollout.sampling``), so they stand in for the old log-probs at any temperature
-(``nodes/passes.on_policy``) and are the behaviour policy of an off-policy correction.
+(``nodes/pass_plan.on_policy``) and are the behaviour policy of an off-policy correction.
 At T = 1 nothing changes.
 """
 

@@ -207,7 +207,7 @@ def full_masks(rows: int, prompt: int, new: int) -> tuple[np.ndarray, np.ndarray
 
 def replicated(tree: Any, mesh) -> Any:
   """A host plan (numpy) as ``ShapeDtypeStruct``s replicated on ``mesh``, as the nodes put
-  it (nodes/passes._placed)."""
+  it (nodes/pass_plan.placed_plan)."""
   rep = NamedSharding(mesh, P())
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
                                                      sharding=rep), tree)

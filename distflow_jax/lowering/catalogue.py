@@ -1,7 +1,7 @@
 """The programs a run of a config compiles, as jitted functions with abstract arguments.
 
 ``programs(cfg, plan, ctx)`` walks the plan as the executor does and asks the same
-builders the nodes call (nodes/passes.py, nodes/training.py, the rollout backend,
+builders the nodes call (nodes/passes.py, pass_plan.py, training.py, the rollout backend,
 data/redistribute.py, persist/checksums.py, train/steps.py for the warm start) for each
 program, at every prompt width a step can have (nodes/rollout.prompt_widths).  Shapes
 that follow the samples' lengths (packed rows, token-budget micro-batches) take the
@@ -39,7 +39,7 @@ from distflow_jax.memory import compiled as cp
 from distflow_jax.models import lora, sharding as msharding
 from distflow_jax.models.heads import Critic
 from distflow_jax.models.transformer import Transformer
-from distflow_jax.nodes import passes, rollout as rollout_node, training
+from distflow_jax.nodes import pass_plan, passes, rollout as rollout_node, training
 from distflow_jax.persist import checkpoint_contents, checksums
 from distflow_jax.run import executor
 from distflow_jax.state.context import RunContext, shared_prompt_group
@@ -75,7 +75,7 @@ def pass_programs(ctx: RunContext, node, lay, rows: int,
                   widths: tuple[int, ...] | None = None) -> list[Program]:
   """``logprob`` / ``ref_logprob`` / ``values`` at every prompt width (or at ``widths``)."""
   cfg = ctx.cfg
-  if node.fn == "logprob" and passes.on_policy(ctx):
+  if node.fn == "logprob" and pass_plan.on_policy(ctx):
     return []
   role = {"ref_logprob": Role.REFERENCE, "values": Role.CRITIC}.get(node.fn, Role.ACTOR)
   state = passes.pass_state(ctx, role)  # a LoRA run's reference: the actor's, adapters off
@@ -85,10 +85,10 @@ def pass_programs(ctx: RunContext, node, lay, rows: int,
     if role is Role.CRITIC:
       gs, fn = 1, passes.values_pass(ctx, lay)
     else:
-      gs = shared_prompt_group(cfg, rows, passes.pass_parts(ctx, lay, rows))
+      gs = shared_prompt_group(cfg, rows, pass_plan.pass_parts(ctx, lay, rows))
       fn = passes.logprob_pass(ctx, role, lay, gs, stats=node.fn == "logprob.stats")
       if gs > 1:
-        out.append(Program(node.id, f"prompts_grouped[w={w}]", passes.grouped_check(ctx, gs),
+        out.append(Program(node.id, f"prompts_grouped[w={w}]", pass_plan.grouped_check(ctx, gs),
                            (data,)))
     if cfg.model.pack_sequences:
       pm, rm = ab.full_masks(rows, w, response_width(cfg.rollout))
@@ -123,7 +123,7 @@ def train_programs(ctx: RunContext, node, lay, rows: int,
       extra += (LOSS_MASK,)
   mb_rows = rows // shape.minis
   out = []
-  if role is Role.ACTOR and not passes.on_policy(ctx) and {
+  if role is Role.ACTOR and not pass_plan.on_policy(ctx) and {
       OLD_LOGPROBS, ROLLOUT_LOGPROBS} <= _made_before(ctx.plan, node):
     # The step's log-prob gap and importance weights (nodes/training.off_policy_metrics).
     fields = ab.batch_fields((OLD_LOGPROBS, ROLLOUT_LOGPROBS, RESPONSE_MASK),

@@ -13,7 +13,7 @@ from distflow_jax.dag.spec import DagError, Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch, to_local
 from distflow_jax.nodes.common import NodeFn, NodeOut, NodeTable, seq
-from distflow_jax.nodes.passes import pass_fn
+from distflow_jax.nodes.pass_plan import pass_fn
 from distflow_jax.rewards import registry as reward_registry
 from distflow_jax.state.metrics import Metrics
 from distflow_jax.train import steps as steps_lib

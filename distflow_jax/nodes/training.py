@@ -22,8 +22,8 @@ from distflow_jax.dag.spec import DagError, Node, Role
 from distflow_jax.data import layout as dlayout
 from distflow_jax.data.batch import Batch
 from distflow_jax.nodes.common import NodeOut, NodeTable, TrainedState, seq
-from distflow_jax.nodes.passes import (budget_plan, on_policy, pack_plan, prompt_group,
-                                      train_temperature)
+from distflow_jax.nodes.pass_plan import (budget_plan, on_policy, pack_plan, prompt_group,
+                                         train_temperature)
 from distflow_jax.train import deterministic, micro_batches, steps as steps_lib
 from distflow_jax.state.context import RunContext
 from distflow_jax.state.metrics import Metrics
