@@ -1,4 +1,4 @@
-"""The decode cache can grow (opt-in, rollout/cache_growth.py): the tokens of the
+"""The decode cache can grow (opt-in, rollout/engine/cache_growth.py): the tokens of the
 full-size cache and its log-probs to float32 rounding (greedy and sampled, rows crossing
 several capacities, requests started mid-way by continuous batching), the cache starts
 small and grows, the default, fixed shapes and grow off keep one full-size cache, and
@@ -12,8 +12,8 @@ import pytest
 
 from test_rollout_engine import CFG, peaky_model
 
-from distflow_jax.rollout import (Engine, EngineConfig, SamplingParams, cache_growth, generate,
-                                  replica_mesh)
+from distflow_jax.rollout import Engine, EngineConfig, SamplingParams, generate, replica_mesh
+from distflow_jax.rollout.engine import cache_growth
 from distflow_jax.run import compile_cache
 
 # S = 16 + 120 = 136: windows of 17; the first capacity holds bucket 16 + one chunk of 4.

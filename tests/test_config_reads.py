@@ -37,13 +37,13 @@ ALLOWED = (
   ("distflow_jax/persist/lora_actor.py", None,
    "a checkpoint's stored metadata and run_config.json from an older run"),
   ("distflow_jax/persist/lora_export.py", None, "a stored run_config.json from an older run"),
-  ("distflow_jax/rollout/engine.py", None, "a jax mesh's shape"),
+  ("distflow_jax/rollout/engine/core.py", None, "a jax mesh's shape"),
   ("distflow_jax/run/model_source.py", None,
    "a checkpoint's stored metadata (its run config) from an older run"),
   ("distflow_jax/memory/report.py", "actor.shape", "a role mesh's shape (axis sizes)"),
   ("distflow_jax/memory/report.py", "rm.shape", "a role mesh's shape (axis sizes)"),
   ("distflow_jax/memory/report.py", "cm.shape", "a role mesh's shape (axis sizes)"),
-  ("distflow_jax/rollout/engine_config.py", "mesh.shape", "a jax mesh's shape"),
+  ("distflow_jax/rollout/engine/config.py", "mesh.shape", "a jax mesh's shape"),
 )
 
 

@@ -1,5 +1,5 @@
 """What the engine computes a 16-bit model in on CPU devices (``rollout.cpu_compute``,
-rollout/engine_config.CpuCompute; issue 55).  XLA's CPU backend has no 16-bit matmul here:
+rollout/engine/config.CpuCompute; issue 55).  XLA's CPU backend has no 16-bit matmul here:
 a bfloat16 engine converted every weight to float32 at every decode call and its KV cache
 at every step (the profile in docs/benchmarks.md).  By default the engine on a CPU now holds
 float32 copies of a bfloat16 model's weights (exact: each bfloat16 value is a float32 one)
@@ -22,7 +22,7 @@ from test_rollout_weight_sync import fsdp_state
 from distflow_jax.models import Transformer
 from distflow_jax.models.lora_layer import LoraSpec
 from distflow_jax.rollout import Engine, EngineConfig, SamplingParams, generate, replica_mesh
-from distflow_jax.rollout.engine_config import CpuCompute, LoraSync, compute_dtype
+from distflow_jax.rollout.engine.config import CpuCompute, LoraSync, compute_dtype
 
 BF16 = CFG.replace(dtype="bfloat16")
 
@@ -130,7 +130,7 @@ def test_a_runs_engine_takes_the_rollout_sections_engine_settings():
   rollout.fuse_projections; the latter was dropped there before (the key then did nothing
   in a run)."""
   from distflow_jax.config import defaults
-  from distflow_jax.rollout.engine_config import FuseProjections
+  from distflow_jax.rollout.engine.config import FuseProjections
   from distflow_jax.state.context import engine_config
   cfg = defaults.base()
   conf = engine_config(cfg, cfg.rollout, (1,))

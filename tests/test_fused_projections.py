@@ -14,7 +14,7 @@ from test_rollout_engine import CFG, PROMPTS, SAMPLED, peaky_model
 from test_rollout_weight_sync import fsdp_state
 
 from distflow_jax.rollout import Engine, EngineConfig, SamplingParams, generate, replica_mesh
-from distflow_jax.rollout.engine_config import FuseProjections
+from distflow_jax.rollout.engine.config import FuseProjections
 
 MODES = (FuseProjections.NONE, FuseProjections.GATE_UP, FuseProjections.ALL)
 

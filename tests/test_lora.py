@@ -215,7 +215,7 @@ def test_engine_sync_merges_the_adapters_without_recompiling(scan):
   import time
 
   from distflow_jax.rollout.engine import Engine
-  from distflow_jax.rollout.engine_config import EngineConfig, replica_mesh
+  from distflow_jax.rollout.engine.config import EngineConfig, replica_mesh
   spec = LoraSpec(4, 8.0, ALL)
   mesh = sharding.make_mesh({"fsdp": 1}, jax.devices()[:1])
   base = sharding.create_sharded(lambda: Transformer(cfg(scan=scan), rngs=nnx.Rngs(0)), mesh,

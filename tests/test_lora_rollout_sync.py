@@ -20,7 +20,7 @@ from distflow_jax.models.lora_layer import LoraSpec
 from distflow_jax.models.transformer import Transformer
 from distflow_jax.rollout import generate
 from distflow_jax.rollout.engine import Engine
-from distflow_jax.rollout.engine_config import EngineConfig, LoraSync, replica_mesh
+from distflow_jax.rollout.engine.config import EngineConfig, LoraSync, replica_mesh
 from distflow_jax.rollout.lora_sync import BaseChanged
 from distflow_jax.train import placement, steps
 from loss_settings import actor_loss_settings

@@ -101,7 +101,7 @@ def test_adapters_shard_like_their_base_and_a_step_keeps_them(placement_name, sc
 @pytest.mark.parametrize("scan", [False, True])
 def test_engine_merges_sharded_adapters_in_one_program(scan):
   from distflow_jax.rollout.engine import Engine
-  from distflow_jax.rollout.engine_config import EngineConfig, replica_mesh
+  from distflow_jax.rollout.engine.config import EngineConfig, replica_mesh
   _, model = _model(PLACEMENTS["fsdp2_tensor4"], scan)
   params = nnx.split(model)[1]
   rng = np.random.default_rng(0)

@@ -293,7 +293,7 @@ def _covered(compiled, cat):
 #     single-turn rollout, and old log-probs taken from the rollout (on-policy: no pass);
 #   grpo:tiny with tis and multi-turn episodes: GRPO's DAG and warm start, old log-probs
 #     recomputed and the off-policy weights' stats (tis), and the engine's append programs
-#     (episodes, rollout/extend.py); one prompt width (32; 80 is the re-prefill bucket).
+#     (episodes, rollout/engine/extend.py); one prompt width (32; 80 is the re-prefill bucket).
 # 4 decode slots (prefill rows 1 and 4) in both.
 PROBES = {
     "ppo:tiny": ("--config=ppo:tiny",),
@@ -340,7 +340,7 @@ def test_catalogue_holds_every_program_a_real_run_compiles(tmp_path, probe):
 
 @pytest.mark.timeout(300)
 def test_episode_catalogue_holds_the_append_programs_and_the_loss_mask():
-  """With rollout.env the catalogue holds the engine's append programs (rollout/extend.py:
+  """With rollout.env the catalogue holds the engine's append programs (rollout/engine/extend.py:
   one per appended-length bucket up to the episode's response, at the cache's capacity),
   plan --programs counts them, and the train step reads the episodes' loss mask."""
   from distflow_jax.lowering import count

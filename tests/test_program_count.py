@@ -10,7 +10,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distflow_jax.persist import checksums
-from distflow_jax.rollout import EngineConfig, generate, prefill_rows
+from distflow_jax.rollout import EngineConfig, generate
+from distflow_jax.rollout.engine import prefill_rows
 from distflow_jax.run import compile_cache
 from test_rollout_engine import engine, peaky_model
 

@@ -9,7 +9,7 @@ import pytest
 
 from distflow_jax.config import loading
 from distflow_jax.rollout import SamplingParams, backend, engine as engine_lib, reference
-from distflow_jax.rollout.engine_config import EngineConfig
+from distflow_jax.rollout.engine.config import EngineConfig
 from test_rollout_engine import CFG, SAMPLED, engine, full_forward_greedy, peaky_model
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9], [2, 7], [1] * 16, [11, 12, 13]]

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from distflow_jax.rollout.sampling import SamplingParams, request_keys, sample, sampling_logits
+from distflow_jax.rollout.engine.sampling import (SamplingParams, request_keys, sample,
+                                                  sampling_logits)
 
 
 def _np_log_softmax(x):

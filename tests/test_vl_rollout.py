@@ -8,9 +8,9 @@ import pytest
 from flax import nnx
 
 from distflow_jax.models.vl import VLModel, vl_inputs
-from distflow_jax.rollout.engine_config import EngineConfig
+from distflow_jax.rollout.engine.config import EngineConfig
 from distflow_jax.rollout.reference import ReferenceSampler
-from distflow_jax.rollout.sampling import SamplingParams
+from distflow_jax.rollout.engine.sampling import SamplingParams
 from distflow_jax.state.vision import VisionEncoder, prompt_images
 
 from test_vl_passes import GRID, K, prompt, tiny_vl_config

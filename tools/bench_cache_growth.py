@@ -1,4 +1,4 @@
-"""Peak decode-cache bytes and decode tokens/s: growing cache (rollout/cache_growth.py) vs
+"""Peak decode-cache bytes and decode tokens/s: growing cache (rollout/engine/cache_growth.py) vs
 one full-size cache per slot, side by side on the same requests.
 
     python tools/bench_cache_growth.py [--new 2048] [--slots 16] [--prompts 16] [--n 4]

@@ -83,7 +83,7 @@ def _args(argv):
                  help="the engine's rollout.cpu_compute: float32 (a 16-bit model held and "
                       "computed in float32 on a CPU) or model (its own dtype)")
   a = p.parse_args(argv)
-  from distflow_jax.rollout.engine_config import CpuCompute, FuseProjections
+  from distflow_jax.rollout.engine.config import CpuCompute, FuseProjections
   if a.cpu_compute not in [c.value for c in CpuCompute]:
     raise BadInput(f"--cpu-compute={a.cpu_compute!r}: valid are "
                    f"{[c.value for c in CpuCompute]}")

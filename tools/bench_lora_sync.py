@@ -70,7 +70,7 @@ def main(argv=None) -> int:
   from distflow_jax.models.lora_layer import LoraSpec
   from distflow_jax.models.transformer import Transformer
   from distflow_jax.rollout.engine import Engine
-  from distflow_jax.rollout.engine_config import EngineConfig, LoraSync, replica_mesh
+  from distflow_jax.rollout.engine.config import EngineConfig, LoraSync, replica_mesh
 
   bc.flush_lines()
   print(bc.load_line())

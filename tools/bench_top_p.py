@@ -1,4 +1,4 @@
-"""Top-p's cut by bisection (rollout/sampling.py) against the full-vocabulary sort it
+"""Top-p's cut by bisection (rollout/engine/sampling.py) against the full-vocabulary sort it
 replaced, side by side on this machine's default jax device.
 
     python tools/bench_top_p.py [--vocab 152064] [--batch 8,64] [--top-p 0.9] [--rounds 7]
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
   import jax
   import jax.numpy as jnp
 
-  from distflow_jax.rollout.sampling import SamplingParams, sampling_logits
+  from distflow_jax.rollout.engine.sampling import SamplingParams, sampling_logits
   bc.flush_lines()
   print(f"start: {bc.load_line()}  device: {jax.devices()[0].device_kind}")
   fns = {"sort": jax.jit(lambda x: sort_rule(x, args.top_p)),

@@ -118,7 +118,7 @@ def run_inside(args: argparse.Namespace) -> int:
   from distflow_jax.models import ModelConfig
   from distflow_jax.models.transformer import Transformer
   from distflow_jax.rollout import Engine, EngineConfig, SamplingParams, generate
-  from distflow_jax.rollout.engine_config import replica_mesh
+  from distflow_jax.rollout.engine.config import replica_mesh
   from distflow_jax.rollout import jetstream_adapter as ja
   from jetstream.core import orchestrator
 

@@ -33,7 +33,7 @@ def option_types() -> dict[str, type[enum.Enum] | tuple[str, ...]]:
   from distflow_jax.data.redistribute import Mode
   from distflow_jax.models.config import ATTENTION_IMPLS, DTYPES, PRESETS, REMATS
   from distflow_jax.rollout.backend import BACKENDS
-  from distflow_jax.rollout.engine_config import CpuCompute, FuseProjections, LoraSync
+  from distflow_jax.rollout.engine.config import CpuCompute, FuseProjections, LoraSync
   from distflow_jax.train.optim import Optimizer, Schedule
   from distflow_jax.state.warm_shapes import CompileAhead
   return {

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from distflow_jax.lowering.program import Catalogue, Program
-from distflow_jax.rollout import cache_growth
+from distflow_jax.rollout.engine import cache_growth
 
 
 @dataclasses.dataclass(frozen=True)

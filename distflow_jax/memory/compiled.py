@@ -30,8 +30,8 @@ from distflow_jax.models import lora, sharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import Transformer
 from distflow_jax.nodes import training
-from distflow_jax.rollout import decode
-from distflow_jax.rollout.engine_config import decode_state_shardings
+from distflow_jax.rollout.engine import decode
+from distflow_jax.rollout.engine.config import decode_state_shardings
 from distflow_jax.rollout.weight_sync import WeightSync
 from distflow_jax.train import placement, steps as steps_lib
 

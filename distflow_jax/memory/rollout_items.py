@@ -22,8 +22,8 @@ from distflow_jax.memory import analytic as an, compiled as cp
 from distflow_jax.memory.consumers import RESIDENT, Item
 from distflow_jax.models import sharding
 from distflow_jax.models.config import ModelConfig
-from distflow_jax.rollout import cache_growth
-from distflow_jax.rollout.engine_config import CpuCompute, EngineConfig, LoraSync, compute_dtype
+from distflow_jax.rollout.engine import cache_growth
+from distflow_jax.rollout.engine.config import CpuCompute, EngineConfig, LoraSync, compute_dtype
 from distflow_jax.state import roles as roles_lib
 
 def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelConfig,
@@ -39,7 +39,7 @@ def generate_items(cfg: ml_collections.ConfigDict, plan: Plan, model_cfg: ModelC
   engine also keeps its own base copy for the run (rollout/lora_sync.py), unless the
   rollout layout is the training one (one device, loop layers: aliased).  On a CPU
   ``platform`` the engine of a 16-bit model holds its weights and cache in float32 under
-  ``rollout.cpu_compute=float32`` (engine_config.compute_dtype): counted so."""
+  ``rollout.cpu_compute=float32`` (rollout/engine/config.compute_dtype): counted so."""
   topo = plan.topology
   # LoRA: the engine holds the merged base, no adapters (rollout/engine)
   adapters = (model_cfg.lora is not None and LoraSync(cfg.rollout.lora_sync)

@@ -19,7 +19,7 @@ from distflow_jax.data.plan import make_repartition_plan
 from distflow_jax.memory import analytic as an
 from distflow_jax.models import sharding
 from distflow_jax.models.config import ModelConfig
-from distflow_jax.rollout.engine_config import LoraSync
+from distflow_jax.rollout.engine.config import LoraSync
 from distflow_jax.state import roles as roles_lib
 
 

@@ -94,7 +94,7 @@ def _attend_one(q_BxKxGxDh: jax.Array, k_BxKxSxDh: jax.Array, v_BxKxSxDh: jax.Ar
   """One query per row (decode): the general path's masked softmax attention without its
   T axis, over the whole cache.  No branch picks a shorter window: on a GPU a conditional
   copies its predicate to the host and blocks, once per layer and token, which costs more
-  than reading the masked tail of the cache (rollout/decode.py).  Masked keys weigh exactly
+  than reading the masked tail of the cache (rollout/engine/decode.py).  Masked keys weigh exactly
   0, so a row's numbers do not depend on how far the other rows have got."""
   dh = q_BxKxGxDh.shape[-1]
   scores_BxKxGxS = jnp.einsum("bkgd,bksd->bkgs", q_BxKxGxDh * (dh ** -0.5), k_BxKxSxDh,

@@ -11,11 +11,11 @@
     backend = make_backend("engine", model_cfg, engine_config)   # or "reference"
     out = backend.generate(backend.update_weights(actor_params), prompts, n=4, rng=key)
 
-Modules: sampling (greedy / temperature / top-k / top-p, per-request PRNG),
-decode (pure prefill / insert / multi-step decode loop), engine (JetStream
-Engine API + batched extensions, placement, compile counts), driver
-(continuous batching for RL), weight_sync (training layout -> rollout
-layout), jetstream_adapter (optional registration with JetStream).  The
+Modules: engine/ (the package: JetStream Engine API + batched extensions, placement,
+compile counts, sampling, the pure decode functions; its __init__ is its API), driver
+(continuous batching for RL), backend (engine | reference | jetstream, by name),
+weight_sync (training layout -> rollout layout), episodes (multi-turn), spanning (a
+replica over several hosts), jetstream_adapter (optional registration with JetStream).  The
 `distflow-jax generate` command is distflow_jax/commands/generate.py.
 """
 
@@ -24,7 +24,7 @@ from distflow_jax.rollout.backend import (BACKENDS, EngineBackend, RolloutBacken
 from distflow_jax.rollout.driver import Rollout, generate
 from distflow_jax.rollout.engine import Engine, EngineConfig, ResultTokens, replica_mesh
 from distflow_jax.rollout.reference import ReferenceSampler
-from distflow_jax.rollout.sampling import SamplingParams
+from distflow_jax.rollout.engine.sampling import SamplingParams
 
 __all__ = ["BACKENDS", "Engine", "EngineBackend", "EngineConfig", "ReferenceSampler",
            "ResultTokens", "Rollout", "RolloutBackend", "RolloutResult", "SamplingParams",

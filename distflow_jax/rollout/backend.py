@@ -38,7 +38,7 @@ from distflow_jax.config.errors import ConfigError
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.rollout import driver
 from distflow_jax.rollout.engine_backend import EngineBackend
-from distflow_jax.rollout.engine_config import EngineConfig
+from distflow_jax.rollout.engine.config import EngineConfig
 from distflow_jax.rollout.reference import ReferenceSampler
 
 # What every backend's `generate` returns.
@@ -69,7 +69,7 @@ class RolloutBackend(Protocol):
 
   def sync_programs(self, train_params: Any, process_of=None) -> list:
     """The programs `update_weights` runs for (abstract, sharded) `train_params`, as
-    `engine_programs.Program`s (`plan --lower` lowers them for a target device)."""
+    `engine.programs.Program`s (`plan --lower` lowers them for a target device)."""
 
 
 # (model_cfg, config, mesh) -> backend.

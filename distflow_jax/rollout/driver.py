@@ -34,9 +34,9 @@ from typing import Callable, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from distflow_jax.rollout.cache_growth import chunk_end
+from distflow_jax.rollout.engine.cache_growth import chunk_end
 from distflow_jax.rollout.engine import Engine, EngineConfig
-from distflow_jax.rollout.sampling import request_keys
+from distflow_jax.rollout.engine.sampling import request_keys
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ from distflow_jax.models import sharding as msharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.rollout import driver
 from distflow_jax.rollout.engine import Engine
-from distflow_jax.rollout.engine_config import EngineConfig
+from distflow_jax.rollout.engine.config import EngineConfig
 
 
 class EngineBackend:

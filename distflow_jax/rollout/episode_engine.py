@@ -24,9 +24,9 @@ import jax
 import numpy as np
 
 from distflow_jax.rollout import driver, turns
-from distflow_jax.rollout.cache_growth import chunk_end
-from distflow_jax.rollout.extend import Extender
-from distflow_jax.rollout.sampling import request_keys
+from distflow_jax.rollout.engine.cache_growth import chunk_end
+from distflow_jax.rollout.engine.extend import Extender
+from distflow_jax.rollout.engine.sampling import request_keys
 
 
 def _keys(rng: jax.Array, turn_of: np.ndarray, ids: np.ndarray, reqs: list[int]) -> np.ndarray:

@@ -37,7 +37,7 @@ from distflow_jax.models.config import ModelConfig
 from distflow_jax.rollout import driver, jetstream_adapter
 from distflow_jax.rollout.engine_backend import EngineBackend
 from distflow_jax.rollout.engine import Engine
-from distflow_jax.rollout.engine_config import EngineConfig
+from distflow_jax.rollout.engine.config import EngineConfig
 
 jetstream_adapter.api_generation()  # JetStream importable (+ the adapter's shim), or ImportError
 from jetstream.core import orchestrator  # noqa: E402  pylint: disable=wrong-import-position

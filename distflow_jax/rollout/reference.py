@@ -40,10 +40,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from distflow_jax.models import sharding as msharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import Transformer, forward
-from distflow_jax.rollout import driver, engine_programs, weight_sync
+from distflow_jax.rollout import driver, weight_sync
+from distflow_jax.rollout.engine import programs as engine_programs
 from distflow_jax.rollout.images import PromptImages
-from distflow_jax.rollout.engine_config import EngineConfig, place_params, replica_mesh
-from distflow_jax.rollout.sampling import SamplingParams, sample
+from distflow_jax.rollout.engine.config import EngineConfig, place_params, replica_mesh
+from distflow_jax.rollout.engine.sampling import SamplingParams, sample
 from distflow_jax.train import image_inputs
 
 

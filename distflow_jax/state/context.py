@@ -29,7 +29,7 @@ from distflow_jax.models.tokenizer import Tokenizer
 from distflow_jax.rollout import episodes
 from distflow_jax.rollout.backend import RolloutBackend, backend_factory
 from distflow_jax.rollout.engine import EngineConfig, replica_mesh
-from distflow_jax.rollout.sampling import SamplingParams
+from distflow_jax.rollout.engine.sampling import SamplingParams
 from distflow_jax.rollout.spanning import SpanningReplica
 from distflow_jax.state import roles as roles_lib, vision as vision_lib, warm_shapes
 from distflow_jax.state.algo_state import AlgoState

@@ -1,11 +1,11 @@
 """The programs a rollout engine compiles: their list, their grouping and their precompile.
 
-An engine's compiles are bounded (rollout/engine.py): for each cache capacity an empty
+An engine's compiles are bounded (rollout/engine/core.py): for each cache capacity an empty
 state, a decode loop and a grow step to the next capacity; for each prompt shape
-(rollout/prefill_rows.py: a power-of-four row count up to the slots, a prefill bucket) a
+(rollout/engine/prefill_rows.py: a power-of-four row count up to the slots, a prefill bucket) a
 prefill-and-insert at every capacity; with multi-turn episodes, for each appended-length
-bucket an append at every capacity (rollout/extend.py).  ``programs`` lists them as ``(name, jitted,
-abstract args)`` for parameters laid out as a given signature; ``precompile`` compiles
+bucket an append at every capacity (rollout/engine/extend.py).  ``programs`` lists them as
+``(name, jitted, abstract args)`` for parameters laid out as a given signature; ``precompile`` compiles
 them ahead of time, counting a capacity or a prompt shape (a program's ``group``) as one
 unit; ``sync_programs`` lists what a weight update runs.  ``plan --lower`` lowers the same
 lists for a target device.

@@ -24,7 +24,7 @@ from flax import nnx
 from flax import struct
 
 from distflow_jax.models.transformer import KVCache, forward, init_cache, positions_from_mask
-from distflow_jax.rollout.sampling import SamplingParams, sample
+from distflow_jax.rollout.engine.sampling import SamplingParams, sample
 
 
 @struct.dataclass

@@ -21,8 +21,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from distflow_jax.models import fused, sharding as msharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import KVCache, Transformer
-from distflow_jax.rollout.decode import DecodeState, Prefix
-from distflow_jax.rollout.sampling import SamplingParams
+from distflow_jax.rollout.engine.decode import DecodeState, Prefix
+from distflow_jax.rollout.engine.sampling import SamplingParams
 
 
 class LoraSync(enum.Enum):
@@ -103,14 +103,14 @@ class EngineConfig:
   fixed_shapes: bool = False
   # One full-size decode cache for the run (one decode program).  True: the driver's cache
   # starts at the smallest capacity that holds the longest prompt bucket plus one chunk and
-  # grows (rollout/cache_growth.py; bitwise the same results, less memory early on, one
+  # grows (rollout/engine/cache_growth.py; bitwise the same results, less memory early on, one
   # decode program per capacity).  fixed_shapes keeps one full-size cache.
   grow_cache: bool = False
   lora_sync: LoraSync = LoraSync.MERGED
   # Multi-turn episodes (rollout.env; rollout/episode_engine.py): the longest response an
   # episode's slot holds across its turns (generated + observation tokens).  The cache holds
   # it after the longest prompt bucket, and the engine's programs include the append
-  # programs (rollout/extend.py, one per appended-length bucket).  0: single turns.
+  # programs (rollout/engine/extend.py, one per appended-length bucket).  0: single turns.
   episode_tokens: int = 0
 
   # The engine's weights with gate/up (and q/k/v) fused into one projection each (one

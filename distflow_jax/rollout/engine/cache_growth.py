@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from distflow_jax.models.transformer import KVCache
-from distflow_jax.rollout.decode import DecodeState
+from distflow_jax.rollout.engine.decode import DecodeState
 
 
 def ladder(s: int) -> tuple[int, ...]:

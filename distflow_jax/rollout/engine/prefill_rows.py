@@ -17,8 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from distflow_jax.rollout import decode
-from distflow_jax.rollout.engine_config import EngineConfig
+from distflow_jax.rollout.engine import decode
+from distflow_jax.rollout.engine.config import EngineConfig
 
 
 def prompt_rows(n: int, slots: int) -> int:

@@ -29,9 +29,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distflow_jax.models.transformer import KVCache, forward
-from distflow_jax.rollout.decode import DecodeState, is_stop, started_history
-from distflow_jax.rollout.engine_config import decode_state_shardings
-from distflow_jax.rollout.sampling import SamplingParams, sample
+from distflow_jax.rollout.engine.decode import DecodeState, is_stop, started_history
+from distflow_jax.rollout.engine.config import decode_state_shardings
+from distflow_jax.rollout.engine.sampling import SamplingParams, sample
 
 
 def extend_rows(graphdef: nnx.GraphDef, params: nnx.State, state: DecodeState,

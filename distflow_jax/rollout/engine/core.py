@@ -14,11 +14,11 @@ with JetStream where that package imports.  Beyond the API:
   (the n samples of a prompt share its prefill);
 * results carry per-token logprobs at the sampling temperature, untruncated, and truncated;
 * on CPU devices a 16-bit model is held and computed in float32 (`compute_dtype`,
-  engine_config.CpuCompute).
+  config.CpuCompute).
 
 Compiles are bounded: one decode program per cache capacity (`decode_steps` tokens a call,
 no conditional), one prefill-and-insert per (prompt-length bucket, power-of-four prompt
-count; `prefill_rows`) and capacity, whatever the traffic (`engine_programs` lists and
+count; `prefill_rows`) and capacity, whatever the traffic (`programs` lists and
 precompiles them).  The cache has one capacity for the run, the longest prompt bucket plus
 `max_new_tokens`; with `grow_cache` the driver's cache starts smaller and grows
 (`cache_growth`: at most 8 capacities); `init_decode_state` (JetStream) gives the full-size
@@ -46,17 +46,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from distflow_jax.models import fused, lora, sharding as msharding, stacking, target
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.transformer import Transformer
-from distflow_jax.rollout import (cache_growth, decode, engine_programs, extend, lora_sync,
-                                  prefill_rows, weight_sync)
-from distflow_jax.rollout.decode import DecodeState, Prefix, StepOutput
-# The settings, placement and result types live in their own modules; re-exported here.
-from distflow_jax.rollout.engine_config import (
+from distflow_jax.rollout import lora_sync, weight_sync
+from distflow_jax.rollout.engine import (cache_growth, decode, extend, prefill_rows,
+                                         programs as engine_programs)
+from distflow_jax.rollout.engine.config import (
     FUSED_NAMES, EngineConfig, LoraSync, cast_floats, compute_dtype, decode_state_shardings,
     place_params, prefix_shardings, replica_mesh)
-from distflow_jax.rollout.results import ResultTokens, SlotData
-from distflow_jax.rollout.sampling import request_keys
-
-__all__ = ["Engine", "EngineConfig", "ResultTokens", "SlotData", "replica_mesh"]
+from distflow_jax.rollout.engine.decode import DecodeState, Prefix, StepOutput
+from distflow_jax.rollout.engine.results import ResultTokens
+from distflow_jax.rollout.engine.sampling import request_keys
 
 
 class Engine:
@@ -73,7 +71,7 @@ class Engine:
                         ) else FUSED_NAMES[config.fuse_projections]
     self.config = config
     self._mesh = mesh if mesh is not None else replica_mesh()
-    # The dtype of the engine's weights, cache and compute (engine_config.CpuCompute).
+    # The dtype of the engine's weights, cache and compute (config.CpuCompute).
     self.compute_dtype = compute_dtype(model_cfg, config, target.current().platform.value)
     self._cast = self.compute_dtype != model_cfg.dtype  # weights cast as they enter
     self._loop_cfg = model_cfg.replace(scan_layers=False, lora=None, fused_projections=self._fuse,
@@ -322,7 +320,7 @@ class Engine:
 
   @functools.cached_property
   def extender(self) -> extend.Extender:
-    """Appends to slots' caches (multi-turn episodes' next turns: rollout/extend.py)."""
+    """Appends to slots' caches (multi-turn episodes' next turns: rollout/engine/extend.py)."""
     return extend.Extender(self)
 
   def precompile(self) -> int:
