@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from distflow_jax.config import loading, values
+from distflow_jax.config import declare, loading, values
+from distflow_jax.config.run_sections import Trainer
 from distflow_jax.observe import samples, tensorboard
 from workflow_util import summary_values, tiny_model_folder, tiny_train_argv
 
@@ -60,10 +61,11 @@ def test_log_samples_must_be_a_count(value):
   cfg = loading.load("grpo:tiny")
   assert cfg.trainer.log_samples == 4
   values.check_values(cfg)
-  # The type-safe config refuses a float flag itself; a plain dict (a config file) does not.
+  # The type-safe config refuses a float flag itself; a plain dict (a config file) does not:
+  # the key's own check (declared beside it, config/run_sections.py) refuses it there.
   trainer = ml_collections.ConfigDict(dict(cfg.trainer.to_dict(), log_samples=value))
   with pytest.raises(loading.ConfigError, match=r"^trainer\.log_samples=.* must be .*>= 0"):
-    values._check_trainer(trainer)
+    declare.check_fields(Trainer, trainer, "trainer.")
 
 
 @pytest.mark.timeout(300)

@@ -85,8 +85,10 @@ def test_two_steps_of_the_tiny_config(tmp_path, monkeypatch):
              "data.eval_size=2", "data.prompts_per_step=8", "rollout.n=2",
              "actor.micro_batch_size=1", "rollout.max_new_tokens=20")
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
-  assert ctx.vision is not None and cfg.model.path.endswith("warmstart-vl")
-  rows = list(trainer.train(cfg, ctx, loaders))
+  # The run's config names the warm-started folder; the loaded one is not changed.
+  assert ctx.vision is not None and ctx.cfg.model.path.endswith("warmstart-vl")
+  assert cfg.model.path == "builtin:tiny-vl"
+  rows = list(trainer.train(ctx.cfg, ctx, loaders))
   assert [m["step"] for m in rows] == [0, 1, 2]
   for m in rows[1:]:
     for key in ("reward", "actor/loss", "actor/grad_norm", "actor/kl"):

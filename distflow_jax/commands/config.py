@@ -3,9 +3,9 @@
   distflow-jax config [--config=configs/grpo.py:tiny] [--config.x=y ...] [--diff] [--json]
   distflow-jax config --keys [--all]
 
-``--keys`` lists every key with its type, default, what it accepts and its one-line doc
-(declared in ``config/sections.py`` and ``config/run_sections.py``): the keys a first run
-sets (``*``, about 40) first, then the rest (``--all``: every key in declaration order).
+``--keys`` lists every key with its type, default, what it accepts and its one-line doc,
+each declared once beside its default: the keys a first run sets (``*``, about 40) first,
+then the rest (``--all``: every key in declaration order).
 ``--diff`` prints only the keys that differ from the defaults every config file starts
 from (``distflow_jax.config.defaults.base()``) and the DAG: what the config file and
 the overrides set.  ``--json`` prints the same as JSON (what ``train`` writes to

@@ -177,7 +177,8 @@ class Whole:
 
   def __call__(self, value, key: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-      raise ConfigError(f"{key}={value!r} must be a whole number{self.what}")
+      raise ConfigError(f"{key}={value!r} must be a whole number "
+                        f"{'>= 0' if self.allow_zero else '> 0'}{self.what}")
     positive(value, key, self.allow_zero, self.what)
 
   def __str__(self) -> str:
