@@ -108,7 +108,7 @@ def test_tour_block_is_what_the_test_expects():
   assert is_shell_state(lines[0]), lines[0]  # a new shell activates the venv again
   names = [shlex.split(l, comments=True)[:2] for l in lines[1:]]
   assert [n[1] if n[0] == "distflow-jax" else n[0] for n in names] == [
-      "plan", "train", "report", "export", "eval", "echo", "generate", "launch"]
+      "plan", "config", "train", "report", "export", "eval", "echo", "generate", "launch"]
   assert all("--config.trainer.total_steps=" in l for l in lines if " train " in l + " ")
 
 
@@ -152,6 +152,8 @@ def test_readme_tour_runs_as_written(tmp_path):
   assert "resumed from" in said and "(step 1)" in said and "nothing to do" not in said, said
 
   assert "generate" in results["plan"].stdout  # the plan names the DAG's nodes
+  # config --keys: every key with its type, default and doc, the first-run keys marked.
+  assert "* rollout.n (int) = 4" in results["config"].stdout
   data = run / "data" / "arithmetic_basic_eval.jsonl"
   assert data.is_file() and sum(1 for _ in open(data)) == 8
   # report: the PNGs and report.md the README lists.
