@@ -10,8 +10,7 @@ import pytest
 
 from distflow_jax.envs import guard, parsers
 from distflow_jax.rollout import SamplingParams, backend, episode_engine, episodes, reference
-from distflow_jax.rollout.engine import extend
-from distflow_jax.rollout.engine import Engine
+from distflow_jax.rollout.engine import Engine, extend
 from distflow_jax.rollout.engine.config import EngineConfig, replica_mesh
 from test_rollout_engine import CFG, peaky_model
 import plugin_envs
