@@ -72,20 +72,27 @@ def keys(tree, prefix: str = "") -> Iterator[str]:
       yield from keys(v, key + ".")
 
 
-def unknown_keys(cfg, schema) -> list[str]:
-  """Dotted keys of ``cfg`` that ``schema`` lacks (the first unknown level only)."""
+def _absent(have, ref, stop_at: tuple[str, ...] = ()) -> list[str]:
+  """Dotted keys of ``have`` that ``ref`` lacks, the first such level only; open keys and
+  the sections named in ``stop_at`` are not looked into."""
   out: list[str] = []
 
-  def walk(node, ref, prefix: str) -> None:
+  def walk(node, other, prefix: str) -> None:
     for k, v in node.items():
       key = prefix + str(k)
-      if k not in ref:
+      if k not in other:
         out.append(key)
-      elif _is_section(v) and _is_section(ref[k]) and not _open(key):
-        walk(v, ref[k], key + ".")
+      elif (_is_section(v) and _is_section(other[k]) and not _open(key)
+            and key not in stop_at):
+        walk(v, other[k], key + ".")
 
-  walk(cfg, schema, "")
+  walk(have, ref, "")
   return out
+
+
+def unknown_keys(cfg, schema) -> list[str]:
+  """Dotted keys of ``cfg`` that ``schema`` lacks (the first unknown level only)."""
+  return _absent(cfg, schema)
 
 
 def _initials(name: str) -> str:
@@ -156,19 +163,7 @@ PARTIAL: tuple[OpenKey, ...] = (
 def missing_keys(cfg, schema) -> list[str]:
   """Dotted keys of ``schema`` that ``cfg`` lacks (the first missing level only; inside a
   ``PARTIAL`` section only its own keys)."""
-  out: list[str] = []
-
-  def walk(node, ref, prefix: str) -> None:
-    for k, v in ref.items():
-      key = prefix + str(k)
-      if k not in node:
-        out.append(key)
-      elif (_is_section(v) and _is_section(node[k]) and not _open(key)
-            and not any(key == p.key for p in PARTIAL)):
-        walk(node[k], v, key + ".")
-
-  walk(cfg, schema, "")
-  return out
+  return _absent(schema, cfg, tuple(p.key for p in PARTIAL))
 
 
 def file_missing_problem(cfg, schema, path: str) -> str | None:
