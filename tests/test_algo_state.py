@@ -120,7 +120,7 @@ def ppo_run(run_dir):
       "trainer.save_every=2"))
   ctx, loaders = trainer.setup(c, log=lambda m: None)
   checkpointer, start = ck.open_run(c, ctx.roles, loaders.train, log=lambda m: None, ctx=ctx)
-  metrics = list(trainer.train(c, ctx, loaders, start, checkpointer=checkpointer))
+  metrics = list(trainer.train(ctx, loaders, start, checkpointer=checkpointer))
   checkpointer.close()
   params = [np.asarray(x) for x in jax.tree.leaves(ctx.roles[Role.ACTOR].params)]
   return start, metrics, params, ctx

@@ -128,7 +128,7 @@ def test_one_step_of_each_variant(variant, tmp_path):
   from distflow_jax.run import trainer
   cfg = one_step_config(variant, tmp_path)
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
-  (m,) = list(trainer.train(cfg, ctx, loaders))
+  (m,) = list(trainer.train(ctx, loaders))
   assert m["step"] == 1 and m["actor/skipped"] == 0.0
   for key in ("reward", "actor/loss", "actor/grad_norm"):
     assert math.isfinite(m[key]), (key, m)

@@ -52,7 +52,7 @@ def run(cfg):
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
   checkpointer, start = ck.open_run(cfg, ctx.roles, loaders.train, log=lambda m: None, ctx=ctx)
   try:
-    metrics = list(trainer.train(cfg, ctx, loaders, start, checkpointer=checkpointer))
+    metrics = list(trainer.train(ctx, loaders, start, checkpointer=checkpointer))
   finally:
     checkpointer.close()
   return start, metrics, weights(ctx)

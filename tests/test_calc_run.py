@@ -25,7 +25,7 @@ def test_shipped_calc_config_trains_on_episodes_and_evaluates_episodes(tmp_path)
   assert cfg.rollout.env == "calc" and cfg.data.train == "builtin:calc:basic"
   assert [n["fn"] for n in cfg.dag].count("reward.env") == 1
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
-  rows = list(trainer.train(cfg, ctx, loaders))
+  rows = list(trainer.train(ctx, loaders))
   steps = [m for m in rows if "actor/loss" in m]
   evals = [m for m in rows if "eval/accuracy" in m]
   assert len(steps) == 2 and len(evals) == 3  # before step 1, after steps 1 and 2

@@ -9,7 +9,8 @@ import typing
 import ml_collections
 import pytest
 
-from distflow_jax.config import declare, defaults, loading, schema, values
+from distflow_jax.config import (declare, defaults, loading, response, schema, values,
+                                 vision_checks)
 from distflow_jax.config.run_sections import Config
 from distflow_jax.config.validators import (Dataset, Flag, Float32, Folder, Increasing, InRange,
                                             LearningRate, OffOrAbove, Option, Positive, Whole)
@@ -112,6 +113,12 @@ def test_the_typed_view_is_frozen_and_holds_the_declared_types():
     with pytest.raises(dataclasses.FrozenInstanceError):
       view.rollout.n = 2
     _check_types(view, spec)
+    # The derived quantities: properties of the view, computed as the load-time checks do.
+    assert view.rollout.response_width == response.response_width(cfg.rollout)
+    assert (view.row_tokens, view.longest_sample) == (response.row_tokens(cfg),
+                                                      response.longest_sample(cfg))
+    assert view.image_key == vision_checks.run_image_key(cfg)
+    assert view.to_dict() == cfg.to_dict() and view["rollout"] is view.rollout
 
 
 def _check_types(obj, where: str) -> None:

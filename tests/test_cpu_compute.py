@@ -126,12 +126,12 @@ def test_a_lowering_for_a_gpu_keeps_the_models_dtype():
 
 
 def test_a_runs_engine_takes_the_rollout_sections_engine_settings():
-  """The run's engines (state/context.engine_config) read rollout.cpu_compute and
+  """The run's engines (state/replicas.engine_config) read rollout.cpu_compute and
   rollout.fuse_projections; the latter was dropped there before (the key then did nothing
   in a run)."""
   from distflow_jax.config import defaults
   from distflow_jax.rollout.engine.config import FuseProjections
-  from distflow_jax.state.context import engine_config
+  from distflow_jax.state.replicas import engine_config
   cfg = defaults.base()
   conf = engine_config(cfg, cfg.rollout, (1,))
   assert conf.cpu_compute is CpuCompute.FLOAT32 and conf.fuse_projections is FuseProjections.NONE

@@ -66,7 +66,7 @@ def test_dynamic_sampling_in_a_grpo_run(tmp_path):
       tmp_path, "cluster.devices_per_process=8", "data.prompts_per_step=8", "rollout.n=2",
       "actor.micro_batch_size=1", "trainer.total_steps=1", "algo.dynamic_sampling_tries=2"))
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
-  (m,) = list(trainer.train(cfg, ctx, loaders))
+  (m,) = list(trainer.train(ctx, loaders))
   assert m["dynamic_sampling/tries"] == 2
   assert m["dynamic_sampling/varied_fraction"] == 0.0
   assert m["dynamic_sampling/filled_constant"] == 8  # all 8 groups of this host

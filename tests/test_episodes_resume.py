@@ -21,7 +21,7 @@ def _run(run_dir):
   cfg = _cfg(run_dir, "trainer.total_steps=2", "trainer.save_every=1")
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
   checkpointer, start = ck.open_run(cfg, ctx.roles, loaders.train, log=lambda m: None, ctx=ctx)
-  metrics = list(trainer.train(cfg, ctx, loaders, start, checkpointer=checkpointer))
+  metrics = list(trainer.train(ctx, loaders, start, checkpointer=checkpointer))
   checkpointer.close()
   params = [np.asarray(x) for x in jax.tree.leaves(ctx.roles[Role.ACTOR].params)]
   return start, metrics, params

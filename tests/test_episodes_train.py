@@ -31,7 +31,7 @@ def _cfg(tmp_path, *extra, name="grpo:tiny"):
 def test_grpo_step_on_episodes_trains_generated_tokens_only(tmp_path):
   cfg = _cfg(tmp_path)
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
-  (m,) = list(trainer.train(cfg, ctx, loaders))
+  (m,) = list(trainer.train(ctx, loaders))
   for key in ("env/turns_mean", "env/errors", "env/truncated", "actor/loss", "reward"):
     assert key in m and math.isfinite(m[key]), (key, m)
   assert m["actor/skipped"] == 0.0 and m["env/errors"] == 0.0 and m["env/turns_mean"] >= 1
@@ -47,7 +47,7 @@ def test_ppo_step_on_episodes_with_a_critic(tmp_path):
   critic's advantages and both train steps."""
   cfg = _cfg(tmp_path, "critic.micro_batch_size=1", name="ppo:tiny")
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
-  (m,) = list(trainer.train(cfg, ctx, loaders))
+  (m,) = list(trainer.train(ctx, loaders))
   for key in ("env/turns_mean", "actor/loss", "critic/loss"):
     assert key in m and math.isfinite(m[key]), (key, m)
   samples = 8 * 2
@@ -65,7 +65,7 @@ def test_max_episode_tokens_is_the_response_width_and_max_new_tokens_each_turns(
                       lambda *a, **k: seen.append(run(*a, **k)) or seen[-1])
   cfg = _cfg(tmp_path, "rollout.max_new_tokens=6", "rollout.max_episode_tokens=16")
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
-  (m,) = list(trainer.train(cfg, ctx, loaders))
+  (m,) = list(trainer.train(ctx, loaders))
   (ep,) = seen
   ro, gen = ep.rollout, ep.loss_mask_RxN
   assert ro.tokens_RxN.shape[1] == 16 and m["actor/skipped"] == 0.0
@@ -92,7 +92,7 @@ def test_reset_gets_the_rows_own_fields(tmp_path):
              f"model.path={tmp_path / 'model'}")
   plugin_envs.Scripted.log.clear()
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
-  list(trainer.train(cfg, ctx, loaders))
+  list(trainer.train(ctx, loaders))
   seen = [row for kind, row in plugin_envs.Scripted.log if kind == "reset"]
   assert len(seen) == 8 * 2
   by_prompt = {r["prompt"]: r for r in rows}
@@ -119,7 +119,7 @@ def test_the_engine_plays_episodes_past_the_largest_prefill_bucket(tmp_path, mon
   with cfg.unlocked():
     cfg.rollout.prefill_buckets = (32,)  # < data.max_prompt_len + 24 - 1 = 55
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
-  (m,) = list(trainer.train(cfg, ctx, loaders))
+  (m,) = list(trainer.train(ctx, loaders))
   assert played and m["actor/skipped"] == 0.0 and m["env/errors"] == 0.0
   longest = max(len(ep.context) for eps in played for ep in eps)
   assert longest > 32, longest  # an episode's context past the largest bucket (32)

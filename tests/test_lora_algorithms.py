@@ -65,7 +65,7 @@ def test_one_lora_step_of_each_variant(variant, tmp_path):
   adapters, base = lora.split_trainable(ctx.roles[Role.ACTOR].params)
   before_base, before_adapters = _host(base), _host(adapters)
   assert before_adapters and Role.REFERENCE not in ctx.roles
-  (m,) = list(trainer.train(cfg, ctx, loaders))
+  (m,) = list(trainer.train(ctx, loaders))
   assert m["step"] == 1 and m["actor/skipped"] == 0.0, m
   for key in ("reward", "actor/loss", "actor/grad_norm"):
     assert math.isfinite(m[key]), (key, m)

@@ -35,7 +35,7 @@ def _one_step(config, tmp_path, *extra):
   adapters, base = lora.split_trainable(actor.params)
   before_base, before_adapters = _host(base), _host(adapters)
   assert len(before_adapters) > 0 and Role.REFERENCE not in ctx.roles
-  (m,) = list(trainer.train(cfg, ctx, loaders))
+  (m,) = list(trainer.train(ctx, loaders))
   assert m["step"] == 1 and m["actor/skipped"] == 0.0
   assert math.isfinite(m["actor/loss"]), m
   adapters, base = lora.split_trainable(ctx.roles[Role.ACTOR].params)

@@ -177,7 +177,7 @@ def test_registered_estimator_runs_in_a_grpo_step_and_reaches_the_train_step(
   before = jax.tree.map(np.asarray, ctx.roles[Role.ACTOR].params)
   FUNCTIONS.bind("train.actor", spy)
   try:
-    metrics = list(trainer.train(cfg, ctx, loaders))
+    metrics = list(trainer.train(ctx, loaders))
   finally:
     FUNCTIONS.bind("train.actor", training.NODES["train.actor"])
   after = jax.tree.map(np.asarray, ctx.roles[Role.ACTOR].params)

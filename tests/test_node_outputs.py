@@ -123,7 +123,7 @@ def test_a_step_returns_its_metrics_and_the_actor_state_the_node_made(tmp_path):
     ctx, loaders = trainer.setup(cfg, log=lambda m: None)
     actor = ctx.roles[Role.ACTOR]
     before = [np.asarray(x) for x in jax.tree.leaves(actor.params)]
-    metrics = list(trainer.train(cfg, ctx, loaders))
+    metrics = list(trainer.train(ctx, loaders))
   finally:
     FUNCTIONS.unregister(PLUGIN)
   assert [m["step"] for m in metrics] == [1]

@@ -202,7 +202,7 @@ def test_one_grpo_step_with_each_correction(correction, tmp_path):
       "rollout.n=2", f"actor.off_policy.correction={correction}", *extra,
       *[f"placement.{role}.devices=0:1" for role in ("actor", "reference", "reward")]))
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
-  (m,) = list(trainer.train(cfg, ctx, loaders))
+  (m,) = list(trainer.train(ctx, loaders))
   assert m["step"] == 1 and m["actor/skipped"] == 0.0
   assert "old_logprob_from_rollout" not in m  # the trainer's own old log-probs
   # The engine's log-probs and the trainer's differ a little (decode cache, kernels).

@@ -120,7 +120,7 @@ def test_a_step_records_sum_pi_squared_and_trains(tmp_path):
     return out
   FUNCTIONS.bind("logprob.stats", spy)
   try:
-    (m,) = list(trainer.train(cfg, ctx, loaders))
+    (m,) = list(trainer.train(ctx, loaders))
   finally:
     FUNCTIONS.bind("logprob.stats", real)
   assert "old_logprob_from_rollout" not in m

@@ -249,7 +249,7 @@ def test_grpo_and_ppo_train_packed(tmp_path):
        ("values", "train_critic", "train_actor"))):
     cfg = loading.load(name, smoke_overrides(tmp_path / name.split(":")[0], *common, *extra))
     ctx, loaders = trainer.setup(cfg, log=lambda m: None)
-    metrics = list(trainer.train(cfg, ctx, loaders))
+    metrics = list(trainer.train(ctx, loaders))
     assert [m["step"] for m in metrics] == list(range(1, cfg.trainer.total_steps + 1))
     for m in metrics:
       assert math.isfinite(m["actor/loss"]) and m["actor/skipped"] == 0.0

@@ -278,7 +278,7 @@ def test_grpo_trains_packed_with_shared_prompts(tmp_path):
       "trainer.total_steps=1", "actor.recompute_old_logprobs=True",
       "actor.micro_batch_tokens=64", "actor.entropy_coef=0.01"))
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
-  (m,) = list(trainer.train(cfg, ctx, loaders))
+  (m,) = list(trainer.train(ctx, loaders))
   assert math.isfinite(m["actor/loss"]) and m["actor/skipped"] == 0.0
   assert math.isfinite(m["actor/grad_norm"])
   for node in ("old_logprob", "ref_logprob", "train_actor"):

@@ -58,7 +58,7 @@ def test_a_plugin_loss_trains_two_steps_by_name(tmp_path, capsys):
       cfg.dag = [dict(d, fn="reward.digits") if d["fn"] == "reward.math" else dict(d)
                  for d in cfg.dag]
     ctx, loaders = trainer.setup(cfg, log=lambda m: None)
-    rows = list(trainer.train(cfg, ctx, loaders))
+    rows = list(trainer.train(ctx, loaders))
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
       assert r["actor/skipped"] == 0.0 and math.isfinite(r["actor/loss"]), r

@@ -139,7 +139,7 @@ def test_a_step_subtracts_the_greedy_reward(tmp_path, constant_reward):
   with cfg.unlocked():
     cfg.dag = [dict(d, fn=constant_reward) if d["fn"] == "reward.math" else d for d in cfg.dag]
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
-  (m,) = list(trainer.train(cfg, ctx, loaders))
+  (m,) = list(trainer.train(ctx, loaders))
   assert m["reward"] == 1.0 and m["reward/reward_baseline"] == 1.0, m
   assert m["baseline_length"] > 0
   assert m["actor/grad_norm"] == 0.0, m

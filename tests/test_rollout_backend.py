@@ -131,26 +131,25 @@ def test_jetstream_backend_refused_in_one_line_without_the_package(monkeypatch):
     backend.make_backend("jetstream", CFG, conf)
 
 
-def test_run_context_builds_the_configured_backend_once():
-  """RunContext.backend follows rollout.backend, built once per settings."""
+def test_the_replicas_build_the_configured_backend_once():
+  """A run's rollout replicas (state/replicas.py) follow rollout.backend, built once per
+  settings; the context builds them as its service."""
+  import dataclasses
   import types
 
-  from distflow_jax.dag.spec import Role
-  from distflow_jax.state.context import RunContext
-  cfg = loading.load("grpo:tiny")
-  ctx = object.__new__(RunContext)  # only what backend() reads; no plan, roles or data
-  ctx.cfg, ctx.model_cfg, ctx._backends = cfg, CFG, {}
-  ctx.tokenizer = types.SimpleNamespace(eos_ids=(2,))
-  ctx.roles = {Role.ACTOR: types.SimpleNamespace(
-      mesh=engine_lib.replica_mesh(1, jax.devices()[:1]))}
+  from distflow_jax.config import declare
+  from distflow_jax.config.run_sections import Config
+  from distflow_jax.state.replicas import RolloutReplicas
+  cfg = declare.view(Config, loading.load("grpo:tiny"))
+  reps = RolloutReplicas(cfg, None, None, CFG, types.SimpleNamespace(eos_ids=(2,)),
+                         jax.devices()[:1])  # no plan: the actor's devices
   rollout = cfg.rollout
-  made = ctx.backend(rollout)
-  assert isinstance(made, backend.EngineBackend) and ctx.backend(rollout) is made
+  made = reps.backend(rollout)
+  assert isinstance(made, backend.EngineBackend) and reps.backend(rollout) is made
   assert made.config.stop_ids == (2,)
-  assert ctx.backend(rollout, greedy=True).config.sampling.greedy
-  rollout.backend = "reference"
-  ref = ctx.backend(rollout)
+  assert reps.backend(rollout, greedy=True).config.sampling.greedy
+  assert reps.built() == [(0,)] * 2
+  ref = reps.backend(dataclasses.replace(rollout, backend="reference"))
   assert isinstance(ref, reference.ReferenceSampler) and ref.config == made.config
-  rollout.backend = "sglang"
   with pytest.raises(loading.ConfigError, match="valid: engine, reference, jetstream$"):
-    ctx.backend(rollout)
+    reps.backend(dataclasses.replace(rollout, backend="sglang"))

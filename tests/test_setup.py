@@ -87,3 +87,38 @@ def test_reference_owns_its_buffers_whatever_the_actor_mesh(tmp_path, mesh):
   actor, ref = (jax.tree.leaves(roles[r].params) for r in (Role.ACTOR, Role.REFERENCE))
   assert not any(_shares_buffers(r, a) for r, a in zip(ref, actor))
   assert _shares_buffers(actor[0], actor[0])  # the check itself can see a shared buffer
+
+
+@pytest.mark.timeout(300)
+def test_the_run_reads_the_typed_view_with_node_overrides(tmp_path):
+  """The context holds the config's typed, frozen view (config/run_sections.Config), built
+  once; a node's section is the view with the node's overrides (ints widen to floats as
+  ml_collections widens them), and a derived config (with_values) is a new view."""
+  import dataclasses
+
+  from distflow_jax.config import response
+  from distflow_jax.config.run_sections import Config
+  from distflow_jax.config.sections import Actor
+  dag = [dict(d) for d in loading.load("grpo:tiny").dag]
+  for d in dag:
+    if d["fn"] == "train.actor":
+      d["config"] = {"kl": {"coef": 1}, "ppo_epochs": 2}
+  cfg = loading.load("grpo:tiny", smoke_overrides(tmp_path))
+  cfg = loading.with_values(cfg, {"dag": dag})
+  ctx = prepare_run(cfg, roles="actor", log=lambda m: None).ctx
+  assert isinstance(ctx.cfg, Config) and ctx.cfg.rollout.n == cfg.rollout.n
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    ctx.cfg.rollout.n = 1
+  assert ctx.cfg.rollout.response_width == response.response_width(cfg.rollout)
+  assert ctx.cfg.row_tokens == response.row_tokens(cfg) and ctx.cfg.image_key == ""
+  node = next(s.node for s in ctx.plan.steps if s.node.fn == "train.actor")
+  actor = ctx.section(node, "actor")
+  assert isinstance(actor, Actor) and actor.ppo_epochs == 2
+  assert actor.kl.coef == 1.0 and isinstance(actor.kl.coef, float)
+  assert ctx.cfg.actor.kl.coef == cfg.actor.kl.coef and ctx.section(node, "actor") is actor
+  gen = next(s.node for s in ctx.plan.steps if s.node.fn == "generate")
+  assert ctx.section(gen, "rollout") is ctx.cfg.rollout
+  moved = loading.with_values(ctx.cfg, {"rollout.n": 2, "run_dir": "elsewhere"})
+  assert (moved.rollout.n, moved.run_dir, ctx.cfg.rollout.n) == (2, "elsewhere", cfg.rollout.n)
+  with pytest.raises(KeyError):
+    loading.with_values(ctx.cfg, {"rollout.no_such_key": 1})

@@ -67,7 +67,7 @@ def test_grpo_on_shapes_with_a_tiny_vl_model(tmp_path, monkeypatch, share, extra
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
   assert ctx.vision is not None
   before = jax.tree.map(np.asarray, ctx.roles[Role.ACTOR].params)
-  rows = list(trainer.train(cfg, ctx, loaders))
+  rows = list(trainer.train(ctx, loaders))
   assert [m["step"] for m in rows] == [0, 1, 2]  # step 0: the evaluation before training
   metrics = rows[1:]
   for m in metrics:

@@ -88,7 +88,7 @@ def test_two_steps_of_the_tiny_config(tmp_path, monkeypatch):
   # The run's config names the warm-started folder; the loaded one is not changed.
   assert ctx.vision is not None and ctx.cfg.model.path.endswith("warmstart-vl")
   assert cfg.model.path == "builtin:tiny-vl"
-  rows = list(trainer.train(ctx.cfg, ctx, loaders))
+  rows = list(trainer.train(ctx, loaders))
   assert [m["step"] for m in rows] == [0, 1, 2]
   for m in rows[1:]:
     for key in ("reward", "actor/loss", "actor/grad_norm", "actor/kl"):

@@ -125,7 +125,7 @@ def test_run_with_several_prompt_widths_compiles_nothing_after_step_1(tmp_path):
   ctx, loaders = trainer.setup(cfg, log=lambda s: None)
   ck, _ = checkpoint.open_run(cfg, ctx.roles, loaders.train, log=lambda s: None, ctx=ctx)
   rows = []
-  for row in trainer.train(cfg, ctx, loaders, checkpointer=ck):
+  for row in trainer.train(ctx, loaders, checkpointer=ck):
     rows.append(row)
     if row["step"] == 5:
       break  # before the end-of-run save: no save has run

@@ -20,7 +20,7 @@ def run(name, tmp_path, *extra, adjust=None):
       adjust(cfg)
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
   before = jax.tree.map(np.asarray, ctx.roles[Role.ACTOR].params)
-  metrics = list(trainer.train(cfg, ctx, loaders))
+  metrics = list(trainer.train(ctx, loaders))
   after = jax.tree.map(np.asarray, ctx.roles[Role.ACTOR].params)
   changed = any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before),
                                                         jax.tree.leaves(after)))
@@ -153,7 +153,7 @@ def test_raising_reward_plugin_names_the_sample(tmp_path):
     cfg.dag[1] = dict(id="reward", fn="reward.boom", deps=["generate"])
   with pytest.raises(Exception, match=r"reward function 'boom'.*sample"):
     ctx, loaders = trainer.setup(cfg, log=lambda m: None)
-    list(trainer.train(cfg, ctx, loaders))
+    list(trainer.train(ctx, loaders))
 
 
 @pytest.mark.timeout(300)
@@ -173,7 +173,7 @@ def test_ungrouped_rows_take_the_per_row_pass(tmp_path):
         dict(id="train_actor", fn="train.actor", deps=["ref"]),
     ]
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
-  [m] = list(trainer.train(cfg, ctx, loaders))
+  [m] = list(trainer.train(ctx, loaders))
   # 16 rows on 8 shards hold whole groups of 2, but the plugin broke them up.
   assert m["prompt_group/ref"] == 1.0 and m["prompt_group/train_actor"] == 1.0
   assert math.isfinite(m["actor/loss"]) and m["actor/skipped"] == 0.0
@@ -240,7 +240,7 @@ def test_reward_model_node_adds_its_score_to_the_rule_reward(tmp_path):
       "rollout.n=2", "actor.micro_batch_size=1", "trainer.total_steps=1")), tmp_path / "rm")
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
   assert Role.REWARD in ctx.roles
-  metrics = list(trainer.train(cfg, ctx, loaders))
+  metrics = list(trainer.train(ctx, loaders))
   for m in metrics:
     assert math.isfinite(m["reward/rm"]) and m["reward/rm"] != 0.0
     assert m["reward"] == pytest.approx(m["reward/reward_math"] + 0.5 * m["reward/rm"],
@@ -260,7 +260,7 @@ def test_critic_warmup_trains_the_critic_alone_first(tmp_path):
   same = lambda a, b: all(np.array_equal(x, y) for x, y in  # noqa: E731
                           zip(jax.tree.leaves(a), jax.tree.leaves(b)))
   actor0, critic0 = snap(Role.ACTOR), snap(Role.CRITIC)
-  steps = trainer.train(cfg, ctx, loaders)
+  steps = trainer.train(ctx, loaders)
   m1 = next(steps)
   actor1, critic1 = snap(Role.ACTOR), snap(Role.CRITIC)
   assert same(actor0, actor1) and not same(critic0, critic1)

@@ -56,7 +56,7 @@ def _single(tmp_path, name, extra, tape=None, mode=None):
     use_tape(cfg, tape, mode)
   try:
     ctx, loaders = trainer.setup(cfg, log=lambda m: None)
-    rows = list(trainer.train(cfg, ctx, loaders))
+    rows = list(trainer.train(ctx, loaders))
   finally:
     os.environ.pop("DISTFLOW_TEST_TAPE", None)
     os.environ.pop("DISTFLOW_TEST_TAPE_MODE", None)

@@ -80,7 +80,7 @@ def child(args: argparse.Namespace) -> None:
     stage = [s.node.id for s in ctx.plan.steps[:n]]
     rest = [s.node.id for s in ctx.plan.steps[n:]]
     rows = []
-    for m in trainer.train(cfg, ctx, loaders):
+    for m in trainer.train(ctx, loaders):
       rows.append({
           "step": int(m["step"]), "time": m["time/step"],
           "rollout": sum(m[f"time/{i}"] for i in stage),

@@ -30,13 +30,13 @@ completions do not depend on how the lines are spread.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 import time
 from collections.abc import Sequence
 
-import ml_collections
 from absl import flags
 
 from distflow_jax import distributed
@@ -165,10 +165,9 @@ def run(argv: Sequence[str]) -> int:
       raise loading.ConfigError(
           f"prompt {i} has {len(p)} tokens; it must be 1..{max(buckets)} (the largest of "
           f"rollout.prefill_buckets={buckets})")
-  rollout = ml_collections.ConfigDict(cfg.rollout.to_dict())
-  rollout.max_new_tokens = new
+  rollout = dataclasses.replace(cfg.rollout, max_new_tokens=new)
   try:
-    backend = ctx.backend(rollout)  # rollout.backend's kind, as the trainer's generate node
+    backend = ctx.replicas.backend(rollout)  # rollout.backend's kind, as the trainer's generate node
   except loading.ConfigError:
     raise
   except ValueError as e:

@@ -95,7 +95,7 @@ def _run(argv: Sequence[str]) -> int:
                                         log=log, ctx=ctx)
     t0 = time.perf_counter()
     from distflow_jax.lowering import catalogue
-    for m in trainer.train(cfg, ctx, loaders, start, checkpointer=ckpt, log=log, wandb=wandb,
+    for m in trainer.train(ctx, loaders, start, checkpointer=ckpt, log=log, wandb=wandb,
                            programs_at=catalogue.late_programs):
       log.step(m, cfg.trainer.total_steps)
     last = None

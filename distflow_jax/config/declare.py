@@ -48,6 +48,23 @@ def open_key(default: Callable[[], Any], doc: str, *, core: bool = False) -> Any
                                                                "open": True})
 
 
+class Section:
+  """The base of every declared section: its fields read as attributes (``cfg.rollout.n``),
+  by name (``cfg["rollout"]``, for a name held in a variable) and as a plain dict
+  (``to_dict()``), as a loaded ml_collections config's do."""
+
+  def __getitem__(self, name: str) -> Any:
+    if name not in self.__dataclass_fields__:  # type: ignore[attr-defined]
+      raise KeyError(name)
+    return getattr(self, name)
+
+  def __contains__(self, name: str) -> bool:
+    return name in self.__dataclass_fields__  # type: ignore[attr-defined]
+
+  def to_dict(self) -> dict[str, Any]:
+    return _plain(self)
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
   """One declared key, as ``config --keys`` lists it."""
@@ -110,6 +127,16 @@ def view(cls: type, cfg: Mapping[str, Any]) -> Any:
     sub = _section_class(cls, f.name)
     kwargs[f.name] = view(sub, value) if sub is not None else _frozen(value, f)
   return cls(**kwargs)
+
+
+def replaced(obj: Any, overrides: Mapping[str, Any]) -> Any:
+  """The section instance ``obj`` with ``overrides`` (a DAG node's ``config=``: nested dicts
+  patch nested sections) applied as ml_collections applies them: ints widen to floats, an
+  unknown key or a wrong type is refused (config/checks.py names the node first)."""
+  merged = to_configdict(obj)
+  merged.lock()  # a key the section lacks is refused, not added
+  merged.update(dict(overrides))
+  return view(type(obj), merged)
 
 
 def _frozen(value: Any, f: dataclasses.Field) -> Any:

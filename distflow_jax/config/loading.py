@@ -14,12 +14,13 @@ import difflib
 import os
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from distflow_jax.config import defaults, flag_checks, schema
+from distflow_jax.config import declare, defaults, flag_checks, schema
 from distflow_jax.config.errors import ConfigError
 
 
@@ -248,11 +249,19 @@ def _first_and_last_line(msg: str) -> str:
   return f"{lines[0].rstrip(':')}: {lines[-1].strip()}"
 
 
-def with_values(cfg: ml_collections.ConfigDict, updates: dict[str, object]
-                ) -> ml_collections.ConfigDict:
+def with_values(cfg: Any, updates: dict[str, object]) -> Any:
   """A locked copy of ``cfg`` with the dotted keys of ``updates`` set: how a command puts
   its own flags (``--model``, ``--data``) or a resolved path into a config; the loaded
-  config itself is never changed."""
+  config itself is never changed.  Given a typed view (``ctx.cfg``), a new view."""
+  if not isinstance(cfg, ml_collections.ConfigDict):
+    nested: dict[str, Any] = {}
+    for dotted, value in updates.items():
+      *parents, leaf = dotted.split(".")
+      node = nested
+      for p in parents:
+        node = node.setdefault(p, {})
+      node[leaf] = value
+    return declare.replaced(cfg, nested)
   new = cfg.copy_and_resolve_references()
   with new.unlocked():
     for dotted, value in updates.items():

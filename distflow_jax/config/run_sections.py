@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from distflow_jax.config.declare import key, open_key, section
+from distflow_jax.config import response, vision_checks
+from distflow_jax.config.declare import Section, key, open_key, section
 from distflow_jax.config.sections import (Actor, Algo, Cluster, Critic, Data, Model,
                                           Reference, Reward, Rollout, compile_cache_dir)
 from distflow_jax.config.validators import Folder, InRange, LearningRate, Option, Positive, Whole
@@ -17,14 +18,14 @@ P = Positive()
 
 
 @frozen
-class MeshShape:
+class MeshShape(Section):
   data: int = key(1, "data-parallel axis size")
   fsdp: int = key(-1, "fully-sharded axis size; -1 = the devices left")
   tensor: int = key(1, "tensor-parallel axis size")
 
 
 @frozen
-class Mesh:
+class Mesh(Section):
   devices: str = key("all", "the role's devices: all | a spec such as '0:4'")
   mesh: MeshShape = section(MeshShape, "the role's mesh axes")
 
@@ -39,13 +40,13 @@ class Mesh:
 
 
 @frozen
-class RolloutDevices:
+class RolloutDevices(Section):
   devices: str = key("actor", "the rollout replicas' devices: actor (the actor's) | a spec "
                      "('0:4') of their own, e.g. for trainer.max_staleness > 0")
 
 
 @frozen
-class Placement:
+class Placement(Section):
   actor: Mesh = section(Mesh, "the actor's devices and mesh")
   reference: Mesh = section(Mesh, "the reference model's devices and mesh")
   critic: Mesh = section(Mesh, "the critic's devices and mesh")
@@ -54,7 +55,7 @@ class Placement:
 
 
 @frozen
-class Health:
+class Health(Section):
   kl_max: float = key(1.0, "warn above this KL to the reference, nats per token; 0 = off")
   length_fraction: float = key(0.25, "warn when the mean response length falls below this x "
                                "its first steps' mean")
@@ -67,7 +68,7 @@ class Health:
 
 
 @frozen
-class Trainer:
+class Trainer(Section):
   total_steps: int = key(20, "RL steps", core=True, check=P)
   eval_every: int = key(5, "held-out evaluation every K steps", core=True,
                         check=Positive(allow_zero=True, note=" (0 = no evaluation)"))
@@ -96,7 +97,7 @@ class Trainer:
 
 
 @frozen
-class Wandb:
+class Wandb(Section):
   enabled: bool = key(False, "log to Weights & Biases (pip install 'distflow-jax[wandb]')")
   project: str = key("distflow-jax", "the wandb project")
   name: str = key("", "the wandb run's name; '' = the config's name")
@@ -104,7 +105,7 @@ class Wandb:
 
 
 @frozen
-class Logging:
+class Logging(Section):
   wandb: Wandb = section(Wandb, "Weights & Biases logging")
   heartbeat_s: float = key(15.0, "while a long phase prints nothing, a line every N seconds",
                            check=InRange(0, note=" (seconds between the lines of a long phase; "
@@ -112,7 +113,7 @@ class Logging:
 
 
 @frozen
-class Sft:
+class Sft(Section):
   steps: int = key(200, "`distflow-jax sft` steps", check=P)
   lr: float = key(1e-4, "the peak learning rate", check=LearningRate())
   batch_size: int = key(16, "global rows per step", check=P)
@@ -133,7 +134,7 @@ class Sft:
 
 
 @frozen
-class Config:
+class Config(Section):
   name: str = key("run", "the run's name", core=True)
   seed: int = key(0, "the run's seed", core=True)
   run_dir: str = key("runs/default", "checkpoints, metrics and samples go here", core=True)
@@ -155,3 +156,20 @@ class Config:
   entry: str = key("", "the DAG's entry node; '' = the single generate node")
   dag: list = open_key(list, "the workflow: nodes with id, role, type, deps (docs/dag.md)",
                        core=True)
+
+  # What the keys above fix between them, computed in one place each (the load-time checks
+  # call the same functions on the ml_collections config).
+  @property
+  def row_tokens(self) -> int:
+    """A padded training row's tokens: the longest prompt plus the response width."""
+    return response.row_tokens(self)
+
+  @property
+  def longest_sample(self) -> int:
+    """The tokens a pass feeds for the longest sample (a packed row's least length)."""
+    return response.longest_sample(self)
+
+  @property
+  def image_key(self) -> str:
+    """The row field holding the run's images ('' for a text-only run)."""
+    return vision_checks.run_image_key(self)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from importlib import metadata
 
-from distflow_jax.config.declare import key, section
+from distflow_jax.config import response
+from distflow_jax.config.declare import Section, key, section
 from distflow_jax.config.validators import (Dataset, Flag, Float32, Folder, Increasing, InRange,
                                             LearningRate, OffOrAbove, Option, Positive, Whole)
 
@@ -30,7 +31,7 @@ def compile_cache_dir() -> str:
 
 
 @frozen
-class Cluster:
+class Cluster(Section):
   num_processes: int = key(0, "JAX processes (hosts); 0 = the running jax's process count")
   devices_per_process: int = key(
       0, "devices per process; 0 = the running jax's; on a CPU-only machine > 0 simulates "
@@ -38,7 +39,7 @@ class Cluster:
 
 
 @frozen
-class Warmstart:
+class Warmstart(Section):
   steps: int = key(300, "supervised warm-start steps of the built-in model (cached in run_dir)",
                    check=P0)
   lr: float = key(1e-3, "the warm start's learning rate", check=LearningRate())
@@ -50,7 +51,7 @@ class Warmstart:
 
 
 @frozen
-class Lora:
+class Lora(Section):
   enabled: bool = key(False, "train rank-`rank` adapters on the actor, base frozen "
                       "(docs/lora.md)", core=True)
   rank: int = key(8, "the adapters' rank", core=True)
@@ -71,7 +72,7 @@ class Lora:
 
 
 @frozen
-class Model:
+class Model(Section):
   path: str = key("", "a local Hugging Face folder (config.json + safetensors); '' = the "
                   "built-in model.preset", core=True)
   preset: str = key("tiny", "the built-in architecture when path is '': tiny | micro",
@@ -102,7 +103,7 @@ class Model:
 
 
 @frozen
-class Data:
+class Data(Section):
   train: str = key("builtin:arithmetic", "training prompts: a JSONL/Parquet path or "
                    "builtin:<task>", core=True, check=Dataset())
   eval: str = key("builtin:arithmetic", "held-out prompts ('' = no evaluation)", core=True,
@@ -129,7 +130,7 @@ class Data:
 
 
 @frozen
-class Rollout:
+class Rollout(Section):
   n: int = key(4, "samples per prompt (the group size)", core=True, check=P)
   max_new_tokens: int = key(32, "the longest response (a multi-turn episode's turn)", core=True,
                             check=P)
@@ -161,9 +162,14 @@ class Rollout:
   env_timeout_s: float = key(30.0, "seconds per environment reset / step call")
   on_env_error: str = key("end", "end (the episode, counted in env/errors) | stop (the run)")
 
+  @property
+  def response_width(self) -> int:
+    """Tokens after the prompt in a training row (config/response.py)."""
+    return response.response_width(self)
+
 
 @frozen
-class Optimizer:
+class Optimizer(Section):
   name: str = key("adamw", "the optimizer", check=Option("optimizer"))
   lr: float = key(1e-5, "the peak learning rate", core=True)
   weight_decay: float = key(0.0, "decoupled weight decay", check=InRange(0))
@@ -177,7 +183,7 @@ class Optimizer:
 
 
 @frozen
-class LossArgs:
+class LossArgs(Section):
   sapo_tau_pos: float = key(1.0, "sapo's gate temperature for A > 0")
   sapo_tau_neg: float = key(1.05, "sapo's gate temperature for A <= 0")
   clip_cov_ratio: float = key(2e-4, "clip_cov's share of a micro-batch's tokens detached")
@@ -188,7 +194,7 @@ class LossArgs:
 
 
 @frozen
-class KL:
+class KL(Section):
   coef: float = key(0.0, "the KL-to-reference coefficient; 0 = no KL", core=True,
                     check=InRange(0))
   estimator: str = key("k3", "the per-token KL estimator (k3: low-variance, >= 0)",
@@ -202,7 +208,7 @@ class KL:
 
 
 @frozen
-class OffPolicy:
+class OffPolicy(Section):
   correction: str = key("none", "the rollout log-probs' correction: none | tis | decoupled | "
                         "seq_tis | token_reject | seq_reject", check=Option("off_policy"))
   tis_cap: float = key(2.0, "C, the importance weight's cap", check=InRange(0, lo_open=True))
@@ -211,7 +217,7 @@ class OffPolicy:
 
 
 @frozen
-class Actor:
+class Actor(Section):
   optimizer: Optimizer = section(Optimizer, "the actor's optimizer", core=True)
   micro_batch_size: int = key(8, "rows per micro-batch of the train step", core=True, check=P)
   micro_batch_tokens: int = key(0, "> 0: micro-batches filled by real tokens (needs "
@@ -239,7 +245,7 @@ class Actor:
 
 
 @frozen
-class Critic:
+class Critic(Section):
   optimizer: Optimizer = section(Optimizer, "the critic's optimizer")
   micro_batch_size: int = key(8, "rows per micro-batch of the critic's train step", check=P)
   micro_batch_tokens: int = key(0, "as actor.micro_batch_tokens, for the critic's train step",
@@ -253,12 +259,12 @@ class Critic:
 
 
 @frozen
-class Reference:
+class Reference(Section):
   """The reference model has no settings of its own (it is the actor's starting weights)."""
 
 
 @frozen
-class Reward:
+class Reward(Section):
   weight: float = key(1.0, "the rule reward's weight in the sum of rewards", check=Float32())
   correct: float = key(1.0, "the reward of a correct answer", check=Float32())
   wrong: float = key(0.0, "the reward of a wrong answer", check=Float32())
@@ -270,7 +276,7 @@ class Reward:
 
 
 @frozen
-class Algo:
+class Algo(Section):
   gamma: float = key(1.0, "the discount", check=InRange(0, 1))
   lam: float = key(1.0, "GAE's lambda", check=InRange(0, 1))
   norm_by_std: bool = key(True, "divide group advantages by their std (False = Dr.GRPO)",

@@ -24,7 +24,6 @@ from jax.sharding import NamedSharding
 
 from distflow_jax.algos import advantages as adv
 from distflow_jax.algos.off_policy import OffPolicyCorrection
-from distflow_jax.config.response import response_width
 from distflow_jax.dag.planner import LayoutKind, Move, Plan
 from distflow_jax.dag.registry import FUNCTIONS
 from distflow_jax.dag.spec import Role
@@ -65,7 +64,7 @@ def _dims(ctx: RunContext, rows: int, width: int) -> ab.Dims:
   i = d = 0
   if ctx.vision is not None:
     i, d, _ = ab.image_dims(ctx.cfg, ctx.vision.cfg)
-  return ab.Dims(rows, width, response_width(ctx.cfg.rollout), i, d)
+  return ab.Dims(rows, width, ctx.cfg.rollout.response_width, i, d)
 
 
 PASSES = ("logprob", "logprob.stats", "ref_logprob", "values")  # what pass_programs lowers
@@ -91,7 +90,7 @@ def pass_programs(ctx: RunContext, node, lay, rows: int,
         out.append(Program(node.id, f"prompts_grouped[w={w}]", pass_plan.grouped_check(ctx, gs),
                            (data,)))
     if cfg.model.pack_sequences:
-      pm, rm = ab.full_masks(rows, w, response_width(cfg.rollout))
+      pm, rm = ab.full_masks(rows, w, cfg.rollout.response_width)
       shards = lay.num_shards if rows % lay.num_shards == 0 else 1
       plan, _ = packing.plan(pm, rm, cfg.model.pack_len, shards, gs)
       data = {**data, "pack": ab.replicated(plan, lay.mesh)}
@@ -131,7 +130,7 @@ def train_programs(ctx: RunContext, node, lay, rows: int,
     out.append(Program(node.id, "off_policy_stats",
                        training.off_policy_stats(ctx, lay, lc), tuple(fields.values())))
   for w in widths or _widths(cfg):
-    n = response_width(cfg.rollout)
+    n = cfg.rollout.response_width
     dims = _dims(ctx, rows, w)
     data = {**_seq(dims, lay), **ab.batch_fields(extra, dims, lay.sharding)}
     if shape.det:  # the rows in sample-id order first (nodes/training.row_order)
@@ -230,7 +229,7 @@ def advantage_programs(ctx: RunContext, node, rows: int) -> list[Program]:
   single host-side operations)."""
   algo = ctx.section(node, "algo")
   local = rows // ctx.topo.num_processes
-  x = np.zeros((local, response_width(ctx.cfg.rollout)), np.float32)
+  x = np.zeros((local, ctx.cfg.rollout.response_width), np.float32)
   if node.fn == "advantage.gae":
     return [Program(node.id, f"gae_scan[rows={local}]", adv._gae_scan, (x, x, x),
                     dict(gamma=algo.gamma, lam=algo.lam))]

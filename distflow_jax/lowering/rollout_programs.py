@@ -1,5 +1,5 @@
 """The rollout's programs for ``plan --lower``: process 0's replica (the backend the config
-names, built by ``RunContext.backend`` on that host's devices, or on its group's where a
+names, built by ``RunContext.replicas.backend`` (state/replicas.py) on that host's devices, or on its group's where a
 replica spans hosts): the weight sync's steps, the engine's init / decode / grow / prefill
 / insert (``Engine.programs``) or the reference sampler's one program, and the frozen
 vision tower of a vision-language run.
@@ -33,9 +33,9 @@ def rollout_programs(ctx: RunContext, node, devices, greedy: bool = False) -> li
   rollout = ctx.section(node, "rollout")
   ordered = roles_lib.ordered_devices()
   # Process 0's replica: its own devices, or its group's where a replica spans hosts.
-  group0 = ctx.replica_processes(rollout.tensor_parallel, 0)
+  group0 = ctx.replicas.processes(rollout.tensor_parallel, 0)
   host0 = [ordered[i] for i in devices if ctx.topo.process_of(i) in group0]
-  backend = ctx.backend(rollout, greedy=greedy, devices=host0)
+  backend = ctx.replicas.backend(rollout, greedy=greedy, devices=host0)
   tag = node.id + ("/eval" if greedy else "")
   process = {d: ctx.topo.process_of(i) for i, d in enumerate(ordered)}
   out = [Program(tag, p.name, p.fn, p.args)

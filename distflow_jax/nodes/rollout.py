@@ -14,7 +14,6 @@ from distflow_jax.rollout import episodes
 from distflow_jax.state import vision as vision_lib
 from distflow_jax.state.context import RunContext, put_local
 from distflow_jax.state.metrics import Metrics, gather_processes
-from distflow_jax.config.response import response_width
 from distflow_jax.data.fields import (BASELINE_MASK, BASELINE_TOKENS, EPISODE, GROUP_ID, LOSS_MASK,
                                       PROMPT_MASK, PROMPT_TOKENS, RESPONSE_MASK, RESPONSE_TOKENS,
                                       ROLLOUT_LOGPROBS, SAMPLE_ID)
@@ -24,7 +23,7 @@ def generate_node(ctx: RunContext, node: Node, lay: dlayout.Layout, prompts: Bat
   """n samples per prompt on this host's rollout replica (the ``rollout.backend``);
   weight sync first."""
   rollout = ctx.section(node, "rollout")
-  backend = ctx.backend(rollout)
+  backend = ctx.replicas.backend(rollout)
   params = backend.update_weights(ctx.roles[Role.ACTOR].params)
   metrics = Metrics()
   # Bytes the sync resharded (LoRA with rollout.lora_sync=adapters: the adapters alone from
@@ -89,7 +88,7 @@ def greedy_baseline_node(ctx: RunContext, node: Node, lay: dlayout.Layout,
   if rollout.env or ctx.vision is not None:
     raise DagError(f"DAG node {node.id!r} (generate.greedy): the greedy baseline is built "
                    f"for single-turn text rollouts only; unset rollout.env / use a text model")
-  backend = ctx.backend(rollout, greedy=True)
+  backend = ctx.replicas.backend(rollout, greedy=True)
   params = backend.update_weights(ctx.roles[Role.ACTOR].params)
   local = to_local(Batch({k: batch.data[k] for k in (
       PROMPT_TOKENS, PROMPT_MASK, RESPONSE_TOKENS, SAMPLE_ID, GROUP_ID)}, batch.host))
@@ -125,7 +124,7 @@ def _episodes(ctx: RunContext, rollout, backend, params, prompts: Batch, plist, 
   rows = [f or {} for f in prompts.host_fields(prompts.data[GROUP_ID])]
   ep = episodes.run_episodes(backend, params, plist, rows, rollout.n,
                              env=episodes.EnvSetup.from_config(rollout),
-                             tokenizer=ctx.tokenizer, width=response_width(rollout),
+                             tokenizer=ctx.tokenizer, width=rollout.response_width,
                              rng=rng, request_ids=ids,
                              pad_id=ctx.tokenizer.pad_id)
   metrics.add_mean("env/turns_mean", ep.turns_R)

@@ -27,7 +27,6 @@ from distflow_jax.nodes.pass_plan import (budget_plan, on_policy, pack_plan, pro
 from distflow_jax.train import deterministic, micro_batches, steps as steps_lib
 from distflow_jax.state.context import RunContext
 from distflow_jax.state.metrics import Metrics
-from distflow_jax.config.response import response_width
 from distflow_jax.data.fields import (ADVANTAGES, LOSS_MASK, OLD_LOGPROBS, PROMPT_MASK,
                                       REF_LOGPROBS, RESPONSE_MASK, RETURNS, ROLLOUT_LOGPROBS,
                                       SAMPLE_ID, VALUES)
@@ -59,7 +58,7 @@ def loss_for(ctx: RunContext, role: Role, section, gs: int):
   """``(loss_fn, agg)`` of the role's train step (actor: the policy loss with the step's
   prompt group size; critic: value regression)."""
   if role is Role.ACTOR:
-    loss_cfg = steps_lib.ActorLoss.from_config(section, response_width(ctx.cfg.rollout), gs,
+    loss_cfg = steps_lib.ActorLoss.from_config(section, ctx.cfg.rollout.response_width, gs,
                                                temperature=train_temperature(ctx))
     return functools.partial(_actor_loss, cfg=loss_cfg), loss_cfg.loss_agg
   # the train steps take the config's spelling

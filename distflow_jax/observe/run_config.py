@@ -52,9 +52,12 @@ FIXED = ("seed",)
 WHOLE = ("dag",)
 
 
-def as_plain(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-  """The config as JSON values (tuples become lists), as checkpoints store it."""
-  return json.loads(cfg.to_json_best_effort())
+def as_plain(cfg: Any) -> dict[str, Any]:
+  """The config (a loaded ConfigDict or its typed view, ``config/declare.py``) as JSON values
+  (tuples become lists), as checkpoints store it."""
+  if isinstance(cfg, ml_collections.ConfigDict):
+    return json.loads(cfg.to_json_best_effort())
+  return json.loads(json.dumps(cfg.to_dict()))
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import re
 from collections.abc import Callable
@@ -62,6 +61,7 @@ from distflow_jax import groups
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.loader import PromptLoader
 from distflow_jax.models.config import ModelConfig
+from distflow_jax.observe import run_config
 from distflow_jax.persist import checksums, orbax_quiet
 from distflow_jax.persist import checkpoint_files as files
 from distflow_jax.state.algo_state import AlgoState
@@ -165,7 +165,7 @@ class Checkpointer:
     meta = {"format": FORMAT, "step": step, "seed": cfg.seed,
             "process_count": jax.process_count(), "device_count": jax.device_count(),
             "roles": sorted(state), "model_config": dataclasses.asdict(model_cfg),
-            "config": json.loads(cfg.to_json_best_effort()),
+            "config": run_config.as_plain(cfg),
             "checksums": sums.state, "lora_base": sums.lora_base}
     if self.ctx is not None:
       meta["algo_state"] = self.ctx.algo_state.to_dict()

@@ -37,11 +37,11 @@ import time
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 
 from distflow_jax.config import async_checks
 from distflow_jax.config.errors import ConfigError
+from distflow_jax.config.run_sections import Config
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.batch import Batch, to_global, to_local
 from distflow_jax.persist import in_flight
@@ -52,7 +52,7 @@ from distflow_jax.data.fields import GROUP_ID, POLICY_VERSION, SAMPLE_ID
 
 
 
-def max_staleness(cfg: ml_collections.ConfigDict) -> int:
+def max_staleness(cfg: Config) -> int:
   return int(cfg.trainer.max_staleness)
 
 
@@ -185,7 +185,7 @@ class AsyncRollout:
     self.loader.pipeline = None
 
 
-def start(cfg: ml_collections.ConfigDict, ctx: RunContext, loader: Any,
+def start(cfg: Config, ctx: RunContext, loader: Any,
           start_step: int) -> AsyncRollout | None:
   """The run's pipeline when ``trainer.max_staleness > 0`` (``loader``: the
   ``InFlightLoader`` that ``wrap_loader`` made), else None."""
@@ -195,7 +195,7 @@ def start(cfg: ml_collections.ConfigDict, ctx: RunContext, loader: Any,
   return AsyncRollout(ctx, loader, k, start_step, cfg.trainer.total_steps)
 
 
-def wrap_loader(cfg: ml_collections.ConfigDict, loader: Any) -> Any:
+def wrap_loader(cfg: Config, loader: Any) -> Any:
   """The train loader an asynchronous run needs (its state holds the batches in flight)."""
   return InFlightLoader(loader) if max_staleness(cfg) else loader
 

@@ -8,18 +8,16 @@ accuracies are reduced across hosts by sample count.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from distflow_jax.config import vision_checks
 from distflow_jax.config.errors import ConfigError
-from distflow_jax.config.response import response_width
 from distflow_jax.dag.spec import Role
 from distflow_jax.data.batch import Batch
 from distflow_jax.data.fields import GROUP_ID
@@ -59,9 +57,8 @@ def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1, reward: str = "math
   ``observe/samples.py``); the metrics are the same either way."""
   rollout = ctx.cfg.rollout
   if k > 1:
-    rollout = ml_collections.ConfigDict(rollout.to_dict())
-    rollout.n = k
-  backend = ctx.backend(rollout, greedy=(k == 1))
+    rollout = dataclasses.replace(rollout, n=k)
+  backend = ctx.replicas.backend(rollout, greedy=(k == 1))
   params = backend.update_weights(ctx.roles[Role.ACTOR].params)
   ids, lens = np.asarray(prompts.data["prompt_ids"]), np.asarray(prompts.data["prompt_len"])
   plist = [ids[i, :lens[i]] for i in range(len(lens))]
@@ -74,7 +71,7 @@ def evaluate(ctx: RunContext, prompts: Batch, *, k: int = 1, reward: str = "math
   if rollout.env:  # episodes: the model's own tokens are scored, not observations
     ep = episodes.run_episodes(backend, params, plist, [f or {} for f in fields], k,
                                env=episodes.EnvSetup.from_config(rollout),
-                               tokenizer=ctx.tokenizer, width=response_width(rollout),
+                               tokenizer=ctx.tokenizer, width=rollout.response_width,
                                pad_id=ctx.tokenizer.pad_id)
     ro, scored = ep.rollout, ep.loss_mask_RxN
     m.add_mean("eval/turns_mean", ep.turns_R)
@@ -160,7 +157,7 @@ def load_shard(ctx: RunContext, path: str, limit: int = 0
                         prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
                         use_chat_template=cfg.data.chat_template,
                         on_bad_row=cfg.data.on_bad_row,
-                        image_key=vision_checks.run_image_key(cfg),
+                        image_key=cfg.image_key,
                         image_root=cfg.data.image_root)
   return list(loader), loader.counts, len(source)
 

@@ -1,7 +1,7 @@
 """The RL run: set up from the config, warm-start if needed, then step the plan.
 
     ctx, loaders = setup(cfg)
-    for metrics in train(cfg, ctx, loaders): ...
+    for metrics in train(ctx, loaders): ...
 
 ``setup`` is ``setup.prepare_run`` with every role, the warm start and the
 datasets (files, or built-in tasks written to the run dir); ``train`` steps
@@ -20,8 +20,8 @@ import ml_collections
 import numpy as np
 
 from distflow_jax import groups
-from distflow_jax.config import vision_checks
 from distflow_jax.config.errors import ConfigError
+from distflow_jax.config.run_sections import Config
 from distflow_jax.dag import FUNCTIONS
 from distflow_jax.data.loader import UNK_PROMPTS, PromptLoader
 from distflow_jax.nodes import rollout as rollout_nodes
@@ -98,6 +98,7 @@ def setup(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print
   run = prepare_run(cfg, roles="all", warm_start=True,
                     check_inputs=lambda: _check_datasets(cfg, log), log=log)
   ctx, (train_path, eval_path) = run.ctx, run.inputs
+  cfg = ctx.cfg  # the typed view: model.path resolved (the built-in VL model's folder)
   tokenizer = ctx.tokenizer
   nproc, rank = jax.process_count(), jax.process_index()
   split, _ = disjoint.process_role(ctx)
@@ -107,7 +108,7 @@ def setup(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print
   common = dict(tokenizer=tokenizer, max_prompt_len=cfg.data.max_prompt_len,
                 pad_id=tokenizer.pad_id, use_chat_template=cfg.data.chat_template,
                 prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
-                on_bad_row=cfg.data.on_bad_row, image_key=vision_checks.run_image_key(cfg),
+                on_bad_row=cfg.data.on_bad_row, image_key=cfg.image_key,
                 image_root=cfg.data.image_root)
   train = PromptLoader(train_path, batch_size=cfg.data.prompts_per_step // nproc,
                        seed=cfg.data.shuffle_seed, process_index=rank, process_count=nproc,
@@ -124,7 +125,7 @@ def setup(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print
   return ctx, Loaders(train, ev)
 
 
-def health_monitor(cfg: ml_collections.ConfigDict) -> health_lib.HealthMonitor:
+def health_monitor(cfg: Config) -> health_lib.HealthMonitor:
   """The run's health monitor; clipping counts as configured only when it can act (the
   ratio differs from 1: several epochs or mini-batches, or recomputed old log-probs)."""
   a = cfg.actor
@@ -133,13 +134,13 @@ def health_monitor(cfg: ml_collections.ConfigDict) -> health_lib.HealthMonitor:
                                   clip_configured=bool(acts))
 
 
-def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
-          start_step: int = 0, checkpointer: "checkpoint.Checkpointer | None" = None,
+def train(ctx: RunContext, loaders: Loaders, start_step: int = 0, checkpointer: "checkpoint.Checkpointer | None" = None,
           log: Callable[[str], None] | None = None,
           wandb: wandb_log.WandbWriter | None = None,
           programs_at: compile_overlap.ProgramsAt | None = None
           ) -> Iterator[dict[str, float]]:
-  """Yields each step's metrics (the same on every process).
+  """Yields each step's metrics (the same on every process); the run's config is the
+  context's (``ctx.cfg``).
 
   With a ``checkpointer`` (see ``checkpoint.open_run``) it saves when due,
   asynchronously, and waits for the last save before returning.  Health alarms
@@ -158,6 +159,7 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
   rollout (``trainer.compile_overlap``, run/compile_overlap.py); without it they compile
   when their nodes run.
   """
+  cfg = ctx.cfg
   split, rollout_side = disjoint.process_role(ctx)
   if rollout_side:  # a rollout process of a run on disjoint processes: no rows to yield
     disjoint.run_rollout(ctx, loaders.train, async_rollout.max_staleness(cfg),
@@ -178,7 +180,7 @@ def train(cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
                                            is_writer, wandb=wandb)
   try:
     with groups.within(split.training if split is not None else None):
-      yield from StepLoop(cfg, ctx, loaders, start_step, checkpointer, log, monitor, writer,
+      yield from StepLoop(ctx, loaders, start_step, checkpointer, log, monitor, writer,
                           sample_writer, programs_at).run()
   except GeneratorExit:  # the caller stopped early: not a failure
     wandb.close()
@@ -194,12 +196,12 @@ class StepLoop:
   ``one_step`` then ``finish``), the compile tally and the checkpoint saves.  The run's
   parts are its attributes; every method reads them, none takes a long argument list."""
 
-  def __init__(self, cfg: ml_collections.ConfigDict, ctx: RunContext, loaders: Loaders,
+  def __init__(self, ctx: RunContext, loaders: Loaders,
                start_step: int, checkpointer: "checkpoint.Checkpointer | None",
                log: Callable[[str], None] | None, monitor: health_lib.HealthMonitor,
                writer: Writers, sample_writer: samples_lib.SampleWriter,
                programs_at: compile_overlap.ProgramsAt | None):
-    self.cfg, self.ctx, self.loaders, self.start_step = cfg, ctx, loaders, start_step
+    self.cfg, self.ctx, self.loaders, self.start_step = ctx.cfg, ctx, loaders, start_step
     self.checkpointer, self.log, self.monitor = checkpointer, log, monitor
     self.writer, self.sample_writer, self.programs_at = writer, sample_writer, programs_at
     self.counter = compile_cache.CompileCounter()
@@ -324,7 +326,7 @@ class StepLoop:
                   self.ctx.tokenizer)
 
 
-def compile_ahead(cfg: ml_collections.ConfigDict, ctx: RunContext,
+def compile_ahead(cfg: Config, ctx: RunContext,
                   checkpointer: "checkpoint.Checkpointer | None" = None
                   ) -> Callable[[bool], None]:
   """The end-of-step hook ``after_step(first)`` that compiles the shapes later steps may
@@ -346,7 +348,7 @@ def compile_ahead(cfg: ml_collections.ConfigDict, ctx: RunContext,
 
   def after_step(first: bool) -> None:
     if first:
-      ctx.precompile_rollouts()
+      ctx.replicas.precompile()
       if checkpointer is not None:
         checkpointer.compile_checksums(ctx.roles)
     ctx.shapes.compile_widths()

@@ -19,9 +19,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import ml_collections
-
 from distflow_jax.algos import kl as kl_lib
+from distflow_jax.config.run_sections import Config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,18 +44,18 @@ class AlgoState:
     return cls(**saved)
 
 
-def adapts_kl(cfg: ml_collections.ConfigDict) -> bool:
+def adapts_kl(cfg: Config) -> bool:
   """The KL-in-reward coefficient adapts to a target KL (it is then state to keep)."""
   kl = cfg.actor.kl
   return bool(kl.in_reward and kl.target > 0)
 
 
-def has_state(cfg: ml_collections.ConfigDict) -> bool:
+def has_state(cfg: Config) -> bool:
   """Whether a run of this config carries state across steps (else ``AlgoState()`` is all)."""
   return adapts_kl(cfg)
 
 
-def adapt_kl(cfg: ml_collections.ConfigDict, state: AlgoState,
+def adapt_kl(cfg: Config, state: AlgoState,
              metrics: Mapping[str, float]) -> AlgoState:
   """The next step's KL coefficient from this step's observed KL; every host sees the same
   ``metrics`` (reduced over hosts), so every host computes the same value."""
@@ -69,13 +68,13 @@ def adapt_kl(cfg: ml_collections.ConfigDict, state: AlgoState,
   return dataclasses.replace(state, kl_coef=float(new))
 
 
-def after_step(cfg: ml_collections.ConfigDict, state: AlgoState,
+def after_step(cfg: Config, state: AlgoState,
                metrics: Mapping[str, float]) -> AlgoState:
   """The executor's hook after each step: the state the next step starts from."""
   return adapt_kl(cfg, state, metrics)
 
 
-def restored(cfg: ml_collections.ConfigDict, saved: Mapping[str, Any] | None
+def restored(cfg: Config, saved: Mapping[str, Any] | None
              ) -> AlgoState | None:
   """The state to resume from, or None when it cannot be rebuilt: the checkpoint predates
   saved algorithm state (``saved`` is None) and this run has state that would silently

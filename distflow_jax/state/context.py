@@ -1,4 +1,4 @@
-"""What a node function sees: the run's config, plan, models and data layouts.
+"""What a node function sees: the run's config (its typed view), plan, models and data layouts.
 
 ``RunContext`` is plain data plus a few caches of compiled functions; it
 holds no control logic.  Every process builds an identical one from the same
@@ -17,8 +17,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from distflow_jax.config.response import response_width
-from distflow_jax.dag import FUNCTIONS, replicas
+from distflow_jax.config import declare
+from distflow_jax.config.run_sections import Config
+from distflow_jax.dag import FUNCTIONS
 from distflow_jax.dag.planner import LayoutKind, NodeLayout, Plan, Topology
 from distflow_jax.dag.spec import Node, Role
 from distflow_jax.data import layout as dlayout
@@ -26,18 +27,16 @@ from distflow_jax.data.batch import Batch
 from distflow_jax.models import sharding
 from distflow_jax.models.config import ModelConfig
 from distflow_jax.models.tokenizer import Tokenizer
-from distflow_jax.rollout import episodes
-from distflow_jax.rollout.backend import RolloutBackend, backend_factory
-from distflow_jax.rollout.engine import EngineConfig, replica_mesh
-from distflow_jax.rollout.engine.sampling import SamplingParams
-from distflow_jax.rollout.spanning import SpanningReplica
 from distflow_jax.state import roles as roles_lib, vision as vision_lib, warm_shapes
 from distflow_jax.state.algo_state import AlgoState
+from distflow_jax.state.replicas import RolloutReplicas
 
 
 @dataclasses.dataclass
 class RunContext:
-  cfg: ml_collections.ConfigDict
+  # The run's config as its typed, frozen view (config/run_sections.Config): given a loaded
+  # ml_collections config, the context builds the view once.
+  cfg: Config
   plan: Plan
   topo: Topology
   process_index: int
@@ -50,10 +49,21 @@ class RunContext:
   # State that changes from step to step (saved with the checkpoint): see algo_state.py.
   algo_state: AlgoState = dataclasses.field(default_factory=AlgoState)
   _layouts: dict[NodeLayout, dlayout.Layout] = dataclasses.field(default_factory=dict)
-  _backends: dict[Any, RolloutBackend] = dataclasses.field(default_factory=dict)
   _jitted: dict[Any, Callable] = dataclasses.field(default_factory=dict)
+  _sections: dict[Any, Any] = dataclasses.field(default_factory=dict)
   # Calls of the jitted functions, to compile their other prompt widths (warm_shapes.py).
   shapes: warm_shapes.Recorder = dataclasses.field(default_factory=warm_shapes.Recorder)
+  # This host's rollout replicas (state/replicas.py), built on first use.
+  replicas: RolloutReplicas | None = None
+
+  def __post_init__(self) -> None:
+    if isinstance(self.cfg, ml_collections.ConfigDict):
+      self.cfg = declare.view(Config, self.cfg)
+    if self.replicas is None:
+      actor = self.roles.get(Role.ACTOR)
+      self.replicas = RolloutReplicas(self.cfg, self.plan, self.topo, self.model_cfg,
+                                      self.tokenizer,
+                                      list(actor.mesh.devices.flat) if actor else [])
 
   @property
   def metrics(self):
@@ -68,14 +78,15 @@ class RunContext:
     fixed actor.kl.coef."""
     return self.algo_state.kl_coef
 
-  def section(self, node: Node, name: str) -> ml_collections.ConfigDict:
+  def section(self, node: Node, name: str) -> Any:
     """``config.<name>`` with the node's overrides applied (when it is the node's section)."""
-    base = self.cfg[name]
+    base = getattr(self.cfg, name)
     if FUNCTIONS.spec(node.fn).section != name or not node.overrides:
       return base
-    merged = ml_collections.ConfigDict(base.to_dict())
-    merged.update(dict(node.overrides))
-    return merged
+    key = ("section", node.id, name)
+    if key not in self._sections:
+      self._sections[key] = declare.replaced(base, node.overrides)
+    return self._sections[key]
 
   def layout(self, plan_layout: NodeLayout) -> dlayout.Layout:
     """The data layout (mesh + sample axes) of a plan layout; cached per layout.
@@ -117,88 +128,12 @@ class RunContext:
                            if hasattr(fn, "lower") else fn)
     return self._jitted[key]
 
-  def backend(self, rollout: ml_collections.ConfigDict, greedy: bool = False,
-              devices: list[jax.Device] | None = None) -> RolloutBackend:
-    """This host's rollout replica for these rollout settings (built once), of the kind
-    ``rollout.backend`` names (rollout/backend.py)."""
-    # With rollout.env, a tool call's closing tag (one token or several) ends a turn too.
-    conf = engine_config(self.cfg, rollout, tuple(self.tokenizer.eos_ids), greedy,
-                         episodes.call_stops(rollout, self.tokenizer))
-    name = rollout.backend
-    make = backend_factory(name)  # refuses an unknown name, listing the valid ones
-    key = (name, conf, rollout.tensor_parallel)
-    if key not in self._backends:
-      mine = set(self.rollout_devices())
-      group = self.replica_processes(rollout.tensor_parallel)
-      if devices is None and len(group) > 1:  # one replica over whole hosts (dag/replicas.py)
-        local = [d for d in self.rollout_devices() if d.process_index in group]
-      else:  # `devices`: another's (plan --lower builds process 0's replica anywhere)
-        local = [d for d in (devices or jax.local_devices()) if d in mine]
-      if self.cfg.trainer.deterministic:
-        # One tensor-parallel group per host (no data-parallel split of the slots), so
-        # the replica has the same shape whatever the host's device count.
-        local = local[:rollout.tensor_parallel]
-      backend = make(self.model_cfg, conf, replica_mesh(rollout.tensor_parallel, local))
-      if devices is None and len(group) > 1:  # its processes pool their prompts
-        backend = SpanningReplica(backend, group)
-      self._backends[key] = backend
-    return self._backends[key]
-
-  def built_replicas(self) -> list[tuple[int, ...]]:
-    """The processes each rollout replica built so far runs on (its mesh's devices')."""
-    meshes = [getattr(b, "mesh", None) or getattr(getattr(b, "engine", None), "mesh", None)
-              for b in self._backends.values()]
-    return [tuple(sorted({d.process_index for d in m.devices.flat})) for m in meshes if m]
-
-  def replica_processes(self, tensor_parallel: int, process: int | None = None
-                        ) -> tuple[int, ...]:
-    """The processes that drive ``process``'s (default this one's) rollout replica:
-    itself alone unless the replica spans hosts (dag/replicas.py)."""
-    process = jax.process_index() if process is None else process
-    lay = self._rollout_layout()
-    if lay is None:
-      return (process,)
-    groups = replicas.replica_groups(lay.devices, tensor_parallel, self.topo.process_of)
-    return replicas.group_of(groups, process) or (process,)
-
-  def rollout_devices(self) -> list[jax.Device]:
-    """The rollout replicas' devices: the plan's rollout layout's (placement.rollout),
-    else the actor's."""
-    lay = self._rollout_layout()
-    if lay is None:
-      return list(self.roles[Role.ACTOR].mesh.devices.flat)
-    devs = roles_lib.ordered_devices()
-    return [devs[i] for i in lay.devices]
-
-  def _rollout_layout(self) -> NodeLayout | None:
-    plan = getattr(self, "plan", None)  # hand-made contexts (tests) may have none
-    return next((s.layout for s in (plan.steps if plan is not None else ())
-                 if s.layout.kind is LayoutKind.ROLLOUT), None)
-
-  def precompile_rollouts(self) -> None:
-    """Every rollout replica built so far compiles the shapes a later step may meet."""
-    for backend in self._backends.values():
-      backend.precompile()
-
   def step_rng(self, node: Node) -> jax.Array:
     """A key for this step and node, the same on every process: fold in global ids
     (e.g. sample ids) to draw per-sample streams."""
     key = jax.random.key(self.cfg.seed)
     key = jax.random.fold_in(key, self.step)
     return jax.random.fold_in(key, _stable_hash(node.id))
-
-
-def engine_config(cfg: ml_collections.ConfigDict, rollout: ml_collections.ConfigDict,
-                  stop_ids, greedy: bool = False, stop_sequences=()) -> EngineConfig:
-  """The rollout replica's settings for these rollout settings (greedy: evaluation's): the
-  section's own (``EngineConfig.from_config``) with the run's seed and deterministic mode and,
-  for multi-turn episodes, the cache and the append programs (extend.py)."""
-  conf = EngineConfig.from_config(rollout, stop_ids=stop_ids, seed=cfg.seed,
-                                  stop_sequences=stop_sequences)
-  return dataclasses.replace(
-      conf, fixed_shapes=cfg.trainer.deterministic,
-      episode_tokens=response_width(rollout) if rollout.env else 0,
-      sampling=SamplingParams(temperature=0.0) if greedy else conf.sampling)
 
 
 def shared_prompt_group(cfg: ml_collections.ConfigDict, num_rows: int, num_shards: int) -> int:

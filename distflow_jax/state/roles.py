@@ -222,7 +222,7 @@ def optimizer(cfg: ml_collections.ConfigDict, section: ml_collections.ConfigDict
   """A role's optimizer; in deterministic mode without its clip, which the deterministic
   step applies itself on the replicated gradient (train/deterministic.py)."""
   if cfg.trainer.deterministic:
-    section = dict(section, grad_clip=0.0)
+    section = {**section.to_dict(), "grad_clip": 0.0}
   tx = optim.from_config(section, total_steps)
   adapters = cfg.model.lora.enabled  # float32 already: no master copy
   if cfg.model.master_weights and cfg.model.dtype != "float32" and not adapters:

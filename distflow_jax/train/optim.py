@@ -81,8 +81,10 @@ def make_optimizer(*, name: str | Optimizer, lr: float, weight_decay: float, b1:
 
 
 def from_config(section, total_steps: int) -> optax.GradientTransformation:
-  """``section`` is a config's ``<role>.optimizer`` ConfigDict (or a plain dict)."""
-  return make_optimizer(total_steps=total_steps, **dict(section))
+  """``section`` is a config's ``<role>.optimizer`` (its ConfigDict, its typed view or a
+  plain dict)."""
+  return make_optimizer(total_steps=total_steps,
+                        **(section.to_dict() if hasattr(section, "to_dict") else section))
 
 
 class MasterState(NamedTuple):

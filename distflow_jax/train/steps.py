@@ -125,7 +125,7 @@ class ActorLoss:
     return cls(clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
                dual_clip=actor.dual_clip, ratio_level=actor.ratio_level,
                policy_loss=actor.policy_loss,
-               loss_args=tuple(sorted((k, float(v)) for k, v in actor.loss_args.items())),
+               loss_args=tuple(sorted((k, float(v)) for k, v in actor.loss_args.to_dict().items())),
                loss_agg=actor.loss_agg, entropy_coef=actor.entropy_coef,
                kl_coef=actor.kl.coef, kl_estimator=actor.kl.estimator,
                k3_cap=float(actor.kl.k3_cap),

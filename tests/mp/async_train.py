@@ -36,7 +36,7 @@ def main() -> int:
                for d in cfg.dag]
   ctx, loaders = trainer.setup(cfg, log=lambda m: None)
   metrics = []
-  for row in trainer.train(cfg, ctx, loaders):
+  for row in trainer.train(ctx, loaders):
     metrics.append(row)
     print(f"step {row['step']}", flush=True)
   if metrics:  # a rollout process of a run on disjoint processes trains nothing
@@ -50,7 +50,7 @@ def main() -> int:
     metrics[-1]["eval_rows_drawn"] = loaders.eval.counts["ok"] if loaders.eval else None
     with open(f"{out}.{info.process_index}", "w") as f:
       json.dump(metrics, f)
-  replicas = ctx.built_replicas()
+  replicas = ctx.replicas.built()
   if replicas:  # a rollout process: the processes its replica spans
     with open(f"{out}.replicas.{info.process_index}", "w") as f:
       json.dump(replicas, f)

@@ -32,10 +32,10 @@ def main() -> int:
   if os.environ.get("DISTFLOW_TEST_OVERLAP") == "1":
     from distflow_jax.lowering import catalogue
     programs_at = catalogue.late_programs
-  metrics = list(trainer.train(cfg, ctx, loaders, programs_at=programs_at))
+  metrics = list(trainer.train(ctx, loaders, programs_at=programs_at))
   metrics[-1]["params_sha256"] = params_digest(ctx)
   metrics[-1]["params_sum_squares"] = params_sum_squares(ctx)
-  metrics[-1]["replica_processes"] = ctx.built_replicas()
+  metrics[-1]["replica_processes"] = ctx.replicas.built()
   if info.process_index == 0:
     with open(out, "w") as f:
       json.dump(metrics, f)
