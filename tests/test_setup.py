@@ -122,3 +122,6 @@ def test_the_run_reads_the_typed_view_with_node_overrides(tmp_path):
   assert (moved.rollout.n, moved.run_dir, ctx.cfg.rollout.n) == (2, "elsewhere", cfg.rollout.n)
   with pytest.raises(KeyError):
     loading.with_values(ctx.cfg, {"rollout.no_such_key": 1})
+  assert ctx.replicas.devices() == list(ctx.roles[Role.ACTOR].mesh.devices.flat)
+  with pytest.raises(AttributeError, match=r"ctx.replicas.backend\(rollout\)"):
+    ctx.backend(ctx.cfg.rollout)

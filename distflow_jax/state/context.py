@@ -73,6 +73,13 @@ class RunContext:
                          "nodes.common.NodeOut(batch, metrics) with a state.metrics.Metrics")
 
   @property
+  def backend(self):
+    # The rollout replicas are a service of their own now; a plugin written against the old
+    # ctx.backend(rollout) gets this line instead of an AttributeError.
+    raise AttributeError("RunContext.backend moved: ask the rollout replicas, "
+                         "ctx.replicas.backend(rollout) (state/replicas.py)")
+
+  @property
   def kl_coef(self) -> float | None:
     """The KL-in-reward coefficient once it has adapted (actor.kl.target > 0); None: the
     fixed actor.kl.coef."""
