@@ -82,14 +82,7 @@ def run(argv: Sequence[str]) -> int:
   if fv.keys:
     print("\n".join(key_lines(fv.all)))
   elif fv.json:
-    nested: dict[str, Any] = {}
-    for key, value in flat.items():
-      *parents, leaf = key.split(".")
-      node = nested
-      for p in parents:
-        node = node.setdefault(p, {})
-      node[leaf] = value
-    print(json.dumps(nested, indent=2, sort_keys=True))
+    print(json.dumps(declare.nested(flat), indent=2, sort_keys=True))
   else:
     print("\n".join(render(flat)))
   return 0

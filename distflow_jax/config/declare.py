@@ -139,6 +139,18 @@ def replaced(obj: Any, overrides: Mapping[str, Any]) -> Any:
   return view(type(obj), merged)
 
 
+def nested(dotted: Mapping[str, Any]) -> dict[str, Any]:
+  """``{"a.b": 1, "a.c": 2}`` as ``{"a": {"b": 1, "c": 2}}``."""
+  out: dict[str, Any] = {}
+  for key_, value in dotted.items():
+    *parents, leaf = key_.split(".")
+    node = out
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = value
+  return out
+
+
 def _frozen(value: Any, f: dataclasses.Field) -> Any:
   if isinstance(value, list) and not f.metadata.get("open"):
     return tuple(value)

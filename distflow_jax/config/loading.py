@@ -254,14 +254,7 @@ def with_values(cfg: Any, updates: dict[str, object]) -> Any:
   its own flags (``--model``, ``--data``) or a resolved path into a config; the loaded
   config itself is never changed.  Given a typed view (``ctx.cfg``), a new view."""
   if not isinstance(cfg, ml_collections.ConfigDict):
-    nested: dict[str, Any] = {}
-    for dotted, value in updates.items():
-      *parents, leaf = dotted.split(".")
-      node = nested
-      for p in parents:
-        node = node.setdefault(p, {})
-      node[leaf] = value
-    return declare.replaced(cfg, nested)
+    return declare.replaced(cfg, declare.nested(updates))
   new = cfg.copy_and_resolve_references()
   with new.unlocked():
     for dotted, value in updates.items():
